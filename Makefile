@@ -1,0 +1,37 @@
+# The two commands a user needs: `make demo` and `make test`.
+# Both build .venv from nothing on a machine that only has python3, and skip
+# installs that are already current on later runs (stamp files track them).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION := 2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install test test-unit demo clean
+
+install: $(VENV)/.installed
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# torch first and pinned, so the CPU build on disk is used instead of a CUDA download.
+$(VENV)/.torch-$(TORCH_VERSION): | $(VENV)/bin/python
+	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch-$(TORCH_VERSION)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: install
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+demo: install
+	$(PY) examples/train_gpt.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Ray actor classes (installed as baige_ray.actors)."""

@@ -1,0 +1,127 @@
+"""The worker actor: one per accelerator (or per CPU slot when there is none).
+
+A plain class so it can be unit-tested in-process; the Ray layer wraps it with
+`ray.remote` and places one instance per placement-group bundle. It reports its
+device, joins and leaves process-group generations without restarting its
+process, and runs training steps.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from baige_ray.accelerator import AcceleratorSpec, DeviceProbe, detect_accelerator
+from baige_ray.api.device import DeviceInfo
+from baige_ray.runtime.distributed import GroupMembership, ProcessGroupMember, StoreAddress
+from baige_ray.runtime.train_loop import Trainer, TrainJob
+
+
+def _ray_placement() -> tuple[str, str, str, list[str]]:
+    """Node id, node IP and the Ray resource ids this process holds (empty outside Ray)."""
+    import ray
+
+    if not ray.is_initialized():
+        return "local", "127.0.0.1", "CPU", []
+    context = ray.get_runtime_context()
+    accelerator_ids = context.get_accelerator_ids()
+    for resource in ("GPU", "NPU"):
+        if accelerator_ids.get(resource):
+            return context.get_node_id(), ray.util.get_node_ip_address(), resource, accelerator_ids[resource]
+    return context.get_node_id(), ray.util.get_node_ip_address(), "CPU", []
+
+
+def _device_memory(accelerator: AcceleratorSpec) -> tuple[str, int]:
+    if accelerator.torch_device_type == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        return props.name, props.total_memory
+    if accelerator.is_accelerator:
+        module = getattr(torch, accelerator.torch_device_type)
+        return module.get_device_name(0), module.get_device_properties(0).total_memory
+    return "cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class WorkerActor:
+    """State of one worker process: its device, its process-group membership, its trainer."""
+
+    def __init__(self, *, num_threads: int = 1, probe: DeviceProbe | None = None):
+        # Many workers share few cores in simulation; one intra-op thread each avoids thrashing.
+        torch.set_num_threads(num_threads)
+        self.accelerator = detect_accelerator(probe)
+        self.group = ProcessGroupMember(self.accelerator.dist_backend)
+        self.trainer: Trainer | None = None
+
+    def device_info(self) -> DeviceInfo:
+        node_id, node_ip, resource, resource_ids = _ray_placement()
+        name, memory = _device_memory(self.accelerator)
+        return DeviceInfo(
+            node_id=node_id,
+            node_ip=node_ip,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            device_kind=self.accelerator.kind.value,
+            device_index=int(resource_ids[0]) if resource_ids else 0,
+            device_name=name,
+            memory_bytes=memory,
+            ray_resource=resource,
+            # Holding an accelerator resource while computing on CPU is the simulation mode.
+            simulated=resource != "CPU" and not self.accelerator.is_accelerator,
+        )
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def host_store(self, host: str | None = None) -> StoreAddress:
+        return self.group.host_store(host or _ray_placement()[1])
+
+    def join_group(self, membership: GroupMembership) -> int:
+        self.trainer = None  # a trainer wraps the old group's communicator
+        self.group.join(membership)
+        return os.getpid()
+
+    def leave_group(self) -> None:
+        self.trainer = None
+        self.group.leave()
+
+    def all_reduce(self, values: list[float]) -> list[float]:
+        """Sum `values` over the current group: a collective health check."""
+        tensor = torch.tensor(values, dtype=torch.float64, device=self._device())
+        dist.all_reduce(tensor)
+        return tensor.cpu().tolist()
+
+    def build_trainer(self, job: TrainJob) -> dict:
+        membership = self._require_membership()
+        self.trainer = Trainer(
+            job,
+            rank=membership.rank,
+            world_size=membership.world_size,
+            device=self._device(),
+            wrap=self._wrap_ddp if membership.world_size > 1 else None,
+        )
+        return {"num_parameters": self.trainer.model.num_parameters(), "corpus": self.trainer.corpus.fingerprint}
+
+    def train_step(self, step: int) -> dict[str, float]:
+        if self.trainer is None:
+            raise RuntimeError("train_step called before build_trainer")
+        return self.trainer.train_step(step)
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        if self.trainer is None:
+            raise RuntimeError("model_state called before build_trainer")
+        return self.trainer.model_state()
+
+    def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
+        device_ids = [0] if self.accelerator.is_accelerator else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+
+    def _device(self) -> str:
+        return self.accelerator.torch_device(0)
+
+    def _require_membership(self) -> GroupMembership:
+        if self.group.membership is None:
+            raise RuntimeError("this worker has not joined a process group")
+        return self.group.membership

@@ -1,0 +1,42 @@
+"""baige-ray: elastic, topology-aware training and serving of large models on Ray."""
+
+from baige_ray.api import (
+    BaigeError,
+    CheckpointError,
+    ClusterError,
+    Result,
+    RunConfig,
+    ScalingConfig,
+    StepMetrics,
+    TrainConfig,
+    WorkerError,
+)
+from baige_ray.api.device import DeviceInfo
+from baige_ray.models.corpus import CorpusConfig
+from baige_ray.models.gpt import GPTConfig
+from baige_ray.runtime.checkpoint_io import load_model
+from baige_ray.runtime.fit import fit
+from baige_ray.topology.connect import ClusterSession, open_cluster
+from baige_ray.topology.descriptor import load_descriptor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BaigeError",
+    "CheckpointError",
+    "ClusterError",
+    "ClusterSession",
+    "CorpusConfig",
+    "DeviceInfo",
+    "GPTConfig",
+    "Result",
+    "RunConfig",
+    "ScalingConfig",
+    "StepMetrics",
+    "TrainConfig",
+    "WorkerError",
+    "fit",
+    "load_descriptor",
+    "load_model",
+    "open_cluster",
+]

@@ -1,0 +1,109 @@
+"""User-facing configuration of a training run, validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from baige_ray.api.validation import (
+    require_choice,
+    require_divisible,
+    require_int,
+    require_number,
+)
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+ACCELERATOR_CHOICES = ("auto", "gpu", "cpu")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ScalingConfig:
+    """How many worker actors to start and what each one holds.
+
+    accelerator="auto" asks for one GPU per worker when the cluster advertises
+    GPUs (real or simulated) and a CPU slot otherwise.
+    """
+
+    num_workers: int = 2
+    accelerator: str = "auto"
+    cpus_per_worker: float = 0.5
+    placement_strategy: str = "PACK"
+
+    def __post_init__(self) -> None:
+        require_int("ScalingConfig", "num_workers", self.num_workers, minimum=1)
+        require_choice("ScalingConfig", "accelerator", self.accelerator, ACCELERATOR_CHOICES)
+        require_number("ScalingConfig", "cpus_per_worker", self.cpus_per_worker, minimum=0)
+        require_choice(
+            "ScalingConfig", "placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES
+        )
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainConfig:
+    """The optimisation problem, independent of how many workers share it.
+
+    global_batch_size is the number of sequences per optimizer step over all
+    workers; micro_batch_size (per worker) sets gradient accumulation, so the
+    mathematics of a step does not change with the layout.
+    """
+
+    num_steps: int
+    global_batch_size: int = 32
+    micro_batch_size: int | None = None
+    learning_rate: float = 3e-3
+    min_learning_rate: float = 3e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 1
+
+    def __post_init__(self) -> None:
+        require_int("TrainConfig", "num_steps", self.num_steps, minimum=1)
+        require_int("TrainConfig", "global_batch_size", self.global_batch_size, minimum=1)
+        if self.micro_batch_size is not None:
+            require_int("TrainConfig", "micro_batch_size", self.micro_batch_size, minimum=1)
+        require_number("TrainConfig", "learning_rate", self.learning_rate, minimum=0, exclusive_minimum=True)
+        require_number("TrainConfig", "min_learning_rate", self.min_learning_rate, minimum=0)
+        if self.min_learning_rate > self.learning_rate:
+            raise ValueError(
+                f"TrainConfig.min_learning_rate={self.min_learning_rate!r} is invalid: "
+                f"expected a number <= learning_rate={self.learning_rate!r}"
+            )
+        require_int("TrainConfig", "warmup_steps", self.warmup_steps, minimum=0)
+        require_number("TrainConfig", "weight_decay", self.weight_decay, minimum=0)
+        require_number("TrainConfig", "grad_clip", self.grad_clip, minimum=0)
+        require_int("TrainConfig", "seed", self.seed, minimum=0)
+        require_int("TrainConfig", "log_every", self.log_every, minimum=1)
+
+    def per_worker_batch(self, num_workers: int) -> int:
+        """Sequences each worker handles per step; the global batch must split evenly."""
+        require_divisible("TrainConfig", "global_batch_size", self.global_batch_size, num_workers, "num_workers")
+        per_worker = self.global_batch_size // num_workers
+        if self.micro_batch_size is not None:
+            require_divisible(
+                "TrainConfig", "micro_batch_size", per_worker, self.micro_batch_size, "micro_batch_size"
+            )
+        return per_worker
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunConfig:
+    """Where results go and how the run reports itself."""
+
+    name: str = "baige-run"
+    storage_path: Path = field(default_factory=lambda: Path.home() / "baige_ray_results")
+    show_progress: bool = True
+    step_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or "/" in self.name:
+            raise ValueError(
+                f"RunConfig.name={self.name!r} is invalid: expected a non-empty string without '/'"
+            )
+        object.__setattr__(self, "storage_path", Path(self.storage_path).expanduser())
+        require_number("RunConfig", "step_timeout_s", self.step_timeout_s, minimum=0, exclusive_minimum=True)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.storage_path / self.name

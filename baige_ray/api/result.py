@@ -1,0 +1,39 @@
+"""What a training run returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(kw_only=True, frozen=True)
+class StepMetrics:
+    """One optimizer step, reduced over all workers."""
+
+    step: int
+    loss: float
+    learning_rate: float
+    step_time_s: float
+    tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_time_s if self.step_time_s > 0 else 0.0
+
+
+@dataclass(kw_only=True)
+class Result:
+    """Outcome of `fit`: the metrics history and where the final state is."""
+
+    metrics: list[StepMetrics] = field(default_factory=list)
+    checkpoint_path: Path | None = None
+    num_workers: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def losses(self) -> list[float]:
+        return [m.loss for m in self.metrics]
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.metrics[-1].loss if self.metrics else None

@@ -1,0 +1,95 @@
+"""Final model checkpoints on disk: weights plus a manifest that commits them.
+
+The weights file is written first and renamed into place; the manifest, which
+holds its SHA-256 and size, is written last, so a directory without a valid
+manifest was never committed. Loading verifies the checksum before unpickling
+anything, and unpickles with `weights_only=True` (tensors and plain containers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from baige_ray.api.errors import CheckpointError
+from baige_ray.models.gpt import GPT, GPTConfig
+
+WEIGHTS_FILE = "model.pt"
+MANIFEST_FILE = "manifest.json"
+FORMAT_VERSION = 1
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_atomically(path: Path, write) -> None:
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with temporary.open("wb") as handle:
+        write(handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def save_model_checkpoint(
+    directory: Path, state: dict[str, torch.Tensor], *, model_config: GPTConfig, step: int
+) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / MANIFEST_FILE).unlink(missing_ok=True)
+    weights = directory / WEIGHTS_FILE
+    _write_atomically(weights, lambda handle: torch.save(state, handle))
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "model_config": dataclasses.asdict(model_config),
+        "weights_sha256": _sha256(weights),
+        "weights_bytes": weights.stat().st_size,
+    }
+    _write_atomically(directory / MANIFEST_FILE, lambda handle: handle.write(json.dumps(manifest, indent=2).encode()))
+    return directory
+
+
+def read_manifest(directory: Path) -> dict:
+    path = Path(directory) / MANIFEST_FILE
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory} has no {MANIFEST_FILE}: the checkpoint was never committed") from None
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path} is not valid JSON ({error}): the checkpoint is corrupted") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format_version={manifest.get('format_version')!r}, expected {FORMAT_VERSION}")
+    return manifest
+
+
+def load_model_state(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"{weights} is missing")
+    size = weights.stat().st_size
+    if size != manifest["weights_bytes"]:
+        raise CheckpointError(f"{weights} holds {size} bytes, the manifest says {manifest['weights_bytes']}: truncated")
+    if _sha256(weights) != manifest["weights_sha256"]:
+        raise CheckpointError(f"{weights} fails its SHA-256 check: the file is corrupted")
+    return torch.load(weights, map_location="cpu", weights_only=True), manifest
+
+
+def load_model(directory: Path) -> GPT:
+    """The GPT saved in `directory`, verified and ready for inference."""
+    state, manifest = load_model_state(directory)
+    model = GPT(GPTConfig(**manifest["model_config"]))
+    model.load_state_dict(state)
+    return model.eval()

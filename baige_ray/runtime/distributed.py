@@ -1,0 +1,78 @@
+"""Membership of a torch.distributed process group that can be left and re-joined in-process.
+
+Every (re)formation of the group is a new *generation*. Rank 0 of a generation
+hosts a fresh TCPStore; all keys live under a per-generation prefix, so a late
+message from an old generation can never satisfy a rendezvous of a new one.
+Leaving destroys the default process group, after which the same process can
+join the next generation: no restart, no re-import of torch.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class GroupMembership:
+    store: StoreAddress
+    rank: int
+    world_size: int
+    generation: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"GroupMembership.rank={self.rank!r} is invalid: expected 0 <= rank < world_size={self.world_size}"
+            )
+        if self.generation < 0:
+            raise ValueError(f"GroupMembership.generation={self.generation!r} is invalid: expected >= 0")
+
+
+class ProcessGroupMember:
+    """The process-group side of one worker: host a store, join, leave, join again."""
+
+    def __init__(self, backend: str, *, timeout_s: float = 60.0):
+        self.backend = backend
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.membership: GroupMembership | None = None
+        self._hosted_store: dist.TCPStore | None = None
+        self._hosted_address: StoreAddress | None = None
+
+    def host_store(self, host: str) -> StoreAddress:
+        """Start a rendezvous store on a free port of this host; the previous one is dropped."""
+        self._hosted_store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
+        self._hosted_address = StoreAddress(host, self._hosted_store.port)
+        return self._hosted_address
+
+    def join(self, membership: GroupMembership) -> None:
+        if self.membership is not None:
+            self.leave()
+        store = self._store_for(membership.store)
+        prefixed = dist.PrefixStore(f"baige/generation-{membership.generation}", store)
+        dist.init_process_group(
+            self.backend,
+            store=prefixed,
+            rank=membership.rank,
+            world_size=membership.world_size,
+            timeout=self.timeout,
+        )
+        self.membership = membership
+
+    def leave(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.membership = None
+
+    def _store_for(self, address: StoreAddress) -> dist.Store:
+        if address == self._hosted_address and self._hosted_store is not None:
+            return self._hosted_store
+        return dist.TCPStore(address.host, address.port, is_master=False, timeout=self.timeout)

@@ -1,0 +1,151 @@
+"""The Ray layer under `fit`: a placement group, one worker actor per bundle, process-group generations.
+
+Ranks follow device locality (node, then device index), so neighbouring ranks
+share a node whatever order Ray returned the bundles in.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from baige_ray.actors.worker import WorkerActor
+from baige_ray.api.configs import ScalingConfig
+from baige_ray.api.device import DeviceInfo
+from baige_ray.api.errors import ClusterError, WorkerError
+from baige_ray.runtime.distributed import GroupMembership
+
+logger = logging.getLogger(__name__)
+_PLACEMENT_TIMEOUT_S = 120.0
+
+
+def choose_device_resource(scaling: ScalingConfig, cluster_resources: dict[str, float]) -> str:
+    """The Ray resource each worker holds: "GPU" (real or simulated) or "CPU"."""
+    available_gpus = cluster_resources.get("GPU", 0.0)
+    if scaling.accelerator == "cpu":
+        return "CPU"
+    if scaling.accelerator == "gpu" or available_gpus >= scaling.num_workers:
+        if available_gpus < scaling.num_workers:
+            raise ClusterError(
+                f"ScalingConfig(num_workers={scaling.num_workers}, accelerator='gpu') needs "
+                f"{scaling.num_workers} GPUs; the cluster has {available_gpus:g}"
+            )
+        return "GPU"
+    return "CPU"
+
+
+def worker_bundle(scaling: ScalingConfig, resource: str) -> dict[str, float]:
+    """What one worker reserves: its device plus a CPU share (a whole CPU when the CPU is the device)."""
+    if resource == "CPU":
+        return {"CPU": max(scaling.cpus_per_worker, 1.0)}
+    return {resource: 1.0, "CPU": scaling.cpus_per_worker}
+
+
+class WorkerGroup:
+    """N worker actors in one placement group. Call `shutdown()` when done."""
+
+    def __init__(self, scaling: ScalingConfig, *, worker_cls: type = WorkerActor, timeout_s: float = 300.0):
+        self.scaling = scaling
+        self.timeout_s = timeout_s
+        self.generation = -1
+        self.resource = choose_device_resource(scaling, ray.cluster_resources())
+        self._placement_group = self._build_placement_group()
+        self.workers = self._build_workers(worker_cls)
+        self.device_infos = self._order_by_locality()
+
+    def _build_placement_group(self):
+        bundles = [worker_bundle(self.scaling, self.resource) for _ in range(self.scaling.num_workers)]
+        group = placement_group(bundles, strategy=self.scaling.placement_strategy)
+        try:
+            ray.get(group.ready(), timeout=_PLACEMENT_TIMEOUT_S)
+        except GetTimeoutError:
+            remove_placement_group(group)
+            raise ClusterError(
+                f"placement group of {len(bundles)} x {bundles[0]} ({self.scaling.placement_strategy}) "
+                f"not placed within {_PLACEMENT_TIMEOUT_S:.0f}s; cluster resources: {ray.cluster_resources()}"
+            ) from None
+        return group
+
+    def _build_workers(self, worker_cls: type) -> list[ray.actor.ActorHandle]:
+        remote_cls = ray.remote(worker_cls)
+        bundle = worker_bundle(self.scaling, self.resource)
+        custom = {name: amount for name, amount in bundle.items() if name not in ("CPU", "GPU")}
+        return [
+            remote_cls.options(
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0.0),
+                resources=custom,
+                max_concurrency=2,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._placement_group, placement_group_bundle_index=index
+                ),
+            ).remote()
+            for index in range(self.scaling.num_workers)
+        ]
+
+    def _order_by_locality(self) -> list[DeviceInfo]:
+        infos = self._get([worker.device_info.remote() for worker in self.workers], "device_info")
+        order = sorted(range(len(infos)), key=lambda i: infos[i].location)
+        self.workers = [self.workers[i] for i in order]
+        return [infos[i] for i in order]
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.workers)
+
+    def form_process_group(self) -> int:
+        """Join every worker into a new generation; returns the generation number."""
+        self.generation += 1
+        store = self._get([self.workers[0].host_store.remote(self.device_infos[0].node_ip)], "host_store")[0]
+        memberships = [
+            GroupMembership(store=store, rank=rank, world_size=self.num_workers, generation=self.generation)
+            for rank in range(self.num_workers)
+        ]
+        self.call_each("join_group", memberships)
+        return self.generation
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """Call `method(*args)` on every worker at once and wait for all of them."""
+        return self._get([getattr(worker, method).remote(*args) for worker in self.workers], method)
+
+    def call_each(self, method: str, per_rank_args: Sequence[Any]) -> list[Any]:
+        refs = [getattr(w, method).remote(arg) for w, arg in zip(self.workers, per_rank_args, strict=True)]
+        return self._get(refs, method)
+
+    def call_rank(self, rank: int, method: str, *args: Any) -> Any:
+        return self._get([getattr(self.workers[rank], method).remote(*args)], method, ranks=[rank])[0]
+
+    def _get(self, refs: list, method: str, ranks: Sequence[int] | None = None) -> list[Any]:
+        ranks = list(ranks) if ranks is not None else list(range(len(refs)))
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except GetTimeoutError:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            stuck = [rank for rank, ref in zip(ranks, refs) if ref not in ready]
+            raise WorkerError(stuck[0], f"{method} did not finish within {self.timeout_s:.0f}s (ranks {stuck})") from None
+        except (RayActorError, RayTaskError) as error:
+            failed = self._first_failed_rank(refs, ranks)
+            raise WorkerError(failed, f"{method} failed: {error}") from error
+
+    @staticmethod
+    def _first_failed_rank(refs: list, ranks: list[int]) -> int:
+        for rank, ref in zip(ranks, refs):
+            try:
+                ray.get(ref, timeout=0)
+            except GetTimeoutError:
+                continue
+            except Exception:  # the failing rank is the one whose own result raises
+                return rank
+        return ranks[0]
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        self.workers = []
+        remove_placement_group(self._placement_group)

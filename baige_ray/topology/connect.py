@@ -1,0 +1,51 @@
+"""Connect to the user's Ray cluster, or simulate one from a descriptor."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+
+from baige_ray.constants import ray_address
+from baige_ray.topology.descriptor import ClusterDescriptor, load_descriptor
+from baige_ray.topology.simulated import SimulatedCluster
+
+
+@dataclass(frozen=True)
+class ClusterSession:
+    address: str
+    simulated: bool
+    descriptor: ClusterDescriptor | None
+
+
+@contextmanager
+def open_cluster(descriptor: str | Path | ClusterDescriptor | None = None) -> Iterator[ClusterSession]:
+    """Yield a connected Ray session and shut it down afterwards.
+
+    With RAY_ADDRESS set (a cluster from `ray start --head`), connect to it and
+    leave it running. Otherwise start a simulated cluster from `descriptor`, or a
+    plain local Ray instance when no descriptor is given.
+    """
+    if isinstance(descriptor, (str, Path)):
+        descriptor = load_descriptor(descriptor)
+    address = ray_address()
+    if address is not None:
+        ray.init(address=address, logging_level=logging.WARNING)
+        try:
+            yield ClusterSession(address=address, simulated=False, descriptor=descriptor)
+        finally:
+            ray.shutdown()
+        return
+    if descriptor is None:
+        context = ray.init(logging_level=logging.WARNING)
+        try:
+            yield ClusterSession(address=context.address_info["address"], simulated=False, descriptor=None)
+        finally:
+            ray.shutdown()
+        return
+    with SimulatedCluster(descriptor) as cluster:
+        yield ClusterSession(address=cluster.address, simulated=True, descriptor=descriptor)

@@ -1,0 +1,192 @@
+"""Hardware descriptors: YAML files in clusters/ that describe a cluster when no hardware can be probed.
+
+A descriptor names node types (devices per node, chip, intra-node fabric, NICs
+and the rail each serves) and how many nodes of each type exist, plus the
+network above the nodes. Loading validates every field with a clear error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from baige_ray.accelerator import AcceleratorKind
+from baige_ray.api.validation import require_choice, require_int, require_number
+
+FABRICS = ("nvswitch", "nvlink", "pcie", "none")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ChipSpec:
+    model: str
+    memory_gb: float
+    relative_speed: float = 1.0
+    peak_tflops: float = 100.0
+
+    def __post_init__(self) -> None:
+        _require_name("ChipSpec", "model", self.model)
+        require_number("ChipSpec", "memory_gb", self.memory_gb, minimum=0, exclusive_minimum=True)
+        require_number("ChipSpec", "relative_speed", self.relative_speed, minimum=0, exclusive_minimum=True)
+        require_number("ChipSpec", "peak_tflops", self.peak_tflops, minimum=0, exclusive_minimum=True)
+
+
+@dataclass(kw_only=True, frozen=True)
+class IntraNodeFabric:
+    fabric: str
+    bandwidth_gbps: float
+    latency_us: float = 2.0
+
+    def __post_init__(self) -> None:
+        require_choice("IntraNodeFabric", "fabric", self.fabric, FABRICS)
+        require_number("IntraNodeFabric", "bandwidth_gbps", self.bandwidth_gbps, minimum=0, exclusive_minimum=True)
+        require_number("IntraNodeFabric", "latency_us", self.latency_us, minimum=0)
+
+
+@dataclass(kw_only=True, frozen=True)
+class NicSpec:
+    name: str
+    bandwidth_gbps: float
+    rail: int
+    devices: tuple[int, ...]
+    numa_node: int = 0
+
+    def __post_init__(self) -> None:
+        _require_name("NicSpec", "name", self.name)
+        require_number("NicSpec", "bandwidth_gbps", self.bandwidth_gbps, minimum=0, exclusive_minimum=True)
+        require_int("NicSpec", "rail", self.rail, minimum=0)
+        require_int("NicSpec", "numa_node", self.numa_node, minimum=0)
+        object.__setattr__(self, "devices", tuple(self.devices))
+
+
+@dataclass(kw_only=True, frozen=True)
+class NodeType:
+    name: str
+    accelerator: str
+    num_devices: int
+    chip: ChipSpec
+    intra_node: IntraNodeFabric
+    num_cpus: int = 8
+    memory_gb: float = 64.0
+    nics: tuple[NicSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        _require_name("NodeType", "name", self.name)
+        require_choice(f"NodeType[{self.name}]", "accelerator", self.accelerator, [k.value for k in AcceleratorKind])
+        require_int(f"NodeType[{self.name}]", "num_devices", self.num_devices, minimum=1)
+        require_int(f"NodeType[{self.name}]", "num_cpus", self.num_cpus, minimum=1)
+        require_number(f"NodeType[{self.name}]", "memory_gb", self.memory_gb, minimum=0, exclusive_minimum=True)
+        for nic in self.nics:
+            bad = [d for d in nic.devices if not 0 <= d < self.num_devices]
+            if bad:
+                raise ValueError(
+                    f"NodeType[{self.name}].nics[{nic.name}].devices={list(nic.devices)!r} is invalid: "
+                    f"expected device indices in [0, {self.num_devices})"
+                )
+
+
+@dataclass(kw_only=True, frozen=True)
+class NodeGroup:
+    type: str
+    count: int
+
+    def __post_init__(self) -> None:
+        require_int("NodeGroup", "count", self.count, minimum=1)
+
+
+@dataclass(kw_only=True, frozen=True)
+class NetworkSpec:
+    nodes_per_leaf: int = 32
+    leaves_per_pod: int = 8
+    rail_bandwidth_gbps: float = 200.0
+    rail_latency_us: float = 5.0
+    cross_rail_latency_us: float = 8.0
+    cross_pod_latency_us: float = 12.0
+    oversubscription: float = 1.0
+
+    def __post_init__(self) -> None:
+        require_int("NetworkSpec", "nodes_per_leaf", self.nodes_per_leaf, minimum=1)
+        require_int("NetworkSpec", "leaves_per_pod", self.leaves_per_pod, minimum=1)
+        require_number("NetworkSpec", "rail_bandwidth_gbps", self.rail_bandwidth_gbps, minimum=0, exclusive_minimum=True)
+        for name in ("rail_latency_us", "cross_rail_latency_us", "cross_pod_latency_us"):
+            require_number("NetworkSpec", name, getattr(self, name), minimum=0)
+        require_number("NetworkSpec", "oversubscription", self.oversubscription, minimum=1.0)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ClusterDescriptor:
+    name: str
+    node_types: dict[str, NodeType]
+    nodes: tuple[NodeGroup, ...]
+    network: NetworkSpec = field(default_factory=NetworkSpec)
+
+    def __post_init__(self) -> None:
+        _require_name("ClusterDescriptor", "name", self.name)
+        if not self.nodes:
+            raise ValueError("ClusterDescriptor.nodes=[] is invalid: expected at least one node group")
+        for group in self.nodes:
+            require_choice("NodeGroup", "type", group.type, sorted(self.node_types))
+
+    def node_type_sequence(self) -> list[NodeType]:
+        """The node type of every node, in descriptor order (node index -> type)."""
+        return [self.node_types[group.type] for group in self.nodes for _ in range(group.count)]
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(group.count for group in self.nodes)
+
+    @property
+    def num_devices(self) -> int:
+        return sum(node.num_devices for node in self.node_type_sequence())
+
+
+def _require_name(owner: str, field_name: str, value: Any) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{owner}.{field_name}={value!r} is invalid: expected a non-empty string")
+
+
+def _build(cls: type, data: Any, where: str, **overrides: Any) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}={data!r} is invalid: expected a mapping")
+    known = set(cls.__dataclass_fields__)
+    unknown = sorted(set(data) - known - set(overrides))
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {unknown}: expected some of {sorted(known)}")
+    try:
+        return cls(**{**data, **overrides})
+    except TypeError as error:
+        raise ValueError(f"{where} is incomplete: {error}") from None
+
+
+def descriptor_from_dict(data: Any) -> ClusterDescriptor:
+    if not isinstance(data, dict):
+        raise ValueError(f"cluster descriptor={data!r} is invalid: expected a mapping")
+    node_types = {}
+    for name, spec in (data.get("node_types") or {}).items():
+        where = f"node_types.{name}"
+        if not isinstance(spec, dict):
+            raise ValueError(f"{where}={spec!r} is invalid: expected a mapping")
+        node_types[name] = _build(
+            NodeType,
+            spec,
+            where,
+            name=name,
+            chip=_build(ChipSpec, spec.get("chip"), f"{where}.chip"),
+            intra_node=_build(IntraNodeFabric, spec.get("intra_node"), f"{where}.intra_node"),
+            nics=tuple(_build(NicSpec, nic, f"{where}.nics[{i}]") for i, nic in enumerate(spec.get("nics") or [])),
+        )
+    nodes = tuple(_build(NodeGroup, group, f"nodes[{i}]") for i, group in enumerate(data.get("nodes") or []))
+    network = _build(NetworkSpec, data.get("network") or {}, "network")
+    return _build(
+        ClusterDescriptor, data, "cluster descriptor", node_types=node_types, nodes=nodes, network=network
+    )
+
+
+def load_descriptor(path: str | Path) -> ClusterDescriptor:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"cluster descriptor path={str(path)!r} is invalid: expected an existing YAML file")
+    with path.open() as handle:
+        return descriptor_from_dict(yaml.safe_load(handle))

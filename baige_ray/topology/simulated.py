@@ -1,0 +1,87 @@
+"""A local multi-node Ray cluster that looks like a hardware descriptor.
+
+Each descriptor node becomes a Ray node (`ray.cluster_utils.Cluster`) that
+advertises fake accelerators plus custom resources naming its descriptor index,
+node type and chip, so the topology layer can match Ray nodes to descriptor
+nodes. Workers hold the fake accelerator and compute on CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import ray
+from ray.cluster_utils import Cluster
+
+from baige_ray.accelerator import spec_for
+from baige_ray.topology.descriptor import ClusterDescriptor, NodeType
+
+NODE_INDEX_RESOURCE = "baige_node_{index}"
+NODE_TYPE_RESOURCE = "baige_type_{name}"
+CHIP_RESOURCE = "baige_chip_{model}"
+_OBJECT_STORE_BYTES = 128 * 1024 * 1024
+
+
+def node_resources(node_type: NodeType, index: int) -> dict[str, float]:
+    """Custom resources that identify a simulated node; one unit of each marker."""
+    return {
+        NODE_INDEX_RESOURCE.format(index=index): 1.0,
+        NODE_TYPE_RESOURCE.format(name=node_type.name): 1.0,
+        CHIP_RESOURCE.format(model=node_type.chip.model): float(node_type.num_devices),
+    }
+
+
+def node_args(node_type: NodeType, index: int, cpus_per_device: float) -> dict:
+    """Arguments for `Cluster.add_node` that make one descriptor node."""
+    accelerator = spec_for(node_type.accelerator)
+    resources = node_resources(node_type, index)
+    args = {
+        # CPU slots are what the fake devices need, not the descriptor's real core count:
+        # every simulated node shares this machine's few cores.
+        "num_cpus": max(1, int(node_type.num_devices * cpus_per_device) + 1),
+        "object_store_memory": _OBJECT_STORE_BYTES,
+        "resources": resources,
+    }
+    if accelerator.ray_resource == "GPU":
+        args["num_gpus"] = node_type.num_devices
+    elif accelerator.is_accelerator:
+        resources[accelerator.ray_resource] = float(node_type.num_devices)
+    return args
+
+
+@dataclass
+class SimulatedCluster:
+    """Start with `start()` or a `with` block; `shutdown()` stops Ray and every node."""
+
+    descriptor: ClusterDescriptor
+    cpus_per_device: float = 1.0
+    _cluster: Cluster | None = None
+
+    def start(self) -> SimulatedCluster:
+        node_types = self.descriptor.node_type_sequence()
+        head_args = node_args(node_types[0], 0, self.cpus_per_device)
+        self._cluster = Cluster(initialize_head=True, head_node_args=head_args)
+        for index, node_type in enumerate(node_types[1:], start=1):
+            self._cluster.add_node(wait=False, **node_args(node_type, index, self.cpus_per_device))
+        self._cluster.wait_for_nodes()
+        ray.init(address=self._cluster.address, logging_level=logging.WARNING)
+        return self
+
+    @property
+    def address(self) -> str:
+        if self._cluster is None:
+            raise RuntimeError("SimulatedCluster.address read before start()")
+        return self._cluster.address
+
+    def shutdown(self) -> None:
+        ray.shutdown()
+        if self._cluster is not None:
+            self._cluster.shutdown()
+            self._cluster = None
+
+    def __enter__(self) -> SimulatedCluster:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
