@@ -1,0 +1,31 @@
+"""`baige-ray bench NAME [--json]`: run a benchmark; the JSON result is always the last line."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+
+# benchmark name -> module exposing `run(args) -> dict` and optionally `add_arguments(parser)`.
+# Benchmark modules keep heavy imports inside `run`, so parsing stays fast.
+BENCHMARK_MODULES: dict[str, str] = {}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="run a benchmark; the last output line is JSON")
+    benchmarks = parser.add_subparsers(dest="benchmark", required=True)
+    for name, module_name in sorted(BENCHMARK_MODULES.items()):
+        module = importlib.import_module(module_name)
+        sub = benchmarks.add_parser(name, help=(module.__doc__ or name).strip().splitlines()[0])
+        sub.add_argument("--json", action="store_true", help="print only the JSON result line")
+        if hasattr(module, "add_arguments"):
+            module.add_arguments(sub)
+        sub.set_defaults(func=lambda args, module=module: _run(module, args))
+
+
+def _run(module, args: argparse.Namespace) -> int:
+    result = module.run(args)
+    if not args.json and hasattr(module, "summarize"):
+        print(module.summarize(result))
+    print(json.dumps(result))
+    return 0

@@ -1,0 +1,39 @@
+"""The `baige-ray` command line: one subcommand per job, each registered by its own module.
+
+A command module exposes `register(subparsers)` and sets `func` on its parser;
+imports stay lazy so `baige-ray --help` does not pay for torch and Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module that registers it
+COMMAND_MODULES = {
+    "fit": "baige_ray.runtime.fit_cli",
+    "bench": "baige_ray.bench.cli",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="baige-ray", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version="baige-ray 0.1.0")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for module_name in COMMAND_MODULES.values():
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as error:
+        print(f"baige-ray {args.command}: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""`baige-ray fit`: train the reference GPT from the command line."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("fit", help="train the reference GPT on the cluster")
+    parser.add_argument("--cluster", type=Path, help="descriptor to simulate when RAY_ADDRESS is unset")
+    parser.add_argument("--workers", type=int, default=2, help="number of worker actors")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--global-batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--name", default="cli-run")
+    parser.add_argument("--storage", type=Path, default=Path.home() / "baige_ray_results")
+    parser.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import baige_ray as br
+
+    model = br.GPTConfig(num_layers=args.layers, hidden=args.hidden, seq_len=args.seq_len)
+    train = br.TrainConfig(num_steps=args.steps, global_batch_size=args.global_batch, learning_rate=args.lr,
+                           min_learning_rate=args.lr / 10)
+    with br.open_cluster(args.cluster):
+        result = br.fit(
+            model,
+            train=train,
+            scaling=br.ScalingConfig(num_workers=args.workers),
+            run=br.RunConfig(name=args.name, storage_path=args.storage),
+        )
+    print(f"final loss {result.final_loss:.4f} after {args.steps} steps in {result.elapsed_s:.1f}s")
+    print(f"checkpoint: {result.checkpoint_path}")
+    return 0
