@@ -35,14 +35,34 @@ class ChipSpec:
 
 @dataclass(kw_only=True, frozen=True)
 class IntraNodeFabric:
+    """How devices inside one node talk. Bandwidths are per direction, in Gbit/s.
+
+    `islands` lists groups of device indices that share NVLink directly (for
+    `fabric: nvlink` without a switch); empty means the whole node is one island
+    for nvswitch/nvlink and every device is its own island for pcie/none.
+    """
+
     fabric: str
     bandwidth_gbps: float
     latency_us: float = 2.0
+    pcie_bandwidth_gbps: float = 256.0
+    pcie_latency_us: float = 4.0
+    islands: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         require_choice("IntraNodeFabric", "fabric", self.fabric, FABRICS)
         require_number("IntraNodeFabric", "bandwidth_gbps", self.bandwidth_gbps, minimum=0, exclusive_minimum=True)
         require_number("IntraNodeFabric", "latency_us", self.latency_us, minimum=0)
+        require_number(
+            "IntraNodeFabric", "pcie_bandwidth_gbps", self.pcie_bandwidth_gbps, minimum=0, exclusive_minimum=True
+        )
+        require_number("IntraNodeFabric", "pcie_latency_us", self.pcie_latency_us, minimum=0)
+        object.__setattr__(self, "islands", tuple(tuple(island) for island in self.islands))
+        if self.islands and self.fabric != "nvlink":
+            raise ValueError(
+                f"IntraNodeFabric.islands={[list(i) for i in self.islands]!r} is invalid: "
+                f"expected islands only with fabric 'nvlink', got fabric {self.fabric!r}"
+            )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -71,6 +91,7 @@ class NodeType:
     num_cpus: int = 8
     memory_gb: float = 64.0
     nics: tuple[NicSpec, ...] = ()
+    device_numa: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _require_name("NodeType", "name", self.name)
@@ -79,12 +100,29 @@ class NodeType:
         require_int(f"NodeType[{self.name}]", "num_cpus", self.num_cpus, minimum=1)
         require_number(f"NodeType[{self.name}]", "memory_gb", self.memory_gb, minimum=0, exclusive_minimum=True)
         for nic in self.nics:
-            bad = [d for d in nic.devices if not 0 <= d < self.num_devices]
-            if bad:
-                raise ValueError(
-                    f"NodeType[{self.name}].nics[{nic.name}].devices={list(nic.devices)!r} is invalid: "
-                    f"expected device indices in [0, {self.num_devices})"
-                )
+            _require_device_indices(f"NodeType[{self.name}].nics[{nic.name}]", "devices", nic.devices, self.num_devices)
+        _require_partition(f"NodeType[{self.name}].intra_node", "islands", self.intra_node.islands, self.num_devices)
+        _require_partition(
+            f"NodeType[{self.name}]", "nics", [nic.devices for nic in self.nics], self.num_devices, complete=False
+        )
+        object.__setattr__(self, "device_numa", tuple(self.device_numa))
+        if self.device_numa and len(self.device_numa) != self.num_devices:
+            raise ValueError(
+                f"NodeType[{self.name}].device_numa={list(self.device_numa)!r} is invalid: "
+                f"expected one NUMA node per device ({self.num_devices} entries) or none"
+            )
+        for numa in self.device_numa:
+            require_int(f"NodeType[{self.name}]", "device_numa[]", numa, minimum=0)
+
+    def numa_of_devices(self) -> tuple[int, ...]:
+        """NUMA node per device: declared, else the NUMA node of the NIC serving it, else 0."""
+        if self.device_numa:
+            return self.device_numa
+        numa = [0] * self.num_devices
+        for nic in self.nics:
+            for device in nic.devices:
+                numa[device] = nic.numa_node
+        return tuple(numa)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -98,6 +136,10 @@ class NodeGroup:
 
 @dataclass(kw_only=True, frozen=True)
 class NetworkSpec:
+    """The fabric above the nodes, rail-optimized: each rail of `nodes_per_leaf`
+    consecutive nodes meets on one leaf switch; `leaves_per_pod` such leaf groups
+    share a spine layer (a pod); pods meet at the core. Bandwidth in Gbit/s."""
+
     nodes_per_leaf: int = 32
     leaves_per_pod: int = 8
     rail_bandwidth_gbps: float = 200.0
@@ -105,6 +147,7 @@ class NetworkSpec:
     cross_rail_latency_us: float = 8.0
     cross_pod_latency_us: float = 12.0
     oversubscription: float = 1.0
+    cross_pod_oversubscription: float = 1.0
 
     def __post_init__(self) -> None:
         require_int("NetworkSpec", "nodes_per_leaf", self.nodes_per_leaf, minimum=1)
@@ -113,6 +156,7 @@ class NetworkSpec:
         for name in ("rail_latency_us", "cross_rail_latency_us", "cross_pod_latency_us"):
             require_number("NetworkSpec", name, getattr(self, name), minimum=0)
         require_number("NetworkSpec", "oversubscription", self.oversubscription, minimum=1.0)
+        require_number("NetworkSpec", "cross_pod_oversubscription", self.cross_pod_oversubscription, minimum=1.0)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -145,6 +189,33 @@ class ClusterDescriptor:
 def _require_name(owner: str, field_name: str, value: Any) -> None:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{owner}.{field_name}={value!r} is invalid: expected a non-empty string")
+
+
+def _require_device_indices(owner: str, field_name: str, devices: Any, num_devices: int) -> None:
+    bad = [d for d in devices if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < num_devices]
+    if bad:
+        raise ValueError(
+            f"{owner}.{field_name}={list(devices)!r} is invalid: expected device indices in [0, {num_devices})"
+        )
+
+
+def _require_partition(owner: str, field_name: str, groups: Any, num_devices: int, *, complete: bool = True) -> None:
+    """Groups of device indices must not overlap; islands must also cover every device."""
+    seen: list[int] = []
+    for group in groups:
+        _require_device_indices(owner, field_name, group, num_devices)
+        seen.extend(group)
+    duplicates = sorted({d for d in seen if seen.count(d) > 1})
+    if duplicates:
+        raise ValueError(
+            f"{owner}.{field_name}={[list(g) for g in groups]!r} is invalid: "
+            f"expected each device in at most one group, devices {duplicates} repeat"
+        )
+    if complete and groups and sorted(seen) != list(range(num_devices)):
+        raise ValueError(
+            f"{owner}.{field_name}={[list(g) for g in groups]!r} is invalid: "
+            f"expected groups covering every device 0..{num_devices - 1}"
+        )
 
 
 def _build(cls: type, data: Any, where: str, **overrides: Any) -> Any:
