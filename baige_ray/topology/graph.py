@@ -263,6 +263,13 @@ class ResourceGraph:
         keep_nodes = np.flatnonzero(~np.isin(self.nodes.node_id, drop))
         return self._subset(keep_devices, keep_nodes)
 
+    def with_node_names(self, names: Mapping[int, str]) -> ResourceGraph:
+        """The same graph with nodes renamed (e.g. to Ray node ids); unnamed nodes keep their names."""
+        renamed = tuple(names.get(int(i), old) for i, old in zip(self.nodes.node_id, self.nodes.names))
+        nodes = NodeTable(node_id=self.nodes.node_id, profile=self.nodes.profile, names=renamed)
+        return ResourceGraph(devices=self.devices, nodes=nodes, profiles=self.profiles, network=self.network,
+                             name=self.name)
+
     def _subset(self, device_rows: np.ndarray, node_rows: np.ndarray) -> ResourceGraph:
         return ResourceGraph(devices=self.devices.take(device_rows), nodes=self.nodes.take(node_rows),
                              profiles=self.profiles, network=self.network, name=self.name)

@@ -9,7 +9,8 @@ nodes. Workers hold the fake accelerator and compute on CPU with gloo.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import ray
 from ray.cluster_utils import Cluster
@@ -57,16 +58,45 @@ class SimulatedCluster:
     descriptor: ClusterDescriptor
     cpus_per_device: float = 1.0
     _cluster: Cluster | None = None
+    _worker_nodes: dict[int, Any] = field(default_factory=dict)
+    # The running instance, so tests sharing one cluster through a fixture can grow and shrink it.
+    _active: ClassVar[SimulatedCluster | None] = None
+
+    @classmethod
+    def active(cls) -> SimulatedCluster | None:
+        return cls._active
 
     def start(self) -> SimulatedCluster:
         node_types = self.descriptor.node_type_sequence()
         head_args = node_args(node_types[0], 0, self.cpus_per_device)
         self._cluster = Cluster(initialize_head=True, head_node_args=head_args)
         for index, node_type in enumerate(node_types[1:], start=1):
-            self._cluster.add_node(wait=False, **node_args(node_type, index, self.cpus_per_device))
+            self._worker_nodes[index] = self._cluster.add_node(
+                wait=False, **node_args(node_type, index, self.cpus_per_device))
         self._cluster.wait_for_nodes()
         ray.init(address=self._cluster.address, logging_level=logging.WARNING)
+        SimulatedCluster._active = self
         return self
+
+    def add_node(self, node_type: str, index: int) -> None:
+        """Join one more node of a descriptor node type, advertising descriptor index `index`."""
+        if self._cluster is None:
+            raise RuntimeError("SimulatedCluster.add_node called before start()")
+        if node_type not in self.descriptor.node_types:
+            raise ValueError(f"node_type={node_type!r} is invalid: expected one of {sorted(self.descriptor.node_types)}")
+        if index in self._worker_nodes or index == 0:
+            raise ValueError(f"index={index} is invalid: expected an index not already in the cluster")
+        args = node_args(self.descriptor.node_types[node_type], index, self.cpus_per_device)
+        self._worker_nodes[index] = self._cluster.add_node(wait=True, **args)
+
+    def remove_node(self, index: int) -> None:
+        """Stop the node advertising descriptor index `index` (never the head node 0)."""
+        if self._cluster is None:
+            raise RuntimeError("SimulatedCluster.remove_node called before start()")
+        if index not in self._worker_nodes:
+            raise ValueError(f"index={index} is invalid: expected one of the running non-head nodes "
+                             f"{sorted(self._worker_nodes)}")
+        self._cluster.remove_node(self._worker_nodes.pop(index))
 
     @property
     def address(self) -> str:
@@ -75,10 +105,13 @@ class SimulatedCluster:
         return self._cluster.address
 
     def shutdown(self) -> None:
+        if SimulatedCluster._active is self:
+            SimulatedCluster._active = None
         ray.shutdown()
         if self._cluster is not None:
             self._cluster.shutdown()
             self._cluster = None
+        self._worker_nodes.clear()
 
     def __enter__(self) -> SimulatedCluster:
         return self.start()
