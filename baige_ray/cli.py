@@ -14,6 +14,7 @@ import sys
 COMMAND_MODULES = {
     "fit": "baige_ray.runtime.fit_cli",
     "bench": "baige_ray.bench.cli",
+    "topo": "baige_ray.topology.cli",
 }
 
 

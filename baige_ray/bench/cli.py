@@ -8,7 +8,9 @@ import json
 
 # benchmark name -> module exposing `run(args) -> dict` and optionally `add_arguments(parser)`.
 # Benchmark modules keep heavy imports inside `run`, so parsing stays fast.
-BENCHMARK_MODULES: dict[str, str] = {}
+BENCHMARK_MODULES: dict[str, str] = {
+    "topo": "baige_ray.bench.topo",
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -33,9 +33,13 @@ def slowest_link(graph: ResourceGraph, positions: np.ndarray) -> LinkSummary | N
 
 
 def _counts(*keys: np.ndarray) -> np.ndarray:
-    """For each row, how many rows share its key tuple."""
-    stacked = np.stack([k.astype(np.int64) for k in keys], axis=1)
-    _, inverse, counts = np.unique(stacked, axis=0, return_inverse=True, return_counts=True)
+    """For each row, how many rows share its key tuple (tuples packed into one int64 key)."""
+    packed = np.zeros(len(keys[0]), dtype=np.int64)
+    for key in keys:
+        key = key.astype(np.int64)
+        low = key.min()
+        packed = packed * (int(key.max() - low) + 1) + (key - low)
+    _, inverse, counts = np.unique(packed, return_inverse=True, return_counts=True)
     return counts[inverse.reshape(-1)]
 
 
