@@ -28,6 +28,7 @@ class ScalingConfig:
     accelerator: str = "auto"
     cpus_per_worker: float = 0.5
     placement_strategy: str = "PACK"
+    placement_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         require_int("ScalingConfig", "num_workers", self.num_workers, minimum=1)
@@ -35,6 +36,9 @@ class ScalingConfig:
         require_number("ScalingConfig", "cpus_per_worker", self.cpus_per_worker, minimum=0)
         require_choice(
             "ScalingConfig", "placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES
+        )
+        require_number(
+            "ScalingConfig", "placement_timeout_s", self.placement_timeout_s, minimum=0, exclusive_minimum=True
         )
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from baige_ray.api.device import DeviceInfo
+
 
 @dataclass(kw_only=True, frozen=True)
 class StepMetrics:
@@ -27,8 +29,12 @@ class Result:
 
     metrics: list[StepMetrics] = field(default_factory=list)
     checkpoint_path: Path | None = None
-    num_workers: int = 0
+    workers: list[DeviceInfo] = field(default_factory=list)
     elapsed_s: float = 0.0
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.workers)
 
     @property
     def losses(self) -> list[float]:

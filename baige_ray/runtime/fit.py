@@ -69,7 +69,7 @@ def fit(
     return Result(
         metrics=metrics,
         checkpoint_path=checkpoint,
-        num_workers=group.num_workers,
+        workers=group.device_infos,
         elapsed_s=time.perf_counter() - started,
     )
 

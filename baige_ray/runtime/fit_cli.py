@@ -27,13 +27,10 @@ def _run(args: argparse.Namespace) -> int:
     model = br.GPTConfig(num_layers=args.layers, hidden=args.hidden, seq_len=args.seq_len)
     train = br.TrainConfig(num_steps=args.steps, global_batch_size=args.global_batch, learning_rate=args.lr,
                            min_learning_rate=args.lr / 10)
+    scaling = br.ScalingConfig(num_workers=args.workers)
+    run = br.RunConfig(name=args.name, storage_path=args.storage)
     with br.open_cluster(args.cluster):
-        result = br.fit(
-            model,
-            train=train,
-            scaling=br.ScalingConfig(num_workers=args.workers),
-            run=br.RunConfig(name=args.name, storage_path=args.storage),
-        )
+        result = br.fit(model, train=train, scaling=scaling, run=run)
     print(f"final loss {result.final_loss:.4f} after {args.steps} steps in {result.elapsed_s:.1f}s")
     print(f"checkpoint: {result.checkpoint_path}")
     return 0

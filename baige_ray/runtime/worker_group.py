@@ -22,7 +22,6 @@ from baige_ray.api.errors import ClusterError, WorkerError
 from baige_ray.runtime.distributed import GroupMembership
 
 logger = logging.getLogger(__name__)
-_PLACEMENT_TIMEOUT_S = 120.0
 
 
 def choose_device_resource(scaling: ScalingConfig, cluster_resources: dict[str, float]) -> str:
@@ -63,12 +62,14 @@ class WorkerGroup:
         bundles = [worker_bundle(self.scaling, self.resource) for _ in range(self.scaling.num_workers)]
         group = placement_group(bundles, strategy=self.scaling.placement_strategy)
         try:
-            ray.get(group.ready(), timeout=_PLACEMENT_TIMEOUT_S)
+            ray.get(group.ready(), timeout=self.scaling.placement_timeout_s)
         except GetTimeoutError:
             remove_placement_group(group)
+            wanted = sorted(bundles[0])
+            available = {name: ray.available_resources().get(name, 0.0) for name in wanted}
             raise ClusterError(
-                f"placement group of {len(bundles)} x {bundles[0]} ({self.scaling.placement_strategy}) "
-                f"not placed within {_PLACEMENT_TIMEOUT_S:.0f}s; cluster resources: {ray.cluster_resources()}"
+                f"the job needs {len(bundles)} x {bundles[0]} ({self.scaling.placement_strategy}); "
+                f"not placed within {self.scaling.placement_timeout_s:g}s, available now: {available}"
             ) from None
         return group
 

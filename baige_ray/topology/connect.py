@@ -23,12 +23,18 @@ class ClusterSession:
 
 
 @contextmanager
-def open_cluster(descriptor: str | Path | ClusterDescriptor | None = None) -> Iterator[ClusterSession]:
+def open_cluster(
+    descriptor: str | Path | ClusterDescriptor | None = None,
+    *,
+    local_num_cpus: int | None = None,
+    local_num_gpus: int | None = None,
+) -> Iterator[ClusterSession]:
     """Yield a connected Ray session and shut it down afterwards.
 
     With RAY_ADDRESS set (a cluster from `ray start --head`), connect to it and
     leave it running. Otherwise start a simulated cluster from `descriptor`, or a
-    plain local Ray instance when no descriptor is given.
+    plain local Ray instance (with `local_num_cpus` / `local_num_gpus`, fake GPUs
+    allowed) when no descriptor is given.
     """
     if isinstance(descriptor, (str, Path)):
         descriptor = load_descriptor(descriptor)
@@ -41,7 +47,7 @@ def open_cluster(descriptor: str | Path | ClusterDescriptor | None = None) -> It
             ray.shutdown()
         return
     if descriptor is None:
-        context = ray.init(logging_level=logging.WARNING)
+        context = ray.init(num_cpus=local_num_cpus, num_gpus=local_num_gpus, logging_level=logging.WARNING)
         try:
             yield ClusterSession(address=context.address_info["address"], simulated=False, descriptor=None)
         finally:

@@ -1,0 +1,36 @@
+"""DDP over the simulated 2-node x 4-GPU cluster: placement and the mathematics of a step."""
+
+from collections import Counter
+
+import pytest
+
+from baige_ray import GPTConfig, RunConfig, ScalingConfig, TrainConfig, fit
+from baige_ray.models.corpus import CorpusConfig, stdlib_corpus
+from baige_ray.runtime.train_loop import Trainer, TrainJob
+
+MODEL = GPTConfig(seq_len=32, num_layers=2, num_heads=2, hidden=32)
+CORPUS = CorpusConfig(max_bytes=1 << 20)
+TRAIN = TrainConfig(num_steps=3, global_batch_size=16, warmup_steps=1, seed=5)
+
+
+@pytest.fixture(scope="module")
+def result(sim_cluster, tmp_path_factory):
+    run = RunConfig(name="sim8", storage_path=tmp_path_factory.mktemp("runs"), show_progress=False)
+    return fit(MODEL, train=TRAIN, scaling=ScalingConfig(num_workers=8), run=run, corpus=CORPUS)
+
+
+def test_eight_workers_fill_both_nodes_and_ranks_follow_locality(sim_cluster, result):
+    if not sim_cluster.simulated:
+        pytest.skip("placement is only known for the simulated descriptor")
+    nodes = [worker.node_id for worker in result.workers]
+    assert sorted(Counter(nodes).values()) == [4, 4]
+    # ranks 0-3 share one node, 4-7 the other, each in device order
+    assert len(set(nodes[:4])) == 1 and len(set(nodes[4:])) == 1
+    assert [w.device_index for w in result.workers[:4]] == sorted(w.device_index for w in result.workers[:4])
+    assert all(worker.simulated for worker in result.workers)
+
+
+def test_eight_way_ddp_matches_one_process(result):
+    trainer = Trainer(TrainJob(model=MODEL, train=TRAIN, corpus=CORPUS), corpus=stdlib_corpus(CORPUS))
+    expected = [trainer.train_step(step)["loss"] for step in range(TRAIN.num_steps)]
+    assert result.losses == pytest.approx(expected, rel=1e-5)

@@ -1,0 +1,68 @@
+"""Shared fixtures and tier markers.
+
+Tiers follow directories: tests/unit (no Ray), tests/ray (a local Ray with fake
+GPUs), tests/cluster (the simulated 2x4 multi-node cluster). One Ray session is
+alive at a time: each tier's fixture opens its session once and closes the
+other tier's. With RAY_ADDRESS set, both Ray tiers use the user's cluster.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SIM_2X4 = REPO_ROOT / "clusters" / "sim-2x4.yaml"
+_TIERS = ("unit", "ray", "cluster")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = Path(str(item.fspath)).relative_to(REPO_ROOT / "tests").parts[0]
+        if tier in _TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
+
+
+class RaySessions:
+    """Holds the one open Ray session and which tier opened it."""
+
+    def __init__(self) -> None:
+        self.kind: str | None = None
+        self.session = None
+        self._stack = ExitStack()
+
+    def use(self, kind: str, **open_cluster_args):
+        from baige_ray.topology.connect import open_cluster
+
+        if self.kind != kind:
+            self.close()
+            self.session = self._stack.enter_context(open_cluster(**open_cluster_args))
+            self.kind = kind
+        return self.session
+
+    def close(self) -> None:
+        self._stack.close()
+        self.kind, self.session = None, None
+
+
+@pytest.fixture(scope="session")
+def ray_sessions():
+    sessions = RaySessions()
+    yield sessions
+    sessions.close()
+
+
+# Module-scoped: a module never mixes tiers, and opening is a no-op while that tier's session is up,
+# so a session handed out is never one the other tier has already replaced.
+@pytest.fixture(scope="module")
+def local_ray(ray_sessions):
+    """A single-node local Ray advertising 4 fake GPUs (or the RAY_ADDRESS cluster)."""
+    return ray_sessions.use("local", local_num_cpus=4, local_num_gpus=4)
+
+
+@pytest.fixture(scope="module")
+def sim_cluster(ray_sessions):
+    """The simulated 2-node x 4-GPU cluster from clusters/sim-2x4.yaml (or the RAY_ADDRESS cluster)."""
+    return ray_sessions.use("cluster", descriptor=SIM_2X4)

@@ -1,0 +1,40 @@
+import pytest
+
+from baige_ray import GPTConfig, RunConfig, ScalingConfig, TrainConfig, fit, load_model
+from baige_ray.models.corpus import CorpusConfig, stdlib_corpus
+from baige_ray.runtime.train_loop import Trainer, TrainJob
+
+MODEL = GPTConfig(seq_len=32, num_layers=2, num_heads=2, hidden=32)
+CORPUS = CorpusConfig(max_bytes=1 << 20)
+TRAIN = TrainConfig(num_steps=4, global_batch_size=8, micro_batch_size=2, warmup_steps=1, seed=3)
+
+
+def single_process_losses() -> list[float]:
+    trainer = Trainer(TrainJob(model=MODEL, train=TRAIN, corpus=CORPUS), corpus=stdlib_corpus(CORPUS))
+    return [trainer.train_step(step)["loss"] for step in range(TRAIN.num_steps)]
+
+
+@pytest.fixture(scope="module")
+def result(local_ray, tmp_path_factory):
+    run = RunConfig(name="ddp2", storage_path=tmp_path_factory.mktemp("runs"), show_progress=False)
+    return fit(MODEL, train=TRAIN, scaling=ScalingConfig(num_workers=2), run=run, corpus=CORPUS)
+
+
+def test_ddp_matches_single_process_step_by_step(result):
+    assert result.losses == pytest.approx(single_process_losses(), rel=1e-5)
+
+
+def test_result_reports_workers_and_throughput(result):
+    assert result.num_workers == 2
+    assert [m.step for m in result.metrics] == [0, 1, 2, 3]
+    assert all(m.tokens == 8 * 32 and m.tokens_per_s > 0 for m in result.metrics)
+
+
+def test_final_checkpoint_loads_and_generates(result):
+    model = load_model(result.checkpoint_path)
+    assert model.config == MODEL
+
+
+def test_uneven_batch_fails_before_any_actor_starts(local_ray):
+    with pytest.raises(ValueError, match="global_batch_size=8 .* num_workers=3"):
+        fit(MODEL, train=TRAIN, scaling=ScalingConfig(num_workers=3), corpus=CORPUS)

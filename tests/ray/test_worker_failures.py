@@ -1,0 +1,36 @@
+import pytest
+
+from baige_ray.api.configs import ScalingConfig, TrainConfig
+from baige_ray.api.errors import ClusterError, WorkerError
+from baige_ray.models.corpus import CorpusConfig
+from baige_ray.models.gpt import GPTConfig
+from baige_ray.runtime.train_loop import TrainJob
+from baige_ray.runtime.worker_group import WorkerGroup
+
+from ..fakes import FailingStepWorker
+
+TINY_JOB = TrainJob(
+    model=GPTConfig(seq_len=16, num_layers=1, num_heads=2, hidden=16),
+    train=TrainConfig(num_steps=3, global_batch_size=4),
+    corpus=CorpusConfig(max_bytes=1 << 20),
+)
+
+
+def test_failing_rank_is_named(local_ray):
+    workers = WorkerGroup(ScalingConfig(num_workers=2), worker_cls=FailingStepWorker, timeout_s=60)
+    try:
+        workers.form_process_group()
+        workers.call("build_trainer", TINY_JOB)
+        workers.call("train_step", 0)
+        with pytest.raises(WorkerError, match="injected failure") as error:
+            workers.call("train_step", 1)
+        assert error.value.rank == 1
+    finally:
+        workers.shutdown()
+
+
+
+def test_unplaceable_group_fails_fast_with_what_is_missing(local_ray):
+    scaling = ScalingConfig(num_workers=4, cpus_per_worker=3.0, placement_timeout_s=2.0)
+    with pytest.raises(ClusterError, match=r"needs 4 x \{.*'CPU': 3.0\}.*available"):
+        WorkerGroup(scaling)

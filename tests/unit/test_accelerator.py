@@ -1,0 +1,54 @@
+from dataclasses import dataclass
+
+import pytest
+
+from baige_ray.accelerator import AcceleratorKind, detect_accelerator, spec_for
+
+
+@dataclass
+class FakeProbe:
+    cuda: int = 0
+    xpu: int = 0
+    npu: int = 0
+
+    def cuda_count(self) -> int:
+        return self.cuda
+
+    def xpu_count(self) -> int:
+        return self.xpu
+
+    def npu_count(self) -> int:
+        return self.npu
+
+
+@pytest.mark.parametrize(
+    ("probe", "kind", "ray_resource", "device", "backend", "visible_env"),
+    [
+        (FakeProbe(cuda=8), AcceleratorKind.CUDA, "GPU", "cuda:0", "nccl", "CUDA_VISIBLE_DEVICES"),
+        (FakeProbe(xpu=4), AcceleratorKind.XPU, "GPU", "xpu:0", "xccl", "ONEAPI_DEVICE_SELECTOR"),
+        (FakeProbe(npu=8), AcceleratorKind.NPU, "NPU", "npu:0", "hccl", "ASCEND_RT_VISIBLE_DEVICES"),
+        (FakeProbe(), AcceleratorKind.CPU, "CPU", "cpu", "gloo", None),
+    ],
+)
+def test_detects_each_kind(probe, kind, ray_resource, device, backend, visible_env):
+    spec = detect_accelerator(probe)
+    assert spec.kind is kind
+    assert spec.ray_resource == ray_resource
+    assert spec.torch_device(0) == device
+    assert spec.dist_backend == backend
+    assert spec.visible_devices_env == visible_env
+
+
+def test_cuda_wins_when_several_kinds_are_visible():
+    assert detect_accelerator(FakeProbe(cuda=1, xpu=1, npu=1)).kind is AcceleratorKind.CUDA
+
+
+def test_this_machine_is_detected_without_a_fake():
+    # CI has no accelerator; on a GPU box this still returns a valid spec.
+    assert detect_accelerator().dist_backend in {"nccl", "xccl", "hccl", "gloo"}
+
+
+def test_spec_for_rejects_unknown_kind():
+    assert spec_for("npu").dist_backend == "hccl"
+    with pytest.raises(ValueError, match="accelerator kind='tpu'"):
+        spec_for("tpu")

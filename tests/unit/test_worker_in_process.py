@@ -1,0 +1,62 @@
+"""The worker and its process-group membership, in this process, without Ray."""
+
+import os
+
+import pytest
+import torch.distributed as dist
+
+from baige_ray.actors.worker import WorkerActor
+from baige_ray.api.configs import TrainConfig
+from baige_ray.models.corpus import CorpusConfig
+from baige_ray.models.gpt import GPTConfig
+from baige_ray.runtime.distributed import GroupMembership, StoreAddress
+from baige_ray.runtime.train_loop import TrainJob
+
+
+@pytest.fixture
+def worker():
+    actor = WorkerActor()
+    yield actor
+    actor.leave_group()
+
+
+def _join(worker: WorkerActor, generation: int) -> None:
+    store = worker.host_store("127.0.0.1")
+    worker.join_group(GroupMembership(store=store, rank=0, world_size=1, generation=generation))
+
+
+def test_device_info_outside_ray(worker):
+    info = worker.device_info()
+    assert info.pid == os.getpid()
+    assert info.device_kind == "cpu" and info.ray_resource == "CPU"
+    assert info.memory_bytes > 0 and not info.simulated
+
+
+def test_join_leave_and_join_next_generation(worker):
+    _join(worker, 0)
+    assert worker.all_reduce([1.5, 2.0]) == [1.5, 2.0]
+    worker.leave_group()
+    assert not dist.is_initialized()
+    _join(worker, 1)
+    assert dist.get_world_size() == 1
+    assert worker.group.membership.generation == 1
+
+
+def test_trainer_needs_a_group_and_runs_steps(worker):
+    job = TrainJob(
+        model=GPTConfig(seq_len=16, num_layers=1, num_heads=2, hidden=16),
+        train=TrainConfig(num_steps=2, global_batch_size=4),
+        corpus=CorpusConfig(max_bytes=1 << 20),
+    )
+    with pytest.raises(RuntimeError, match="not joined"):
+        worker.build_trainer(job)
+    _join(worker, 0)
+    report = worker.build_trainer(job)
+    assert report["num_parameters"] > 0
+    metrics = worker.train_step(0)
+    assert metrics["tokens"] == 4 * 16
+
+
+def test_membership_validates_rank():
+    with pytest.raises(ValueError, match="rank=3"):
+        GroupMembership(store=StoreAddress("127.0.0.1", 1), rank=3, world_size=2, generation=0)
