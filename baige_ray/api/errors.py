@@ -21,3 +21,18 @@ class WorkerError(BaigeError):
 
 class CheckpointError(BaigeError):
     """A checkpoint is missing, truncated or fails its checksum."""
+
+
+class InfeasiblePlanError(BaigeError):
+    """No parallel layout fits the model on the devices given.
+
+    Carries the per-device memory the best layout tried needs and what its devices hold,
+    so the user sees how far off the request is (more devices, a smaller model or batch).
+    """
+
+    def __init__(self, message: str, *, needed_gb: float, available_gb: float, layout: str):
+        super().__init__(f"{message}: best layout tried ({layout}) needs {needed_gb:.1f} GB per device, "
+                         f"devices hold {available_gb:.1f} GB")
+        self.needed_gb = needed_gb
+        self.available_gb = available_gb
+        self.layout = layout

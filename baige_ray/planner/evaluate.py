@@ -1,0 +1,132 @@
+"""One layout (tp, pp, dp, mapping) priced for many rows of (ep, ZeRO, micro-batch, recompute).
+
+The planner's search and the brute-force check both call `evaluate`; they differ in
+how they enumerate layouts and how they find each group's links, which is exactly
+what the brute-force comparison tests.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from baige_ray.planner.cost import (CostConstants, StageTimes, data_parallel_exposed, pipeline_seconds,
+                                    stage_times)
+from baige_ray.planner.links import GroupLink
+from baige_ray.planner.memory import activation_bytes, model_state_bytes, stage_param_counts
+from baige_ray.planner.model_spec import ModelSpec
+
+
+@dataclass(kw_only=True, frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    mapping: str
+
+    @property
+    def num_devices(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass(kw_only=True)
+class LayoutContext:
+    """What the graph tells about one layout: stage chips, memory and the links of every dimension."""
+
+    layout: Layout
+    stage_layers: np.ndarray  # int, per stage
+    stage_peak: np.ndarray  # FLOP/s of the slowest chip in each stage
+    stage_memory: np.ndarray  # usable bytes of the smallest device in each stage
+    total_peak: float  # sum of peak FLOP/s over the devices used
+    links: dict[str, GroupLink]
+
+
+@dataclass(kw_only=True)
+class Rows:
+    ep: np.ndarray
+    zero: np.ndarray
+    micro_batch: np.ndarray
+    recompute: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ep)
+
+    def take(self, index) -> Rows:
+        return Rows(ep=self.ep[index], zero=self.zero[index], micro_batch=self.micro_batch[index],
+                    recompute=self.recompute[index])
+
+
+@dataclass(kw_only=True)
+class Evaluation:
+    step_s: np.ndarray  # (rows,)
+    pipeline_s: np.ndarray
+    dp_exposed_s: np.ndarray
+    num_micro_batches: np.ndarray
+    times: StageTimes  # per micro-batch, (rows, stages)
+    memory_bytes: np.ndarray  # (rows, stages)
+    memory_ratio: np.ndarray  # (rows,) worst stage needed / usable
+    mfu: np.ndarray
+
+    @property
+    def feasible(self) -> np.ndarray:
+        return self.memory_ratio <= 1.0
+
+
+def evaluate(model: ModelSpec, constants: CostConstants, context: LayoutContext, rows: Rows) -> Evaluation:
+    layout = context.layout
+    m = model.global_batch // (layout.dp * rows.micro_batch)
+    times = stage_times(model, constants, stage_layers=context.stage_layers, stage_peak=context.stage_peak,
+                        tp=layout.tp, pp=layout.pp, links=context.links, ep=rows.ep, micro_batch=rows.micro_batch,
+                        recompute=rows.recompute)
+    dense, expert = stage_param_counts(model, context.stage_layers)
+    dp_exposed = data_parallel_exposed(model, times, stage_dense=dense, stage_expert=expert, tp=layout.tp,
+                                       dp=layout.dp, link=context.links["dp"], ep=rows.ep, zero=rows.zero,
+                                       num_micro_batches=m)
+    pipeline = pipeline_seconds(times.total, m)
+    step = pipeline + dp_exposed
+    memory = (model_state_bytes(model, context.stage_layers, tp=layout.tp, dp=layout.dp, ep=rows.ep, zero=rows.zero)
+              + activation_bytes(model, context.stage_layers, tp=layout.tp, pp=layout.pp,
+                                 micro_batch=rows.micro_batch, recompute=rows.recompute, num_micro_batches=m))
+    ratio = (memory / context.stage_memory[None, :]).max(axis=1)
+    mfu = model.model_flops_per_step() / (step * context.total_peak)
+    return Evaluation(step_s=step, pipeline_s=pipeline, dp_exposed_s=dp_exposed, num_micro_batches=m, times=times,
+                      memory_bytes=memory, memory_ratio=ratio, mfu=mfu)
+
+
+def split_layers(num_layers: int, stage_peak: np.ndarray, *, layer_cost: float, first_extra: float,
+                 last_extra: float) -> np.ndarray | None:
+    """Layers per stage minimizing the slowest stage, each stage's time = work / its chip's peak.
+
+    Equal chips get equal shares; mixed chips get shares proportional to speed. Assigning
+    identical layers one at a time to the stage that would finish earliest is optimal for
+    makespan over related machines with identical jobs (the greedy exchange argument).
+    The embedding costs no FLOPs, the LM head `last_extra` layer-equivalents. Stages of
+    equal chips must divide the layers evenly (Megatron-LM's rule); None when they cannot.
+    """
+    pp = len(stage_peak)
+    if np.all(stage_peak == stage_peak[0]):
+        return np.full(pp, num_layers // pp) if num_layers % pp == 0 else None
+    extra = np.zeros(pp)
+    extra[0] += first_extra
+    extra[-1] += last_extra
+    layers = np.ones(pp, dtype=np.int64)
+    heap = [((2 * layer_cost + extra[i]) / stage_peak[i], i) for i in range(pp)]
+    heapq.heapify(heap)
+    for _ in range(num_layers - pp):
+        _, stage = heapq.heappop(heap)
+        layers[stage] += 1
+        heapq.heappush(heap, (((layers[stage] + 1) * layer_cost + extra[stage]) / stage_peak[stage], stage))
+    return layers
+
+
+def row_grid(model: ModelSpec, *, dp: int, pp: int, zero_stages, recomputes, max_micro_batch: int) -> Rows:
+    """Every (ep, ZeRO, micro-batch, recompute) row valid for a layout with this dp and pp."""
+    eps = [e for e in range(1, max(model.num_experts, 1) + 1)
+           if max(model.num_experts, 1) % e == 0 and dp % e == 0]
+    zeros = [z for z in zero_stages if z <= 1 or pp == 1]  # DeepSpeed: pipelines combine with ZeRO-1 only
+    per_replica = model.global_batch // dp
+    batches = [b for b in range(1, min(per_replica, max_micro_batch) + 1) if per_replica % b == 0]
+    grid = np.array(np.meshgrid(eps, zeros, batches, recomputes, indexing="ij")).reshape(4, -1)
+    return Rows(ep=grid[0], zero=grid[1], micro_batch=grid[2], recompute=grid[3])

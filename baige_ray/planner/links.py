@@ -1,0 +1,102 @@
+"""The slowest link each communication group of a layout spans, for all its groups at once.
+
+A collective is priced on the slowest tier any pair of its members spans (the
+ring or tree NCCL builds is only as fast as its slowest hop). Groups of a layout
+are rows of a (num_groups, group_size) array of graph row positions; every
+question is answered with numpy over all rows, so a 100,000-device layout costs
+a few array passes, not 100,000 Python calls. The tier rules are those of
+`ResourceGraph.slowest_link`, rebuilt here from the graph's public attributes
+(profiles and network spec) because the topology package is owned elsewhere:
+  * members on one node: NVLINK, or PCIE when the node's members span islands;
+  * members on several nodes: CROSS_POD if pods differ, else CROSS_RAIL if any
+    two sit on different (leaf, rail) pairs, else SAME_RAIL;
+  * bandwidth: the slower of the worst intra-node pair and min NIC rate (capped
+    by the rail) divided by the tier's oversubscription.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from baige_ray.topology.graph import LinkTier, ResourceGraph
+
+
+@dataclass(kw_only=True, frozen=True)
+class GroupLink:
+    """Worst link over all groups of one dimension; bandwidth in bytes/s, latency in seconds."""
+
+    tier: int
+    bandwidth: float
+    latency: float
+
+    @property
+    def tier_name(self) -> str:
+        return LinkTier(self.tier).name if self.tier >= 0 else "NONE"
+
+
+# A dimension of size 1 communicates with nobody.
+NO_LINK = GroupLink(tier=-1, bandwidth=float("inf"), latency=0.0)
+
+
+class LinkTables:
+    """Per-device coordinates and per-tier constants of one graph, gathered once."""
+
+    def __init__(self, graph: ResourceGraph):
+        d, net = graph.devices, graph.network
+        self.node, self.island, self.pod = d.node, d.island, d.pod
+        no_rail = -1 - np.arange(len(d.rail), dtype=np.int64)  # a device without a rail matches nobody
+        self.rail_key = np.where(d.rail >= 0, d.leaf.astype(np.int64) * 4096 + d.rail, no_rail)
+        self.nic = np.minimum(d.nic_gbps.astype(np.float64), net.rail_bandwidth_gbps) * (1e9 / 8)
+        profile = d.profile
+        self.island_bw = np.array([p.island_gbps for p in graph.profiles])[profile] * (1e9 / 8)
+        self.pcie_bw = np.array([p.pcie_gbps for p in graph.profiles])[profile] * (1e9 / 8)
+        self.island_lat = np.array([p.island_latency_us for p in graph.profiles])[profile] * 1e-6
+        self.pcie_lat = np.array([p.pcie_latency_us for p in graph.profiles])[profile] * 1e-6
+        self.peak_flops = np.array([p.peak_tflops for p in graph.profiles])[profile] * 1e12
+        self.memory_bytes = d.memory_gb.astype(np.float64) * 1e9
+        self.divisor = np.array([1.0, 1.0, 1.0, net.oversubscription,
+                                 net.oversubscription * net.cross_pod_oversubscription])
+        self.tier_latency = np.array([0.0, 0.0, net.rail_latency_us, net.cross_rail_latency_us,
+                                      net.cross_pod_latency_us]) * 1e-6
+
+
+def group_link(tables: LinkTables, groups: np.ndarray) -> GroupLink:
+    """Worst tier / bandwidth / latency over every row of `groups` (graph row positions)."""
+    if groups.shape[1] < 2 or groups.size == 0:
+        return NO_LINK
+    pos = np.sort(groups, axis=1)  # graph rows are node-major, so a node's members become adjacent
+    node = tables.node[pos]
+    adjacent_same_node = node[:, 1:] == node[:, :-1]
+    island = tables.island[pos]
+    split = adjacent_same_node & (island[:, 1:] != island[:, :-1])
+    left = pos[:, :-1]
+    intra_bw = np.where(split, tables.pcie_bw[left], tables.island_bw[left])
+    intra_lat = np.where(split, tables.pcie_lat[left], tables.island_lat[left])
+    tier = np.where(split.any(), LinkTier.PCIE, LinkTier.NVLINK) if adjacent_same_node.any() else -1
+    bandwidth = float(intra_bw[adjacent_same_node].min()) if adjacent_same_node.any() else np.inf
+    latency = float(intra_lat[adjacent_same_node].max()) if adjacent_same_node.any() else 0.0
+    multi_node = node[:, 0] != node[:, -1]
+    if multi_node.any():
+        cross_tier, cross_bw, cross_lat = _cross_node(tables, pos[multi_node])
+        tier, bandwidth, latency = max(tier, cross_tier), min(bandwidth, cross_bw), max(latency, cross_lat)
+    return GroupLink(tier=int(tier), bandwidth=float(bandwidth), latency=float(latency))
+
+
+def _cross_node(tables: LinkTables, pos: np.ndarray) -> tuple[int, float, float]:
+    pod = tables.pod[pos]
+    rail_key = tables.rail_key[pos]
+    pods_differ = (pod != pod[:, :1]).any(axis=1)
+    rails_differ = (rail_key != rail_key[:, :1]).any(axis=1)
+    tier = np.where(pods_differ, LinkTier.CROSS_POD, np.where(rails_differ, LinkTier.CROSS_RAIL, LinkTier.SAME_RAIL))
+    bandwidth = tables.nic[pos].min(axis=1) / tables.divisor[tier]
+    return int(tier.max()), float(bandwidth.min()), float(tables.tier_latency[tier].max())
+
+
+def neighbour_link(tables: LinkTables, chains: np.ndarray) -> GroupLink:
+    """Worst link between consecutive members of each row (pipeline stage i -> i + 1)."""
+    if chains.shape[1] < 2 or chains.size == 0:
+        return NO_LINK
+    pairs = np.stack([chains[:, :-1].ravel(), chains[:, 1:].ravel()], axis=1)
+    return group_link(tables, pairs)

@@ -1,0 +1,90 @@
+"""Bytes per device: model states under ZeRO and activations under recomputation.
+
+Assumptions (stated, each a knob of the formulas below):
+  * Mixed-precision Adam (Rajbhandari et al. 2020, "ZeRO", sec. 3.1): per parameter
+    `dtype_bytes` of weights, `dtype_bytes` of gradients and K bytes of optimizer state
+    (fp32 master copy + momentum + variance = 12 when training in 16 bit, 8 in fp32).
+    ZeRO-1 shards optimizer state over the data-parallel group, ZeRO-2 also gradients,
+    ZeRO-3 also weights (ZeRO sec. 5); ZeRO-3 holds two gathered layers (one prefetched).
+  * Expert weights are sharded over expert-parallel ranks; their ZeRO group is the
+    `dp / ep` replicas holding the same experts.
+  * Activations per layer per micro-batch (Korthikanti et al. 2022, "Reducing Activation
+    Recomputation in Large Transformer Models", sec. 4, eq. 5, with sequence parallelism
+    whenever TP > 1 so every term divides by t): attention 7sbh + 4sb*kv_dim (11sbh for
+    MHA), MLP 3sbh + 4sb*ffn (19sbh for ffn = 4h), two layer norms 4sbh, and 5as^2b for
+    softmax/dropout of the scores. Selective recomputation drops the 5as^2b term (sec. 5);
+    full recomputation keeps only each layer's 2sbh input plus one layer's working set.
+  * 1F1B keeps up to (pp - stage) micro-batches in flight on a stage, at most the number
+    of micro-batches (Narayanan et al. 2021, sec. 2.2.1), so stage 0 holds the most.
+  * The last stage keeps fp32 logits for the loss, 4*s*b*vocab/t bytes (Korthikanti sec. 4.3).
+  * A fraction of device memory (CUDA context, NCCL buffers, allocator fragmentation) is
+    not usable; `PlanOptions.usable_memory_fraction`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from baige_ray.planner.model_spec import ModelSpec
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def optimizer_bytes_per_param(model: ModelSpec) -> int:
+    """Adam moments in fp32 (8 bytes), plus an fp32 master copy when weights are lower precision."""
+    return 8 + (4 if model.dtype_bytes < 4 else 0)
+
+
+def activation_bytes_per_layer(model: ModelSpec, micro_batch, recompute, tp: int) -> np.ndarray:
+    """Stored activation bytes of one layer for one micro-batch (`recompute` is an index into RECOMPUTE)."""
+    s, h, b = model.seq_len, model.hidden, np.asarray(micro_batch, dtype=np.float64)
+    mlp = 3 * h + (model.top_k * 4 * model.expert_ffn if model.is_moe else 4 * model.ffn_hidden)
+    linear = s * b * (7 * h + 4 * model.kv_dim + 4 * h + mlp)
+    scores = 5.0 * model.num_heads * s * s * b
+    stored = np.select([recompute == 0, recompute == 1], [linear + scores, linear], 2.0 * s * b * h)
+    return stored / tp
+
+
+def stage_param_counts(model: ModelSpec, stage_layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(dense, expert) parameters held by each stage before TP/EP sharding; embedding on the first
+    stage, LM head on the last."""
+    layers = np.asarray(stage_layers, dtype=np.float64)
+    dense = layers * model.dense_layer_params
+    dense[0] += model.embedding_params
+    dense[-1] += model.output_params
+    return dense, layers * model.expert_layer_params
+
+
+def model_state_bytes(model: ModelSpec, stage_layers: np.ndarray, *, tp: int, dp: int, ep, zero) -> np.ndarray:
+    """Weights + gradients + optimizer state per device, shape (rows, stages)."""
+    dense, expert = stage_param_counts(model, stage_layers)
+    ep = np.asarray(ep, dtype=np.float64)[:, None]
+    zero = np.asarray(zero)[:, None]
+    dense = dense[None, :] / tp
+    expert = expert[None, :] / (tp * ep)
+    expert_dp = dp / ep
+
+    def sharded(stage: int) -> np.ndarray:
+        on = zero >= stage
+        return np.where(on, dense / dp, dense) + np.where(on, expert / expert_dp, expert)
+
+    dtype = model.dtype_bytes
+    states = dtype * sharded(3) + dtype * sharded(2) + optimizer_bytes_per_param(model) * sharded(1)
+    gathered_layer = (model.dense_layer_params + model.expert_layer_params / ep) / tp
+    return states + np.where(zero >= 3, 2.0 * dtype * gathered_layer, 0.0)
+
+
+def activation_bytes(model: ModelSpec, stage_layers: np.ndarray, *, tp: int, pp: int, micro_batch, recompute,
+                     num_micro_batches) -> np.ndarray:
+    """Peak activation bytes per device under 1F1B, shape (rows, stages)."""
+    layers = np.asarray(stage_layers, dtype=np.float64)[None, :]
+    b = np.asarray(micro_batch, dtype=np.float64)[:, None]
+    recompute = np.asarray(recompute)[:, None]
+    in_flight = np.minimum(pp - np.arange(pp)[None, :], np.asarray(num_micro_batches)[:, None])
+    per_layer = activation_bytes_per_layer(model, b, recompute, tp)
+    # Full recomputation re-materializes one layer at a time during backward.
+    working = np.where(recompute == 2, activation_bytes_per_layer(model, b, np.zeros_like(recompute), tp), 0.0)
+    stored = in_flight * layers * per_layer + working
+    logits = np.zeros((1, pp))
+    logits[0, -1] = 4.0 * model.seq_len * model.vocab_size / tp
+    return stored + logits * b

@@ -1,0 +1,51 @@
+"""Knobs of the search; every default is a stated assumption of the cost model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from baige_ray.api.validation import require_int, require_number
+from baige_ray.planner.cost import CostConstants
+from baige_ray.planner.mapping import MAPPINGS
+from baige_ray.planner.memory import RECOMPUTE
+
+
+@dataclass(kw_only=True, frozen=True)
+class PlanOptions:
+    top_k: int = 5  # alternatives kept, each a distinct (tp, pp, dp, ep)
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[str, ...] = RECOMPUTE
+    mappings: tuple[str, ...] = MAPPINGS
+    max_micro_batch: int = 64
+    usable_memory_fraction: float = 0.9  # the rest: CUDA context, NCCL buffers, fragmentation
+    max_efficiency: float = CostConstants.max_efficiency
+    machine_balance: float = CostConstants.machine_balance
+    replan_tolerance: float = 0.05  # replan keeps ranks in place if within 5% of a fresh plan
+    constants: CostConstants = field(init=False)
+
+    def __post_init__(self) -> None:
+        require_int("PlanOptions", "top_k", self.top_k, minimum=0)
+        require_int("PlanOptions", "max_micro_batch", self.max_micro_batch, minimum=1)
+        for name, values, allowed in (("zero_stages", self.zero_stages, (0, 1, 2, 3)),
+                                      ("recompute", self.recompute, RECOMPUTE), ("mappings", self.mappings, MAPPINGS)):
+            object.__setattr__(self, name, tuple(values))
+            bad = [v for v in values if v not in allowed]
+            if bad or not values:
+                raise ValueError(f"PlanOptions.{name}={list(values)!r} is invalid: expected a non-empty subset of "
+                                 f"{list(allowed)}")
+        require_number("PlanOptions", "usable_memory_fraction", self.usable_memory_fraction, minimum=0,
+                       exclusive_minimum=True, maximum=1)
+        require_number("PlanOptions", "max_efficiency", self.max_efficiency, minimum=0, exclusive_minimum=True,
+                       maximum=1)
+        require_number("PlanOptions", "machine_balance", self.machine_balance, minimum=0, exclusive_minimum=True)
+        require_number("PlanOptions", "replan_tolerance", self.replan_tolerance, minimum=0)
+        object.__setattr__(self, "constants", CostConstants(max_efficiency=self.max_efficiency,
+                                                            machine_balance=self.machine_balance))
+
+    @property
+    def recompute_codes(self) -> tuple[int, ...]:
+        return tuple(RECOMPUTE.index(name) for name in self.recompute)
+
+    @property
+    def mapping_codes(self) -> tuple[int, ...]:
+        return tuple(MAPPINGS.index(name) for name in self.mappings)
