@@ -15,6 +15,7 @@ COMMAND_MODULES = {
     "fit": "baige_ray.runtime.fit_cli",
     "bench": "baige_ray.bench.cli",
     "topo": "baige_ray.topology.cli",
+    "plan": "baige_ray.planner.cli",
 }
 
 

@@ -10,6 +10,7 @@ import json
 # Benchmark modules keep heavy imports inside `run`, so parsing stays fast.
 BENCHMARK_MODULES: dict[str, str] = {
     "topo": "baige_ray.bench.topo",
+    "plan": "baige_ray.bench.plan",
 }
 
 

@@ -95,29 +95,24 @@ def evaluate(model: ModelSpec, constants: CostConstants, context: LayoutContext,
                       memory_bytes=memory, memory_ratio=ratio, mfu=mfu)
 
 
-def split_layers(num_layers: int, stage_peak: np.ndarray, *, layer_cost: float, first_extra: float,
-                 last_extra: float) -> np.ndarray | None:
-    """Layers per stage minimizing the slowest stage, each stage's time = work / its chip's peak.
+def split_layers(num_layers: int, layer_s: np.ndarray, extra_s: np.ndarray) -> np.ndarray | None:
+    """Layers per stage minimizing the slowest stage, stage time = layers * layer_s[i] + extra_s[i].
 
-    Equal chips get equal shares; mixed chips get shares proportional to speed. Assigning
-    identical layers one at a time to the stage that would finish earliest is optimal for
-    makespan over related machines with identical jobs (the greedy exchange argument).
-    The embedding costs no FLOPs, the LM head `last_extra` layer-equivalents. Stages of
-    equal chips must divide the layers evenly (Megatron-LM's rule); None when they cannot.
+    Equal stages get equal shares; faster stages get proportionally more. Assigning identical
+    layers one at a time to the stage that would finish earliest is optimal for makespan over
+    related machines with identical jobs (exchange argument). Stages of equal chips must divide
+    the layers evenly (Megatron-LM's rule); None when they cannot.
     """
-    pp = len(stage_peak)
-    if np.all(stage_peak == stage_peak[0]):
+    pp = len(layer_s)
+    if np.allclose(layer_s, layer_s[0], rtol=1e-12):
         return np.full(pp, num_layers // pp) if num_layers % pp == 0 else None
-    extra = np.zeros(pp)
-    extra[0] += first_extra
-    extra[-1] += last_extra
     layers = np.ones(pp, dtype=np.int64)
-    heap = [((2 * layer_cost + extra[i]) / stage_peak[i], i) for i in range(pp)]
+    heap = [(2 * layer_s[i] + extra_s[i], i) for i in range(pp)]
     heapq.heapify(heap)
     for _ in range(num_layers - pp):
         _, stage = heapq.heappop(heap)
         layers[stage] += 1
-        heapq.heappush(heap, (((layers[stage] + 1) * layer_cost + extra[stage]) / stage_peak[stage], stage))
+        heapq.heappush(heap, ((layers[stage] + 1) * layer_s[stage] + extra_s[stage], stage))
     return layers
 
 

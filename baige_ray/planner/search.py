@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from baige_ray.planner.cost import efficiency
+from baige_ray.planner.cost import all_reduce, efficiency
 from baige_ray.planner.evaluate import Layout, LayoutContext, Rows, evaluate, row_grid, split_layers
 from baige_ray.planner.links import GroupLink, LinkTables
 from baige_ray.planner.mapping import MAPPINGS, layout_links, rank_positions, slot_order, stage_devices
@@ -58,6 +58,7 @@ class Hardware:
 
     def __init__(self, graph: ResourceGraph, options: PlanOptions):
         self.graph = graph
+        self.options = options
         self.tables = LinkTables(graph)
         self.tables.memory_bytes = self.tables.memory_bytes * options.usable_memory_fraction
         self._slots: dict[tuple[int, str], np.ndarray] = {}
@@ -77,18 +78,29 @@ class Hardware:
                               mapping=layout.mapping)
 
 
-def layout_context(model: ModelSpec, hardware: Hardware, layout: Layout,
-                   links: dict[str, GroupLink]) -> LayoutContext | None:
+def layout_context(model: ModelSpec, hardware: Hardware, layout: Layout, links: dict[str, GroupLink], *,
+                   positions: np.ndarray | None = None) -> LayoutContext | None:
     """Stage chips, layer split and memory of a layout; None when its stages cannot split the layers."""
-    positions = hardware.positions(layout)
+    positions = hardware.positions(layout) if positions is None else positions
     peak, memory = stage_devices(hardware.tables, positions, pp=layout.pp)
-    tokens_cost = model.layer_flops_per_token
-    layers = split_layers(model.num_layers, peak, layer_cost=tokens_cost, first_extra=0.0,
-                          last_extra=model.logits_flops_per_token)
+    layers = split_layers(model.num_layers, *_layer_seconds(model, hardware.options, layout, peak, links))
     if layers is None:
         return None
     return LayoutContext(layout=layout, stage_layers=layers, stage_peak=peak, stage_memory=memory,
                          total_peak=float(hardware.tables.peak_flops[positions].sum()), links=links)
+
+
+def _layer_seconds(model: ModelSpec, options: PlanOptions, layout: Layout, peak: np.ndarray,
+                   links: dict[str, GroupLink]) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage, seconds per layer and for the LM head, for one sequence without recomputation: the
+    balance of compute (which scales with chip speed) and TP all-reduces (which do not)."""
+    rate = layout.tp * peak * float(efficiency(model, 1, layout.tp, options.constants))
+    activation = model.seq_len * model.hidden * model.dtype_bytes
+    layer = 3 * model.seq_len * model.layer_flops_per_token / rate
+    layer = layer + 4 * float(all_reduce(layout.tp, activation, links["tp"]))
+    extra = np.zeros(layout.pp)
+    extra[-1] = 3 * model.seq_len * model.logits_flops_per_token / rate[-1]
+    return layer, extra
 
 
 def expert_sizes(model: ModelSpec, dp: int) -> tuple[int, ...]:

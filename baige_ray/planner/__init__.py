@@ -1,0 +1,1 @@
+"""Placement-group planner: auto-parallel search over the resource graph, rank mapping, Ray placement."""

@@ -1,0 +1,34 @@
+"""`baige-ray plan MODEL.yaml --cluster clusters/X.yaml [--json]`: choose a parallel layout and explain it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("plan", help="plan DP/TP/PP/EP, ZeRO, micro-batches and rank placement")
+    parser.add_argument("model", help="model YAML (examples/models/*.yaml)")
+    parser.add_argument("--cluster", required=True, help="hardware descriptor YAML (clusters/*.yaml)")
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON line")
+    parser.add_argument("--top-k", type=int, default=5, help="alternatives to show with why they lost")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from baige_ray.api.errors import InfeasiblePlanError
+    from baige_ray.planner.model_spec import load_model_spec
+    from baige_ray.planner.options import PlanOptions
+    from baige_ray.planner.plan import plan
+    from baige_ray.topology.descriptor import load_descriptor
+    from baige_ray.topology.graph import ResourceGraph
+
+    graph = ResourceGraph.from_descriptor(load_descriptor(args.cluster))
+    try:
+        chosen = plan(load_model_spec(args.model), graph, PlanOptions(top_k=args.top_k))
+    except InfeasiblePlanError as error:
+        print(f"baige-ray plan: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(chosen.to_dict()) if args.json else chosen.explain())
+    return 0

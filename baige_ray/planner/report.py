@@ -1,0 +1,57 @@
+"""A plan as readable text (`PlacementPlan.explain`) and as JSON-ready data (`to_dict`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from baige_ray.planner.explain import LABELS
+
+if TYPE_CHECKING:
+    from baige_ray.planner.plan import PlacementPlan
+
+
+def explain_text(plan: PlacementPlan) -> str:
+    model = plan.model
+    lines = [
+        f"{model.name} ({model.num_params / 1e9:.1f}B params) on {plan.num_ranks} devices of {plan.cluster!r}",
+        f"  layout     tp={plan.tp} pp={plan.pp} dp={plan.dp} ep={plan.ep}  ZeRO-{plan.zero_stage}  "
+        f"micro-batch {plan.micro_batch_size} x {plan.num_micro_batches}  recompute={plan.recompute}  "
+        f"mapping {plan.mapping}",
+        f"  step       {plan.step_time_s:.4g} s predicted, MFU {plan.mfu:.1%}",
+        "  breakdown  " + ", ".join(f"{LABELS[k]} {v:.3g} s" for k, v in plan.breakdown_s.items() if v > 0),
+        f"  memory     {plan.memory_per_device_gb:.1f} GB per device at the fullest stage "
+        f"(usable {min(plan.usable_memory_by_stage_gb):.1f} GB)",
+        "  links      " + ", ".join(f"{dim} on {link.tier_name} ({link.bandwidth / 1e9:.0f} GB/s)"
+                                    for dim, link in plan.links.items() if link.tier >= 0),
+    ]
+    if plan.pp > 1:
+        layers = ", ".join(f"{n}x{chip}" for n, chip in zip(plan.stage_layers, plan.stage_chips))
+        spread = max(plan.stage_time_s) / min(plan.stage_time_s) - 1
+        lines.append(f"  stages     layers {layers}; stage times within {spread:.1%}")
+    if plan.alternatives:
+        lines.append("  alternatives (why they lost):")
+        lines += [f"    {alt.describe()}: {alt.why_lost}" for alt in plan.alternatives]
+    return "\n".join(lines)
+
+
+def plan_to_dict(plan: PlacementPlan, *, max_ranks: int = 4096) -> dict[str, Any]:
+    """Everything but the per-rank arrays of very large plans (which would swamp a terminal)."""
+    data: dict[str, Any] = {
+        "model": plan.model.name, "cluster": plan.cluster, "num_ranks": plan.num_ranks,
+        "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "ep": plan.ep, "zero_stage": plan.zero_stage,
+        "micro_batch_size": plan.micro_batch_size, "num_micro_batches": plan.num_micro_batches,
+        "recompute": plan.recompute, "mapping": plan.mapping, "step_time_s": plan.step_time_s,
+        "mfu": plan.mfu, "breakdown_s": plan.breakdown_s, "memory_per_device_gb": plan.memory_per_device_gb,
+        "memory_by_stage_gb": list(plan.memory_by_stage_gb), "stage_layers": list(plan.stage_layers),
+        "stage_chips": list(plan.stage_chips), "stage_time_s": list(plan.stage_time_s),
+        "links": {dim: {"tier": link.tier_name, "bandwidth_gb_per_s": link.bandwidth / 1e9,
+                        "latency_us": link.latency * 1e6} for dim, link in plan.links.items()},
+        "alternatives": [{"layout": alt.describe(), "step_time_s": alt.step_time_s, "why_lost": alt.why_lost}
+                         for alt in plan.alternatives],
+        "search": {k: (float(v) if isinstance(v, (float, np.floating)) else v) for k, v in plan.search_stats.items()},
+    }
+    if plan.num_ranks <= max_ranks:
+        data["rank_to_device"] = plan.rank_to_device.tolist()
+    return data
