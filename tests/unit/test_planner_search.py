@@ -1,0 +1,57 @@
+"""The pruned search against brute force, and infeasible requests."""
+
+import pytest
+
+from baige_ray.api.errors import InfeasiblePlanError
+from baige_ray.planner.bruteforce import brute_force
+from baige_ray.planner.model_spec import ModelSpec, load_model_spec
+from baige_ray.planner.options import PlanOptions
+from baige_ray.planner.plan import plan
+from baige_ray.planner.search import Hardware, search
+from baige_ray.topology.descriptor import load_descriptor
+from baige_ray.topology.graph import ResourceGraph
+
+from ..conftest import REPO_ROOT, SIM_2X4
+
+
+def _sim() -> ResourceGraph:
+    return ResourceGraph.from_descriptor(load_descriptor(SIM_2X4))
+
+
+@pytest.mark.parametrize("model", [
+    ModelSpec(name="dense", num_layers=8, hidden=2048, ffn_hidden=8192, num_heads=16, seq_len=1024,
+              vocab_size=32000, global_batch=16),
+    ModelSpec(name="moe", num_layers=4, hidden=1024, ffn_hidden=4096, num_heads=8, num_kv_heads=2, seq_len=512,
+              vocab_size=8000, global_batch=8, num_experts=4, top_k=2),
+])
+def test_pick_equals_brute_force(model):
+    options = PlanOptions(recompute=("none", "full"), max_micro_batch=8)
+    graph = _sim()
+    exact = brute_force(model, graph, options)
+    pick = search(model, options, Hardware(graph, options)).ranked[0]
+    assert pick.step_s == pytest.approx(exact.step_s, rel=1e-9)
+    assert pick.order_key[1:] == exact.order_key[1:]
+
+
+def test_alternatives_are_distinct_slower_and_explained():
+    chosen = plan(load_model_spec(REPO_ROOT / "examples" / "models" / "gpt-small.yaml"), _sim())
+    degrees = {(a.tp, a.pp, a.dp, a.ep) for a in chosen.alternatives}
+    assert len(degrees) == len(chosen.alternatives) == 5
+    assert (chosen.tp, chosen.pp, chosen.dp, chosen.ep) not in degrees
+    assert all(a.step_time_s >= chosen.step_time_s and "step time" in a.why_lost for a in chosen.alternatives)
+    text = chosen.explain()
+    assert "why they lost" in text and "MFU" in text
+
+
+def test_model_too_large_reports_memory_needed_vs_available():
+    with pytest.raises(InfeasiblePlanError) as error:
+        plan(load_model_spec(REPO_ROOT / "examples" / "models" / "gpt-175b.yaml"), _sim())
+    assert error.value.needed_gb > error.value.available_gb > 0
+    assert "GB per device" in str(error.value) and "tp=" in error.value.layout
+
+
+def test_too_few_devices_is_infeasible():
+    graph = _sim()
+    model = ModelSpec(num_layers=2, hidden=64, ffn_hidden=256, num_heads=4, seq_len=8, vocab_size=16, global_batch=4)
+    with pytest.raises(InfeasiblePlanError):
+        plan(model, graph.without_devices(graph.device_ids))
