@@ -16,7 +16,7 @@ import numpy as np
 
 from baige_ray.planner.evaluate import Layout, Rows, evaluate
 from baige_ray.planner.links import NO_LINK, GroupLink
-from baige_ray.planner.mapping import MAPPINGS, rank_groups
+from baige_ray.planner.mapping import rank_groups
 from baige_ray.planner.model_spec import ModelSpec
 from baige_ray.planner.options import PlanOptions
 from baige_ray.planner.search import Candidate, Hardware, layout_context
@@ -96,5 +96,3 @@ def _worst_neighbours(graph: ResourceGraph, chains: np.ndarray) -> GroupLink:
                      bandwidth=float(np.min(graph.bandwidth_between(a, b))) * 1e9,
                      latency=float(np.max(graph.latency_between(a, b))) * 1e-6)
 
-
-assert set(MAPPINGS) >= set(PlanOptions().mappings)

@@ -117,7 +117,7 @@ def stage_times(model: ModelSpec, constants: CostConstants, *, stage_layers, sta
             ep_time = np.where(np.asarray(ep)[:, None] == size, layers * 4 * routed, ep_time)
     pp_time = 2 * point_to_point(activation / tp, links["pp"]) if pp > 1 else np.zeros_like(tokens)
     return StageTimes(forward=forward_flops / rate, backward=backward_flops / rate, tp=tp_time, ep=ep_time,
-                      pp=pp_time + 0 * tp_time)
+                      pp=np.broadcast_to(pp_time, tp_time.shape))
 
 
 def pipeline_seconds(stage_total: np.ndarray, num_micro_batches) -> np.ndarray:

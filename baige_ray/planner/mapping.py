@@ -3,11 +3,10 @@
 Ranks follow Megatron-LM's convention, tensor-parallel fastest:
 rank = (stage * dp + replica) * tp + tp_index. A *slot* is `tp` devices of one
 NVLink island (consecutive local indices), so every TP group is one slot and
-never leaves the island. Slots are listed node by node, the same local slot of
-each node in the same column: slot j of node A and slot j of node B hold devices
-with the same local indices, which on a rail-optimized fabric are served by the
-same rail. A data- or pipeline-parallel group takes one slot column across nodes,
-so its cross-node traffic stays on one rail and leaf (Narayanan et al. 2021,
+never leaves the island. Slot column j of node A and of node B hold devices with
+the same local indices, which on a rail-optimized fabric are served by the same
+rail, so a data- or pipeline-parallel group that walks one column across nodes
+keeps its cross-node traffic on one rail and leaf (Narayanan et al. 2021,
 sec. 3.3: TP within a node, DP/PP across nodes).
 
 Four mappings are searched: the slot list is node-major (a node's slots next to

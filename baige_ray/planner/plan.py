@@ -171,7 +171,7 @@ def _infeasible(model: ModelSpec, hardware: Hardware, tightest: Candidate | None
                                    f"{graph.name!r} (no layout divides the model and batch)", needed_gb=float("nan"),
                                    available_gb=float(hardware.tables.memory_bytes.max(initial=0) / 1e9),
                                    layout="none")
-    context, evaluation = price_candidate(model, hardware_options(hardware), hardware, tightest)
+    context, evaluation = price_candidate(model, hardware.options, hardware, tightest)
     worst = int(np.argmax(evaluation.memory_bytes[0] / context.stage_memory))
     layout = tightest.layout
     text = (f"tp={layout.tp} pp={layout.pp} dp={layout.dp} ep={tightest.ep} zero={tightest.zero} "
@@ -180,10 +180,6 @@ def _infeasible(model: ModelSpec, hardware: Hardware, tightest: Candidate | None
                                f"{graph.num_devices} devices of {graph.name!r}",
                                needed_gb=float(evaluation.memory_bytes[0, worst] / 1e9),
                                available_gb=float(context.stage_memory[worst] / 1e9), layout=text)
-
-
-def hardware_options(hardware: Hardware) -> PlanOptions:
-    return hardware.options
 
 
 __all__ = ["Alternative", "DIMENSIONS", "Layout", "LayoutContext", "PlacementPlan", "build_plan", "plan"]

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 def explain_text(plan: PlacementPlan) -> str:
     model = plan.model
+    fullest = int(np.argmax(np.array(plan.memory_by_stage_gb) / np.array(plan.usable_memory_by_stage_gb)))
     lines = [
         f"{model.name} ({model.num_params / 1e9:.1f}B params) on {plan.num_ranks} devices of {plan.cluster!r}",
         f"  layout     tp={plan.tp} pp={plan.pp} dp={plan.dp} ep={plan.ep}  ZeRO-{plan.zero_stage}  "
@@ -21,15 +22,15 @@ def explain_text(plan: PlacementPlan) -> str:
         f"mapping {plan.mapping}",
         f"  step       {plan.step_time_s:.4g} s predicted, MFU {plan.mfu:.1%}",
         "  breakdown  " + ", ".join(f"{LABELS[k]} {v:.3g} s" for k, v in plan.breakdown_s.items() if v > 0),
-        f"  memory     {plan.memory_per_device_gb:.1f} GB per device at the fullest stage "
-        f"(usable {min(plan.usable_memory_by_stage_gb):.1f} GB)",
+        f"  memory     {plan.memory_by_stage_gb[fullest]:.1f} GB per device on the fullest stage {fullest} "
+        f"(usable {plan.usable_memory_by_stage_gb[fullest]:.1f} GB)",
         "  links      " + ", ".join(f"{dim} on {link.tier_name} ({link.bandwidth / 1e9:.0f} GB/s)"
                                     for dim, link in plan.links.items() if link.tier >= 0),
     ]
     if plan.pp > 1:
         layers = ", ".join(f"{n}x{chip}" for n, chip in zip(plan.stage_layers, plan.stage_chips))
-        spread = max(plan.stage_time_s) / min(plan.stage_time_s) - 1
-        lines.append(f"  stages     layers {layers}; stage times within {spread:.1%}")
+        spread = 1 - min(plan.stage_time_s) / max(plan.stage_time_s)
+        lines.append(f"  stages     layers {layers}; stage times within {spread:.1%} of the slowest")
     if plan.alternatives:
         lines.append("  alternatives (why they lost):")
         lines += [f"    {alt.describe()}: {alt.why_lost}" for alt in plan.alternatives]
