@@ -13,12 +13,15 @@ import socket
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from baige_ray.accelerator import AcceleratorSpec, DeviceProbe, detect_accelerator
 from baige_ray.api.device import DeviceInfo
+from baige_ray.engines.base import Engine
+from baige_ray.engines.factory import build_engine
+from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.state import CanonicalState
 from baige_ray.runtime.distributed import GroupMembership, ProcessGroupMember, StoreAddress
-from baige_ray.runtime.train_loop import Trainer, TrainJob
+from baige_ray.runtime.train_loop import TrainJob
 
 
 def _ray_placement() -> tuple[str, str, str, list[str]]:
@@ -46,14 +49,14 @@ def _device_memory(accelerator: AcceleratorSpec) -> tuple[str, int]:
 
 
 class WorkerActor:
-    """State of one worker process: its device, its process-group membership, its trainer."""
+    """State of one worker process: its device, its process-group membership, its engine."""
 
     def __init__(self, *, num_threads: int = 1, probe: DeviceProbe | None = None):
         # Many workers share few cores in simulation; one intra-op thread each avoids thrashing.
         torch.set_num_threads(num_threads)
         self.accelerator = detect_accelerator(probe)
         self.group = ProcessGroupMember(self.accelerator.dist_backend)
-        self.trainer: Trainer | None = None
+        self.engine: Engine | None = None
 
     def device_info(self) -> DeviceInfo:
         node_id, node_ip, resource, resource_ids = _ray_placement()
@@ -79,12 +82,12 @@ class WorkerActor:
         return self.group.host_store(host or _ray_placement()[1])
 
     def join_group(self, membership: GroupMembership) -> int:
-        self.trainer = None  # a trainer wraps the old group's communicator
+        self.engine = None  # an engine holds the old generation's communicators
         self.group.join(membership)
         return os.getpid()
 
     def leave_group(self) -> None:
-        self.trainer = None
+        self.engine = None
         self.group.leave()
 
     def all_reduce(self, values: list[float]) -> list[float]:
@@ -93,30 +96,33 @@ class WorkerActor:
         dist.all_reduce(tensor)
         return tensor.cpu().tolist()
 
-    def build_trainer(self, job: TrainJob) -> dict:
+    def build_engine(self, job: TrainJob, layout: ParallelLayout, emulated_speed: float = 1.0) -> dict:
         membership = self._require_membership()
-        self.trainer = Trainer(
-            job,
-            rank=membership.rank,
-            world_size=membership.world_size,
-            device=self._device(),
-            wrap=self._wrap_ddp if membership.world_size > 1 else None,
+        if layout.world_size != membership.world_size:
+            raise ValueError(
+                f"layout {layout.describe()} needs {layout.world_size} ranks; this group has {membership.world_size}"
+            )
+        self.engine = build_engine(
+            job, layout, membership.rank, device=self._device(), emulated_speed=emulated_speed
         )
-        return {"num_parameters": self.trainer.model.num_parameters(), "corpus": self.trainer.corpus.fingerprint}
+        return {
+            "num_parameters": sum(p.numel() for p in self.engine.parameters),
+            "corpus": self.engine.corpus.fingerprint,
+        }
 
-    def train_step(self, step: int) -> dict[str, float]:
-        if self.trainer is None:
-            raise RuntimeError("train_step called before build_trainer")
-        return self.trainer.train_step(step)
+    def train_step(self, step: int) -> dict:
+        return self._require_engine().train_step(step)
 
-    def model_state(self) -> dict[str, torch.Tensor]:
-        if self.trainer is None:
-            raise RuntimeError("model_state called before build_trainer")
-        return self.trainer.model_state()
+    def export_state(self) -> CanonicalState:
+        return self._require_engine().export_state()
 
-    def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
-        device_ids = [0] if self.accelerator.is_accelerator else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+    def import_state(self, state: CanonicalState) -> None:
+        self._require_engine().import_state(state)
+
+    def _require_engine(self) -> Engine:
+        if self.engine is None:
+            raise RuntimeError("build_engine has not been called in this process-group generation")
+        return self.engine
 
     def _device(self) -> str:
         return self.accelerator.torch_device(0)

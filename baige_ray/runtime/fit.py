@@ -1,9 +1,9 @@
 """`fit`: train a model on worker actors spread over the Ray cluster.
 
-This first version runs data parallelism (DDP) over `ScalingConfig.num_workers`
-actors in one placement group. The driver only orchestrates: it forms the
-process group, triggers each step on every worker, reduces their metrics, and
-writes the final weights it receives through the object store.
+The driver only orchestrates: it starts one worker actor per device, forms the
+process group, has every worker build the engine its layout needs (DDP, FSDP2,
+DeepSpeed ZeRO, DTensor TP, pipelining), triggers each step on every worker,
+reduces their metrics, and writes the final weights it gathers in canonical form.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import ray
 from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
 from baige_ray.api.errors import ClusterError
 from baige_ray.api.result import Result, StepMetrics
+from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.state import merge_states
 from baige_ray.models.corpus import CorpusConfig
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.runtime.checkpoint_io import save_model_checkpoint
@@ -26,11 +28,12 @@ from baige_ray.runtime.worker_group import WorkerGroup
 logger = logging.getLogger(__name__)
 
 
-def reduce_step_metrics(per_rank: list[dict[str, float]], step_time_s: float) -> StepMetrics:
-    """Every rank handles the same number of samples, so the global loss is the plain mean."""
+def reduce_step_metrics(per_rank: list[dict], step_time_s: float) -> StepMetrics:
+    """Mean over the ranks that see the loss (last pipeline stage); replicas hold equal batches."""
+    losses = [m["loss"] for m in per_rank if m["loss"] is not None]
     return StepMetrics(
         step=int(per_rank[0]["step"]),
-        loss=sum(m["loss"] for m in per_rank) / len(per_rank),
+        loss=sum(losses) / len(losses),
         learning_rate=per_rank[0]["learning_rate"],
         step_time_s=step_time_s,
         tokens=int(sum(m["tokens"] for m in per_rank)),
@@ -44,25 +47,31 @@ def fit(
     scaling: ScalingConfig | None = None,
     run: RunConfig | None = None,
     corpus: CorpusConfig | None = None,
+    layout: ParallelLayout | None = None,
+    emulated_speeds: list[float] | None = None,
 ) -> Result:
     """Train `model` (the reference GPT by default) and return its metrics and final checkpoint.
 
-    Connects to RAY_ADDRESS, or starts a local Ray, when no Ray session is open.
+    `layout` gives explicit DP/TP/PP degrees and engines; the default is DDP over
+    every worker. `emulated_speeds` (one per rank) makes workers emulate slower
+    chips. Connects to RAY_ADDRESS, or starts a local Ray, when no session is open.
     """
     job = TrainJob(model=model or GPTConfig(), train=train, corpus=corpus or CorpusConfig())
     scaling = scaling or ScalingConfig()
     run = run or RunConfig()
-    train.per_worker_batch(scaling.num_workers)  # fail on an uneven split before starting actors
+    layout = layout or ParallelLayout(dp=scaling.num_workers)
+    speeds = _check_plan(job, scaling, layout, emulated_speeds)
     if not ray.is_initialized():
         ray.init(logging_level=logging.WARNING)
     started = time.perf_counter()
     group = WorkerGroup(scaling, timeout_s=run.step_timeout_s)
     try:
         group.form_process_group()
-        _build_trainers(group, job)
+        _build_engines(group, job, layout, speeds)
         metrics = _train(group, job, run)
+        state = merge_states(group.call("export_state"))
         checkpoint = save_model_checkpoint(
-            run.run_dir / "final", group.call_rank(0, "model_state"), model_config=job.model, step=train.num_steps
+            run.run_dir / "final", state["model"], model_config=job.model, step=train.num_steps
         )
     finally:
         group.shutdown()
@@ -74,8 +83,25 @@ def fit(
     )
 
 
-def _build_trainers(group: WorkerGroup, job: TrainJob) -> None:
-    reports = group.call("build_trainer", job)
+def _check_plan(
+    job: TrainJob, scaling: ScalingConfig, layout: ParallelLayout, speeds: list[float] | None
+) -> list[float]:
+    """Fail on a layout that cannot run before any actor starts."""
+    if layout.world_size != scaling.num_workers:
+        raise ValueError(
+            f"ScalingConfig.num_workers={scaling.num_workers} is invalid: layout {layout.describe()} "
+            f"expected {layout.world_size} workers"
+        )
+    job.train.per_worker_batch(layout.dp)
+    layout.layers_per_stage(job.model.num_layers)
+    speeds = speeds or [1.0] * scaling.num_workers
+    if len(speeds) != scaling.num_workers or min(speeds) <= 0:
+        raise ValueError(f"emulated_speeds={speeds!r} is invalid: expected {scaling.num_workers} positive numbers")
+    return speeds
+
+
+def _build_engines(group: WorkerGroup, job: TrainJob, layout: ParallelLayout, speeds: list[float]) -> None:
+    reports = group.call_each("build_engine", [(job, layout, speed) for speed in speeds])
     fingerprints = {report["corpus"] for report in reports}
     if len(fingerprints) != 1:
         # Nodes with different Python versions read different stdlib sources.

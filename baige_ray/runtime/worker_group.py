@@ -116,7 +116,11 @@ class WorkerGroup:
         return self._get([getattr(worker, method).remote(*args) for worker in self.workers], method)
 
     def call_each(self, method: str, per_rank_args: Sequence[Any]) -> list[Any]:
-        refs = [getattr(w, method).remote(arg) for w, arg in zip(self.workers, per_rank_args, strict=True)]
+        """Call `method` on every worker with its own arguments (a tuple spreads into several)."""
+        refs = [
+            getattr(worker, method).remote(*(args if isinstance(args, tuple) else (args,)))
+            for worker, args in zip(self.workers, per_rank_args, strict=True)
+        ]
         return self._get(refs, method)
 
     def call_rank(self, rank: int, method: str, *args: Any) -> Any:

@@ -5,8 +5,10 @@ from collections import Counter
 import pytest
 
 from baige_ray import GPTConfig, RunConfig, ScalingConfig, TrainConfig, fit
-from baige_ray.models.corpus import CorpusConfig, stdlib_corpus
-from baige_ray.runtime.train_loop import Trainer, TrainJob
+from baige_ray.models.corpus import CorpusConfig
+from baige_ray.runtime.train_loop import TrainJob
+
+from ..helpers import reference_losses
 
 MODEL = GPTConfig(seq_len=32, num_layers=2, num_heads=2, hidden=32)
 CORPUS = CorpusConfig(max_bytes=1 << 20)
@@ -31,6 +33,5 @@ def test_eight_workers_fill_both_nodes_and_ranks_follow_locality(sim_cluster, re
 
 
 def test_eight_way_ddp_matches_one_process(result):
-    trainer = Trainer(TrainJob(model=MODEL, train=TRAIN, corpus=CORPUS), corpus=stdlib_corpus(CORPUS))
-    expected = [trainer.train_step(step)["loss"] for step in range(TRAIN.num_steps)]
+    expected = reference_losses(TrainJob(model=MODEL, train=TRAIN, corpus=CORPUS))
     assert result.losses == pytest.approx(expected, rel=1e-5)

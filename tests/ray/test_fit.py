@@ -1,17 +1,14 @@
 import pytest
 
 from baige_ray import GPTConfig, RunConfig, ScalingConfig, TrainConfig, fit, load_model
-from baige_ray.models.corpus import CorpusConfig, stdlib_corpus
-from baige_ray.runtime.train_loop import Trainer, TrainJob
+from baige_ray.models.corpus import CorpusConfig
+from baige_ray.runtime.train_loop import TrainJob
+
+from ..helpers import reference_losses
 
 MODEL = GPTConfig(seq_len=32, num_layers=2, num_heads=2, hidden=32)
 CORPUS = CorpusConfig(max_bytes=1 << 20)
 TRAIN = TrainConfig(num_steps=4, global_batch_size=8, micro_batch_size=2, warmup_steps=1, seed=3)
-
-
-def single_process_losses() -> list[float]:
-    trainer = Trainer(TrainJob(model=MODEL, train=TRAIN, corpus=CORPUS), corpus=stdlib_corpus(CORPUS))
-    return [trainer.train_step(step)["loss"] for step in range(TRAIN.num_steps)]
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +18,7 @@ def result(local_ray, tmp_path_factory):
 
 
 def test_ddp_matches_single_process_step_by_step(result):
-    assert result.losses == pytest.approx(single_process_losses(), rel=1e-5)
+    assert result.losses == pytest.approx(reference_losses(TrainJob(model=MODEL, train=TRAIN, corpus=CORPUS)), rel=1e-5)
 
 
 def test_result_reports_workers_and_throughput(result):

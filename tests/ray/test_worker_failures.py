@@ -7,7 +7,9 @@ from baige_ray.models.gpt import GPTConfig
 from baige_ray.runtime.train_loop import TrainJob
 from baige_ray.runtime.worker_group import WorkerGroup
 
-from ..fakes import FailingStepWorker
+from baige_ray.engines.layout import ParallelLayout
+
+from ..helpers import FailingStepWorker
 
 TINY_JOB = TrainJob(
     model=GPTConfig(seq_len=16, num_layers=1, num_heads=2, hidden=16),
@@ -20,7 +22,7 @@ def test_failing_rank_is_named(local_ray):
     workers = WorkerGroup(ScalingConfig(num_workers=2), worker_cls=FailingStepWorker, timeout_s=60)
     try:
         workers.form_process_group()
-        workers.call("build_trainer", TINY_JOB)
+        workers.call("build_engine", TINY_JOB, ParallelLayout(dp=2))
         workers.call("train_step", 0)
         with pytest.raises(WorkerError, match="injected failure") as error:
             workers.call("train_step", 1)

@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from baige_ray.actors.worker import WorkerActor
 from baige_ray.api.configs import TrainConfig
+from baige_ray.engines.layout import ParallelLayout
 from baige_ray.models.corpus import CorpusConfig
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.runtime.distributed import GroupMembership, StoreAddress
@@ -42,16 +43,18 @@ def test_join_leave_and_join_next_generation(worker):
     assert worker.group.membership.generation == 1
 
 
-def test_trainer_needs_a_group_and_runs_steps(worker):
+def test_engine_needs_a_group_and_runs_steps(worker):
     job = TrainJob(
         model=GPTConfig(seq_len=16, num_layers=1, num_heads=2, hidden=16),
         train=TrainConfig(num_steps=2, global_batch_size=4),
         corpus=CorpusConfig(max_bytes=1 << 20),
     )
     with pytest.raises(RuntimeError, match="not joined"):
-        worker.build_trainer(job)
+        worker.build_engine(job, ParallelLayout())
     _join(worker, 0)
-    report = worker.build_trainer(job)
+    with pytest.raises(ValueError, match="needs 2 ranks"):
+        worker.build_engine(job, ParallelLayout(dp=2))
+    report = worker.build_engine(job, ParallelLayout())
     assert report["num_parameters"] > 0
     metrics = worker.train_step(0)
     assert metrics["tokens"] == 4 * 16

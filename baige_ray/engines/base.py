@@ -1,0 +1,96 @@
+"""What every engine shares: the data slice of a rank, the learning-rate schedule, metrics, slow-chip emulation."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from baige_ray.engines.layout import ParallelLayout, RankCoords
+from baige_ray.engines.state import CanonicalState
+from baige_ray.models.corpus import ByteCorpus, stdlib_corpus
+from baige_ray.runtime.train_loop import TrainJob, learning_rate_at, sample_range
+
+
+class SlowChipEmulator:
+    """Makes a module behave like a chip `speed` times as fast as this one.
+
+    After each forward it sleeps (1/speed - 1) x the forward time x 3, the 3
+    standing for forward plus backward (backward costs about twice forward).
+    Sleeping, unlike spinning, leaves the shared CPU cores to the other workers.
+    """
+
+    BACKWARD_FACTOR = 3.0
+
+    def __init__(self, module: nn.Module, speed: float):
+        self.extra = max(0.0, 1.0 / speed - 1.0) * self.BACKWARD_FACTOR
+        self._started = 0.0
+        if self.extra > 0:
+            module.register_forward_pre_hook(self._before_forward)
+            module.register_forward_hook(self._after_forward)
+
+    def _before_forward(self, *_: object) -> None:
+        self._started = time.perf_counter()
+
+    def _after_forward(self, *_: object) -> None:
+        time.sleep(self.extra * (time.perf_counter() - self._started))
+
+
+class Engine(ABC):
+    """One rank's training: `train_step`, and state in and out in canonical form."""
+
+    def __init__(self, job: TrainJob, layout: ParallelLayout, rank: int, corpus: ByteCorpus | None = None):
+        self.job = job
+        self.layout = layout
+        self.rank = rank
+        self.coords: RankCoords = layout.coords(rank)
+        self.per_replica_batch = job.train.per_worker_batch(layout.dp)
+        self.corpus = corpus or stdlib_corpus(job.corpus)
+
+    def train_step(self, step: int) -> dict:
+        learning_rate = learning_rate_at(step, self.job.train)
+        self.set_learning_rate(learning_rate)
+        indices = sample_range(step, self.coords.dp, self.layout.dp, self.job.train.global_batch_size)
+        inputs, targets = self.corpus.batch(indices, self.job.model.seq_len, self.job.train.seed)
+        loss = self.forward_backward(inputs, targets)
+        self.optimizer_step()
+        counts_tokens = self.coords.tp == 0 and self.coords.pp == 0  # one rank per data-parallel replica
+        return {
+            "step": step,
+            "loss": loss,
+            "learning_rate": learning_rate,
+            "tokens": inputs.numel() if counts_tokens else 0,
+        }
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    @property
+    @abstractmethod
+    def module(self) -> nn.Module:
+        """The unwrapped module whose parameter names are the canonical names."""
+
+    @abstractmethod
+    def set_learning_rate(self, learning_rate: float) -> None: ...
+
+    @abstractmethod
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        """Accumulate this step's gradients; the batch-mean loss, or None on ranks that never see it."""
+
+    @abstractmethod
+    def optimizer_step(self) -> None: ...
+
+    @abstractmethod
+    def export_state(self) -> CanonicalState:
+        """Collective: every rank calls it; owners of a name return it, others an empty part."""
+
+    @abstractmethod
+    def import_state(self, state: CanonicalState) -> None: ...
+
+    @property
+    def owns_state(self) -> bool:
+        """Exactly one rank per pipeline stage returns that stage's state."""
+        return self.coords.dp == 0 and self.coords.tp == 0

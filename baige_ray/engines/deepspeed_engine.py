@@ -1,0 +1,146 @@
+"""Data parallelism by the real DeepSpeed engine, ZeRO stage 1, 2 or 3.
+
+DeepSpeed joins the process group the worker already belongs to
+(`dist_init_required=False`); on CPU its accelerator is "cpu" and its
+collectives run on gloo. The client optimizer is the same AdamW with the same
+parameter groups as every other engine, so the update is the same mathematics.
+Gradient accumulation and clipping are DeepSpeed's own.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from baige_ray.engines.base import Engine, SlowChipEmulator
+from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.state import ADAM_KEYS, CanonicalState
+from baige_ray.models.corpus import ByteCorpus
+from baige_ray.models.gpt import GPT, language_model_loss
+from baige_ray.runtime.train_loop import TrainJob, build_optimizer
+
+
+def deepspeed_config(job: TrainJob, per_replica_batch: int, zero_stage: int) -> dict:
+    micro = job.train.micro_batch_size or per_replica_batch
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": per_replica_batch // micro,
+        "zero_optimization": {"stage": zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": job.train.grad_clip,
+        "steps_per_print": 2**31,
+    }
+
+
+class DeepSpeedEngine(Engine):
+    def __init__(
+        self,
+        job: TrainJob,
+        layout: ParallelLayout,
+        rank: int = 0,
+        *,
+        device: str = "cpu",
+        emulated_speed: float = 1.0,
+        corpus: ByteCorpus | None = None,
+    ):
+        super().__init__(job, layout, rank, corpus)
+        import deepspeed
+
+        # DeepSpeed reads these even when the process group exists; one device per worker process.
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(dist.get_rank()), str(dist.get_world_size())
+        torch.manual_seed(job.train.seed)
+        model = GPT(job.model).to(device)
+        self._emulator = SlowChipEmulator(model, emulated_speed)
+        self.zero_stage = int(layout.data_parallel.removeprefix("zero"))
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=build_optimizer(model, job.train),
+            config=deepspeed_config(job, self.per_replica_batch, self.zero_stage),
+            dist_init_required=False,
+        )
+        self.device = torch.device(device)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+    def set_learning_rate(self, learning_rate: float) -> None:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = learning_rate
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        micro = self.job.train.micro_batch_size or self.per_replica_batch
+        num_micro = self.per_replica_batch // micro
+        losses = []
+        for index in range(num_micro):
+            chunk = slice(index * micro, (index + 1) * micro)
+            loss = language_model_loss(self.engine(inputs[chunk].to(self.device)), targets[chunk].to(self.device))
+            self.engine.backward(loss)  # DeepSpeed scales by 1 / gradient_accumulation_steps
+            if index < num_micro - 1:
+                self.engine.step()  # a micro-step: DeepSpeed only accumulates here
+            losses.append(loss.item())
+        return sum(losses) / num_micro
+
+    def optimizer_step(self) -> None:
+        self.engine.step()  # the accumulation boundary: reduce, clip, update
+
+    def _base_optimizer_states(self) -> list[dict]:
+        return [state for state in self.engine.optimizer.optimizer.state.values() if state]
+
+    def _create_optimizer_state(self) -> None:
+        """Zero Adam moments for every flat partition, as AdamW's first step would create them."""
+        base = self.engine.optimizer.optimizer
+        for group in base.param_groups:
+            for flat in group["params"]:
+                if not base.state.get(flat):
+                    base.state[flat] = {
+                        "step": torch.zeros((), dtype=torch.float32),
+                        **{key: torch.zeros_like(flat) for key in ADAM_KEYS},
+                    }
+
+    def _relink_state_fragments(self) -> None:
+        # ZeRO-1/2 link each parameter to its slice of the Adam moments right after the
+        # first parameter group's first step, before later groups have any state; relinking
+        # once every group has state makes the per-parameter accessors see all of it.
+        optimizer = self.engine.optimizer
+        if hasattr(optimizer, "_hp_optimizer_states_linked"):
+            optimizer._hp_optimizer_states_linked = False
+            optimizer._lazy_init_hp_params_optimizer_state()
+
+    def export_state(self) -> CanonicalState:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        if self._base_optimizer_states():
+            self._relink_state_fragments()
+        model, adam = {}, {}
+        step = [s["step"] for s in self._base_optimizer_states()]
+        for name, param in self.module.named_parameters():
+            model[name] = safe_get_full_fp32_param(param).detach().cpu().clone()  # collective under ZeRO-3
+            moments = {key: safe_get_full_optimizer_state(param, key) for key in ADAM_KEYS}
+            if step and all(value is not None for value in moments.values()):
+                adam[name] = {"step": torch.as_tensor(step[0], dtype=torch.float32).clone()}
+                adam[name].update({key: value.detach().cpu().clone() for key, value in moments.items()})
+        if not self.owns_state:
+            return {"model": {}, "optimizer": {}}
+        return {"model": model, "optimizer": adam}
+
+    def import_state(self, state: CanonicalState) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        if state["optimizer"]:
+            self._create_optimizer_state()
+            self._relink_state_fragments()
+        for name, param in self.module.named_parameters():
+            safe_set_full_fp32_param(param, state["model"][name].to(self.device))
+            saved = state["optimizer"].get(name)
+            if saved is not None:
+                for key in ADAM_KEYS:
+                    safe_set_full_optimizer_state(param, saved[key].to(self.device), key)
+        steps = [saved["step"] for saved in state["optimizer"].values()]
+        for base_state in self._base_optimizer_states():
+            if steps:
+                base_state["step"] = steps[0].clone() if torch.is_tensor(base_state["step"]) else int(steps[0])

@@ -1,0 +1,111 @@
+"""The parallel layout a worker executes: degrees, data-parallel flavour, pipeline shape.
+
+Ranks are laid out row-major over (pp, dp, tp): tensor-parallel peers are
+consecutive ranks, so a rank -> device mapping that puts consecutive ranks in
+one NVSwitch island keeps TP traffic inside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from baige_ray.api.validation import require_choice, require_int, require_number
+
+DATA_PARALLEL_KINDS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
+PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b")
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    pp: int
+    dp: int
+    tp: int
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelLayout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    data_parallel: str = "ddp"
+    num_microbatches: int | None = None
+    pipeline_schedule: str = "1f1b"
+    stage_layers: tuple[int, ...] | None = None
+    stage_speeds: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp"):
+            require_int("ParallelLayout", name, getattr(self, name), minimum=1)
+        require_choice("ParallelLayout", "data_parallel", self.data_parallel, DATA_PARALLEL_KINDS)
+        require_choice("ParallelLayout", "pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
+        if self.num_microbatches is not None:
+            require_int("ParallelLayout", "num_microbatches", self.num_microbatches, minimum=1)
+        if self.data_parallel.startswith("zero") and (self.tp > 1 or self.pp > 1):
+            raise ValueError(
+                f"ParallelLayout.data_parallel={self.data_parallel!r} is invalid with tp={self.tp}, pp={self.pp}: "
+                "expected 'ddp' or 'fsdp2' when tensor or pipeline parallelism is used"
+            )
+        self._check_stage_tuple("stage_layers", self.stage_layers, int)
+        self._check_stage_tuple("stage_speeds", self.stage_speeds, float)
+
+    def _check_stage_tuple(self, name: str, values: tuple | None, kind: type) -> None:
+        if values is None:
+            return
+        object.__setattr__(self, name, tuple(values))
+        if len(values) != self.pp * self.stages_per_rank:
+            raise ValueError(f"ParallelLayout.{name}={values!r} is invalid: expected {self.num_stages} entries")
+        for value in values:
+            if kind is int:
+                require_int("ParallelLayout", name, value, minimum=1)
+            else:
+                require_number("ParallelLayout", name, value, minimum=0, exclusive_minimum=True)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def stages_per_rank(self) -> int:
+        return 2 if self.pipeline_schedule == "interleaved-1f1b" and self.pp > 1 else 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def microbatches(self, per_replica_batch: int) -> int:
+        """Pipeline micro-batches per step: the layout's choice, else enough to fill the pipeline."""
+        count = self.num_microbatches or min(per_replica_batch, 2 * self.num_stages)
+        if per_replica_batch % count:
+            raise ValueError(
+                f"ParallelLayout.num_microbatches={count} is invalid: expected a divisor of the "
+                f"per-replica batch {per_replica_batch}"
+            )
+        return count
+
+    def coords(self, rank: int) -> RankCoords:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} is outside a world of {self.world_size}")
+        pp, rest = divmod(rank, self.dp * self.tp)
+        dp, tp = divmod(rest, self.tp)
+        return RankCoords(pp=pp, dp=dp, tp=tp)
+
+    def layers_per_stage(self, num_layers: int) -> tuple[int, ...]:
+        """Explicit stage sizes, else layers split as evenly as possible (earlier stages get the extra)."""
+        if self.stage_layers is not None:
+            if sum(self.stage_layers) != num_layers:
+                raise ValueError(
+                    f"ParallelLayout.stage_layers={self.stage_layers!r} is invalid: expected a sum of {num_layers}"
+                )
+            return self.stage_layers
+        if num_layers < self.num_stages:
+            raise ValueError(f"{num_layers} layers cannot fill {self.num_stages} pipeline stages")
+        base, extra = divmod(num_layers, self.num_stages)
+        return tuple(base + (1 if stage < extra else 0) for stage in range(self.num_stages))
+
+    def stage_indices(self, pp_rank: int) -> tuple[int, ...]:
+        """Pipeline stages held by a pp rank; interleaving gives rank r stages r and r + pp."""
+        return tuple(pp_rank + round_ * self.pp for round_ in range(self.stages_per_rank))
+
+    def describe(self) -> str:
+        parts = [f"{name.upper()}{getattr(self, name)}" for name in ("dp", "tp", "pp") if getattr(self, name) > 1]
+        return "x".join(parts or ["single"]) + f" ({self.data_parallel})"

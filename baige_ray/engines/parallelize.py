@@ -1,0 +1,90 @@
+"""Apply tensor and data parallelism to a stage module, torchtitan style.
+
+TP shards attention and MLP projections with DTensor (q, k, v and up column-wise,
+o and down row-wise: one all-reduce per sub-layer forward, Megatron-LM's
+scheme). DP is DDP, FSDP2 (`fully_shard` per block, then the root) or, when
+DTensor parameters rule DDP out, an explicit all-reduce of gradients over the
+data-parallel group after backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
+
+from baige_ray.engines.stages import GPTStage
+
+TENSOR_PARALLEL_PLAN = {
+    "attn.q_proj": ColwiseParallel(),
+    "attn.k_proj": ColwiseParallel(),
+    "attn.v_proj": ColwiseParallel(),
+    "attn.o_proj": RowwiseParallel(),
+    "mlp.up": ColwiseParallel(),
+    "mlp.down": RowwiseParallel(),
+}
+
+
+def apply_tensor_parallel(stage: GPTStage, tp_mesh: DeviceMesh, num_heads: int) -> None:
+    if num_heads % tp_mesh.size() != 0:
+        raise ValueError(f"tensor parallel degree {tp_mesh.size()} must divide the model's num_heads={num_heads}")
+    for block in stage.blocks.values():
+        parallelize_module(block, tp_mesh, TENSOR_PARALLEL_PLAN)
+
+
+def apply_fsdp(stage: GPTStage, dp_mesh: DeviceMesh) -> None:
+    for block in stage.blocks.values():
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(stage, mesh=dp_mesh)
+
+
+def apply_ddp(stage: GPTStage, dp_group: dist.ProcessGroup, on_accelerator: bool) -> nn.Module:
+    return DistributedDataParallel(stage, process_group=dp_group, device_ids=[0] if on_accelerator else None)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def all_reduce_gradients(parameters: list[nn.Parameter], dp_group: dist.ProcessGroup) -> None:
+    """Average gradients over the data-parallel group in one flat collective."""
+    grads = [local(p.grad) for p in parameters if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=dp_group)
+    flat /= dist.get_world_size(dp_group)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None) -> float:
+    """Clip by the global norm over every shard and every pipeline stage; returns the norm.
+
+    Norms of DTensor gradients are resolved over their mesh (`full_tensor`), and
+    squared norms are summed over pipeline stages, so the coefficient is the one
+    a single process holding the whole model would use.
+    """
+    squares = torch.zeros((), dtype=torch.float64)
+    for param in parameters:
+        if param.grad is None:
+            continue
+        norm = torch.linalg.vector_norm(param.grad)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares += norm.detach().double().cpu() ** 2
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(squares, group=pp_group)
+    total = float(squares.sqrt())
+    coefficient = min(1.0, max_norm / (total + 1e-6))
+    if coefficient < 1.0:
+        for param in parameters:
+            if param.grad is not None:
+                param.grad.mul_(coefficient)
+    return total

@@ -1,0 +1,63 @@
+"""Engine state in one canonical, layout-independent form.
+
+Canonical state: {"model": {name: full tensor}, "optimizer": {name: {"step",
+"exp_avg", "exp_avg_sq"}}}: full (unsharded) CPU tensors keyed by the reference
+GPT's parameter names, whatever the DP/TP/PP layout that produced them. Export
+is collective over sharded tensors (every rank calls it); import needs no
+communication: each rank cuts its own shard from the full tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+CanonicalState = dict[str, dict]
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return full.detach().cpu().clone()
+
+
+def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`full` laid out as `like` is: the same DTensor placements, or a plain tensor on its device."""
+    if isinstance(like, DTensor):
+        return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+    return full.to(like.device).clone()
+
+
+def export_module_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> CanonicalState:
+    model, adam = {}, {}
+    for name, param in module.named_parameters():
+        model[name] = full_tensor(param)
+        state = optimizer.state.get(param)
+        if state:
+            adam[name] = {"step": state["step"].detach().cpu().clone()}
+            adam[name].update({key: full_tensor(state[key]) for key in ADAM_KEYS})
+    return {"model": model, "optimizer": adam}
+
+
+def import_module_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: CanonicalState) -> None:
+    missing = [name for name, _ in module.named_parameters() if name not in state["model"]]
+    if missing:
+        raise KeyError(f"canonical state lacks parameters {missing[:5]}")
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            param.copy_(shard_like(state["model"][name], param))
+            saved = state["optimizer"].get(name)
+            if saved is not None:
+                optimizer.state[param] = {"step": saved["step"].clone()}
+                optimizer.state[param].update({key: shard_like(saved[key], param) for key in ADAM_KEYS})
+
+
+def merge_states(parts: list[CanonicalState]) -> CanonicalState:
+    """Union of the parts each rank owns (pipeline stages); replicas of a name are identical."""
+    merged: CanonicalState = {"model": {}, "optimizer": {}}
+    for part in parts:
+        for section in ("model", "optimizer"):
+            for name, value in part.get(section, {}).items():
+                merged[section].setdefault(name, value)
+    return merged

@@ -1,0 +1,174 @@
+"""The torch-native engine: any DP x TP x PP layout from one device mesh.
+
+DP by DDP, FSDP2 or an explicit gradient all-reduce; TP by DTensor;
+PP by torch.distributed.pipelining (1F1B or interleaved 1F1B).
+The mesh's dimensions (pp, dp, tp) follow the layout's row-major rank order,
+so its groups are exactly the plan's groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+from baige_ray.engines import parallelize
+from baige_ray.engines.base import Engine, SlowChipEmulator
+from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.stages import GPTStage, build_stage
+from baige_ray.engines.state import CanonicalState, export_module_state, import_module_state
+from baige_ray.models.corpus import ByteCorpus
+from baige_ray.models.gpt import GPT, language_model_loss
+from baige_ray.runtime.train_loop import TrainJob, build_optimizer
+
+
+class TorchEngine(Engine):
+    def __init__(
+        self,
+        job: TrainJob,
+        layout: ParallelLayout,
+        rank: int = 0,
+        *,
+        device: str = "cpu",
+        emulated_speed: float = 1.0,
+        corpus: ByteCorpus | None = None,
+    ):
+        super().__init__(job, layout, rank, corpus)
+        self.device = torch.device(device)
+        self.mesh = self._build_mesh()
+        self.stages = self._build_stages()
+        self._emulators = [SlowChipEmulator(stage, emulated_speed) for stage in self.stages]
+        self._wrapped = self._apply_data_parallel()
+        self._modules = nn.ModuleList(self.stages)  # one namespace for state and optimizer
+        self.optimizer = build_optimizer(self._modules, job.train)
+        self.schedule = self._build_schedule() if layout.pp > 1 else None
+
+    def _build_mesh(self) -> DeviceMesh | None:
+        if self.layout.world_size == 1:
+            return None
+        if dist.get_world_size() != self.layout.world_size:
+            raise ValueError(
+                f"layout {self.layout.describe()} needs {self.layout.world_size} ranks; "
+                f"the process group has {dist.get_world_size()}"
+            )
+        shape = (self.layout.pp, self.layout.dp, self.layout.tp)
+        return init_device_mesh(self.device.type, shape, mesh_dim_names=("pp", "dp", "tp"))
+
+    def _build_stages(self) -> list[GPTStage]:
+        torch.manual_seed(self.job.train.seed)  # every rank builds the same full model, then keeps its part
+        model = GPT(self.job.model).to(self.device)
+        layers = self.layout.layers_per_stage(self.job.model.num_layers)
+        stages = [build_stage(model, index, layers) for index in self.layout.stage_indices(self.coords.pp)]
+        if self.layout.tp > 1:
+            for stage in stages:
+                parallelize.apply_tensor_parallel(stage, self.mesh["tp"], self.job.model.num_heads)
+        return stages
+
+    def _apply_data_parallel(self) -> list[nn.Module]:
+        """Modules to call: FSDP2 shards in place, DDP wraps; explicit all-reduce wraps nothing."""
+        if self.layout.dp == 1:
+            return list(self.stages)
+        if self.layout.data_parallel == "fsdp2":
+            for stage in self.stages:
+                parallelize.apply_fsdp(stage, self.mesh["dp"])
+            return list(self.stages)
+        if self.uses_torch_ddp:
+            group = self.mesh["dp"].get_group()
+            return [parallelize.apply_ddp(s, group, self.device.type != "cpu") for s in self.stages]
+        return list(self.stages)
+
+    @property
+    def uses_torch_ddp(self) -> bool:
+        # DDP cannot hold DTensor parameters; with TP the gradients are all-reduced explicitly.
+        return self.layout.dp > 1 and self.layout.data_parallel == "ddp" and self.layout.tp == 1
+
+    @property
+    def explicit_dp_all_reduce(self) -> bool:
+        return self.layout.dp > 1 and self.layout.data_parallel == "ddp" and self.layout.tp > 1
+
+    def _build_schedule(self):
+        num_micro = self.layout.microbatches(self.per_replica_batch)
+        pp_group = self.mesh["pp"].get_group()
+        pipeline_stages = [
+            PipelineStage(module, index, self.layout.num_stages, self.device, group=pp_group)
+            for module, index in zip(self._wrapped, self.layout.stage_indices(self.coords.pp))
+        ]
+        if self.layout.pipeline_schedule == "interleaved-1f1b":
+            return ScheduleInterleaved1F1B(pipeline_stages, num_micro, loss_fn=language_model_loss)
+        return Schedule1F1B(pipeline_stages[0], num_micro, loss_fn=language_model_loss)
+
+    @property
+    def module(self) -> nn.Module:
+        return self._modules
+
+    def set_learning_rate(self, learning_rate: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        if self.schedule is not None:
+            return self._pipeline_forward_backward(inputs, targets)
+        return self._accumulate(inputs, targets)
+
+    def _pipeline_forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        holds_first = 0 in self.layout.stage_indices(self.coords.pp)
+        holds_last = self.layout.num_stages - 1 in self.layout.stage_indices(self.coords.pp)
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if holds_first else ()
+        kwargs = {"target": targets, "losses": losses} if holds_last else {}
+        self.schedule.step(*args, **kwargs)
+        return float(torch.stack(losses).mean()) if holds_last else None
+
+    def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        (model,) = self._wrapped
+        micro = self.job.train.micro_batch_size or self.per_replica_batch
+        num_micro = self.per_replica_batch // micro
+        loss_sum = 0.0
+        for index in range(num_micro):
+            chunk = slice(index * micro, (index + 1) * micro)
+            with self._gradient_sync(model, index == num_micro - 1):
+                loss = language_model_loss(model(inputs[chunk]), targets[chunk]) / num_micro
+                loss.backward()
+            loss_sum += loss.item()
+        return loss_sum
+
+    def _gradient_sync(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        if isinstance(model, nn.parallel.DistributedDataParallel) and not sync:
+            return model.no_sync()
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce-scatter on the last micro-batch only
+            model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def optimizer_step(self) -> None:
+        if self.explicit_dp_all_reduce:
+            parallelize.all_reduce_gradients(self.parameters, self.mesh["dp"].get_group())
+        if self.job.train.grad_clip > 0:
+            pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
+            parallelize.clip_grad_norm(self.parameters, self.job.train.grad_clip, pp_group)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def export_state(self) -> CanonicalState:
+        state = export_module_state(self.module, self.optimizer)
+        return self._strip_prefix(state) if self.owns_state else {"model": {}, "optimizer": {}}
+
+    def import_state(self, state: CanonicalState) -> None:
+        import_module_state(self.module, self.optimizer, self._add_prefix(state))
+
+    def _strip_prefix(self, state: CanonicalState) -> CanonicalState:
+        # Names inside the ModuleList are "<stage slot>.<canonical name>".
+        return {section: {name.split(".", 1)[1]: v for name, v in part.items()} for section, part in state.items()}
+
+    def _add_prefix(self, state: CanonicalState) -> CanonicalState:
+        prefixed: CanonicalState = {"model": {}, "optimizer": {}}
+        for slot, stage in enumerate(self.stages):
+            for name, _ in stage.named_parameters():
+                prefixed["model"][f"{slot}.{name}"] = state["model"][name]
+                if name in state["optimizer"]:
+                    prefixed["optimizer"][f"{slot}.{name}"] = state["optimizer"][name]
+        return prefixed
