@@ -11,6 +11,8 @@ import json
 BENCHMARK_MODULES: dict[str, str] = {
     "topo": "baige_ray.bench.topo",
     "plan": "baige_ray.bench.plan",
+    "hetero": "baige_ray.bench.hetero",
+    "overhead": "baige_ray.bench.overhead",
 }
 
 

@@ -1,0 +1,157 @@
+"""Step time of `fit` (DDP, 4 workers) against plain torchrun DDP and Ray Train V2, same model and batch.
+
+All three train the reference GPT with the same global batch, seed, optimizer, schedule
+and gradient clipping, on gloo, one intra-op thread per process, one after another on
+this machine in one run:
+
+- `torchrun`: `python -m torch.distributed.run --standalone --nproc_per_node N -m
+  baige_ray.bench.torchrun_ddp` (a plain DDP loop; rank 0 times each step);
+- `baige`: `fit` with ParallelLayout(dp=N) (DDP); the driver times each step
+  (it triggers the step on every worker actor and waits for all metrics);
+- `ray_train`: `ray.train.torch.TorchTrainer` with ScalingConfig(num_workers=N) running
+  the same loop as torchrun and calling `ray.train.report(metrics)` every step, as
+  fit hands the driver metrics every step; rank 0 times each step, report included.
+
+Step times are medians over the steps after the warm-up; vs_x = baige_step_s / x_step_s.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from baige_ray.bench.measure import steady_median
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--global-batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the steady state")
+    parser.add_argument("--systems", nargs="+", default=["torchrun", "baige", "ray_train"],
+                        choices=["torchrun", "baige", "ray_train"], help="which systems to run, in this order")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import tempfile
+    import time
+
+    from baige_ray.bench.torchrun_ddp import DDPSettings
+
+    if args.steps <= args.warmup:
+        raise ValueError(f"--steps={args.steps} must exceed --warmup={args.warmup}")
+    settings = DDPSettings(
+        model={"num_layers": args.num_layers, "hidden": args.hidden, "num_heads": args.num_heads,
+               "seq_len": args.seq_len},
+        num_steps=args.steps, global_batch_size=args.global_batch_size,
+    )
+    runners = {"torchrun": _run_torchrun, "baige": _run_baige, "ray_train": _run_ray_train}
+    systems: dict[str, dict[str, Any]] = {}
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="baige-bench-overhead-") as tmp:
+        for name in args.systems:
+            system_started = time.perf_counter()
+            times = runners[name](settings, args.workers, tmp)
+            systems[name] = {
+                "step_s": steady_median(times, args.warmup),
+                "step_times_s": [round(t, 4) for t in times],
+                "wall_s": round(time.perf_counter() - system_started, 1),
+            }
+    result: dict[str, Any] = {f"{name}_step_s": round(row["step_s"], 5) for name, row in systems.items()}
+    for other in ("torchrun", "ray_train"):
+        if "baige" in systems and other in systems:
+            result[f"vs_{other}"] = round(systems["baige"]["step_s"] / systems[other]["step_s"], 4)
+    result.update(
+        workers=args.workers, model=settings.model, global_batch_size=settings.global_batch_size,
+        steps=args.steps, warmup=args.warmup, systems=systems, bench_s=round(time.perf_counter() - started, 1),
+    )
+    return result
+
+
+def summarize(result: dict[str, Any]) -> str:
+    lines = ["system      median_step_s   wall_s"]
+    for name, row in result["systems"].items():
+        lines.append(f"{name:<11} {row['step_s']:>13.4f} {row['wall_s']:>8.1f}")
+    ratios = [f"{key} = {result[key]:.3f}" for key in ("vs_torchrun", "vs_ray_train") if key in result]
+    if ratios:
+        lines.append("baige step time / baseline: " + ", ".join(ratios))
+    return "\n".join(lines)
+
+
+def _run_torchrun(settings, workers: int, tmp: str) -> list[float]:
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = Path(tmp) / "torchrun.json"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
+        "-m", "baige_ray.bench.torchrun_ddp", "--settings", settings.to_json(), "--out", str(out),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": str(settings.num_threads)}
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+    if completed.returncode != 0:
+        raise RuntimeError(f"torchrun exited with {completed.returncode}:\n{completed.stderr[-4000:]}")
+    return json.loads(out.read_text())["step_times_s"]
+
+
+def _run_baige(settings, workers: int, tmp: str) -> list[float]:
+    from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
+    from baige_ray.bench.measure import bench_ray
+    from baige_ray.engines.layout import ParallelLayout
+    from baige_ray.models.corpus import CorpusConfig
+    from baige_ray.models.gpt import GPTConfig
+    from baige_ray.runtime.fit import fit
+
+    with bench_ray(num_cpus=2 * workers):
+        result = fit(
+            GPTConfig(**settings.model),
+            train=TrainConfig(num_steps=settings.num_steps, global_batch_size=settings.global_batch_size,
+                              seed=settings.seed, log_every=1),
+            scaling=ScalingConfig(num_workers=workers, accelerator="cpu"),
+            run=RunConfig(name="overhead-baige", storage_path=tmp, show_progress=False),
+            corpus=CorpusConfig(max_bytes=settings.corpus_max_bytes),
+            layout=ParallelLayout(dp=workers),
+        )
+    return [m.step_time_s for m in result.metrics]
+
+
+def _ray_train_loop(config: dict) -> None:
+    import ray.train
+
+    from baige_ray.bench.torchrun_ddp import DDPSettings, train_ddp
+
+    def report(step: int, step_time_s: float, loss: float) -> None:
+        ray.train.report({"step": step, "step_time_s": step_time_s, "loss": loss})
+
+    times = train_ddp(DDPSettings.from_json(config["settings"]), report)
+    ray.train.report({"step": len(times), "step_times_s": times})
+
+
+def _run_ray_train(settings, workers: int, tmp: str) -> list[float]:
+    import os
+
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")  # the default in recent Ray; set before importing ray.train
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from baige_ray.bench.measure import bench_ray
+
+    with bench_ray(num_cpus=2 * workers):
+        trainer = TorchTrainer(
+            _ray_train_loop,
+            train_loop_config={"settings": settings.to_json()},
+            scaling_config=ScalingConfig(num_workers=workers, use_gpu=False),
+            torch_config=TorchConfig(backend="gloo"),
+            run_config=RunConfig(name="overhead-ray-train", storage_path=tmp),
+        )
+        result = trainer.fit()
+    if result.error is not None:
+        raise RuntimeError(f"Ray Train run failed: {result.error}")
+    return list(result.metrics["step_times_s"])

@@ -1,0 +1,79 @@
+import argparse
+
+import pytest
+
+from baige_ray.bench import cli
+from baige_ray.bench.hetero import bubble_fraction, speed_proportional_split
+from baige_ray.bench.measure import steady_median, steady_throughput
+from baige_ray.engines.layout import ParallelLayout
+
+
+def test_split_gives_layers_in_proportion_to_speed():
+    assert speed_proportional_split(6, (1.0, 0.5)) == (4, 2)
+    assert speed_proportional_split(12, (1.0, 0.5)) == (8, 4)
+    assert speed_proportional_split(9, (0.5, 1.0)) == (3, 6)
+    assert speed_proportional_split(8, (2.0, 1.0, 1.0)) == (4, 2, 2)
+
+
+@pytest.mark.parametrize("num_layers,stages", [(6, 2), (7, 2), (5, 3), (12, 4)])
+def test_split_with_equal_speeds_matches_the_layouts_even_split(num_layers, stages):
+    expected = ParallelLayout(pp=stages).layers_per_stage(num_layers)
+    assert speed_proportional_split(num_layers, [1.0] * stages) == expected
+
+
+def test_split_minimises_the_slowest_stage_against_brute_force():
+    import itertools
+
+    speeds = (1.0, 0.45, 0.8)
+    costs = (0.0, 0.0, 0.3)
+    best = min(
+        (max((n + c) / s for n, c, s in zip(split, costs, speeds)), split)
+        for split in itertools.product(range(1, 11), repeat=3)
+        if sum(split) == 12
+    )
+    split = speed_proportional_split(12, speeds, costs)
+    assert sum(split) == 12
+    assert max((n + c) / s for n, c, s in zip(split, costs, speeds)) == pytest.approx(best[0])
+
+
+def test_fixed_cost_moves_a_layer_off_the_stage_that_carries_it():
+    assert speed_proportional_split(4, (1.0, 1.0)) == (2, 2)
+    assert speed_proportional_split(4, (1.0, 1.0), fixed_costs=(0.0, 1.0)) == (3, 1)
+
+
+def test_split_keeps_a_layer_per_stage_and_rejects_bad_input():
+    assert speed_proportional_split(2, (1.0, 0.01)) == (1, 1)
+    with pytest.raises(ValueError, match="cannot fill"):
+        speed_proportional_split(1, (1.0, 0.5))
+    with pytest.raises(ValueError, match="positive"):
+        speed_proportional_split(4, (1.0, 0.0))
+    with pytest.raises(ValueError, match="fixed_costs"):
+        speed_proportional_split(4, (1.0, 0.5), fixed_costs=(0.0,))
+
+
+def test_bubble_fraction_of_1f1b():
+    assert bubble_fraction(2, 64) == pytest.approx(1 / 65)
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(1, 8) == 0.0
+
+
+def test_steady_median_drops_warmup():
+    assert steady_median([9.0, 5.0, 1.0, 2.0, 3.0], warmup=2) == 2.0
+    assert steady_median([4.0, 1.0, 2.0, 3.0, 100.0], warmup=1) == 2.5
+    with pytest.raises(ValueError, match="no steady-state"):
+        steady_median([1.0, 2.0], warmup=2)
+    with pytest.raises(ValueError, match="warmup"):
+        steady_median([1.0], warmup=-1)
+
+
+def test_steady_throughput_is_tokens_over_median_step_time():
+    assert steady_throughput([100, 100, 100, 100], [5.0, 0.5, 0.25, 0.5], warmup=1) == pytest.approx(200.0)
+
+
+def test_benchmarks_are_registered_with_their_options():
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "hetero", "--json", "--microbatches", "16"])
+    assert args.microbatches == 16 and args.json
+    args = parser.parse_args(["bench", "overhead", "--steps", "12", "--systems", "baige", "torchrun"])
+    assert args.steps == 12 and args.systems == ["baige", "torchrun"]
