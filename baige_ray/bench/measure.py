@@ -23,12 +23,13 @@ def steady_throughput(tokens: Sequence[int], step_times_s: Sequence[float], warm
 
 
 @contextmanager
-def bench_ray(num_cpus: int) -> Iterator[None]:
+def bench_ray(num_cpus: int, attempts: int = 3) -> Iterator[None]:
     """The user's cluster when RAY_ADDRESS is set, else a fresh local Ray of our own; shut down after.
 
     `address="local"` matters: a plain `ray.init(num_cpus=...)` joins any cluster another
     process on this machine started with `ray start` (it is recorded in
-    /tmp/ray/ray_current_cluster), and then refuses num_cpus.
+    /tmp/ray/ray_current_cluster), and then refuses num_cpus. Ray gives a new node 30 s
+    to register, which a heavily loaded machine can miss; starting is retried `attempts` times.
     """
     import logging
 
@@ -42,7 +43,14 @@ def bench_ray(num_cpus: int) -> Iterator[None]:
     if address is not None:
         ray.init(address=address, logging_level=logging.WARNING)
     else:
-        ray.init(address="local", num_cpus=num_cpus, num_gpus=0, logging_level=logging.WARNING)
+        for attempt in range(1, attempts + 1):
+            try:
+                ray.init(address="local", num_cpus=num_cpus, num_gpus=0, logging_level=logging.WARNING)
+                break
+            except Exception as error:  # Ray raises a bare Exception on a node start timeout
+                ray.shutdown()
+                if attempt == attempts or "timed out during startup" not in str(error):
+                    raise
     try:
         yield
     finally:

@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
     import time
 
+    from baige_ray.bench.measure import bench_ray
     from baige_ray.bench.torchrun_ddp import DDPSettings
 
     if args.steps <= args.warmup:
@@ -53,14 +54,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     systems: dict[str, dict[str, Any]] = {}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="baige-bench-overhead-") as tmp:
-        for name in args.systems:
+        # torchrun runs outside Ray; the two Ray systems share one local Ray session.
+        for name in [name for name in args.systems if name == "torchrun"]:
             system_started = time.perf_counter()
-            times = runners[name](settings, args.workers, tmp)
-            systems[name] = {
-                "step_s": steady_median(times, args.warmup),
-                "step_times_s": [round(t, 4) for t in times],
-                "wall_s": round(time.perf_counter() - system_started, 1),
-            }
+            systems[name] = _summary(runners[name](settings, args.workers, tmp), args.warmup, system_started)
+        ray_systems = [name for name in args.systems if name != "torchrun"]
+        if ray_systems:
+            with bench_ray(num_cpus=2 * args.workers):
+                for name in ray_systems:
+                    system_started = time.perf_counter()
+                    systems[name] = _summary(runners[name](settings, args.workers, tmp), args.warmup, system_started)
     result: dict[str, Any] = {f"{name}_step_s": round(row["step_s"], 5) for name, row in systems.items()}
     for other in ("torchrun", "ray_train"):
         if "baige" in systems and other in systems:
@@ -70,6 +73,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         steps=args.steps, warmup=args.warmup, systems=systems, bench_s=round(time.perf_counter() - started, 1),
     )
     return result
+
+
+def _summary(times: list[float], warmup: int, started: float) -> dict[str, Any]:
+    import time
+
+    return {
+        "step_s": steady_median(times, warmup),
+        "step_times_s": [round(t, 4) for t in times],
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
 
 
 def summarize(result: dict[str, Any]) -> str:
@@ -103,26 +116,28 @@ def _run_torchrun(settings, workers: int, tmp: str) -> list[float]:
 
 def _run_baige(settings, workers: int, tmp: str) -> list[float]:
     from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
-    from baige_ray.bench.measure import bench_ray
     from baige_ray.engines.layout import ParallelLayout
     from baige_ray.models.corpus import CorpusConfig
     from baige_ray.models.gpt import GPTConfig
     from baige_ray.runtime.fit import fit
 
-    with bench_ray(num_cpus=2 * workers):
-        result = fit(
-            GPTConfig(**settings.model),
-            train=TrainConfig(num_steps=settings.num_steps, global_batch_size=settings.global_batch_size,
-                              seed=settings.seed, log_every=1),
-            scaling=ScalingConfig(num_workers=workers, accelerator="cpu"),
-            run=RunConfig(name="overhead-baige", storage_path=tmp, show_progress=False),
-            corpus=CorpusConfig(max_bytes=settings.corpus_max_bytes),
-            layout=ParallelLayout(dp=workers),
-        )
+    result = fit(
+        GPTConfig(**settings.model),
+        train=TrainConfig(num_steps=settings.num_steps, global_batch_size=settings.global_batch_size,
+                          seed=settings.seed, log_every=1),
+        scaling=ScalingConfig(num_workers=workers, accelerator="cpu"),
+        run=RunConfig(name="overhead-baige", storage_path=tmp, show_progress=False),
+        corpus=CorpusConfig(max_bytes=settings.corpus_max_bytes),
+        layout=ParallelLayout(dp=workers),
+    )
     return [m.step_time_s for m in result.metrics]
 
 
 def _ray_train_loop(config: dict) -> None:
+    import json
+    import tempfile
+    from pathlib import Path
+
     import ray.train
 
     from baige_ray.bench.torchrun_ddp import DDPSettings, train_ddp
@@ -131,7 +146,14 @@ def _ray_train_loop(config: dict) -> None:
         ray.train.report({"step": step, "step_time_s": step_time_s, "loss": loss})
 
     times = train_ddp(DDPSettings.from_json(config["settings"]), report)
-    ray.train.report({"step": len(times), "step_times_s": times})
+    # Ray Train V2 keeps only metrics that come with a checkpoint: rank 0 hands its step
+    # times back with a one-file checkpoint, after the timed steps.
+    if ray.train.get_context().get_world_rank() != 0:
+        ray.train.report({"step_times_s": times})
+        return
+    with tempfile.TemporaryDirectory() as directory:
+        Path(directory, "step_times.json").write_text(json.dumps(times))
+        ray.train.report({"step_times_s": times}, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
 
 def _run_ray_train(settings, workers: int, tmp: str) -> list[float]:
@@ -141,17 +163,14 @@ def _run_ray_train(settings, workers: int, tmp: str) -> list[float]:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from baige_ray.bench.measure import bench_ray
-
-    with bench_ray(num_cpus=2 * workers):
-        trainer = TorchTrainer(
-            _ray_train_loop,
-            train_loop_config={"settings": settings.to_json()},
-            scaling_config=ScalingConfig(num_workers=workers, use_gpu=False),
-            torch_config=TorchConfig(backend="gloo"),
-            run_config=RunConfig(name="overhead-ray-train", storage_path=tmp),
-        )
-        result = trainer.fit()
+    trainer = TorchTrainer(
+        _ray_train_loop,
+        train_loop_config={"settings": settings.to_json()},
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=False),
+        torch_config=TorchConfig(backend="gloo"),
+        run_config=RunConfig(name="overhead-ray-train", storage_path=tmp),
+    )
+    result = trainer.fit()
     if result.error is not None:
         raise RuntimeError(f"Ray Train run failed: {result.error}")
     return list(result.metrics["step_times_s"])
