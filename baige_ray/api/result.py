@@ -30,6 +30,7 @@ class Result:
     metrics: list[StepMetrics] = field(default_factory=list)
     checkpoint_path: Path | None = None
     workers: list[DeviceInfo] = field(default_factory=list)
+    layout: str = ""
     elapsed_s: float = 0.0
 
     @property

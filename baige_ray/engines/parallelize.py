@@ -65,23 +65,45 @@ def all_reduce_gradients(parameters: list[nn.Parameter], dp_group: dist.ProcessG
         offset += grad.numel()
 
 
-def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None) -> float:
-    """Clip by the global norm over every shard and every pipeline stage; returns the norm.
+def _sharded_mesh_dims(tensor: torch.Tensor) -> tuple:
+    """(mesh, dims over which the tensor is sharded); replicated dims hold identical copies."""
+    if not isinstance(tensor, DTensor):
+        return (None, ())
+    dims = tuple(i for i, placement in enumerate(tensor.placements) if placement.is_shard())
+    return (tensor.device_mesh, dims)
 
-    Norms of DTensor gradients are resolved over their mesh (`full_tensor`), and
-    squared norms are summed over pipeline stages, so the coefficient is the one
-    a single process holding the whole model would use.
+
+def _dim_names(mesh: DeviceMesh | None) -> tuple[str, ...]:
+    return tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
+
+
+def global_grad_norm(parameters: list[nn.Parameter], pp_group: dist.ProcessGroup | None) -> float:
+    """The norm a single process holding the whole model would compute.
+
+    Squared norms of local shards are summed per sharding pattern and all-reduced
+    once per sharded mesh dimension (not once per parameter), counted once where
+    replicated, then summed over pipeline stages.
     """
-    squares = torch.zeros((), dtype=torch.float64)
+    by_pattern: dict[tuple, torch.Tensor] = {}
     for param in parameters:
-        if param.grad is None:
-            continue
-        norm = torch.linalg.vector_norm(param.grad)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        squares += norm.detach().double().cpu() ** 2
+        if param.grad is not None:
+            key = _sharded_mesh_dims(param.grad)
+            square = local(param.grad).detach().double().pow(2).sum().cpu()
+            by_pattern[key] = by_pattern.get(key, torch.zeros((), dtype=torch.float64)) + square
+    total = torch.zeros((), dtype=torch.float64)
+    # the same order on every rank, so the collectives pair up
+    for (mesh, dims), square in sorted(by_pattern.items(), key=lambda item: (item[0][1], _dim_names(item[0][0]))):
+        for dim in dims:
+            dist.all_reduce(square, group=mesh.get_group(dim))
+        total += square
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(squares, group=pp_group)
-    total = float(squares.sqrt())
+        dist.all_reduce(total, group=pp_group)
+    return float(total.sqrt())
+
+
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None) -> float:
+    """Scale gradients so their global norm is at most `max_norm`; returns the norm before clipping."""
+    total = global_grad_norm(parameters, pp_group)
     coefficient = min(1.0, max_norm / (total + 1e-6))
     if coefficient < 1.0:
         for param in parameters:

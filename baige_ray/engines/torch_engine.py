@@ -122,7 +122,7 @@ class TorchEngine(Engine):
         args = (inputs,) if holds_first else ()
         kwargs = {"target": targets, "losses": losses} if holds_last else {}
         self.schedule.step(*args, **kwargs)
-        return float(torch.stack(losses).mean()) if holds_last else None
+        return float(torch.stack(losses).detach().mean()) if holds_last else None
 
     def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         (model,) = self._wrapped

@@ -8,8 +8,10 @@ reduces their metrics, and writes the final weights it gathers in canonical form
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 
 import ray
 
@@ -17,15 +19,26 @@ from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
 from baige_ray.api.errors import ClusterError
 from baige_ray.api.result import Result, StepMetrics
 from baige_ray.engines.layout import ParallelLayout
-from baige_ray.engines.state import merge_states
+from baige_ray.engines.state import CanonicalState, merge_states
 from baige_ray.models.corpus import CorpusConfig
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.runtime.checkpoint_io import save_model_checkpoint
 from baige_ray.runtime.progress import TrainingProgress
 from baige_ray.runtime.train_loop import TrainJob
 from baige_ray.runtime.worker_group import WorkerGroup
+from baige_ray.topology.descriptor import ClusterDescriptor
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """What the workers run and where: the layout, per-rank chip speeds, and optional planned placement."""
+
+    layout: ParallelLayout
+    emulated_speeds: tuple[float, ...]
+    placement: object | None = None  # a planner MaterializedPlan; None packs ranks by locality
+    explanation: str = ""
 
 
 def reduce_step_metrics(per_rank: list[dict], step_time_s: float) -> StepMetrics:
@@ -47,46 +60,75 @@ def fit(
     scaling: ScalingConfig | None = None,
     run: RunConfig | None = None,
     corpus: CorpusConfig | None = None,
-    layout: ParallelLayout | None = None,
+    layout: ParallelLayout | str = "ddp",
     emulated_speeds: list[float] | None = None,
+    cluster: ClusterDescriptor | None = None,
 ) -> Result:
     """Train `model` (the reference GPT by default) and return its metrics and final checkpoint.
 
-    `layout` gives explicit DP/TP/PP degrees and engines; the default is DDP over
-    every worker. `emulated_speeds` (one per rank) makes workers emulate slower
+    `layout` is "ddp" (data parallel over every worker), "auto" (the planner picks
+    degrees, engines and placement on the cluster's resource graph, `cluster`
+    being its descriptor when not simulated by `open_cluster`), or an explicit
+    `ParallelLayout`. `emulated_speeds` (one per rank) makes workers emulate slower
     chips. Connects to RAY_ADDRESS, or starts a local Ray, when no session is open.
     """
     job = TrainJob(model=model or GPTConfig(), train=train, corpus=corpus or CorpusConfig())
     scaling = scaling or ScalingConfig()
     run = run or RunConfig()
-    layout = layout or ParallelLayout(dp=scaling.num_workers)
-    speeds = _check_plan(job, scaling, layout, emulated_speeds)
     if not ray.is_initialized():
         ray.init(logging_level=logging.WARNING)
+    execution = _execution_plan(job, scaling, layout, emulated_speeds, cluster)
+    if execution.explanation:
+        logger.info("planner: %s", execution.explanation)
     started = time.perf_counter()
-    group = WorkerGroup(scaling, timeout_s=run.step_timeout_s)
+    group = WorkerGroup(scaling, timeout_s=run.step_timeout_s, placement=execution.placement)
     try:
-        group.form_process_group()
-        _build_engines(group, job, layout, speeds)
-        metrics = _train(group, job, run)
+        metrics = train_on_group(group, job, execution, run)
         state = merge_states(group.call("export_state"))
-        checkpoint = save_model_checkpoint(
-            run.run_dir / "final", state["model"], model_config=job.model, step=train.num_steps
-        )
     finally:
         group.shutdown()
+    checkpoint = save_model_checkpoint(run.run_dir / "final", state["model"], model_config=job.model, step=train.num_steps)
     return Result(
         metrics=metrics,
         checkpoint_path=checkpoint,
         workers=group.device_infos,
+        layout=execution.layout.describe(),
         elapsed_s=time.perf_counter() - started,
     )
 
 
-def _check_plan(
+def _execution_plan(
+    job: TrainJob,
+    scaling: ScalingConfig,
+    layout: ParallelLayout | str,
+    speeds: list[float] | None,
+    cluster: ClusterDescriptor | None,
+) -> ExecutionPlan:
+    placement, explanation = None, ""
+    if layout == "auto":
+        from baige_ray.planner.materialize import materialize
+        from baige_ray.runtime.auto_plan import first_devices, layout_from_plan, live_graph, plan_job
+
+        chosen = plan_job(job, first_devices(live_graph(cluster), scaling.num_workers))
+        layout, explanation = layout_from_plan(chosen), chosen.explain()
+        scaling = dataclasses.replace(scaling, num_workers=layout.world_size)
+        placement = materialize(chosen, cpus_per_device=scaling.cpus_per_worker)
+    elif layout == "ddp":
+        layout = ParallelLayout(dp=scaling.num_workers)
+    elif not isinstance(layout, ParallelLayout):
+        raise ValueError(f"fit layout={layout!r} is invalid: expected 'ddp', 'auto' or a ParallelLayout")
+    return ExecutionPlan(
+        layout=layout,
+        emulated_speeds=check_execution(job, scaling, layout, speeds),
+        placement=placement,
+        explanation=explanation,
+    )
+
+
+def check_execution(
     job: TrainJob, scaling: ScalingConfig, layout: ParallelLayout, speeds: list[float] | None
-) -> list[float]:
-    """Fail on a layout that cannot run before any actor starts."""
+) -> tuple[float, ...]:
+    """Fail on a layout that cannot run before any actor starts; returns per-rank speeds."""
     if layout.world_size != scaling.num_workers:
         raise ValueError(
             f"ScalingConfig.num_workers={scaling.num_workers} is invalid: layout {layout.describe()} "
@@ -94,27 +136,39 @@ def _check_plan(
         )
     job.train.per_worker_batch(layout.dp)
     layout.layers_per_stage(job.model.num_layers)
-    speeds = speeds or [1.0] * scaling.num_workers
+    speeds = list(speeds or [1.0] * scaling.num_workers)
     if len(speeds) != scaling.num_workers or min(speeds) <= 0:
         raise ValueError(f"emulated_speeds={speeds!r} is invalid: expected {scaling.num_workers} positive numbers")
-    return speeds
+    return tuple(speeds)
 
 
-def _build_engines(group: WorkerGroup, job: TrainJob, layout: ParallelLayout, speeds: list[float]) -> None:
-    reports = group.call_each("build_engine", [(job, layout, speed) for speed in speeds])
+def train_on_group(
+    group: WorkerGroup,
+    job: TrainJob,
+    execution: ExecutionPlan,
+    run: RunConfig,
+    *,
+    start_step: int = 0,
+    initial_state: CanonicalState | None = None,
+) -> list[StepMetrics]:
+    """Form a new process-group generation on `group`, build the engines, and train to the last step.
+
+    With `initial_state` (canonical, from any layout) each rank cuts its shard from
+    it first, so training resumes at `start_step` exactly where that state left off.
+    """
+    group.form_process_group()
+    reports = group.call_each("build_engine", [(job, execution.layout, s) for s in execution.emulated_speeds])
     fingerprints = {report["corpus"] for report in reports}
     if len(fingerprints) != 1:
         # Nodes with different Python versions read different stdlib sources.
         raise ClusterError(f"workers built different corpora {sorted(fingerprints)}; use one Python version")
-
-
-def _train(group: WorkerGroup, job: TrainJob, run: RunConfig) -> list[StepMetrics]:
+    if initial_state is not None:
+        group.call("import_state", ray.put(initial_state))  # one copy in the object store for every rank
     metrics: list[StepMetrics] = []
-    with TrainingProgress(job.train.num_steps, enabled=run.show_progress) as progress:
-        for step in range(job.train.num_steps):
+    with TrainingProgress(job.train.num_steps - start_step, enabled=run.show_progress) as progress:
+        for step in range(start_step, job.train.num_steps):
             step_started = time.perf_counter()
-            per_rank = group.call("train_step", step)
-            step_metrics = reduce_step_metrics(per_rank, time.perf_counter() - step_started)
+            step_metrics = reduce_step_metrics(group.call("train_step", step), time.perf_counter() - step_started)
             if step % job.train.log_every == 0 or step == job.train.num_steps - 1:
                 metrics.append(step_metrics)
             progress.update(step_metrics)

@@ -19,6 +19,7 @@ from baige_ray.actors.worker import WorkerActor
 from baige_ray.api.configs import ScalingConfig
 from baige_ray.api.device import DeviceInfo
 from baige_ray.api.errors import ClusterError, WorkerError
+from baige_ray.planner.materialize import MaterializedPlan
 from baige_ray.runtime.distributed import GroupMembership
 
 logger = logging.getLogger(__name__)
@@ -49,14 +50,24 @@ def worker_bundle(scaling: ScalingConfig, resource: str) -> dict[str, float]:
 class WorkerGroup:
     """N worker actors in one placement group. Call `shutdown()` when done."""
 
-    def __init__(self, scaling: ScalingConfig, *, worker_cls: type = WorkerActor, timeout_s: float = 300.0):
+    def __init__(
+        self,
+        scaling: ScalingConfig,
+        *,
+        worker_cls: type = WorkerActor,
+        timeout_s: float = 300.0,
+        placement: MaterializedPlan | None = None,
+    ):
+        """Without `placement`, one placement group of `num_workers` bundles and ranks ordered by
+        locality; with it, rank r runs where the planner put rank r."""
         self.scaling = scaling
         self.timeout_s = timeout_s
         self.generation = -1
         self.resource = choose_device_resource(scaling, ray.cluster_resources())
-        self._placement_group = self._build_placement_group()
+        self._placement = placement
+        self._placement_group = None if placement else self._build_placement_group()
         self.workers = self._build_workers(worker_cls)
-        self.device_infos = self._order_by_locality()
+        self.device_infos = self._order_by_locality() if placement is None else self._device_infos()
 
     def _build_placement_group(self):
         bundles = [worker_bundle(self.scaling, self.resource) for _ in range(self.scaling.num_workers)]
@@ -77,21 +88,33 @@ class WorkerGroup:
         remote_cls = ray.remote(worker_cls)
         bundle = worker_bundle(self.scaling, self.resource)
         custom = {name: amount for name, amount in bundle.items() if name not in ("CPU", "GPU")}
+        if self._placement is not None:
+            # The planner's bundles carry their own CPU share; the actor takes what its bundle holds.
+            bundle = dict(self._placement.layout.groups[0].bundles[0])
+            custom = {}
         return [
             remote_cls.options(
                 num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0.0),
                 resources=custom,
                 max_concurrency=2,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._placement_group, placement_group_bundle_index=index
-                ),
+                scheduling_strategy=self._scheduling_strategy(index),
             ).remote()
             for index in range(self.scaling.num_workers)
         ]
 
+    def _scheduling_strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
+        if self._placement is not None:
+            return self._placement.scheduling_strategy(rank)
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self._placement_group, placement_group_bundle_index=rank
+        )
+
+    def _device_infos(self) -> list[DeviceInfo]:
+        return self._get([worker.device_info.remote() for worker in self.workers], "device_info")
+
     def _order_by_locality(self) -> list[DeviceInfo]:
-        infos = self._get([worker.device_info.remote() for worker in self.workers], "device_info")
+        infos = self._device_infos()
         order = sorted(range(len(infos)), key=lambda i: infos[i].location)
         self.workers = [self.workers[i] for i in order]
         return [infos[i] for i in order]
@@ -123,9 +146,6 @@ class WorkerGroup:
         ]
         return self._get(refs, method)
 
-    def call_rank(self, rank: int, method: str, *args: Any) -> Any:
-        return self._get([getattr(self.workers[rank], method).remote(*args)], method, ranks=[rank])[0]
-
     def _get(self, refs: list, method: str, ranks: Sequence[int] | None = None) -> list[Any]:
         ranks = list(ranks) if ranks is not None else list(range(len(refs)))
         try:
@@ -153,4 +173,7 @@ class WorkerGroup:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         self.workers = []
-        remove_placement_group(self._placement_group)
+        if self._placement is not None:
+            self._placement.release()
+        else:
+            remove_placement_group(self._placement_group)

@@ -1,0 +1,57 @@
+"""`layout="auto"`: ask the planner for a layout on the live cluster's resource graph.
+
+Planning is pure arithmetic over the graph; this module only gathers the graph
+(descriptor-matched in simulation, probed otherwise) and converts the planner's
+`PlacementPlan` into the `ParallelLayout` the engines execute.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from baige_ray.engines.layout import ParallelLayout
+from baige_ray.planner.model_spec import ModelSpec
+from baige_ray.planner.plan import PlacementPlan, plan
+from baige_ray.runtime.train_loop import TrainJob
+from baige_ray.topology.descriptor import ClusterDescriptor
+from baige_ray.topology.graph import ResourceGraph
+from baige_ray.topology.simulated import SimulatedCluster
+
+
+def live_graph(descriptor: ClusterDescriptor | None = None) -> ResourceGraph:
+    """The graph of the Ray cluster this driver is connected to."""
+    from baige_ray.actors.topology import TopologyActor
+
+    if descriptor is None and SimulatedCluster.active() is not None:
+        descriptor = SimulatedCluster.active().descriptor
+    return TopologyActor(descriptor=descriptor, start_polling=False).graph()
+
+
+def first_devices(graph: ResourceGraph, num_devices: int) -> ResourceGraph:
+    """Keep the first `num_devices` devices in node order, so whole nodes are used first."""
+    if graph.num_devices < num_devices:
+        raise ValueError(
+            f"ScalingConfig.num_workers={num_devices} is invalid: the cluster graph has {graph.num_devices} devices"
+        )
+    return graph.without_devices(np.asarray(graph.device_ids)[num_devices:])
+
+
+def plan_job(job: TrainJob, graph: ResourceGraph) -> PlacementPlan:
+    spec = ModelSpec.from_gpt_config(job.model, global_batch=job.train.global_batch_size)
+    return plan(spec, graph)
+
+
+def layout_from_plan(placement: PlacementPlan) -> ParallelLayout:
+    """ZeRO without TP/PP runs on DeepSpeed; with them, ZeRO-3 maps to FSDP2 and lower stages to DDP."""
+    if placement.tp == 1 and placement.pp == 1 and placement.zero_stage > 0:
+        data_parallel = f"zero{placement.zero_stage}"
+    else:
+        data_parallel = "fsdp2" if placement.zero_stage == 3 else "ddp"
+    return ParallelLayout(
+        dp=placement.dp,
+        tp=placement.tp,
+        pp=placement.pp,
+        data_parallel=data_parallel,
+        num_microbatches=placement.num_micro_batches if placement.pp > 1 else None,
+        stage_layers=tuple(placement.stage_layers) if placement.pp > 1 else None,
+    )

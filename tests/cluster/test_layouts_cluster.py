@@ -1,0 +1,67 @@
+"""Every parallel layout on the simulated 2x4 cluster computes the single-process mathematics.
+
+One group of 8 worker actors serves every layout: each layout is a new process-group
+generation in the same processes, which is also how elastic re-planning reuses workers.
+"""
+
+import pytest
+
+from baige_ray import GPTConfig, RunConfig, ScalingConfig, TrainConfig
+from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.state import merge_states
+from baige_ray.models.corpus import CorpusConfig
+from baige_ray.runtime.fit import ExecutionPlan, train_on_group
+from baige_ray.runtime.train_loop import TrainJob
+from baige_ray.runtime.worker_group import WorkerGroup
+
+from ..helpers import reference_losses
+
+JOB = TrainJob(
+    model=GPTConfig(seq_len=32, num_layers=4, num_heads=4, hidden=64),
+    train=TrainConfig(num_steps=20, global_batch_size=16, warmup_steps=3, seed=11),
+    corpus=CorpusConfig(max_bytes=1 << 20),
+)
+RUN = RunConfig(show_progress=False)
+LAYOUTS = {
+    "DP8": ParallelLayout(dp=8),
+    "DP4xTP2": ParallelLayout(dp=4, tp=2),
+    "DP2xPP2xTP2": ParallelLayout(dp=2, pp=2, tp=2),
+    "ZeRO-3 DP8 (DeepSpeed)": ParallelLayout(dp=8, data_parallel="zero3"),
+    "FSDP2 DP8": ParallelLayout(dp=8, data_parallel="fsdp2"),
+}
+
+
+def execution(layout: ParallelLayout) -> ExecutionPlan:
+    return ExecutionPlan(layout=layout, emulated_speeds=(1.0,) * layout.world_size)
+
+
+@pytest.fixture(scope="module")
+def group(sim_cluster):
+    workers = WorkerGroup(ScalingConfig(num_workers=8), timeout_s=120)
+    yield workers
+    workers.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_losses(JOB)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process_step_by_step(group, reference, name):
+    losses = [m.loss for m in train_on_group(group, JOB, execution(LAYOUTS[name]), RUN)]
+    assert losses == pytest.approx(reference, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("source", "target"), [("DP8", "DP2xPP2xTP2"), ("DP2xPP2xTP2", "ZeRO-3 DP8 (DeepSpeed)")]
+)
+def test_state_moves_between_layouts_without_changing_training(group, reference, source, target):
+    half = JOB.train.num_steps // 2
+    first_half = TrainJob(model=JOB.model, train=TrainConfig(**{**JOB.train.__dict__, "num_steps": half}),
+                          corpus=JOB.corpus)
+    train_on_group(group, first_half, execution(LAYOUTS[source]), RUN)
+    state = merge_states(group.call("export_state"))
+    resumed = train_on_group(group, JOB, execution(LAYOUTS[target]), RUN, start_step=half, initial_state=state)
+    assert [m.step for m in resumed] == list(range(half, JOB.train.num_steps))
+    assert [m.loss for m in resumed] == pytest.approx(reference[half:], rel=1e-5)
