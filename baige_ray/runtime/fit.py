@@ -81,6 +81,7 @@ def fit(
     if execution.explanation:
         logger.info("planner: %s", execution.explanation)
     started = time.perf_counter()
+    scaling = dataclasses.replace(scaling, num_workers=execution.layout.world_size)  # "auto" may use fewer
     group = WorkerGroup(scaling, timeout_s=run.step_timeout_s, placement=execution.placement)
     try:
         metrics = train_on_group(group, job, execution, run)
