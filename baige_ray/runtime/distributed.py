@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 
@@ -70,9 +71,31 @@ class ProcessGroupMember:
     def leave(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        forget_device_meshes()
         self.membership = None
 
     def _store_for(self, address: StoreAddress) -> dist.Store:
         if address == self._hosted_address and self._hosted_store is not None:
             return self._hosted_store
         return dist.TCPStore(address.host, address.port, is_master=False, timeout=self.timeout)
+
+
+def forget_device_meshes() -> None:
+    """Drop DTensor's caches of device meshes from earlier generations.
+
+    DTensor caches redistribution planners and sharding decisions keyed by device
+    mesh, and meshes compare equal by rank layout, not by communicator. A new
+    generation with the same layout would otherwise reuse a mesh whose process
+    groups were destroyed with the old generation.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._sharding_prop import LocalLRUCache
+
+    _redistribute.clear_redistribute_planner_cache()
+    clear_native_cache = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native_cache is not None:  # the C++ dispatch fast path keeps its own copy
+        clear_native_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    # A fresh object, not cache_clear(): the cache is thread-local and actors run several threads.
+    propagator.propagate_op_sharding = LocalLRUCache(propagator.propagate_op_sharding_non_cached)

@@ -150,13 +150,15 @@ def train_on_group(
     run: RunConfig,
     *,
     start_step: int = 0,
+    end_step: int | None = None,
     initial_state: CanonicalState | None = None,
 ) -> list[StepMetrics]:
-    """Form a new process-group generation on `group`, build the engines, and train to the last step.
+    """Form a new process-group generation on `group`, build the engines, train steps [start, end).
 
     With `initial_state` (canonical, from any layout) each rank cuts its shard from
     it first, so training resumes at `start_step` exactly where that state left off.
     """
+    end_step = job.train.num_steps if end_step is None else end_step
     group.form_process_group()
     reports = group.call_each("build_engine", [(job, execution.layout, s) for s in execution.emulated_speeds])
     fingerprints = {report["corpus"] for report in reports}
@@ -166,8 +168,8 @@ def train_on_group(
     if initial_state is not None:
         group.call("import_state", ray.put(initial_state))  # one copy in the object store for every rank
     metrics: list[StepMetrics] = []
-    with TrainingProgress(job.train.num_steps - start_step, enabled=run.show_progress) as progress:
-        for step in range(start_step, job.train.num_steps):
+    with TrainingProgress(end_step - start_step, enabled=run.show_progress) as progress:
+        for step in range(start_step, end_step):
             step_started = time.perf_counter()
             step_metrics = reduce_step_metrics(group.call("train_step", step), time.perf_counter() - step_started)
             if step % job.train.log_every == 0 or step == job.train.num_steps - 1:

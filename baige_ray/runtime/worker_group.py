@@ -97,7 +97,9 @@ class WorkerGroup:
                 num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0.0),
                 resources=custom,
-                max_concurrency=2,
+                # One thread: DTensor keeps thread-local caches that a new generation must
+                # clear (see runtime/distributed.py), so every call must run on the same thread.
+                max_concurrency=1,
                 scheduling_strategy=self._scheduling_strategy(index),
             ).remote()
             for index in range(self.scaling.num_workers)

@@ -37,7 +37,7 @@ def execution(layout: ParallelLayout) -> ExecutionPlan:
 
 @pytest.fixture(scope="module")
 def group(sim_cluster):
-    workers = WorkerGroup(ScalingConfig(num_workers=8), timeout_s=120)
+    workers = WorkerGroup(ScalingConfig(num_workers=8), timeout_s=240)
     yield workers
     workers.shutdown()
 
@@ -58,9 +58,7 @@ def test_layout_matches_single_process_step_by_step(group, reference, name):
 )
 def test_state_moves_between_layouts_without_changing_training(group, reference, source, target):
     half = JOB.train.num_steps // 2
-    first_half = TrainJob(model=JOB.model, train=TrainConfig(**{**JOB.train.__dict__, "num_steps": half}),
-                          corpus=JOB.corpus)
-    train_on_group(group, first_half, execution(LAYOUTS[source]), RUN)
+    train_on_group(group, JOB, execution(LAYOUTS[source]), RUN, end_step=half)
     state = merge_states(group.call("export_state"))
     resumed = train_on_group(group, JOB, execution(LAYOUTS[target]), RUN, start_step=half, initial_state=state)
     assert [m.step for m in resumed] == list(range(half, JOB.train.num_steps))
