@@ -91,16 +91,22 @@ class DeepSpeedEngine(Engine):
     def _base_optimizer_states(self) -> list[dict]:
         return [state for state in self.engine.optimizer.optimizer.state.values() if state]
 
+    def _flat_partitions(self) -> list[torch.Tensor]:
+        """The fp32 partitions the base optimizer steps; ZeRO attaches them to its param groups only mid-step."""
+        optimizer = self.engine.optimizer
+        if self.zero_stage == 3:
+            return list(optimizer.fp32_partitioned_groups_flat)
+        return list(optimizer.single_partition_of_fp32_groups)
+
     def _create_optimizer_state(self) -> None:
         """Zero Adam moments for every flat partition, as AdamW's first step would create them."""
         base = self.engine.optimizer.optimizer
-        for group in base.param_groups:
-            for flat in group["params"]:
-                if not base.state.get(flat):
-                    base.state[flat] = {
-                        "step": torch.zeros((), dtype=torch.float32),
-                        **{key: torch.zeros_like(flat) for key in ADAM_KEYS},
-                    }
+        for flat in self._flat_partitions():
+            if not base.state.get(flat):
+                base.state[flat] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    **{key: torch.zeros_like(flat) for key in ADAM_KEYS},
+                }
 
     def _relink_state_fragments(self) -> None:
         # ZeRO-1/2 link each parameter to its slice of the Adam moments right after the
@@ -129,13 +135,13 @@ class DeepSpeedEngine(Engine):
         return {"model": model, "optimizer": adam}
 
     def import_state(self, state: CanonicalState) -> None:
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+        from deepspeed.utils import safe_set_full_optimizer_state
 
+        self._load_weights(state["model"])
         if state["optimizer"]:
             self._create_optimizer_state()
             self._relink_state_fragments()
         for name, param in self.module.named_parameters():
-            safe_set_full_fp32_param(param, state["model"][name].to(self.device))
             saved = state["optimizer"].get(name)
             if saved is not None:
                 for key in ADAM_KEYS:
@@ -144,3 +150,17 @@ class DeepSpeedEngine(Engine):
         for base_state in self._base_optimizer_states():
             if steps:
                 base_state["step"] = steps[0].clone() if torch.is_tensor(base_state["step"]) else int(steps[0])
+
+    def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Set the model's weights, then re-derive ZeRO's fp32 master partitions from them."""
+        import deepspeed
+
+        for name, param in self.module.named_parameters():
+            full = weights[name].to(self.device)
+            if self.zero_stage == 3:
+                # Every rank holds the full tensor, so rank 0's copy is what gets re-partitioned.
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                    param.data.copy_(full)
+            else:
+                param.data.copy_(full)
+        self.engine.optimizer.refresh_fp32_params()

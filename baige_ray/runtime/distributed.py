@@ -10,6 +10,7 @@ join the next generation: no restart, no re-import of torch.
 from __future__ import annotations
 
 import datetime
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,7 @@ class ProcessGroupMember:
         if dist.is_initialized():
             dist.destroy_process_group()
         forget_device_meshes()
+        forget_deepspeed_groups()
         self.membership = None
 
     def _store_for(self, address: StoreAddress) -> dist.Store:
@@ -99,3 +101,30 @@ def forget_device_meshes() -> None:
     propagator = DTensor._op_dispatcher.sharding_propagator
     # A fresh object, not cache_clear(): the cache is thread-local and actors run several threads.
     propagator.propagate_op_sharding = LocalLRUCache(propagator.propagate_op_sharding_non_cached)
+
+
+# deepspeed.utils.groups caches the process groups of the first engine built in a process.
+_DEEPSPEED_GROUP_DEFAULTS = {
+    "_EXPERT_PARALLEL_GROUP": dict,
+    "_EXPERT_PARALLEL_GROUP_RANKS": dict,
+    "_EXPERT_DATA_PARALLEL_GROUP": dict,
+    "_EXPERT_DATA_PARALLEL_GROUP_RANKS": dict,
+    "_ALL_TO_ALL_GROUP": dict,
+    "_WORLD_GROUP": lambda: None,
+    "_ZERO_PARAM_INTRA_PARALLEL_GROUP": lambda: None,
+    "_TENSOR_MODEL_PARALLEL_GROUP": lambda: None,
+    "_MODEL_PARALLEL_GROUP": lambda: None,
+    "_DATA_PARALLEL_GROUP": lambda: None,
+    "mpu": lambda: None,
+    "mesh_device": lambda: None,
+}
+
+
+def forget_deepspeed_groups() -> None:
+    """Reset DeepSpeed's module-level group cache, which would outlive the generation it was built in."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:  # DeepSpeed never ran in this process
+        return
+    for name, default in _DEEPSPEED_GROUP_DEFAULTS.items():
+        if hasattr(groups, name):
+            setattr(groups, name, default())
