@@ -109,3 +109,23 @@ class ParallelLayout:
     def describe(self) -> str:
         parts = [f"{name.upper()}{getattr(self, name)}" for name in ("dp", "tp", "pp") if getattr(self, name) > 1]
         return "x".join(parts or ["single"]) + f" ({self.data_parallel})"
+
+
+_LAYOUT_KEYS = {"dp": int, "tp": int, "pp": int, "engine": str, "micro": int, "schedule": str}
+
+
+def parse_layout(text: str) -> ParallelLayout | str:
+    """'ddp', 'auto', or degrees such as 'dp=2,tp=2,pp=2,engine=fsdp2,micro=4,schedule=interleaved-1f1b'."""
+    if text in ("ddp", "auto"):
+        return text
+    fields = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in _LAYOUT_KEYS or not value:
+            raise ValueError(f"layout item {item!r} is invalid: expected key=value with key in {sorted(_LAYOUT_KEYS)}")
+        try:
+            fields[key] = _LAYOUT_KEYS[key](value)
+        except ValueError:
+            raise ValueError(f"layout item {item!r} is invalid: {key} takes an integer") from None
+    renamed = {"engine": "data_parallel", "micro": "num_microbatches", "schedule": "pipeline_schedule"}
+    return ParallelLayout(**{renamed.get(key, key): value for key, value in fields.items()})

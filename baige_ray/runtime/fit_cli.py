@@ -10,6 +10,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("fit", help="train the reference GPT on the cluster")
     parser.add_argument("--cluster", type=Path, help="descriptor to simulate when RAY_ADDRESS is unset")
     parser.add_argument("--workers", type=int, default=2, help="number of worker actors")
+    parser.add_argument(
+        "--layout",
+        default="ddp",
+        help="'ddp', 'auto' (the planner decides), or degrees like dp=2,tp=2,pp=2,engine=fsdp2 "
+        "(engine: ddp, fsdp2, zero1, zero2, zero3)",
+    )
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -23,14 +29,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     import baige_ray as br
+    from baige_ray.engines.layout import parse_layout
 
     model = br.GPTConfig(num_layers=args.layers, hidden=args.hidden, seq_len=args.seq_len)
     train = br.TrainConfig(num_steps=args.steps, global_batch_size=args.global_batch, learning_rate=args.lr,
                            min_learning_rate=args.lr / 10)
+    layout = parse_layout(args.layout)
     scaling = br.ScalingConfig(num_workers=args.workers)
     run = br.RunConfig(name=args.name, storage_path=args.storage)
     with br.open_cluster(args.cluster):
-        result = br.fit(model, train=train, scaling=scaling, run=run)
+        result = br.fit(model, train=train, scaling=scaling, run=run, layout=layout)
+    print(f"layout {result.layout} on {result.num_workers} workers")
     print(f"final loss {result.final_loss:.4f} after {args.steps} steps in {result.elapsed_s:.1f}s")
     print(f"checkpoint: {result.checkpoint_path}")
     return 0
