@@ -28,7 +28,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cluster", type=Path, default=REPO_ROOT / "clusters" / "sim-2x4.yaml")
     parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--storage", type=Path, default=Path.home() / "baige_ray_results")
     return parser.parse_args()
 
