@@ -47,7 +47,10 @@ def open_cluster(
             ray.shutdown()
         return
     if descriptor is None:
-        context = ray.init(num_cpus=local_num_cpus, num_gpus=local_num_gpus, logging_level=logging.WARNING)
+        # address="local": start a fresh instance even if another `ray start` runs on this machine.
+        context = ray.init(
+            address="local", num_cpus=local_num_cpus, num_gpus=local_num_gpus, logging_level=logging.WARNING
+        )
         try:
             yield ClusterSession(address=context.address_info["address"], simulated=False, descriptor=None)
         finally:
