@@ -41,10 +41,21 @@ class SlowChipEmulator:
 class Engine(ABC):
     """One rank's training: `train_step`, and state in and out in canonical form."""
 
-    def __init__(self, job: TrainJob, layout: ParallelLayout, rank: int, corpus: ByteCorpus | None = None):
+    def __init__(
+        self,
+        job: TrainJob,
+        layout: ParallelLayout,
+        rank: int = 0,
+        *,
+        device: str = "cpu",
+        emulated_speed: float = 1.0,
+        corpus: ByteCorpus | None = None,
+    ):
         self.job = job
         self.layout = layout
         self.rank = rank
+        self.device = torch.device(device)
+        self.emulated_speed = emulated_speed
         self.coords: RankCoords = layout.coords(rank)
         self.per_replica_batch = job.train.per_worker_batch(layout.dp)
         self.corpus = corpus or stdlib_corpus(job.corpus)

@@ -10,6 +10,7 @@ Gradient accumulation and clipping are DeepSpeed's own.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,6 @@ from torch import nn
 from baige_ray.engines.base import Engine, SlowChipEmulator
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.state import ADAM_KEYS, CanonicalState
-from baige_ray.models.corpus import ByteCorpus
 from baige_ray.models.gpt import GPT, language_model_loss
 from baige_ray.runtime.train_loop import TrainJob, build_optimizer
 
@@ -36,25 +36,16 @@ def deepspeed_config(job: TrainJob, per_replica_batch: int, zero_stage: int) -> 
 
 
 class DeepSpeedEngine(Engine):
-    def __init__(
-        self,
-        job: TrainJob,
-        layout: ParallelLayout,
-        rank: int = 0,
-        *,
-        device: str = "cpu",
-        emulated_speed: float = 1.0,
-        corpus: ByteCorpus | None = None,
-    ):
-        super().__init__(job, layout, rank, corpus)
+    def __init__(self, job: TrainJob, layout: ParallelLayout, rank: int = 0, **options: Any):
+        super().__init__(job, layout, rank, **options)
         import deepspeed
 
         # DeepSpeed reads these even when the process group exists; one device per worker process.
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(dist.get_rank()), str(dist.get_world_size())
         torch.manual_seed(job.train.seed)
-        model = GPT(job.model).to(device)
-        self._emulator = SlowChipEmulator(model, emulated_speed)
+        model = GPT(job.model).to(self.device)
+        self._emulator = SlowChipEmulator(model, self.emulated_speed)
         self.zero_stage = int(layout.data_parallel.removeprefix("zero"))
         self.engine, _, _, _ = deepspeed.initialize(
             model=model,
@@ -62,7 +53,6 @@ class DeepSpeedEngine(Engine):
             config=deepspeed_config(job, self.per_replica_batch, self.zero_stage),
             dist_init_required=False,
         )
-        self.device = torch.device(device)
 
     @property
     def module(self) -> nn.Module:

@@ -9,6 +9,7 @@ so its groups are exactly the plan's groups.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,27 +22,16 @@ from baige_ray.engines.base import Engine, SlowChipEmulator
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.stages import GPTStage, build_stage
 from baige_ray.engines.state import CanonicalState, export_module_state, import_module_state
-from baige_ray.models.corpus import ByteCorpus
 from baige_ray.models.gpt import GPT, language_model_loss
 from baige_ray.runtime.train_loop import TrainJob, build_optimizer
 
 
 class TorchEngine(Engine):
-    def __init__(
-        self,
-        job: TrainJob,
-        layout: ParallelLayout,
-        rank: int = 0,
-        *,
-        device: str = "cpu",
-        emulated_speed: float = 1.0,
-        corpus: ByteCorpus | None = None,
-    ):
-        super().__init__(job, layout, rank, corpus)
-        self.device = torch.device(device)
+    def __init__(self, job: TrainJob, layout: ParallelLayout, rank: int = 0, **options: Any):
+        super().__init__(job, layout, rank, **options)
         self.mesh = self._build_mesh()
         self.stages = self._build_stages()
-        self._emulators = [SlowChipEmulator(stage, emulated_speed) for stage in self.stages]
+        self._emulators = [SlowChipEmulator(stage, self.emulated_speed) for stage in self.stages]
         self._wrapped = self._apply_data_parallel()
         self._modules = nn.ModuleList(self.stages)  # one namespace for state and optimizer
         self.optimizer = build_optimizer(self._modules, job.train)

@@ -6,7 +6,6 @@ share a node whatever order Ray returned the bundles in.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +21,6 @@ from baige_ray.api.errors import ClusterError, WorkerError
 from baige_ray.planner.materialize import MaterializedPlan
 from baige_ray.runtime.distributed import GroupMembership
 
-logger = logging.getLogger(__name__)
 
 
 def choose_device_resource(scaling: ScalingConfig, cluster_resources: dict[str, float]) -> str:
@@ -94,7 +92,7 @@ class WorkerGroup:
             custom = {}
         return [
             remote_cls.options(
-                num_cpus=bundle["CPU"],
+                num_cpus=bundle.get("CPU", 0.0),
                 num_gpus=bundle.get("GPU", 0.0),
                 resources=custom,
                 # One thread: DTensor keeps thread-local caches that a new generation must
