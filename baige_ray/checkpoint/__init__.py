@@ -1,0 +1,1 @@
+"""Flash checkpoints: asynchronous persistence with checksums, commit markers and resharding on load."""

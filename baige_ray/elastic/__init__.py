@@ -1,0 +1,1 @@
+"""Elastic training: the controller state machine, snapshots, fault injection."""

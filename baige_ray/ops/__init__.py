@@ -1,0 +1,1 @@
+"""Operations: event log, metrics, status and plots."""

@@ -1,0 +1,1 @@
+"""Ray Serve hosting of trained models and the train/infer device pool."""
