@@ -107,7 +107,7 @@ class WorkerActor:
         )
         return {
             "num_parameters": sum(p.numel() for p in self.engine.parameters),
-            "corpus": self.engine.corpus.fingerprint,
+            "corpus": self.engine.corpus.fingerprint if self.engine.corpus else None,
         }
 
     def train_step(self, step: int) -> dict:

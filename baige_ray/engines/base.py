@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -11,6 +12,7 @@ from torch import nn
 from baige_ray.engines.layout import ParallelLayout, RankCoords
 from baige_ray.engines.state import CanonicalState
 from baige_ray.models.corpus import ByteCorpus, stdlib_corpus
+from baige_ray.models.gpt import GPTConfig
 from baige_ray.runtime.train_loop import TrainJob, learning_rate_at, sample_range
 
 
@@ -25,17 +27,22 @@ class SlowChipEmulator:
     BACKWARD_FACTOR = 3.0
 
     def __init__(self, module: nn.Module, speed: float):
-        self.extra = max(0.0, 1.0 / speed - 1.0) * self.BACKWARD_FACTOR
+        self.extra = 0.0
+        self.set_speed(speed)
         self._started = 0.0
-        if self.extra > 0:
-            module.register_forward_pre_hook(self._before_forward)
-            module.register_forward_hook(self._after_forward)
+        # Hooks stay registered even at full speed so a fault can slow the chip later.
+        module.register_forward_pre_hook(self._before_forward)
+        module.register_forward_hook(self._after_forward)
+
+    def set_speed(self, speed: float) -> None:
+        self.extra = max(0.0, 1.0 / speed - 1.0) * self.BACKWARD_FACTOR
 
     def _before_forward(self, *_: object) -> None:
         self._started = time.perf_counter()
 
     def _after_forward(self, *_: object) -> None:
-        time.sleep(self.extra * (time.perf_counter() - self._started))
+        if self.extra > 0:
+            time.sleep(self.extra * (time.perf_counter() - self._started))
 
 
 class Engine(ABC):
@@ -58,14 +65,19 @@ class Engine(ABC):
         self.emulated_speed = emulated_speed
         self.coords: RankCoords = layout.coords(rank)
         self.per_replica_batch = job.train.per_worker_batch(layout.dp)
-        self.corpus = corpus or stdlib_corpus(job.corpus)
+        self.corpus = corpus or (stdlib_corpus(job.corpus) if isinstance(job.model, GPTConfig) else None)
+        self.before_update_hooks: list[Callable[[], None]] = []
+        self.emulators: list[SlowChipEmulator] = []
 
     def train_step(self, step: int) -> dict:
+        started = time.perf_counter()
         learning_rate = learning_rate_at(step, self.job.train)
         self.set_learning_rate(learning_rate)
-        indices = sample_range(step, self.coords.dp, self.layout.dp, self.job.train.global_batch_size)
-        inputs, targets = self.corpus.batch(indices, self.job.model.seq_len, self.job.train.seed)
+        inputs, targets = self.batch(step)
         loss = self.forward_backward(inputs, targets)
+        compute_s = time.perf_counter() - started
+        for hook in self.before_update_hooks:  # e.g. a snapshot still copying the weights this update changes
+            hook()
         self.optimizer_step()
         counts_tokens = self.coords.tp == 0 and self.coords.pp == 0  # one rank per data-parallel replica
         return {
@@ -73,7 +85,27 @@ class Engine(ABC):
             "loss": loss,
             "learning_rate": learning_rate,
             "tokens": inputs.numel() if counts_tokens else 0,
+            "compute_s": compute_s,
         }
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = sample_range(step, self.coords.dp, self.layout.dp, self.job.train.global_batch_size)
+        return self.corpus.batch(indices, self.job.model.seq_len, self.job.train.seed)
+
+    def set_emulated_speed(self, speed: float) -> None:
+        """Change how fast this rank's chip appears, e.g. to inject a straggler."""
+        self.emulated_speed = speed
+        for emulator in self.emulators:
+            emulator.set_speed(speed)
+
+    def snapshot_state(self) -> CanonicalState:
+        """Everything this rank can restore from: by default the collective canonical export."""
+        return self.export_state()
+
+    @property
+    def snapshot_is_local(self) -> bool:
+        """True when `snapshot_state` needs no collective, so it may run beside the next step."""
+        return False
 
     @property
     def parameters(self) -> list[nn.Parameter]:

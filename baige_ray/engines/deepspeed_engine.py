@@ -45,7 +45,7 @@ class DeepSpeedEngine(Engine):
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(dist.get_rank()), str(dist.get_world_size())
         torch.manual_seed(job.train.seed)
         model = GPT(job.model).to(self.device)
-        self._emulator = SlowChipEmulator(model, self.emulated_speed)
+        self.emulators = [SlowChipEmulator(model, self.emulated_speed)]
         self.zero_stage = int(layout.data_parallel.removeprefix("zero"))
         self.engine, _, _, _ = deepspeed.initialize(
             model=model,

@@ -9,8 +9,14 @@ from baige_ray.engines.layout import ParallelLayout
 from baige_ray.runtime.train_loop import TrainJob
 
 
-def engine_class(layout: ParallelLayout) -> type[Engine]:
+def engine_class(layout: ParallelLayout, job: TrainJob | None = None) -> type[Engine]:
     """DeepSpeed for ZeRO stages, the torch-native engine for everything else (imported lazily: both are heavy)."""
+    from baige_ray.models.mlp import MLPConfig
+
+    if job is not None and isinstance(job.model, MLPConfig):
+        from baige_ray.engines.mlp_engine import MLPEngine
+
+        return MLPEngine
     if layout.data_parallel.startswith("zero"):
         from baige_ray.engines.deepspeed_engine import DeepSpeedEngine
 
@@ -22,4 +28,4 @@ def engine_class(layout: ParallelLayout) -> type[Engine]:
 
 def build_engine(job: TrainJob, layout: ParallelLayout, rank: int = 0, **options: Any) -> Engine:
     """Options (device, emulated_speed, corpus) go to the engine's constructor."""
-    return engine_class(layout)(job, layout, rank, **options)
+    return engine_class(layout, job)(job, layout, rank, **options)

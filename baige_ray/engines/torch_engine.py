@@ -31,7 +31,7 @@ class TorchEngine(Engine):
         super().__init__(job, layout, rank, **options)
         self.mesh = self._build_mesh()
         self.stages = self._build_stages()
-        self._emulators = [SlowChipEmulator(stage, self.emulated_speed) for stage in self.stages]
+        self.emulators = [SlowChipEmulator(stage, self.emulated_speed) for stage in self.stages]
         self._wrapped = self._apply_data_parallel()
         self._modules = nn.ModuleList(self.stages)  # one namespace for state and optimizer
         self.optimizer = build_optimizer(self._modules, job.train)
@@ -149,6 +149,16 @@ class TorchEngine(Engine):
 
     def import_state(self, state: CanonicalState) -> None:
         import_module_state(self.module, self.optimizer, self._add_prefix(state))
+
+    @property
+    def snapshot_is_local(self) -> bool:
+        # Without DTensor parameters every rank holds its stages' full tensors.
+        return self.layout.tp == 1 and not (self.layout.dp > 1 and self.layout.data_parallel == "fsdp2")
+
+    def snapshot_state(self) -> CanonicalState:
+        if not self.snapshot_is_local:
+            return self.export_state()
+        return self._strip_prefix(export_module_state(self.module, self.optimizer))
 
     def _strip_prefix(self, state: CanonicalState) -> CanonicalState:
         # Names inside the ModuleList are "<stage slot>.<canonical name>".

@@ -17,13 +17,14 @@ from torch import nn
 from baige_ray.api.configs import TrainConfig
 from baige_ray.models.corpus import CorpusConfig
 from baige_ray.models.gpt import GPTConfig
+from baige_ray.models.mlp import MLPConfig
 
 
 @dataclass(kw_only=True, frozen=True)
 class TrainJob:
     """Everything a worker needs to build its trainer; small and picklable."""
 
-    model: GPTConfig
+    model: GPTConfig | MLPConfig
     train: TrainConfig
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
 

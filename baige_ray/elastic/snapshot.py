@@ -1,0 +1,69 @@
+"""Flash snapshots: the engine's state copied to host memory after every step without stalling the next.
+
+The copy runs on a background thread while the next step's forward and backward
+read (but do not write) the weights. Only the optimizer update writes them, so the
+engine runs `fence()` just before it: the stall is the part of the copy that did
+not fit under forward and backward, usually none. Engines whose state is sharded
+(DTensor, ZeRO) need a collective to assemble it, which must stay on the training
+thread in step order; their snapshot is taken synchronously and counted as stall.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from baige_ray.engines.base import Engine
+from baige_ray.engines.state import CanonicalState
+
+
+class HostSnapshotter:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.last_stall_s = 0.0
+        self._latest: tuple[int, CanonicalState] | None = None
+        self._copying: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        engine.before_update_hooks.append(self._fence_for_update)
+
+    def after_step(self, step: int) -> None:
+        """Start snapshotting the state as it is after `step` (waits for a previous copy first)."""
+        self.fence()
+        if not self.engine.snapshot_is_local:
+            started = time.perf_counter()
+            self._latest = (step, self.engine.snapshot_state())
+            self.last_stall_s = time.perf_counter() - started
+            return
+        self._copying = threading.Thread(target=self._copy, args=(step,), name=f"snapshot-{step}", daemon=True)
+        self._copying.start()
+
+    def _copy(self, step: int) -> None:
+        try:
+            self._latest = (step, self.engine.snapshot_state())
+        except BaseException as error:  # surfaced by fence() on the training thread
+            self._failure = error
+
+    def fence(self) -> float:
+        """Wait for an in-flight copy; returns the seconds waited."""
+        started = time.perf_counter()
+        if self._copying is not None:
+            self._copying.join()
+            self._copying = None
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise RuntimeError("snapshot copy failed") from failure
+        return time.perf_counter() - started
+
+    def _fence_for_update(self) -> None:
+        self.last_stall_s = self.fence()
+
+    def latest(self) -> tuple[int, CanonicalState] | None:
+        """The newest complete snapshot as (step it was taken after, state)."""
+        self.fence()
+        return self._latest
+
+    def drop(self) -> None:
+        """Forget the engine (a new generation builds a new one); the latest snapshot is kept."""
+        self.fence()
+        if self._fence_for_update in self.engine.before_update_hooks:
+            self.engine.before_update_hooks.remove(self._fence_for_update)

@@ -1,0 +1,87 @@
+"""Data-parallel SGD on the MLP regression task: the engine of the recovery benchmark.
+
+Same contract as the GPT engines (index-addressed samples, a global batch that does
+not depend on the data-parallel degree, canonical state), so the elastic controller
+drives it unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from baige_ray.engines.base import Engine, SlowChipEmulator
+from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.state import CanonicalState, full_tensor
+from baige_ray.models.mlp import MLP, regression_batch
+from baige_ray.runtime.train_loop import TrainJob, sample_range
+
+MOMENTUM_KEY = "momentum_buffer"
+
+
+class MLPEngine(Engine):
+    def __init__(self, job: TrainJob, layout: ParallelLayout, rank: int = 0, **options: Any):
+        if layout.tp > 1 or layout.pp > 1 or layout.data_parallel != "ddp":
+            raise ValueError(f"layout {layout.describe()} is invalid for the MLP: expected data parallel (ddp) only")
+        super().__init__(job, layout, rank, **options)
+        torch.manual_seed(job.train.seed)
+        self.model = MLP(job.model).to(self.device)
+        self.emulators = [SlowChipEmulator(self.model, self.emulated_speed)]
+        self.wrapped = self._wrap(self.model)
+        self.optimizer = torch.optim.SGD(
+            self.model.parameters(), lr=job.train.learning_rate, momentum=job.model.momentum, foreach=False
+        )
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        if self.layout.dp == 1:
+            return model
+        return nn.parallel.DistributedDataParallel(model, process_group=dist.group.WORLD)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.model
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = sample_range(step, self.coords.dp, self.layout.dp, self.job.train.global_batch_size)
+        return regression_batch(self.job.model, indices, self.job.train.seed)
+
+    def set_learning_rate(self, learning_rate: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        outputs = self.wrapped(inputs.to(self.device))
+        loss = nn.functional.mse_loss(outputs, targets.to(self.device))
+        loss.backward()
+        return loss.item()
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def export_state(self) -> CanonicalState:
+        return self.snapshot_state() if self.owns_state else {"model": {}, "optimizer": {}}
+
+    @property
+    def snapshot_is_local(self) -> bool:
+        return True
+
+    def snapshot_state(self) -> CanonicalState:
+        model, momentum = {}, {}
+        for name, param in self.model.named_parameters():
+            model[name] = full_tensor(param)
+            buffer = self.optimizer.state.get(param, {}).get(MOMENTUM_KEY)
+            if buffer is not None:
+                momentum[name] = {MOMENTUM_KEY: full_tensor(buffer)}
+        return {"model": model, "optimizer": momentum}
+
+    def import_state(self, state: CanonicalState) -> None:
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                param.copy_(state["model"][name].to(self.device))
+                saved = state["optimizer"].get(name)
+                if saved is not None:
+                    self.optimizer.state[param] = {MOMENTUM_KEY: saved[MOMENTUM_KEY].to(self.device).clone()}
