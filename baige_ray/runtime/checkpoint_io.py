@@ -9,36 +9,18 @@ anything, and unpickles with `weights_only=True` (tensors and plain containers).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
 
 from baige_ray.api.errors import CheckpointError
+from baige_ray.checkpoint.files import sha256_file, write_atomically
 from baige_ray.models.gpt import GPT, GPTConfig
 
 WEIGHTS_FILE = "model.pt"
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _write_atomically(path: Path, write) -> None:
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with temporary.open("wb") as handle:
-        write(handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
 
 
 def save_model_checkpoint(
@@ -48,15 +30,15 @@ def save_model_checkpoint(
     directory.mkdir(parents=True, exist_ok=True)
     (directory / MANIFEST_FILE).unlink(missing_ok=True)
     weights = directory / WEIGHTS_FILE
-    _write_atomically(weights, lambda handle: torch.save(state, handle))
+    write_atomically(weights, lambda handle: torch.save(state, handle))
     manifest = {
         "format_version": FORMAT_VERSION,
         "step": step,
         "model_config": dataclasses.asdict(model_config),
-        "weights_sha256": _sha256(weights),
+        "weights_sha256": sha256_file(weights),
         "weights_bytes": weights.stat().st_size,
     }
-    _write_atomically(directory / MANIFEST_FILE, lambda handle: handle.write(json.dumps(manifest, indent=2).encode()))
+    write_atomically(directory / MANIFEST_FILE, lambda handle: handle.write(json.dumps(manifest, indent=2).encode()))
     return directory
 
 
@@ -82,7 +64,7 @@ def load_model_state(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
     size = weights.stat().st_size
     if size != manifest["weights_bytes"]:
         raise CheckpointError(f"{weights} holds {size} bytes, the manifest says {manifest['weights_bytes']}: truncated")
-    if _sha256(weights) != manifest["weights_sha256"]:
+    if sha256_file(weights) != manifest["weights_sha256"]:
         raise CheckpointError(f"{weights} fails its SHA-256 check: the file is corrupted")
     return torch.load(weights, map_location="cpu", weights_only=True), manifest
 
