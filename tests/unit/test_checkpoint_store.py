@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from baige_ray.api.errors import CheckpointError
+from baige_ray.checkpoint.files import sha256_file
 from baige_ray.checkpoint.store import (
     COMMIT_MARKER,
     MANIFEST_FILE,
@@ -21,43 +22,9 @@ from baige_ray.checkpoint.store import (
     verify_checkpoint,
     write_checkpoint,
 )
-from baige_ray.checkpoint.files import sha256_file
-from baige_ray.engines.state import export_module_state
-from baige_ray.models.gpt import GPT, GPTConfig, language_model_loss
+from tests.unit.fixtures.checkpoint_states import assert_states_equal, flip_byte, trained_state
 
-TINY = GPTConfig(seq_len=8, num_layers=1, num_heads=2, hidden=16)
 META = {"layout": "dp=1 tp=1 pp=1", "model_config": {"hidden": 16}}
-
-
-def trained_state(seed: int = 0) -> dict:
-    """Canonical state of a tiny GPT after one AdamW step: full weights, exp_avg(_sq) and a 0-dim step."""
-    torch.manual_seed(seed)
-    model = GPT(TINY)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tokens = torch.randint(0, 256, (2, 9))
-    language_model_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-    optimizer.step()
-    return export_module_state(model, optimizer)
-
-
-def assert_states_equal(left: dict, right: dict) -> None:
-    assert left["model"].keys() == right["model"].keys()
-    for name, tensor in left["model"].items():
-        assert tensor.dtype == right["model"][name].dtype
-        assert torch.equal(tensor, right["model"][name]), name
-    assert left["optimizer"].keys() == right["optimizer"].keys()
-    for name, entries in left["optimizer"].items():
-        assert entries.keys() == right["optimizer"][name].keys()
-        for key, tensor in entries.items():
-            other = right["optimizer"][name][key]
-            assert tensor.dtype == other.dtype and tensor.shape == other.shape
-            assert torch.equal(tensor, other), f"{name}/{key}"
-
-
-def flip_byte(path, offset_fraction=0.5):
-    data = bytearray(path.read_bytes())
-    data[int(len(data) * offset_fraction)] ^= 0xFF
-    path.write_bytes(bytes(data))
 
 
 def test_round_trip_is_bitwise_equal_and_keeps_meta(tmp_path):
