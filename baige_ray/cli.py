@@ -16,6 +16,7 @@ COMMAND_MODULES = {
     "bench": "baige_ray.bench.cli",
     "topo": "baige_ray.topology.cli",
     "plan": "baige_ray.planner.cli",
+    "status": "baige_ray.ops.status_cli",
 }
 
 
