@@ -1,1 +1,30 @@
 """Ray Serve hosting of trained models and the train/infer device pool."""
+
+from baige_ray.serving.app import (
+    ServeHandleInfo,
+    ServeOptions,
+    busy_seconds,
+    reload_weights,
+    replica_states,
+    scale_replicas,
+    serve,
+    serving_load,
+    shutdown,
+)
+from baige_ray.serving.requests import GenerateRequest, RequestError, RequestLimits, parse_generate_request
+
+__all__ = [
+    "GenerateRequest",
+    "RequestError",
+    "RequestLimits",
+    "ServeHandleInfo",
+    "ServeOptions",
+    "busy_seconds",
+    "parse_generate_request",
+    "reload_weights",
+    "replica_states",
+    "scale_replicas",
+    "serve",
+    "serving_load",
+    "shutdown",
+]

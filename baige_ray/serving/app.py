@@ -1,0 +1,208 @@
+"""`serve()`: host the reference GPT on Ray Serve, and the calls that resize and refresh it in place.
+
+The application runs one deployment (`GPTServer`) behind Serve's HTTP proxy on the head node, bound
+to 127.0.0.1 unless told otherwise. It is deployed with Serve's external scaler enabled, so its
+replica count can change without a redeploy: `scale_replicas` sets the target through the Serve
+controller (the call the dashboard's REST scale endpoint makes), and existing replicas keep running.
+Scaling down lets Serve drain the replicas it stops (no request is dropped). Weights are swapped
+in place by `reload_weights`, through the application's ServingRegistry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import serve as ray_serve
+
+from baige_ray.api.validation import require_int, require_number
+from baige_ray.models.gpt import GPTConfig
+from baige_ray.runtime.checkpoint_io import load_model_state
+from baige_ray.serving.deployment import GPTServer
+from baige_ray.serving.registry import REGISTRY_NAMESPACE, get_or_create_registry, registry_name
+from baige_ray.serving.requests import RequestLimits
+
+DEPLOYMENT_NAME = "GPTServer"
+_BUSY_REPLICA_STATES = ("STARTING", "UPDATING", "RECOVERING", "STOPPING", "PENDING_MIGRATION")
+
+
+@dataclass(frozen=True)
+class ServeHandleInfo:
+    url: str
+    app_name: str
+    deployment_name: str = DEPLOYMENT_NAME
+
+
+@dataclass(kw_only=True, frozen=True)
+class ServeOptions:
+    route_prefix: str = "/"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    num_replicas: int = 1
+    ray_actor_options: dict | None = None
+    max_batch_size: int = 8
+    batch_wait_timeout_s: float = 0.01
+    max_ongoing_requests: int = 32
+    max_queued_requests: int = 256
+
+    def __post_init__(self) -> None:
+        if not self.route_prefix.startswith("/"):
+            raise ValueError(f"ServeOptions.route_prefix={self.route_prefix!r} is invalid: expected a path starting with '/'")
+        require_int("ServeOptions", "port", self.port, minimum=1)
+        for name in ("num_replicas", "max_batch_size", "max_ongoing_requests", "max_queued_requests"):
+            require_int("ServeOptions", name, getattr(self, name), minimum=1)
+        require_number("ServeOptions", "batch_wait_timeout_s", self.batch_wait_timeout_s, minimum=0)
+
+
+def default_actor_options() -> dict:
+    """One (possibly simulated) GPU per replica when the cluster has GPUs, so a replica lands only
+    on a device training gave up; half a CPU slot otherwise-idle cores can absorb."""
+    if ray.cluster_resources().get("GPU", 0) >= 1:
+        return {"num_cpus": 0.25, "num_gpus": 1}
+    return {"num_cpus": 0.5}
+
+
+def _resolve_source(source: Any, model_config: GPTConfig | dict | None) -> tuple[int, ray.ObjectRef, dict]:
+    """(step, state ref, model config) from a checkpoint path, an ObjectRef or (step, ObjectRef)."""
+    if isinstance(source, (str, Path)):
+        state, manifest = load_model_state(Path(source))  # checksum-verified, weights_only
+        return int(manifest["step"]), ray.put(state), dict(manifest["model_config"])
+    step = -1
+    if isinstance(source, tuple) and len(source) == 2:
+        step, source = source
+    if not isinstance(source, ray.ObjectRef):
+        raise ValueError(
+            f"source={source!r} is invalid: expected a checkpoint directory, a ray.ObjectRef to a state dict, "
+            "or (step, ObjectRef) from job.latest_model_state()"
+        )
+    if model_config is None:
+        raise ValueError("model_config is required when source is an in-memory state (ObjectRef)")
+    config = dataclasses.asdict(model_config) if isinstance(model_config, GPTConfig) else dict(model_config)
+    GPTConfig(**config)  # validates before any replica tries
+    return int(step), source, config
+
+
+def serve(
+    source: Any,
+    *,
+    model_config: GPTConfig | dict | None = None,
+    name: str = "gpt",
+    route_prefix: str = "/",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    num_replicas: int = 1,
+    ray_actor_options: dict | None = None,
+    max_batch_size: int = 8,
+    batch_wait_timeout_s: float = 0.01,
+    max_ongoing_requests: int = 32,
+    max_queued_requests: int = 256,
+    limits: RequestLimits | None = None,
+) -> ServeHandleInfo:
+    """Serve the GPT in `source` as application `name`; returns once every replica answers.
+
+    `source` is a checkpoint directory (verified, weights-only load) or an in-memory state: a
+    ray.ObjectRef to {param name: tensor} (or the (step, ref) pair `job.latest_model_state()`
+    returns) with `model_config`. A replica holds at most `max_ongoing_requests`; beyond that up to
+    `max_queued_requests` wait at the proxy and the rest are answered 503. `limits` bounds what one
+    request may ask for (prompt length, max_new_tokens, temperature).
+    """
+    settings = ServeOptions(
+        route_prefix=route_prefix, host=host, port=port, num_replicas=num_replicas,
+        ray_actor_options=ray_actor_options, max_batch_size=max_batch_size,
+        batch_wait_timeout_s=batch_wait_timeout_s, max_ongoing_requests=max_ongoing_requests,
+        max_queued_requests=max_queued_requests,
+    )
+    limits = limits or RequestLimits()
+    step, state_ref, config = _resolve_source(source, model_config)
+    registry = get_or_create_registry(name)
+    ray.get(registry.publish_weights.remote(step, [state_ref], config))
+    ray_serve.start(proxy_location="HeadOnly", http_options={"host": settings.host, "port": settings.port})
+    deployment = ray_serve.deployment(GPTServer).options(
+        name=DEPLOYMENT_NAME,
+        num_replicas=settings.num_replicas,
+        ray_actor_options=settings.ray_actor_options or default_actor_options(),
+        max_ongoing_requests=settings.max_ongoing_requests,
+        max_queued_requests=settings.max_queued_requests,
+        graceful_shutdown_wait_loop_s=0.5,
+        graceful_shutdown_timeout_s=60.0,
+    )
+    application = deployment.bind(
+        app_name=name,
+        limits=dataclasses.asdict(limits),
+        max_batch_size=settings.max_batch_size,
+        batch_wait_timeout_s=settings.batch_wait_timeout_s,
+    )
+    ray_serve.run(application, name=name, route_prefix=settings.route_prefix, external_scaler_enabled=True)
+    url = f"http://{settings.host}:{settings.port}{settings.route_prefix.rstrip('/')}"
+    return ServeHandleInfo(url=url, app_name=name)
+
+
+def replica_states(info: ServeHandleInfo) -> dict[str, int]:
+    """How many replicas of the application are in each state (RUNNING, STARTING, STOPPING, ...)."""
+    application = ray_serve.status().applications.get(info.app_name)
+    if application is None or info.deployment_name not in application.deployments:
+        return {}
+    states = application.deployments[info.deployment_name].replica_states
+    return {getattr(state, "value", str(state)): count for state, count in states.items()}
+
+
+def scale_replicas(info: ServeHandleInfo, num_replicas: int, *, timeout_s: float = 180.0) -> None:
+    """Set the replica count and wait until exactly that many run and none start or stop.
+
+    Waiting for stopping replicas to finish matters: their devices are free for training only then.
+    """
+    require_int("scale_replicas", "num_replicas", num_replicas, minimum=1)
+    from ray.serve._private.common import DeploymentID
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    deployment = DeploymentID(name=info.deployment_name, app_name=info.app_name)
+    ray.get(controller.update_deployment_replicas.remote(deployment, num_replicas))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = replica_states(info)
+        settled = not any(states.get(state, 0) for state in _BUSY_REPLICA_STATES)
+        if settled and states.get("RUNNING", 0) == num_replicas:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{info.app_name}: {num_replicas} replicas not reached in {timeout_s:g}s: {states}")
+        time.sleep(0.2)
+
+
+def reload_weights(
+    info: ServeHandleInfo, source: Any, *, model_config: GPTConfig | dict | None = None, timeout_s: float = 60.0
+) -> int:
+    """Swap every replica's weights in place (no restart); returns the new weights version."""
+    step, state_ref, config = _resolve_source(source, model_config)
+    registry = _registry(info)
+    version = ray.get(registry.publish_weights.remote(step, [state_ref], config))
+    deadline = time.monotonic() + timeout_s
+    while behind := ray.get(registry.replicas_behind.remote(version)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{info.app_name}: replicas {behind} still on older weights after {timeout_s:g}s")
+        time.sleep(0.1)
+    return version
+
+
+def serving_load(info: ServeHandleInfo, window_s: float = 5.0) -> dict:
+    """Request rate, p99 latency and queue depth over the last `window_s` seconds, as replicas report them."""
+    return ray.get(_registry(info).load.remote(window_s))
+
+
+def busy_seconds(info: ServeHandleInfo) -> dict[str, float]:
+    """Seconds each replica (ever) spent computing batches."""
+    return ray.get(_registry(info).busy_seconds.remote())
+
+
+def shutdown(info: ServeHandleInfo) -> None:
+    """Delete the application and its registry (the Serve proxy and controller stay up)."""
+    ray_serve.delete(info.app_name)
+    ray.kill(_registry(info))
+
+
+def _registry(info: ServeHandleInfo) -> ray.actor.ActorHandle:
+    return ray.get_actor(registry_name(info.app_name), namespace=REGISTRY_NAMESPACE)

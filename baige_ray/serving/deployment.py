@@ -1,0 +1,126 @@
+"""The Ray Serve deployment that hosts the reference GPT behind an HTTP JSON API.
+
+Routes (under the application's route prefix):
+  POST generate  {"prompt": str, "max_new_tokens": int, "temperature": float, "seed": int}
+                 -> {"text": str, "tokens": int, "latency_s": float, "step": int}
+  GET  health    -> {"status": "ok", "step": int, "replica": str}
+
+Requests are batched by `@serve.batch`; the forward passes run on a worker thread so the replica's
+event loop keeps accepting, queueing and health-checking while a batch computes. Weights come from
+the application's ServingRegistry: the newest version when the replica starts, and any newer one the
+registry names in answer to the replica's periodic report. A new model is built aside and replaces
+the old one in one assignment, so a batch in flight finishes on the weights it started with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import ray
+import torch
+from ray import serve
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from baige_ray.models.gpt import GPT, GPTConfig
+from baige_ray.serving.registry import REGISTRY_NAMESPACE, registry_name
+from baige_ray.serving.requests import GenerateRequest, RequestError, RequestLimits, parse_generate_request
+from baige_ray.serving.sampling import decode_tokens, generate_batch
+
+REPORT_INTERVAL_S = 0.5
+
+
+def _error(status: int, reason: str) -> JSONResponse:
+    return JSONResponse({"error": reason}, status_code=status)
+
+
+class GPTServer:
+    async def __init__(self, *, app_name: str, limits: dict, max_batch_size: int, batch_wait_timeout_s: float):
+        torch.set_num_threads(1)  # replicas share few cores with training workers
+        self._limits = RequestLimits(**limits)
+        self._registry = ray.get_actor(registry_name(app_name), namespace=REGISTRY_NAMESPACE)
+        self._replica = serve.get_replica_context().replica_id.unique_id
+        self._model: GPT | None = None
+        self._version, self._step = 0, -1
+        self._ongoing = 0
+        self._pending_latencies: list[float] = []
+        self._pending_busy_s = 0.0
+        self._reporter: asyncio.Task | None = None
+        self._generate_batch.set_max_batch_size(max_batch_size)
+        self._generate_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
+        await self._load_newest_weights()
+        self._ensure_reporter()
+
+    async def _load_newest_weights(self) -> None:
+        version, step, model_config, (state_ref,) = await self._registry.weights.remote()
+        if version == self._version:
+            return
+        state = await state_ref
+        model = await asyncio.to_thread(self._build_model, GPTConfig(**model_config), state)
+        self._model, self._version, self._step = model, version, step
+
+    @staticmethod
+    def _build_model(config: GPTConfig, state: dict) -> GPT:
+        model = GPT(config)
+        model.load_state_dict(state)
+        return model.eval()
+
+    async def __call__(self, request: Request) -> JSONResponse:
+        self._ensure_reporter()
+        route = self._route(request)
+        if route == "health":
+            if request.method != "GET":
+                return _error(405, f"{request.method} is not allowed on health: use GET")
+            return JSONResponse({"status": "ok", "step": self._step, "replica": self._replica})
+        if route == "generate":
+            if request.method != "POST":
+                return _error(405, f"{request.method} is not allowed on generate: use POST")
+            return await self._handle_generate(request)
+        return _error(404, f"no route {route!r}: expected 'generate' (POST) or 'health' (GET)")
+
+    @staticmethod
+    def _route(request: Request) -> str:
+        path = request.url.path
+        root = request.scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :]
+        return path.strip("/")
+
+    async def _handle_generate(self, request: Request) -> JSONResponse:
+        started = time.perf_counter()
+        try:
+            parsed = parse_generate_request(await request.body(), self._limits)
+        except RequestError as error:
+            return _error(error.status, error.reason)
+        self._ongoing += 1
+        try:
+            tokens, step = await self._generate_batch(parsed)
+        finally:
+            self._ongoing -= 1
+        latency = time.perf_counter() - started
+        self._pending_latencies.append(latency)
+        return JSONResponse({"text": decode_tokens(tokens), "tokens": len(tokens), "latency_s": latency, "step": step})
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
+    async def _generate_batch(self, requests: list[GenerateRequest]) -> list[tuple[list[int], int]]:
+        model, step = self._model, self._step
+        started = time.perf_counter()
+        outputs = await asyncio.to_thread(generate_batch, model, requests)
+        self._pending_busy_s += time.perf_counter() - started
+        return [(tokens, step) for tokens in outputs]
+
+    def _ensure_reporter(self) -> None:
+        if self._reporter is None or self._reporter.done():
+            self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
+
+    async def _report_forever(self) -> None:
+        while True:
+            latencies, self._pending_latencies = self._pending_latencies, []
+            busy_s, self._pending_busy_s = self._pending_busy_s, 0.0
+            newest = await self._registry.report.remote(
+                self._replica, latencies, busy_s, self._ongoing, self._version
+            )
+            if newest != self._version:
+                await self._load_newest_weights()
+            await asyncio.sleep(REPORT_INTERVAL_S)

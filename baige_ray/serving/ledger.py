@@ -1,0 +1,87 @@
+"""Request accounting shared by a serving application's replicas (pure Python, no Ray).
+
+Replicas report what they finished since their last report: request latencies, the seconds they
+spent computing batches, and how many requests they hold right now. The ledger turns those
+reports into the load figures the pool arbiter decides on (request rate, p99 latency, queue
+depth over a recent window) and into busy device-seconds for utilization.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+# A replica that has not reported for this long is gone (drained or dead): its queue no longer counts.
+STALE_AFTER_S = 3.0
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    """The nearest-rank percentile (0 for no values): the smallest value with `fraction` of values at or below."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction={fraction!r} is invalid: expected 0 < fraction <= 1")
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
+
+
+@dataclass(frozen=True)
+class LoadWindow:
+    """Load over the last `window_s` seconds."""
+
+    window_s: float
+    num_requests: int
+    request_rate: float
+    p99_latency_s: float
+    queue_depth: int
+    num_replicas: int
+
+
+@dataclass
+class _ReplicaRecord:
+    last_report: float
+    ongoing: int = 0
+    busy_s: float = 0.0
+    num_requests: int = 0
+
+
+@dataclass
+class RequestLedger:
+    keep_s: float = 120.0
+    _latencies: deque = field(default_factory=deque)  # (finish time, latency seconds)
+    _replicas: dict[str, _ReplicaRecord] = field(default_factory=dict)
+
+    def record(
+        self, replica: str, now: float, latencies: Sequence[float], busy_s: float, ongoing: int
+    ) -> None:
+        record = self._replicas.setdefault(replica, _ReplicaRecord(last_report=now))
+        record.last_report = now
+        record.ongoing = ongoing
+        record.busy_s += busy_s
+        record.num_requests += len(latencies)
+        self._latencies.extend((now, latency) for latency in latencies)
+        while self._latencies and self._latencies[0][0] < now - self.keep_s:
+            self._latencies.popleft()
+
+    def window(self, now: float, window_s: float) -> LoadWindow:
+        recent = [latency for finished, latency in self._latencies if finished >= now - window_s]
+        live = [r for r in self._replicas.values() if r.last_report >= now - STALE_AFTER_S]
+        return LoadWindow(
+            window_s=window_s,
+            num_requests=len(recent),
+            request_rate=len(recent) / window_s,
+            p99_latency_s=percentile(recent, 0.99),
+            queue_depth=sum(r.ongoing for r in live),
+            num_replicas=len(live),
+        )
+
+    def live_replicas(self, now: float) -> list[str]:
+        return [name for name, r in self._replicas.items() if r.last_report >= now - STALE_AFTER_S]
+
+    def busy_seconds(self) -> dict[str, float]:
+        return {replica: record.busy_s for replica, record in self._replicas.items()}
+
+    def requests_served(self) -> int:
+        return sum(record.num_requests for record in self._replicas.values())

@@ -1,0 +1,85 @@
+"""The per-application actor replicas share: the current weights and the request ledger.
+
+Weights arrive as an ObjectRef to {param name: CPU tensor} (a live training job's in-memory
+snapshot, or a checkpoint the driver loaded and verified). The registry fetches them once and puts
+its own copy in the object store, so serving keeps working after the training worker that produced
+the snapshot is released for lending. A replica loads the newest version when it starts (so a lent
+replica starts with the current weights) and learns of newer ones in the answer to its periodic
+load report, which is how weights are swapped in place on every replica without a redeploy.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from baige_ray.serving.ledger import RequestLedger
+
+REGISTRY_NAMESPACE = "baige"
+
+
+def registry_name(app_name: str) -> str:
+    return f"baige-serving:{app_name}"
+
+
+class ServingRegistry:
+    def __init__(self) -> None:
+        self._version = 0
+        self._step = -1
+        self._model_config: dict = {}
+        self._state_ref: ray.ObjectRef | None = None
+        self._ledger = RequestLedger()
+        self._loaded_versions: dict[str, int] = {}
+
+    def publish_weights(self, step: int, state_refs: list, model_config: dict) -> int:
+        """Hold a private copy of the state in `state_refs[0]`; returns the new weights version."""
+        state = ray.get(state_refs[0])
+        if not isinstance(state, dict) or not state:
+            raise ValueError(f"the published state is {type(state).__name__}, expected a non-empty dict of tensors")
+        self._state_ref = ray.put(state)
+        self._step, self._model_config = step, dict(model_config)
+        self._version += 1
+        return self._version
+
+    def weights(self) -> tuple[int, int, dict, list]:
+        """(version, step, model config, [ref]) of the newest weights; the ref is wrapped so it
+        travels unresolved."""
+        if self._state_ref is None:
+            raise LookupError("no weights published yet")
+        return self._version, self._step, self._model_config, [self._state_ref]
+
+    def report(self, replica: str, latencies: list[float], busy_s: float, ongoing: int, loaded_version: int) -> int:
+        """Account a replica's recent work; answers the newest weights version."""
+        now = time.time()
+        self._ledger.record(replica, now, latencies, busy_s, ongoing)
+        self._loaded_versions[replica] = loaded_version
+        return self._version
+
+    def replicas_behind(self, version: int) -> list[str]:
+        """Live replicas still serving weights older than `version`."""
+        live = self._ledger.live_replicas(time.time())
+        return sorted(r for r in live if self._loaded_versions.get(r, 0) < version)
+
+    def load(self, window_s: float = 5.0) -> dict:
+        return vars(self._ledger.window(time.time(), window_s))
+
+    def busy_seconds(self) -> dict[str, float]:
+        return self._ledger.busy_seconds()
+
+    def requests_served(self) -> int:
+        return self._ledger.requests_served()
+
+
+def get_or_create_registry(app_name: str) -> ray.actor.ActorHandle:
+    return (
+        ray.remote(ServingRegistry)
+        .options(
+            name=registry_name(app_name),
+            namespace=REGISTRY_NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
+            num_cpus=0,
+        )
+        .remote()
+    )

@@ -1,0 +1,132 @@
+"""The generate route's request schema: parse and validate a JSON body without Ray or torch.
+
+Every way a body can be wrong maps to a `RequestError` carrying the HTTP status and a reason
+the client can act on; the server turns it into a 4xx JSON response instead of a crash.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from baige_ray.api.validation import require_int
+
+_FIELDS = ("prompt", "max_new_tokens", "temperature", "seed")
+
+
+class RequestError(ValueError):
+    """A request the server refuses; `status` is the 4xx code to answer with."""
+
+    def __init__(self, status: int, reason: str):
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+@dataclass(kw_only=True, frozen=True)
+class RequestLimits:
+    """Bounds a generate request must respect (they bound a replica's memory and time per request)."""
+
+    max_body_bytes: int = 64 * 1024
+    max_prompt_chars: int = 4096
+    max_new_tokens: int = 256
+    default_new_tokens: int = 32
+    max_temperature: float = 10.0
+    default_temperature: float = 0.8
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_prompt_chars", "max_new_tokens", "default_new_tokens"):
+            require_int("RequestLimits", name, getattr(self, name), minimum=1)
+        if self.default_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"RequestLimits.default_new_tokens={self.default_new_tokens!r} is invalid: "
+                f"expected at most max_new_tokens={self.max_new_tokens}"
+            )
+        if not 0 <= self.default_temperature <= self.max_temperature:
+            raise ValueError(
+                f"RequestLimits.default_temperature={self.default_temperature!r} is invalid: "
+                f"expected a number in [0, max_temperature={self.max_temperature}]"
+            )
+
+
+@dataclass(kw_only=True, frozen=True)
+class GenerateRequest:
+    prompt: str
+    max_new_tokens: int
+    temperature: float
+    seed: int | None = None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _decode_json(body: bytes, limits: RequestLimits) -> dict:
+    if len(body) > limits.max_body_bytes:
+        raise RequestError(413, f"the body holds {len(body)} bytes, more than the limit of {limits.max_body_bytes}")
+    try:
+        payload = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise RequestError(400, f"the body is not valid JSON: {error}") from None
+    if not isinstance(payload, dict):
+        raise RequestError(400, f"the body must be a JSON object, got {type(payload).__name__}")
+    return payload
+
+
+def _prompt(payload: dict, limits: RequestLimits) -> str:
+    if "prompt" not in payload:
+        raise RequestError(422, "'prompt' is required: a non-empty string")
+    prompt = payload["prompt"]
+    if not isinstance(prompt, str):
+        raise RequestError(422, f"'prompt' must be a string, got {type(prompt).__name__}")
+    if not prompt:
+        raise RequestError(422, "'prompt' must not be empty")
+    if len(prompt) > limits.max_prompt_chars:
+        raise RequestError(422, f"'prompt' holds {len(prompt)} characters, more than {limits.max_prompt_chars}")
+    return prompt
+
+
+def _max_new_tokens(payload: dict, limits: RequestLimits) -> int:
+    value = payload.get("max_new_tokens", limits.default_new_tokens)
+    if not _is_int(value):
+        raise RequestError(422, f"'max_new_tokens' must be an integer, got {value!r}")
+    if not 1 <= value <= limits.max_new_tokens:
+        raise RequestError(422, f"'max_new_tokens'={value} is out of range: expected 1 to {limits.max_new_tokens}")
+    return value
+
+
+def _temperature(payload: dict, limits: RequestLimits) -> float:
+    value = payload.get("temperature", limits.default_temperature)
+    if not _is_number(value) or value != value:  # value != value: NaN
+        raise RequestError(422, f"'temperature' must be a number, got {value!r}")
+    if not 0 <= value <= limits.max_temperature:
+        raise RequestError(422, f"'temperature'={value} is out of range: expected 0 to {limits.max_temperature}")
+    return float(value)
+
+
+def _seed(payload: dict) -> int | None:
+    value = payload.get("seed")
+    if value is None:
+        return None
+    if not _is_int(value) or not 0 <= value < 2**63:
+        raise RequestError(422, f"'seed' must be an integer in [0, 2**63), got {value!r}")
+    return value
+
+
+def parse_generate_request(body: bytes, limits: RequestLimits) -> GenerateRequest:
+    """The validated request in `body`, or a RequestError naming what is wrong."""
+    payload = _decode_json(body, limits)
+    unknown = sorted(set(payload) - set(_FIELDS))
+    if unknown:
+        raise RequestError(422, f"unknown fields {unknown}: expected only {list(_FIELDS)}")
+    return GenerateRequest(
+        prompt=_prompt(payload, limits),
+        max_new_tokens=_max_new_tokens(payload, limits),
+        temperature=_temperature(payload, limits),
+        seed=_seed(payload),
+    )
