@@ -1,0 +1,159 @@
+"""Lending policy: how many devices inference borrows from training right now (pure, no Ray).
+
+Inference utilization is the request rate over what the inference devices sustain within the
+latency objective (`replica_capacity` requests/s each). Hysteresis keeps the pool from thrashing:
+
+- lend when utilization rises above `lend_above`, sizing inference so utilization falls to
+  `target_utilization`;
+- reclaim only when, even with the devices given back, utilization would stay at or below
+  `reclaim_below` (< target < lend_above) and the p99 is well inside the objective;
+- after any change, wait `cooldown_s` before the next one, so a change's effect is measured first.
+
+An SLO breach (p99 above the objective, or a queue deeper than the replicas can absorb) lends at
+once, ignoring the cool-down except for a short `breach_cooldown_s` that lets the last lend's new
+replica show up in the latency window. Training shrinks and grows only by whole data-parallel
+replicas (`devices_per_train_replica` devices each) and never below `min_train_devices`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from baige_ray.api.validation import require_int, require_number
+
+
+class LendingAction(enum.Enum):
+    LEND = "lend"
+    RECLAIM = "reclaim"
+    HOLD = "hold"
+
+
+@dataclass(kw_only=True, frozen=True)
+class LendingObservation:
+    request_rate: float  # requests/s over the recent window
+    p99_latency_s: float
+    slo_p99_s: float
+    queue_depth: int  # requests the replicas hold now
+    train_devices: int
+    infer_devices: int
+    min_train_devices: int
+    replica_capacity: float  # requests/s one inference device sustains within the objective
+    seconds_since_change: float
+    devices_per_train_replica: int = 1
+    min_infer_devices: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("request_rate", "p99_latency_s", "seconds_since_change"):
+            require_number("LendingObservation", name, getattr(self, name), minimum=0)
+        for name in ("slo_p99_s", "replica_capacity"):
+            require_number("LendingObservation", name, getattr(self, name), minimum=0, exclusive_minimum=True)
+        for name in ("queue_depth", "train_devices", "infer_devices", "min_train_devices", "min_infer_devices"):
+            require_int("LendingObservation", name, getattr(self, name), minimum=0)
+        require_int("LendingObservation", "devices_per_train_replica", self.devices_per_train_replica, minimum=1)
+
+    @property
+    def utilization(self) -> float:
+        """Load over what the current inference devices sustain (inf with no devices and some load)."""
+        if self.infer_devices == 0:
+            return math.inf if self.request_rate > 0 else 0.0
+        return self.request_rate / (self.infer_devices * self.replica_capacity)
+
+
+@dataclass(kw_only=True, frozen=True)
+class LendingPolicy:
+    lend_above: float = 0.8
+    target_utilization: float = 0.6
+    reclaim_below: float = 0.45
+    cooldown_s: float = 10.0
+    breach_cooldown_s: float = 3.0
+    reclaim_latency_fraction: float = 0.5  # reclaim only while p99 <= this fraction of the objective
+    queue_per_device: int = 16  # a deeper queue than this per inference device counts as a breach
+
+    def __post_init__(self) -> None:
+        for name in ("lend_above", "target_utilization", "reclaim_below", "reclaim_latency_fraction"):
+            require_number("LendingPolicy", name, getattr(self, name), minimum=0, exclusive_minimum=True)
+        if not self.reclaim_below < self.target_utilization < self.lend_above:
+            raise ValueError(
+                f"LendingPolicy thresholds are invalid: expected reclaim_below={self.reclaim_below} < "
+                f"target_utilization={self.target_utilization} < lend_above={self.lend_above} (the hysteresis band)"
+            )
+        for name in ("cooldown_s", "breach_cooldown_s"):
+            require_number("LendingPolicy", name, getattr(self, name), minimum=0)
+        require_int("LendingPolicy", "queue_per_device", self.queue_per_device, minimum=1)
+
+
+@dataclass(frozen=True)
+class LendingDecision:
+    action: LendingAction
+    num_devices: int
+    reason: str
+
+
+def _hold(reason: str) -> LendingDecision:
+    return LendingDecision(LendingAction.HOLD, 0, reason)
+
+
+def _whole_replicas(devices: int, per_replica: int) -> int:
+    """`devices` rounded up to whole data-parallel replicas."""
+    return math.ceil(devices / per_replica) * per_replica
+
+
+def _lendable(obs: LendingObservation) -> int:
+    """Devices training can give up: whole replicas above its minimum."""
+    spare = obs.train_devices - obs.min_train_devices
+    return max(0, spare // obs.devices_per_train_replica * obs.devices_per_train_replica)
+
+
+def _lend(obs: LendingObservation, policy: LendingPolicy, why: str) -> LendingDecision:
+    wanted = math.ceil(obs.request_rate / (obs.replica_capacity * policy.target_utilization))
+    shortfall = max(1, wanted - obs.infer_devices)
+    devices = min(_whole_replicas(shortfall, obs.devices_per_train_replica), _lendable(obs))
+    if devices == 0:
+        return _hold(f"{why}, but training is at its minimum of {obs.min_train_devices} devices")
+    return LendingDecision(LendingAction.LEND, devices, f"{why}: lend {devices} for {wanted} wanted")
+
+
+def _breach(obs: LendingObservation, policy: LendingPolicy) -> str | None:
+    if obs.p99_latency_s > obs.slo_p99_s:
+        return f"p99 {obs.p99_latency_s:.3f}s above the objective {obs.slo_p99_s:.3f}s"
+    if obs.queue_depth > policy.queue_per_device * max(1, obs.infer_devices):
+        return f"queue of {obs.queue_depth} over {policy.queue_per_device} per inference device"
+    if obs.infer_devices < obs.min_infer_devices:
+        return f"{obs.infer_devices} inference devices, fewer than the minimum {obs.min_infer_devices}"
+    return None
+
+
+def _reclaimable(obs: LendingObservation, policy: LendingPolicy) -> int:
+    """The most devices (whole training replicas) inference can return and stay at or below reclaim_below."""
+    step = obs.devices_per_train_replica
+    devices = 0
+    while obs.infer_devices - devices - step >= obs.min_infer_devices:
+        remaining = obs.infer_devices - devices - step
+        if obs.request_rate > policy.reclaim_below * remaining * obs.replica_capacity:
+            break
+        devices += step
+    return devices
+
+
+def decide(obs: LendingObservation, policy: LendingPolicy | None = None) -> LendingDecision:
+    """Lend, reclaim or hold, from one observation of the pool."""
+    policy = policy or LendingPolicy()
+    breach = _breach(obs, policy)
+    if breach is not None:
+        if obs.seconds_since_change < policy.breach_cooldown_s:
+            return _hold(f"{breach}; waiting for the last change to take effect")
+        return _lend(obs, policy, breach)
+    if obs.seconds_since_change < policy.cooldown_s:
+        return _hold(f"cooling down ({obs.seconds_since_change:.1f}s of {policy.cooldown_s:g}s since the last change)")
+    if obs.utilization > policy.lend_above:
+        return _lend(obs, policy, f"utilization {obs.utilization:.2f} above {policy.lend_above}")
+    if obs.p99_latency_s <= policy.reclaim_latency_fraction * obs.slo_p99_s:
+        devices = _reclaimable(obs, policy)
+        if devices:
+            return LendingDecision(
+                LendingAction.RECLAIM, devices,
+                f"utilization {obs.utilization:.2f} stays at or below {policy.reclaim_below} with {devices} fewer devices",
+            )
+    return _hold(f"utilization {obs.utilization:.2f} within [{policy.reclaim_below}, {policy.lend_above}]")

@@ -1,0 +1,134 @@
+"""Lending policy: lend on rising load or an SLO breach, reclaim on falling load, never thrash."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+
+from baige_ray.policies.lending import LendingAction, LendingObservation, LendingPolicy, decide
+
+POLICY = LendingPolicy(lend_above=0.8, target_utilization=0.6, reclaim_below=0.45, cooldown_s=10, breach_cooldown_s=3)
+CAPACITY = 10.0  # requests/s per inference device
+
+
+def observe(rate: float, *, train: int = 7, infer: int = 1, p99: float = 0.1, since: float = 100.0,
+            queue: int = 0, per_replica: int = 1, min_train: int = 2) -> LendingObservation:
+    return LendingObservation(
+        request_rate=rate, p99_latency_s=p99, slo_p99_s=1.0, queue_depth=queue, train_devices=train,
+        infer_devices=infer, min_train_devices=min_train, replica_capacity=CAPACITY,
+        seconds_since_change=since, devices_per_train_replica=per_replica,
+    )
+
+
+class Pool:
+    """Replays a load trace through the policy, applying each decision, one observation per second."""
+
+    def __init__(self, train: int = 7, infer: int = 1, per_replica: int = 1):
+        self.train, self.infer, self.per_replica = train, infer, per_replica
+        self.since, self.changes = 1000.0, []
+
+    def step(self, rate: float, p99: float = 0.1) -> None:
+        decision = decide(observe(rate, train=self.train, infer=self.infer, p99=p99, since=self.since,
+                                  per_replica=self.per_replica), POLICY)
+        sign = {LendingAction.LEND: 1, LendingAction.RECLAIM: -1, LendingAction.HOLD: 0}[decision.action]
+        assert decision.num_devices % self.per_replica == 0
+        self.train -= sign * decision.num_devices
+        self.infer += sign * decision.num_devices
+        self.since = 0.0 if sign else self.since + 1.0
+        if sign:
+            self.changes.append((decision.action, decision.num_devices))
+
+
+def test_steady_load_holds():
+    pool = Pool(train=6, infer=2)
+    for _ in range(300):
+        pool.step(12.0)  # 0.6 of two devices: inside the band
+    assert pool.changes == [] and (pool.train, pool.infer) == (6, 2)
+
+
+def test_rising_load_lends_enough_to_reach_the_target():
+    decision = decide(observe(25.0, infer=2), POLICY)  # utilization 1.25
+    assert decision.action is LendingAction.LEND
+    assert decision.num_devices == math.ceil(25 / (CAPACITY * 0.6)) - 2 == 3
+
+
+def test_rising_ramp_lends_step_by_step_and_ends_inside_the_band():
+    pool = Pool()
+    for second in range(141):
+        pool.step(1.0 + 0.25 * second)  # 1 -> 36 requests/s
+    assert all(action is LendingAction.LEND for action, _ in pool.changes)
+    assert len(pool.changes) >= 2
+    assert 36 / (pool.infer * CAPACITY) <= POLICY.lend_above
+    assert pool.train + pool.infer == 8
+
+
+def test_falling_load_reclaims_back_to_the_minimum():
+    pool = Pool(train=2, infer=6)
+    for second in range(200):
+        pool.step(max(1.0, 40.0 - 0.5 * second))
+    assert all(action is LendingAction.RECLAIM for action, _ in pool.changes)
+    assert (pool.train, pool.infer) == (7, 1)
+
+
+def test_oscillating_load_near_the_threshold_does_not_thrash():
+    rng = random.Random(0)
+    pool = Pool(train=6, infer=2)
+    for second in range(600):
+        pool.step(16.0 + 2.0 * math.sin(second / 3) + rng.uniform(-1.5, 1.5))  # around 0.8 of two devices
+    assert len(pool.changes) <= 1  # at most one lend, after which the load sits well inside the band
+
+
+def test_square_wave_changes_at_most_once_per_cooldown():
+    pool = Pool(train=6, infer=2)
+    for second in range(300):
+        pool.step(30.0 if (second // 2) % 2 else 3.0)  # flips every 2 s, faster than the cool-down
+    assert len(pool.changes) <= 300 / POLICY.cooldown_s
+
+
+def test_slo_breach_lends_at_once_even_inside_the_cooldown():
+    decision = decide(observe(5.0, infer=2, p99=1.5, since=4.0), POLICY)
+    assert decision.action is LendingAction.LEND and decision.num_devices >= 1
+    assert "p99" in decision.reason
+
+
+def test_breach_right_after_a_change_waits_for_it_to_take_effect():
+    assert decide(observe(5.0, infer=2, p99=1.5, since=1.0), POLICY).action is LendingAction.HOLD
+
+
+def test_deep_queue_counts_as_a_breach():
+    decision = decide(observe(5.0, infer=1, queue=POLICY.queue_per_device + 1, since=5.0), POLICY)
+    assert decision.action is LendingAction.LEND
+
+
+def test_training_never_goes_below_its_minimum():
+    decision = decide(observe(100.0, train=2, infer=6, p99=3.0), POLICY)
+    assert decision.action is LendingAction.HOLD and "minimum" in decision.reason
+    assert decide(observe(100.0, train=4, infer=4, min_train=3), POLICY).num_devices == 1
+
+
+def test_training_shrinks_and_grows_by_whole_data_parallel_replicas():
+    lend = decide(observe(17.0, train=6, infer=2, per_replica=2), POLICY)  # wants 3: one more device
+    assert (lend.action, lend.num_devices) == (LendingAction.LEND, 2)
+    reclaim = decide(observe(1.0, train=4, infer=4, per_replica=2), POLICY)
+    assert (reclaim.action, reclaim.num_devices) == (LendingAction.RECLAIM, 2)  # keeps one device: min 1
+    assert decide(observe(1.0, train=4, infer=3, per_replica=2), POLICY).num_devices == 2
+
+
+def test_no_reclaim_while_latency_is_near_the_objective():
+    assert decide(observe(1.0, train=4, infer=4, p99=0.9), POLICY).action is LendingAction.HOLD
+
+
+def test_inside_cooldown_holds():
+    assert decide(observe(30.0, infer=2, since=5.0), POLICY).action is LendingAction.HOLD
+
+
+def test_invalid_policy_and_observation_are_refused():
+    with pytest.raises(ValueError, match="hysteresis"):
+        LendingPolicy(lend_above=0.5, target_utilization=0.6, reclaim_below=0.4)
+    with pytest.raises(ValueError, match="replica_capacity"):
+        dataclasses.replace(observe(1.0), replica_capacity=0.0)
+    with pytest.raises(ValueError, match="queue_depth"):
+        dataclasses.replace(observe(1.0), queue_depth=-1)
