@@ -17,6 +17,7 @@ COMMAND_MODULES = {
     "topo": "baige_ray.topology.cli",
     "plan": "baige_ray.planner.cli",
     "status": "baige_ray.ops.status_cli",
+    "plot": "baige_ray.ops.plot_cli",
 }
 
 
