@@ -129,6 +129,8 @@ def serve(
         max_queued_requests=settings.max_queued_requests,
         graceful_shutdown_wait_loop_s=0.5,
         graceful_shutdown_timeout_s=60.0,
+        # Replicas share cores with training; a log line per request would cost more than some requests.
+        logging_config={"enable_access_log": False},
     )
     application = deployment.bind(
         app_name=name,

@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from baige_ray.models.gpt import GPT, GPTConfig
+from baige_ray.ops.metrics import ServingMetrics
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, registry_name
 from baige_ray.serving.requests import GenerateRequest, RequestError, RequestLimits, parse_generate_request
 from baige_ray.serving.sampling import decode_tokens, generate_batch
@@ -41,6 +42,8 @@ class GPTServer:
         self._limits = RequestLimits(**limits)
         self._registry = ray.get_actor(registry_name(app_name), namespace=REGISTRY_NAMESPACE)
         self._replica = serve.get_replica_context().replica_id.unique_id
+        self._node = ray.get_runtime_context().get_node_id()
+        self._metrics = ServingMetrics(app=app_name)
         self._model: GPT | None = None
         self._version, self._step = 0, -1
         self._ongoing = 0
@@ -92,6 +95,7 @@ class GPTServer:
         try:
             parsed = parse_generate_request(await request.body(), self._limits)
         except RequestError as error:
+            self._metrics.request(latency_s=time.perf_counter() - started, ok=False, replica=self._replica, node=self._node)
             return _error(error.status, error.reason)
         self._ongoing += 1
         try:
@@ -100,6 +104,7 @@ class GPTServer:
             self._ongoing -= 1
         latency = time.perf_counter() - started
         self._pending_latencies.append(latency)
+        self._metrics.request(latency_s=latency, replica=self._replica, node=self._node)
         return JSONResponse({"text": decode_tokens(tokens), "tokens": len(tokens), "latency_s": latency, "step": step})
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
@@ -121,6 +126,7 @@ class GPTServer:
             newest = await self._registry.report.remote(
                 self._replica, latencies, busy_s, self._ongoing, self._version
             )
+            self._metrics.queue_depth(self._ongoing, replica=self._replica)
             if newest != self._version:
                 await self._load_newest_weights()
             await asyncio.sleep(REPORT_INTERVAL_S)

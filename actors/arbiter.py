@@ -1,0 +1,252 @@
+"""PoolArbiter: shares one device pool between a training job and a served model.
+
+Every `poll_interval_s` the arbiter observes inference load (request rate, p99 latency, queue depth
+as the replicas report them) and the pool (devices training and inference hold), asks the lending
+policy, and acts:
+
+- lend k: training shrinks by k devices (whole data-parallel replicas, global batch kept by
+  gradient accumulation), the newest in-memory weights are published to serving, and Serve grows
+  by k replicas, each asking for one device, so they land on the devices training released;
+- reclaim k: Serve shrinks by k replicas (Serve drains them: no request dropped) and only once they
+  are gone does training grow back onto the devices they held.
+
+`ArbiterLoop` holds the decision loop and talks to the two sides through small interfaces, so it
+is tested without Ray; `JobTrainingSide` and `ServeServingSide` are the real sides and
+`PoolArbiter` the Ray actor that runs the loop on a thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from baige_ray.api.validation import require_int, require_number
+from baige_ray.ops.events import EventLog
+from baige_ray.policies.lending import LendingAction, LendingDecision, LendingObservation, LendingPolicy, decide
+
+
+class TrainingSide(Protocol):
+    def num_devices(self) -> int: ...
+    def is_running(self) -> bool: ...
+    def resize(self, num_devices: int, reason: str) -> int: ...
+    def latest_model_state(self) -> tuple[int, Any]: ...
+
+
+class ServingSide(Protocol):
+    def num_replicas(self) -> int: ...
+    def load(self, window_s: float) -> dict: ...
+    def scale(self, num_replicas: int) -> None: ...
+    def reload(self, step: int, state_ref: Any) -> None: ...
+
+
+@dataclass(kw_only=True, frozen=True)
+class ArbiterConfig:
+    slo_p99_s: float
+    replica_capacity: float  # requests/s one replica sustains within the objective
+    min_train_devices: int = 1
+    min_infer_devices: int = 1
+    devices_per_train_replica: int = 1
+    poll_interval_s: float = 1.0
+    load_window_s: float = 5.0
+    refresh_weights_s: float | None = None  # also push training's newest weights to serving this often
+    policy: LendingPolicy = field(default_factory=LendingPolicy)
+    event_log: Path | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("slo_p99_s", "replica_capacity", "poll_interval_s", "load_window_s"):
+            require_number("ArbiterConfig", name, getattr(self, name), minimum=0, exclusive_minimum=True)
+        for name in ("min_train_devices", "min_infer_devices", "devices_per_train_replica"):
+            require_int("ArbiterConfig", name, getattr(self, name), minimum=1)
+        if self.refresh_weights_s is not None:
+            require_number("ArbiterConfig", "refresh_weights_s", self.refresh_weights_s, minimum=0, exclusive_minimum=True)
+
+
+class ArbiterLoop:
+    """One `tick` = observe, decide, act. Holds the pool's split between the two sides."""
+
+    def __init__(self, training: TrainingSide, serving: ServingSide, config: ArbiterConfig, *,
+                 events: EventLog | None = None, clock: Callable[[], float] = time.monotonic):
+        self.training, self.serving, self.config, self.clock = training, serving, config, clock
+        self.events = events or EventLog(config.event_log)
+        self.train_devices = training.num_devices()
+        self.infer_devices = serving.num_replicas()
+        self._last_change = -float("inf")
+        self._last_refresh = clock()
+        self.last_decision: LendingDecision | None = None
+        self.last_load: dict = {}
+
+    def observe(self) -> LendingObservation:
+        load = self.serving.load(self.config.load_window_s)
+        self.last_load = load
+        self.train_devices = self.training.num_devices()
+        return LendingObservation(
+            request_rate=load["request_rate"], p99_latency_s=load["p99_latency_s"], slo_p99_s=self.config.slo_p99_s,
+            queue_depth=load["queue_depth"], train_devices=self.train_devices, infer_devices=self.infer_devices,
+            min_train_devices=self.config.min_train_devices, replica_capacity=self.config.replica_capacity,
+            seconds_since_change=max(0.0, self.clock() - self._last_change),
+            devices_per_train_replica=self.config.devices_per_train_replica,
+            min_infer_devices=self.config.min_infer_devices,
+        )
+
+    def tick(self) -> LendingDecision:
+        if not self.training.is_running():
+            self.last_decision = LendingDecision(LendingAction.HOLD, 0, "training is not running")
+            return self.last_decision
+        observation = self.observe()
+        decision = decide(observation, self.config.policy)
+        self.last_decision = decision
+        if decision.action is LendingAction.LEND:
+            self._lend(decision, observation)
+        elif decision.action is LendingAction.RECLAIM:
+            self._reclaim(decision, observation)
+        else:
+            self._maybe_refresh_weights()
+        return decision
+
+    def _lend(self, decision: LendingDecision, observation: LendingObservation) -> None:
+        started = self.clock()
+        target = self.train_devices - decision.num_devices
+        self.train_devices = self.training.resize(target, f"lend {decision.num_devices} to inference")
+        freed = observation.train_devices - self.train_devices
+        if freed > 0:
+            self._publish_weights()
+            self.serving.scale(self.infer_devices + freed)
+            self.infer_devices += freed
+        self._record("lend", decision, observation, freed, started)
+
+    def _reclaim(self, decision: LendingDecision, observation: LendingObservation) -> None:
+        started = self.clock()
+        self.serving.scale(self.infer_devices - decision.num_devices)
+        self.infer_devices -= decision.num_devices
+        target = self.train_devices + decision.num_devices
+        self.train_devices = self.training.resize(target, f"reclaim {decision.num_devices} from inference")
+        self._record("reclaim", decision, observation, decision.num_devices, started)
+
+    def _publish_weights(self) -> None:
+        step, state_ref = self.training.latest_model_state()
+        self.serving.reload(step, state_ref)
+        self._last_refresh = self.clock()
+
+    def _maybe_refresh_weights(self) -> None:
+        every = self.config.refresh_weights_s
+        if every is not None and self.clock() - self._last_refresh >= every:
+            self._publish_weights()
+
+    def _record(self, kind: str, decision: LendingDecision, observation: LendingObservation,
+                moved: int, started: float) -> None:
+        self._last_change = self.clock()
+        self.events.record(
+            kind, decision.reason, train_devices=self.train_devices, infer_devices=self.infer_devices,
+            num_devices=moved, took_s=round(self._last_change - started, 3),
+            request_rate=round(observation.request_rate, 3), p99_latency_s=round(observation.p99_latency_s, 4),
+        )
+
+    def status(self) -> dict:
+        decision = self.last_decision
+        return {
+            "train_devices": self.train_devices,
+            "infer_devices": self.infer_devices,
+            "last_decision": None if decision is None else
+            {"action": decision.action.value, "num_devices": decision.num_devices, "reason": decision.reason},
+            "load": self.last_load,
+            "events": self.events.recent(20),
+        }
+
+
+class JobTrainingSide:
+    """The training side, through the elastic controller actor of a launched job."""
+
+    def __init__(self, job_name: str):
+        import ray
+
+        self._ray = ray
+        self._controller = ray.get_actor(f"baige-controller:{job_name}", namespace="baige")
+
+    def _status(self) -> dict:
+        return self._ray.get(self._controller.status.remote())
+
+    def num_devices(self) -> int:
+        return int(self._status()["num_workers"])
+
+    def is_running(self) -> bool:
+        return self._status()["state"] == "running"
+
+    def resize(self, num_devices: int, reason: str) -> int:
+        return int(self._ray.get(self._controller.resize.remote(num_devices, reason)))
+
+    def latest_model_state(self) -> tuple[int, Any]:
+        return self._ray.get(self._controller.latest_model_state.remote())
+
+
+class ServeServingSide:
+    """The serving side: a `serve()` application scaled and refreshed in place."""
+
+    def __init__(self, info: Any, model_config: dict):
+        self.info, self.model_config = info, model_config
+
+    def num_replicas(self) -> int:
+        from baige_ray.serving.app import replica_states
+
+        return replica_states(self.info).get("RUNNING", 0)
+
+    def load(self, window_s: float) -> dict:
+        from baige_ray.serving.app import serving_load
+
+        return serving_load(self.info, window_s)
+
+    def scale(self, num_replicas: int) -> None:
+        from baige_ray.serving.app import scale_replicas
+
+        scale_replicas(self.info, num_replicas)
+
+    def reload(self, step: int, state_ref: Any) -> None:
+        from baige_ray.serving.app import reload_weights
+
+        reload_weights(self.info, (step, state_ref), model_config=self.model_config)
+
+
+class PoolArbiter:
+    """Ray actor running an ArbiterLoop on a thread; create it with `start_pool_arbiter`."""
+
+    def __init__(self, job_name: str, serve_info: Any, model_config: dict, config: ArbiterConfig):
+        from baige_ray.ops.metrics import JobMetrics
+
+        self._loop = ArbiterLoop(JobTrainingSide(job_name), ServeServingSide(serve_info, model_config), config)
+        self._metrics = JobMetrics(job=job_name)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._errors: list[str] = []
+        self._thread = threading.Thread(target=self._run, name="pool-arbiter", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._loop.config.poll_interval_s):
+            with self._lock:
+                try:
+                    self._loop.tick()
+                except Exception as error:  # keep arbitrating; the next tick re-observes the pool
+                    self._errors = (self._errors + [f"{type(error).__name__}: {error}"])[-10:]
+                self._metrics.devices(train=self._loop.train_devices, infer=self._loop.infer_devices)
+
+    def status(self) -> dict:
+        with self._lock:
+            return {**self._loop.status(), "errors": list(self._errors)}
+
+    def stop(self) -> dict:
+        """Stop deciding (the pool stays split as it is); returns the final status."""
+        self._stop.set()
+        self._thread.join()
+        return self.status()
+
+
+def start_pool_arbiter(job_name: str, serve_info: Any, model_config: dict, config: ArbiterConfig):
+    """The PoolArbiter actor for a launched job and a served application (it starts polling at once)."""
+    import ray
+
+    return ray.remote(PoolArbiter).options(
+        name=f"baige-arbiter:{job_name}", namespace="baige", num_cpus=0, max_concurrency=4
+    ).remote(job_name, serve_info, model_config, config)

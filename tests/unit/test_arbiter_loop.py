@@ -1,0 +1,151 @@
+"""The pool arbiter's decision loop against in-process training and serving sides."""
+
+from __future__ import annotations
+
+import pytest
+
+from baige_ray.actors.arbiter import ArbiterConfig, ArbiterLoop
+from baige_ray.ops.events import EventLog, read_events
+from baige_ray.policies.lending import LendingAction, LendingPolicy
+
+POLICY = LendingPolicy(cooldown_s=10, breach_cooldown_s=3)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Training:
+    """Holds `devices`; resize may be told to fall short (a replica that could not be placed)."""
+
+    def __init__(self, calls: list, devices: int = 7):
+        self.calls, self.devices, self.running, self.shortfall, self.step = calls, devices, True, 0, 40
+
+    def num_devices(self) -> int:
+        return self.devices
+
+    def is_running(self) -> bool:
+        return self.running
+
+    def resize(self, num_devices: int, reason: str) -> int:
+        self.calls.append(("resize", num_devices))
+        self.devices = num_devices + (self.shortfall if num_devices < self.devices else -self.shortfall)
+        return self.devices
+
+    def latest_model_state(self):
+        self.calls.append(("latest_model_state", self.step))
+        return self.step, f"ref@{self.step}"
+
+
+class Serving:
+    def __init__(self, calls: list, replicas: int = 1):
+        self.calls, self.replicas = calls, replicas
+        self.rate, self.p99, self.queue = 1.0, 0.05, 0
+
+    def num_replicas(self) -> int:
+        return self.replicas
+
+    def load(self, window_s: float) -> dict:
+        return {"request_rate": self.rate, "p99_latency_s": self.p99, "queue_depth": self.queue}
+
+    def scale(self, num_replicas: int) -> None:
+        self.calls.append(("scale", num_replicas))
+        self.replicas = num_replicas
+
+    def reload(self, step, state_ref) -> None:
+        self.calls.append(("reload", state_ref))
+
+
+@pytest.fixture
+def pool(tmp_path):
+    calls: list = []
+    training, serving, clock = Training(calls), Serving(calls), Clock()
+    config = ArbiterConfig(slo_p99_s=0.5, replica_capacity=10.0, min_train_devices=2, policy=POLICY,
+                           event_log=tmp_path / "events.jsonl")
+    loop = ArbiterLoop(training, serving, config, clock=clock)
+    return loop, training, serving, clock, calls
+
+
+def test_lend_shrinks_training_then_starts_replicas_with_the_newest_weights(pool):
+    loop, training, serving, clock, calls = pool
+    serving.rate = 15.0  # 1.5x what one replica sustains
+    assert loop.tick().action is LendingAction.LEND
+    assert calls == [("resize", 5), ("latest_model_state", 40), ("reload", "ref@40"), ("scale", 3)]
+    assert (loop.train_devices, loop.infer_devices, training.devices + serving.replicas) == (5, 3, 8)
+
+
+def test_reclaim_drains_replicas_before_training_grows(pool):
+    loop, training, serving, clock, calls = pool
+    training.devices, serving.replicas = 4, 4
+    loop = ArbiterLoop(training, serving, loop.config, clock=clock)
+    serving.rate = 2.0
+    assert loop.tick().action is LendingAction.RECLAIM
+    assert calls == [("scale", 1), ("resize", 7)]
+    assert (loop.train_devices, loop.infer_devices) == (7, 1)
+
+
+def test_events_carry_the_device_split(pool):
+    loop, training, serving, clock, calls = pool
+    serving.rate = 15.0
+    loop.tick()
+    clock.now += 60
+    serving.rate = 0.5
+    loop.tick()
+    events = read_events(loop.config.event_log)
+    assert [(e["kind"], e["train_devices"], e["infer_devices"], e["num_devices"]) for e in events] == [
+        ("lend", 5, 3, 2), ("reclaim", 7, 1, 2)]
+    assert "utilization" in events[0]["reason"]
+
+
+def test_cooldown_spaces_changes_and_a_breach_cuts_it_short(pool):
+    loop, training, serving, clock, calls = pool
+    serving.rate = 15.0
+    loop.tick()
+    serving.rate = 40.0  # more load right away: inside the cool-down, no breach yet
+    clock.now += 2
+    assert loop.tick().action is LendingAction.HOLD
+    serving.p99 = 0.9  # the objective is broken: lend without waiting out the cool-down
+    clock.now += 2
+    assert loop.tick().action is LendingAction.LEND
+    assert loop.train_devices == 2  # never below min_train_devices
+
+
+def test_only_the_devices_training_released_go_to_serving(pool):
+    loop, training, serving, clock, calls = pool
+    training.shortfall = 1  # asked for 5, training could only get down to 6
+    serving.rate = 15.0
+    loop.tick()
+    assert (loop.train_devices, loop.infer_devices, serving.replicas) == (6, 2, 2)
+
+
+def test_nothing_moves_while_training_is_not_running(pool):
+    loop, training, serving, clock, calls = pool
+    training.running = False
+    serving.rate, serving.p99 = 50.0, 5.0
+    decision = loop.tick()
+    assert decision.action is LendingAction.HOLD and calls == []
+
+
+def test_weights_refresh_on_schedule_while_holding(tmp_path):
+    calls: list = []
+    training, serving, clock = Training(calls, devices=6), Serving(calls, replicas=2), Clock()
+    config = ArbiterConfig(slo_p99_s=0.5, replica_capacity=10.0, refresh_weights_s=30.0, policy=POLICY)
+    loop = ArbiterLoop(training, serving, config, clock=clock, events=EventLog(None))
+    serving.rate = 12.0
+    loop.tick()
+    assert calls == []
+    clock.now += 31
+    training.step = 90
+    loop.tick()
+    assert calls == [("latest_model_state", 90), ("reload", "ref@90")]
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="slo_p99_s"):
+        ArbiterConfig(slo_p99_s=0, replica_capacity=1.0)
+    with pytest.raises(ValueError, match="min_train_devices"):
+        ArbiterConfig(slo_p99_s=1.0, replica_capacity=1.0, min_train_devices=0)
