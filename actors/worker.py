@@ -8,20 +8,31 @@ process, and runs training steps.
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
+import time
 
+import ray
 import torch
 import torch.distributed as dist
 
 from baige_ray.accelerator import AcceleratorSpec, DeviceProbe, detect_accelerator
 from baige_ray.api.device import DeviceInfo
+from baige_ray.elastic.faults import Fault, carry_out
+from baige_ray.elastic.snapshot import HostSnapshotter
 from baige_ray.engines.base import Engine
 from baige_ray.engines.factory import build_engine
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.state import CanonicalState
 from baige_ray.runtime.distributed import GroupMembership, ProcessGroupMember, StoreAddress
 from baige_ray.runtime.train_loop import TrainJob
+
+
+# One thread for everything that touches torch.distributed: DTensor keeps thread-local
+# caches that a new generation must clear (see runtime/distributed.py). Heartbeats and
+# snapshot reads run on a separate "control" thread so they answer while a step runs.
+WORKER_THREADS = {"max_concurrency": 1, "concurrency_groups": {"control": 1}}
 
 
 def _ray_placement() -> tuple[str, str, str, list[str]]:
@@ -57,6 +68,9 @@ class WorkerActor:
         self.accelerator = detect_accelerator(probe)
         self.group = ProcessGroupMember(self.accelerator.dist_backend)
         self.engine: Engine | None = None
+        self.snapshots: HostSnapshotter | None = None
+        self.current_step: int | None = None
+        self._collective_timeout_s: float | None = None
 
     def device_info(self) -> DeviceInfo:
         node_id, node_ip, resource, resource_ids = _ray_placement()
@@ -78,17 +92,28 @@ class WorkerActor:
     def ping(self) -> int:
         return os.getpid()
 
+    @ray.method(concurrency_group="control")
+    def heartbeat(self) -> dict:
+        """Answered on its own thread, so it works while a step runs; a frozen process answers nothing."""
+        return {"pid": os.getpid(), "step": self.current_step, "time": time.time()}
+
     def host_store(self, host: str | None = None) -> StoreAddress:
         return self.group.host_store(host or _ray_placement()[1])
 
     def join_group(self, membership: GroupMembership) -> int:
-        self.engine = None  # an engine holds the old generation's communicators
+        self._drop_engine()  # an engine holds the old generation's communicators
+        self._collective_timeout_s = None
         self.group.join(membership)
         return os.getpid()
 
     def leave_group(self) -> None:
-        self.engine = None
+        self._drop_engine()
         self.group.leave()
+
+    def _drop_engine(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.drop()
+        self.engine = None
 
     def all_reduce(self, values: list[float]) -> list[float]:
         """Sum `values` over the current group: a collective health check."""
@@ -105,6 +130,8 @@ class WorkerActor:
         self.engine = build_engine(
             job, layout, membership.rank, device=self._device(), emulated_speed=emulated_speed
         )
+        previous = self.snapshots.latest() if self.snapshots is not None else None
+        self.snapshots = HostSnapshotter(self.engine, latest=previous)
         return {
             "num_parameters": sum(p.numel() for p in self.engine.parameters),
             "corpus": self.engine.corpus.fingerprint if self.engine.corpus else None,
@@ -112,6 +139,42 @@ class WorkerActor:
 
     def train_step(self, step: int) -> dict:
         return self._require_engine().train_step(step)
+
+    def elastic_step(
+        self, step: int, *, snapshot: bool = True, fault: Fault | None = None, collective_timeout_s: float | None = None
+    ) -> dict:
+        """One step under the elastic controller: armed faults first, then the step, then a snapshot."""
+        engine = self._require_engine()
+        if collective_timeout_s is not None and collective_timeout_s != self._collective_timeout_s:
+            self._set_collective_timeout(collective_timeout_s)
+        if fault is not None:
+            carry_out(fault, engine.set_emulated_speed)
+        self.current_step = step
+        metrics = engine.train_step(step)
+        if snapshot:
+            self.snapshots.after_step(step)
+        metrics["snapshot_stall_s"] = self.snapshots.last_stall_s
+        return metrics
+
+    def _set_collective_timeout(self, seconds: float) -> None:
+        # Survivors blocked on a dead peer are released by this timeout, not gloo's/NCCL's default.
+        timeout = datetime.timedelta(seconds=seconds)
+        for group in list(dist.distributed_c10d._world.pg_map):
+            group.set_timeout(timeout)
+        self._collective_timeout_s = seconds
+
+    @ray.method(concurrency_group="control")
+    def snapshot_step(self) -> int | None:
+        """The step the newest in-memory snapshot was taken after (None: none yet)."""
+        latest = self.snapshots.latest() if self.snapshots is not None else None
+        return latest[0] if latest is not None else None
+
+    @ray.method(concurrency_group="control")
+    def snapshot_state(self) -> CanonicalState:
+        latest = self.snapshots.latest() if self.snapshots is not None else None
+        if latest is None:
+            raise RuntimeError("this worker holds no snapshot")
+        return latest[1]
 
     def export_state(self) -> CanonicalState:
         return self._require_engine().export_state()

@@ -32,6 +32,8 @@ class Result:
     workers: list[DeviceInfo] = field(default_factory=list)
     layout: str = ""
     elapsed_s: float = 0.0
+    recoveries: list[dict] = field(default_factory=list)  # elastic runs: one record per recovery
+    final_state: object | None = None  # elastic runs: ObjectRef to the final canonical state
 
     @property
     def num_workers(self) -> int:

@@ -18,10 +18,11 @@ from baige_ray.engines.state import CanonicalState
 
 
 class HostSnapshotter:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, *, latest: tuple[int, CanonicalState] | None = None):
+        """`latest` carries the newest snapshot over from the engine of an earlier generation."""
         self.engine = engine
         self.last_stall_s = 0.0
-        self._latest: tuple[int, CanonicalState] | None = None
+        self._latest = latest
         self._copying: threading.Thread | None = None
         self._failure: BaseException | None = None
         engine.before_update_hooks.append(self._fence_for_update)

@@ -108,6 +108,11 @@ class DeepSpeedEngine(Engine):
             optimizer._lazy_init_hp_params_optimizer_state()
 
     def export_state(self) -> CanonicalState:
+        state = self.snapshot_state()
+        return state if self.owns_state else {"model": {}, "optimizer": {}}
+
+    def snapshot_state(self) -> CanonicalState:
+        """Collective: every rank gets the full fp32 weights and Adam moments."""
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         if self._base_optimizer_states():
@@ -120,8 +125,6 @@ class DeepSpeedEngine(Engine):
             if step and all(value is not None for value in moments.values()):
                 adam[name] = {"step": torch.as_tensor(step[0], dtype=torch.float32).clone()}
                 adam[name].update({key: value.detach().cpu().clone() for key, value in moments.items()})
-        if not self.owns_state:
-            return {"model": {}, "optimizer": {}}
         return {"model": model, "optimizer": adam}
 
     def import_state(self, state: CanonicalState) -> None:

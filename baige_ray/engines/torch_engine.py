@@ -156,8 +156,7 @@ class TorchEngine(Engine):
         return self.layout.tp == 1 and not (self.layout.dp > 1 and self.layout.data_parallel == "fsdp2")
 
     def snapshot_state(self) -> CanonicalState:
-        if not self.snapshot_is_local:
-            return self.export_state()
+        # Every rank keeps its stages' full state (gathered when sharded), so any survivor can restore them.
         return self._strip_prefix(export_module_state(self.module, self.optimizer))
 
     def _strip_prefix(self, state: CanonicalState) -> CanonicalState:

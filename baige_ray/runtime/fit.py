@@ -136,7 +136,8 @@ def check_execution(
             f"expected {layout.world_size} workers"
         )
     job.train.per_worker_batch(layout.dp)
-    layout.layers_per_stage(job.model.num_layers)
+    if isinstance(job.model, GPTConfig):
+        layout.layers_per_stage(job.model.num_layers)
     speeds = list(speeds or [1.0] * scaling.num_workers)
     if len(speeds) != scaling.num_workers or min(speeds) <= 0:
         raise ValueError(f"emulated_speeds={speeds!r} is invalid: expected {scaling.num_workers} positive numbers")

@@ -1,0 +1,267 @@
+"""The elastic controller: one actor per training job that owns its workers, spares and plan.
+
+An explicit state machine (baige_ray/elastic/machine.py): each phase has one
+handler that acts and returns the next phase. Policies (policies/) decide what to
+do about failures, stragglers and growth; this class only acts on Ray. The
+decision logic it needs is importable and testable without Ray.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import ray
+
+from baige_ray.actors.worker import WorkerActor
+from baige_ray.api.configs import RunConfig, ScalingConfig
+from baige_ray.elastic.config import ElasticConfig
+from baige_ray.elastic.faults import FaultKind, FaultPlan
+from baige_ray.elastic.machine import Phase, StateMachine
+from baige_ray.elastic.recovery import RecoveryMixin
+from baige_ray.elastic.sizing import layout_for, replica_size, valid_sizes
+from baige_ray.elastic.watch import WatchTimes, watch_step
+from baige_ray.elastic.workers import Worker, WorkerPool
+from baige_ray.engines.layout import ParallelLayout
+from baige_ray.ops.events import EventLog
+from baige_ray.runtime.train_loop import TrainJob
+from baige_ray.runtime.worker_group import choose_device_resource
+from baige_ray.policies.straggler import StragglerAction, StragglerObservation, decide_straggler
+
+CONTROLLER_THREADS = {"max_concurrency": 1, "concurrency_groups": {"loop": 1, "control": 4}}
+WARMUP_STEPS = 2  # first steps build caches; their times do not set the deadline
+
+
+class ElasticController(RecoveryMixin):
+    def __init__(
+        self,
+        job: TrainJob,
+        scaling: ScalingConfig,
+        run: RunConfig,
+        elastic: ElasticConfig,
+        layout: ParallelLayout,
+        *,
+        speeds: list[float] | None = None,
+        faults: FaultPlan | None = None,
+        worker_cls: type = WorkerActor,
+    ):
+        self.job, self.scaling, self.run_config, self.elastic = job, scaling, run, elastic
+        self.layout = layout
+        self.faults = faults or FaultPlan()
+        self.speeds = list(speeds or [1.0] * scaling.num_workers)
+        self.machine = StateMachine()
+        self.events = EventLog(run.run_dir / "events.jsonl")
+        self.pool = WorkerPool(scaling, run.name, choose_device_resource(scaling, ray.cluster_resources()), worker_cls)
+        self.min_workers, self.max_workers = elastic.bounds(scaling.num_workers)
+        self.target_workers = scaling.num_workers
+        self.sizes = valid_sizes(job, layout, self.min_workers, self.max_workers)
+        self._build_runtime_state()
+
+    def _build_runtime_state(self) -> None:
+        self.members: list[Worker] = []
+        self.spares: list[Worker] = []
+        self.generation = -1
+        self.step = 0
+        self.metrics: list[dict] = []
+        self.step_times: list[float] = []
+        self.compute_history: list[tuple[float, ...]] = []
+        self.recoveries: list[dict] = []
+        self.started_at = time.time()
+        self.productive_s = 0.0
+        self._pending_failure = None
+        self._recovery_started: float | None = None
+        self._resize_request: int | None = None
+        self._resize_done = threading.Event()
+        self._stop_requested = False
+        self._last_growth_check = 0.0
+        self._persister = None
+
+    # ----- public surface (called on the controller's control thread) -----
+
+    @ray.method(concurrency_group="loop")
+    def run(self) -> dict:
+        handlers = {
+            Phase.PLANNING: self._plan,
+            Phase.STARTING: self._start,
+            Phase.RUNNING: self._run_step,
+            Phase.RECOVERING: self._recover,
+            Phase.RESIZING: self._resize,
+        }
+        try:
+            while not self.machine.done:
+                phase, reason = handlers[self.machine.phase]()
+                self.machine.advance(phase, reason)
+                if phase in (Phase.FINISHED, Phase.FAILED):
+                    self.events.record(phase.value, reason, step=self.step)
+            return self._finish()
+        finally:
+            self._release_everything()
+
+    @ray.method(concurrency_group="control")
+    def status(self) -> dict:
+        elapsed = time.time() - self.started_at
+        recent = self.step_times[-20:]
+        return {
+            "name": self.run_config.name,
+            "state": self.machine.phase.value,
+            "step": self.step,
+            "num_steps": self.job.train.num_steps,
+            "layout": self.layout.describe(),
+            "num_workers": len(self.members),
+            "num_spares": len(self.spares),
+            "workers": [self._describe(rank, worker) for rank, worker in enumerate(self.members)],
+            "events": self.events.recent(20),
+            "steps_per_s": len(recent) / sum(recent) if recent else 0.0,
+            "goodput": self.productive_s / elapsed if elapsed > 0 else 0.0,
+            "started_at": self.started_at,
+            "elapsed_s": elapsed,
+            "recoveries": list(self.recoveries),
+            "faults_fired": {kind.value: self.faults.count(kind) for kind in FaultKind},
+        }
+
+    @ray.method(concurrency_group="control")
+    def resize(self, num_workers: int, reason: str = "") -> int:
+        """Ask training to run on `num_workers` (a valid size); returns once it does."""
+        if num_workers not in self.sizes:
+            raise ValueError(f"num_workers={num_workers} is invalid: expected one of {list(self.sizes)}")
+        self.target_workers = num_workers
+        self._resize_done.clear()
+        self._resize_request = num_workers
+        self._resize_reason = reason
+        while not self._resize_done.wait(0.1):
+            if self.machine.done:
+                break
+        return len(self.members)
+
+    @ray.method(concurrency_group="control")
+    def latest_model_state(self) -> tuple[int, ray.ObjectRef]:
+        """(step, ref to the canonical model weights) from the newest in-memory snapshot."""
+        step, state = self._gather_snapshot(list(enumerate(self.members)), self.layout)
+        if state is None:
+            raise RuntimeError("no snapshot yet: training has not completed a step")
+        return step, ray.put(state["model"])
+
+    @ray.method(concurrency_group="control")
+    def stop(self) -> None:
+        self._stop_requested = True
+
+    # ----- phases -----
+
+    def _plan(self) -> tuple[Phase, str]:
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            return self._resume_after_restart()
+        self.events.record("plan", f"layout {self.layout.describe()}", valid_sizes=list(self.sizes))
+        return Phase.STARTING, f"layout {self.layout.describe()}"
+
+    def _start(self) -> tuple[Phase, str]:
+        started = self.pool.start(self.target_workers, self.speeds)
+        members = self.pool.ready(started, self.scaling.placement_timeout_s)
+        if len(members) < self.target_workers:
+            self.pool.stop(started)
+            return Phase.FAILED, f"only {len(members)} of {self.target_workers} workers started"
+        self._start_spares(self.elastic.num_spares)
+        self._regroup(self.pool.by_locality(members), None)
+        self.events.record("start", f"{len(members)} workers", train_devices=len(members), infer_devices=0)
+        return Phase.RUNNING, "workers up"
+
+    def _run_step(self) -> tuple[Phase, str]:
+        if self._stop_requested:
+            return Phase.FINISHED, "stopped by request"
+        if self.step >= self.job.train.num_steps:
+            return Phase.FINISHED, f"{self.step} steps done"
+        if self._resize_request is not None or self._growth_due():
+            return Phase.RESIZING, "resize"
+        dispatched = time.monotonic()
+        outcome = watch_step(self.members, self._dispatch_step(), self._watch_times())
+        if not outcome.ok:
+            self._pending_failure = outcome
+            self._recovery_started = self._recovery_started or dispatched
+            return Phase.RECOVERING, self._describe_failure(outcome)
+        self._record_step(outcome.metrics, time.monotonic() - dispatched)
+        evicted = self._check_stragglers()
+        if evicted is not None:
+            return Phase.RECOVERING, f"straggler rank {evicted}"
+        self._persist_if_due()
+        self.step += 1
+        return Phase.RUNNING, ""
+
+    # ----- a step -----
+
+    def _dispatch_step(self) -> list[ray.ObjectRef]:
+        due = self.faults.arm(self.step)
+        timeout = self._deadline() if len(self.step_times) >= WARMUP_STEPS else None
+        snapshot = self.step % self.elastic.snapshot_every == 0
+        return [
+            worker.actor.elastic_step.remote(
+                self.step, snapshot=snapshot, fault=due.get(rank), collective_timeout_s=timeout
+            )
+            for rank, worker in enumerate(self.members)
+        ]
+
+    def _deadline(self) -> float:
+        recent = self.step_times[-20:]
+        median = statistics.median(recent) if len(recent) >= WARMUP_STEPS else None
+        return self.elastic.step_deadline_s(median)
+
+    def _watch_times(self) -> WatchTimes:
+        return WatchTimes(self._deadline(), self.elastic.heartbeat_interval_s, self.elastic.heartbeat_timeout_s)
+
+    def _record_step(self, per_rank: list[dict], seconds: float) -> None:
+        losses = [m["loss"] for m in per_rank if m["loss"] is not None]
+        self.metrics.append({
+            "step": self.step,
+            "loss": sum(losses) / len(losses),
+            "learning_rate": per_rank[0]["learning_rate"],
+            "step_time_s": seconds,
+            "tokens": sum(m["tokens"] for m in per_rank),
+            "num_workers": len(per_rank),
+            "snapshot_stall_s": max(m["snapshot_stall_s"] for m in per_rank),
+        })
+        self.step_times.append(seconds)
+        self.productive_s += seconds
+        self.compute_history = (self.compute_history + [tuple(m["compute_s"] for m in per_rank)])[-50:]
+        if self._recovery_started is not None:
+            self._finish_recovery(time.monotonic() - self._recovery_started)
+
+    def _check_stragglers(self) -> int | None:
+        if not self.elastic.evict_stragglers or len(self.members) < 2:
+            return None
+        decision = decide_straggler(StragglerObservation(
+            compute_s=tuple(self.compute_history),
+            threshold=self.elastic.straggler_threshold,
+            patience=self.elastic.straggler_patience,
+            num_spares=len(self.pool.ready(self.spares)),
+            min_workers=self.min_workers,
+            replica_size=replica_size(self.layout),
+            valid_sizes=self.sizes,
+        ))
+        if decision.action is StragglerAction.TOLERATE:
+            return None
+        self.events.record("straggler", decision.reason, rank=decision.rank, action=decision.action.value)
+        self.compute_history = []
+        self._pending_failure = None
+        self._evicting = {decision.rank: decision.reason}
+        self._recovery_started = time.monotonic()
+        self.step += 1  # this step completed; recovery resumes after it
+        return decision.rank
+
+    def _growth_due(self) -> bool:
+        now = time.monotonic()
+        if len(self.members) >= self.target_workers or now - self._last_growth_check < self.elastic.grow_check_interval_s:
+            return False
+        self._last_growth_check = now
+        return self._growth_target() > len(self.members)
+
+    def _describe(self, rank: int, worker: Worker) -> dict:
+        info = worker.info
+        return {"rank": rank, "node_id": info.node_id, "node_ip": info.node_ip,
+                "device_index": info.device_index, "pid": info.pid, "speed": worker.speed}
+
+    @staticmethod
+    def _describe_failure(outcome) -> str:
+        lost = ", ".join(f"rank {rank}: {why}" for rank, why in sorted(outcome.lost.items()))
+        return lost or f"{len(outcome.failed)} rank(s) failed their step"
+
+    def layout_for(self, num_workers: int) -> ParallelLayout:
+        return layout_for(self.layout, num_workers)

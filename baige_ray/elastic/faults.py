@@ -1,0 +1,73 @@
+"""Fault injection, a first-class test and benchmark utility.
+
+A `FaultPlan` schedules crashes, hangs and slowdowns at (rank, step). The
+controller owns the plan and arms each fault once, on the worker that holds the
+rank when the step first runs, so a replacement re-running that step is healthy.
+Workers carry the fault out in their own process: a crash exits it, a hang stops
+it (SIGSTOP: it answers nothing, like a process wedged in a driver call), a
+slowdown makes its chip emulate a lower speed from then on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FaultKind(Enum):
+    CRASH = "crash"
+    HANG = "hang"
+    SLOW = "slow"
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: FaultKind
+    rank: int
+    step: int
+    speed: float = 0.25  # SLOW only: the chip's emulated speed from this step on
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or self.step < 0:
+            raise ValueError(f"Fault(rank={self.rank}, step={self.step}) is invalid: expected rank >= 0 and step >= 0")
+        if not 0 < self.speed <= 1:
+            raise ValueError(f"Fault.speed={self.speed!r} is invalid: expected 0 < speed <= 1")
+
+
+@dataclass
+class FaultPlan:
+    faults: list[Fault] = field(default_factory=list)
+    fired: list[Fault] = field(default_factory=list)
+
+    def crash(self, rank: int, step: int) -> FaultPlan:
+        self.faults.append(Fault(FaultKind.CRASH, rank, step))
+        return self
+
+    def hang(self, rank: int, step: int) -> FaultPlan:
+        self.faults.append(Fault(FaultKind.HANG, rank, step))
+        return self
+
+    def slow(self, rank: int, step: int, speed: float = 0.25) -> FaultPlan:
+        self.faults.append(Fault(FaultKind.SLOW, rank, step, speed))
+        return self
+
+    def arm(self, step: int) -> dict[int, Fault]:
+        """Faults due at `step`, by rank; each is handed out once and counted as fired."""
+        due = {fault.rank: fault for fault in self.faults if fault.step == step and fault not in self.fired}
+        self.fired.extend(due.values())
+        return due
+
+    def count(self, kind: FaultKind) -> int:
+        return sum(1 for fault in self.fired if fault.kind is kind)
+
+
+def carry_out(fault: Fault, set_speed) -> None:
+    """Run inside the worker process at the start of the faulty step."""
+    if fault.kind is FaultKind.CRASH:
+        os._exit(17)  # no cleanup, like a segfault or an OOM kill
+    if fault.kind is FaultKind.HANG:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if fault.kind is FaultKind.SLOW:
+        set_speed(fault.speed)

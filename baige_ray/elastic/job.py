@@ -1,0 +1,100 @@
+"""`launch`: start an elastic training job in the background and get a handle to steer it.
+
+The job is driven by an `ElasticController` actor, named after the run so that
+`baige-ray status` and a restarted driver can find it. It restarts itself after a
+crash and resumes from the surviving workers' snapshots.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import ray
+
+from baige_ray.actors.controller import CONTROLLER_THREADS, ElasticController
+from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
+from baige_ray.api.result import Result, StepMetrics
+from baige_ray.elastic.config import ElasticConfig
+from baige_ray.elastic.faults import FaultPlan
+from baige_ray.elastic.workers import NAMESPACE
+from baige_ray.engines.layout import ParallelLayout
+from baige_ray.models.corpus import CorpusConfig
+from baige_ray.models.gpt import GPTConfig
+from baige_ray.models.mlp import MLPConfig
+from baige_ray.runtime.fit import check_execution
+from baige_ray.runtime.train_loop import TrainJob
+
+CONTROLLER_RESTARTS = 3
+
+
+class TrainingJob:
+    """A running elastic job. Every method is a call to its controller actor."""
+
+    def __init__(self, controller: ray.actor.ActorHandle, name: str):
+        self.controller = controller
+        self.name = name
+        self._run_ref = controller.run.remote()
+
+    def status(self) -> dict:
+        return ray.get(self.controller.status.remote())
+
+    def resize(self, num_workers: int, *, reason: str = "") -> int:
+        return ray.get(self.controller.resize.remote(num_workers, reason))
+
+    def latest_model_state(self) -> tuple[int, ray.ObjectRef]:
+        return ray.get(self.controller.latest_model_state.remote())
+
+    def stop(self) -> None:
+        ray.get(self.controller.stop.remote())
+
+    def wait(self, timeout_s: float | None = None) -> Result:
+        outcome = ray.get(self._run_ref, timeout=timeout_s)
+        ray.kill(self.controller, no_restart=True)
+        return Result(
+            metrics=[
+                StepMetrics(step=m["step"], loss=m["loss"], learning_rate=m["learning_rate"],
+                            step_time_s=m["step_time_s"], tokens=m["tokens"])
+                for m in outcome["metrics"]
+            ],
+            checkpoint_path=Path(outcome["checkpoint_path"]) if outcome["checkpoint_path"] else None,
+            workers=outcome["workers"],
+            layout=outcome["layout"],
+            elapsed_s=outcome["elapsed_s"],
+            recoveries=outcome["recoveries"],
+            final_state=outcome.get("final_state"),
+        )
+
+
+def launch(
+    model: GPTConfig | MLPConfig | None = None,
+    *,
+    train: TrainConfig,
+    scaling: ScalingConfig | None = None,
+    run: RunConfig | None = None,
+    elastic: ElasticConfig | None = None,
+    corpus: CorpusConfig | None = None,
+    layout: ParallelLayout | None = None,
+    emulated_speeds: list[float] | None = None,
+    faults: FaultPlan | None = None,
+    worker_cls: type | None = None,
+) -> TrainingJob:
+    """Start training in the background; `job.wait()` returns the `Result`."""
+    job = TrainJob(model=model or GPTConfig(), train=train, corpus=corpus or CorpusConfig())
+    scaling = scaling or ScalingConfig()
+    run = run or RunConfig()
+    elastic = elastic or ElasticConfig()
+    layout = layout or ParallelLayout(dp=scaling.num_workers)
+    speeds = check_execution(job, scaling, layout, emulated_speeds)
+    if not ray.is_initialized():
+        ray.init(logging_level=logging.WARNING)
+    options = {"worker_cls": worker_cls} if worker_cls is not None else {}
+    controller = ray.remote(**CONTROLLER_THREADS)(ElasticController).options(
+        name=f"baige-controller:{run.name}",
+        namespace=NAMESPACE,
+        lifetime="detached",
+        num_cpus=0,
+        max_restarts=CONTROLLER_RESTARTS,
+        max_task_retries=CONTROLLER_RESTARTS,
+    ).remote(job, scaling, run, elastic, layout, speeds=list(speeds), faults=faults, **options)
+    return TrainingJob(controller, run.name)

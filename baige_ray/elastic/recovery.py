@@ -1,0 +1,279 @@
+"""The elastic controller's acting half: recover, resize, regroup, snapshots, spares, restart.
+
+Split from actors/controller.py to keep each file small; only ElasticController uses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+
+import ray
+from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_put
+
+from baige_ray.checkpoint.persister import AsyncPersister
+from baige_ray.checkpoint.store import load_latest_good
+from baige_ray.elastic.machine import Phase
+from baige_ray.elastic.watch import StepOutcome
+from baige_ray.elastic.workers import NAMESPACE, Worker, WorkerPool
+from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.state import CanonicalState, merge_states
+from baige_ray.models.gpt import GPTConfig
+from baige_ray.runtime.checkpoint_io import save_model_checkpoint
+from baige_ray.policies.failure import FailureAction, FailureObservation, decide_failure
+from baige_ray.policies.scaling import GrowthObservation, grow_to, spares_to_start
+
+CALL_TIMEOUT_S = 120.0
+
+
+class RecoveryMixin:
+    # ----- recovery -----
+
+    def _recover(self) -> tuple[Phase, str]:
+        outcome, self._pending_failure = self._pending_failure, None
+        lost = dict(outcome.lost) if outcome is not None else dict(getattr(self, "_evicting", {}))
+        self._evicting = {}
+        failed_step = self.step if outcome is not None else None
+        for rank, why in sorted(lost.items()):
+            worker = self.members[rank]
+            node = worker.info.node_id if worker.info else None
+            self.events.record("failure" if outcome is not None else "eviction", why, rank=rank, node_id=node, step=self.step)
+        self.pool.stop([self.members[rank] for rank in lost])
+        survivors = [(rank, w) for rank, w in enumerate(self.members) if rank not in lost]
+        decision = decide_failure(FailureObservation(
+            num_workers=len(self.members),
+            num_lost=len(lost),
+            num_spares=len(self.pool.ready(self.spares)),
+            free_devices=self.pool.free_devices(),
+            min_workers=self.min_workers,
+            valid_sizes=self.sizes,
+            recoveries_so_far=len(self.recoveries),
+            max_recoveries=self.elastic.max_recoveries,
+        ))
+        if decision.action is FailureAction.FAIL:
+            return Phase.FAILED, decision.reason
+        members = self._members_after_loss(decision, lost, survivors)
+        if members is None:
+            return Phase.FAILED, f"{decision.reason}; no capacity came back within {self.scaling.placement_timeout_s:g}s"
+        step, state = self._gather_snapshot(survivors, self.layout)
+        try:
+            self._regroup(members, state)
+        except Exception as error:  # a member died while regrouping: recover again without it
+            return self._lost_during_regroup(members, error)
+        self._resume_at(step, failed_step)
+        self._start_spares(self.elastic.num_spares - len(self.spares))
+        self.events.record("resize" if len(members) != len(survivors) + len(lost) else "recovered", decision.reason,
+                           train_devices=len(members), infer_devices=0, resume_step=self.step)
+        return Phase.RUNNING, decision.reason
+
+    def _members_after_loss(self, decision, lost: dict, survivors: list) -> list[Worker] | None:
+        if decision.action is FailureAction.REPLACE:
+            members = list(self.members)
+            spares = self.pool.ready(self.spares)
+            for rank in sorted(lost):  # spares take the lost ranks, so every other rank keeps its data slice
+                members[rank] = spares.pop(0)
+                self.spares.remove(members[rank])
+            return members
+        kept = [worker for _, worker in survivors]
+        needed = decision.num_workers - len(kept)
+        if decision.action is FailureAction.WAIT:
+            needed = self.min_workers - len(kept)
+        extra = self._take_or_start(needed)
+        if extra is None:
+            return None
+        return WorkerPool.by_locality(kept + extra)[: max(decision.num_workers, len(kept) + len(extra))]
+
+    def _take_or_start(self, count: int) -> list[Worker] | None:
+        """`count` ready workers: warm spares first, then new actors (waiting for them to start)."""
+        if count <= 0:
+            return []
+        taken = self.pool.ready(self.spares)[:count]
+        for worker in taken:
+            self.spares.remove(worker)
+        started = self.pool.start(count - len(taken))
+        up = self.pool.ready(started, self.scaling.placement_timeout_s) if started else []
+        if len(taken) + len(up) < count:
+            self.pool.stop(taken + started)
+            return None
+        return taken + up
+
+    def _lost_during_regroup(self, members: list[Worker], error: Exception) -> tuple[Phase, str]:
+        pings = [worker.actor.ping.remote() for worker in members]
+        ray.wait(pings, num_returns=len(pings), timeout=2.0)
+        dead = {}
+        for rank, ref in enumerate(pings):
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:
+                dead[rank] = f"lost while regrouping ({type(error).__name__})"
+        self.members = members
+        if not dead:
+            return Phase.FAILED, f"regrouping failed with every worker alive: {error}"
+        self._pending_failure = StepOutcome(metrics=[], lost=dead)
+        return Phase.RECOVERING, f"regrouping failed: {error}"
+
+    def _resume_at(self, snapshot_step: int | None, failed_step: int | None) -> None:
+        self.step = 0 if snapshot_step is None else snapshot_step + 1
+        self._redo_steps = 0 if failed_step is None else failed_step - self.step + 1
+
+    def _finish_recovery(self, seconds: float) -> None:
+        record = {"recovery_s": seconds, "resumed_step": self.step, "lost_steps": getattr(self, "_redo_steps", 0)}
+        self.recoveries.append(record)
+        self._recovery_started = None
+        self.events.record("recovered", f"next step done {seconds:.2f}s after the failure", **record)
+
+    # ----- resize -----
+
+    def _resize(self) -> tuple[Phase, str]:
+        requested, self._resize_request = self._resize_request, None
+        target = requested if requested is not None else self._growth_target()
+        reason = getattr(self, "_resize_reason", "") if requested is not None else "capacity came back"
+        before = len(self.members)
+        if target != before:
+            step, state = self._gather_snapshot(list(enumerate(self.members)), self.layout)
+            if target < before:
+                members, released = self.members[:target], self.members[target:]
+                self.pool.stop(released)  # frees their devices for whoever needs them (inference)
+            else:
+                extra = self._take_or_start(target - before)
+                members = WorkerPool.by_locality(self.members + (extra or []))
+            try:
+                self._regroup(members, state)
+            except Exception as error:
+                self._resize_done.set()
+                return self._lost_during_regroup(members, error)
+            self._resume_at(step, None)
+            self.events.record("resize", reason or f"{before} -> {len(members)} workers",
+                               train_devices=len(members), infer_devices=0, resume_step=self.step)
+        self._resize_done.set()
+        return Phase.RUNNING, f"{before} -> {len(self.members)} workers"
+
+    def _growth_target(self) -> int:
+        """Grow from warm spares only; start spares on free devices so they are warm by the next check."""
+        ready = len(self.pool.ready(self.spares))
+        missing = self.target_workers - len(self.members) - len(self.spares)
+        self._start_spares(missing)
+        return grow_to(GrowthObservation(
+            num_workers=len(self.members),
+            target_workers=self.target_workers,
+            free_devices=0,
+            num_spares=ready,
+            valid_sizes=self.sizes,
+        ))
+
+    def _start_spares(self, wanted: int) -> None:
+        count = spares_to_start(wanted, 0, self.pool.free_devices())
+        if count:
+            self.spares.extend(self.pool.start(count))
+
+    # ----- regrouping and state -----
+
+    def _regroup(self, members: list[Worker], state: CanonicalState | None) -> None:
+        layout = self.layout_for(len(members))
+        self.generation += 1
+        WorkerPool.form_group(members, self.generation, CALL_TIMEOUT_S)
+        ray.get([w.actor.build_engine.remote(self.job, layout, w.speed) for w in members], timeout=CALL_TIMEOUT_S)
+        if state is not None:
+            shared = ray.put(state)  # one copy in the object store for every rank
+            ray.get([w.actor.import_state.remote(shared) for w in members], timeout=CALL_TIMEOUT_S)
+        self.members, self.layout = members, layout
+        self._save_job_record()
+
+    def _gather_snapshot(self, holders: list[tuple[int, Worker]], layout: ParallelLayout):
+        """(step, canonical state) of the newest snapshot every pipeline stage still has; else a persisted one."""
+        steps = ray.get([w.actor.snapshot_step.remote() for _, w in holders], timeout=CALL_TIMEOUT_S)
+        by_step: dict[int, dict[int, Worker]] = {}
+        for (rank, worker), step in zip(holders, steps):
+            if step is not None:
+                by_step.setdefault(step, {}).setdefault(layout.coords(rank).pp, worker)
+        complete = [step for step, stages in by_step.items() if len(stages) == layout.pp]
+        if not complete:
+            return self._persisted_state()
+        step = max(complete)
+        parts = ray.get([w.actor.snapshot_state.remote() for w in by_step[step].values()], timeout=CALL_TIMEOUT_S)
+        return step, merge_states(parts)
+
+    def _persisted_state(self):
+        if self.elastic.persist_path is None:
+            return None, None
+        found = load_latest_good(self.elastic.persist_path)
+        if found is None:
+            return None, None
+        step, state, _ = found
+        self.events.record("checkpoint", f"restored persisted step {step}", step=step)
+        return step, state
+
+    def _persist_if_due(self) -> None:
+        every = self.elastic.persist_every
+        if not every or (self.step + 1) % every:
+            return
+        if self._persister is None:
+            self._persister = AsyncPersister(self.elastic.persist_path, keep_last=self.elastic.keep_checkpoints)
+        holders, layout = list(enumerate(self.members)), self.layout
+        meta = {"layout": layout.describe(), "run": self.run_config.name}
+
+        def gather_and_submit() -> None:  # off the training loop: fetching the snapshot takes a while
+            step, state = self._gather_snapshot(holders, layout)
+            if state is not None:
+                self._persister.submit(step, state, meta)
+
+        threading.Thread(target=gather_and_submit, daemon=True).start()
+
+    # ----- the end, and a restarted controller -----
+
+    def _finish(self) -> dict:
+        result = {"phase": self.machine.phase.value, "metrics": self.metrics, "recoveries": self.recoveries,
+                  "layout": self.layout.describe(), "workers": [w.info for w in self.members],
+                  "elapsed_s": time.time() - self.started_at, "checkpoint_path": None, "status": self.status()}
+        if self.machine.phase is Phase.FINISHED and self.members:
+            parts = ray.get([w.actor.export_state.remote() for w in self.members], timeout=CALL_TIMEOUT_S)
+            state = merge_states(parts)
+            if isinstance(self.job.model, GPTConfig):
+                result["checkpoint_path"] = save_model_checkpoint(
+                    self.run_config.run_dir / "final", state["model"], model_config=self.job.model, step=self.step
+                )
+            result["final_state"] = ray.put(state)
+        if self._persister is not None:
+            self._persister.close(timeout=60)
+        return result
+
+    def _release_everything(self) -> None:
+        self.pool.stop([w for w in self.members + self.spares if w.actor is not None])
+        self.members, self.spares = list(self.members), []
+        _internal_kv_del(self._record_key())
+
+    def _record_key(self) -> str:
+        return f"baige:job:{self.run_config.name}"
+
+    def _save_job_record(self) -> None:
+        record = {"workers": [w.name for w in self.members], "speeds": [w.speed for w in self.members],
+                  "layout": dataclasses.asdict(self.layout), "generation": self.generation}
+        _internal_kv_put(self._record_key(), json.dumps(record), overwrite=True)
+
+    def _resume_after_restart(self) -> tuple[Phase, str]:
+        raw = _internal_kv_get(self._record_key())
+        if raw is None:
+            return Phase.STARTING, "restarted before any worker group formed"
+        record = json.loads(raw)
+        self.layout = ParallelLayout(**{k: tuple(v) if isinstance(v, list) else v for k, v in record["layout"].items()})
+        self.generation = record["generation"]
+        members, lost = [], {}
+        for rank, (name, speed) in enumerate(zip(record["workers"], record["speeds"])):
+            members.append(self._find_worker(name, speed))
+            if members[-1].info is None:
+                lost[rank] = "gone when the controller restarted"
+        self.members = members
+        self._pending_failure = StepOutcome(metrics=[], lost=lost)
+        self._recovery_started = time.monotonic()
+        self.events.record("controller_restart", f"found {len(members) - len(lost)} of {len(members)} workers")
+        return Phase.RECOVERING, "controller restarted"
+
+    @staticmethod
+    def _find_worker(name: str, speed: float) -> Worker:
+        try:
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+            return Worker(actor=actor, name=name, speed=speed, info=ray.get(actor.device_info.remote(), timeout=10))
+        except Exception:
+            return Worker(actor=None, name=name, speed=speed)

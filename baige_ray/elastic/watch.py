@@ -1,0 +1,91 @@
+"""Waiting for one step on every worker while watching for dead, frozen and hung ranks.
+
+A rank is lost when its actor died (Ray reports it within milliseconds of the
+process exit), when it stops answering heartbeats (a frozen process), or when its
+step is still running well past the deadline after which every collective has
+timed out (a hang nothing else explains). Survivors whose collectives failed
+because of a lost peer raise and come back on their own.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from baige_ray.elastic.workers import Worker
+
+
+@dataclass
+class StepOutcome:
+    metrics: list[dict | None]
+    lost: dict[int, str] = field(default_factory=dict)  # rank -> why
+    failed: dict[int, str] = field(default_factory=dict)  # rank -> error (alive, but its step raised)
+    first_failure_at: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.lost and not self.failed
+
+
+@dataclass(frozen=True)
+class WatchTimes:
+    deadline_s: float  # the step (and every collective in it) should be over by then
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+
+
+def watch_step(workers: list[Worker], refs: list[ray.ObjectRef], times: WatchTimes) -> StepOutcome:
+    outcome = StepOutcome(metrics=[None] * len(refs))
+    started = time.monotonic()
+    heartbeats: dict[int, tuple[ray.ObjectRef, float]] = {}
+    pending = set(range(len(refs)))
+    while pending:
+        ray.wait([refs[r] for r in pending], num_returns=len(pending), timeout=times.heartbeat_interval_s)
+        for rank in list(pending):
+            if _collect(rank, refs[rank], outcome):
+                pending.discard(rank)
+        now = time.monotonic()
+        if outcome.first_failure_at is None and (outcome.lost or outcome.failed):
+            outcome.first_failure_at = now
+        for rank in _unresponsive(workers, pending, heartbeats, times, now):
+            outcome.lost[rank] = "stopped answering heartbeats"
+            pending.discard(rank)
+        since = outcome.first_failure_at if outcome.first_failure_at is not None else started
+        if pending and now - since > times.deadline_s + times.heartbeat_timeout_s:
+            for rank in pending:
+                outcome.lost[rank] = f"step still running {now - started:.1f}s after it began"
+            pending.clear()
+    return outcome
+
+
+def _collect(rank: int, ref: ray.ObjectRef, outcome: StepOutcome) -> bool:
+    try:
+        outcome.metrics[rank] = ray.get(ref, timeout=0)
+    except GetTimeoutError:
+        return False
+    except RayActorError as error:
+        outcome.lost[rank] = f"actor died: {type(error).__name__}"
+    except Exception as error:  # the step raised in a live worker, e.g. a collective with a lost peer
+        outcome.failed[rank] = str(error).splitlines()[0][:200]
+    return True
+
+
+def _unresponsive(workers, pending, heartbeats, times: WatchTimes, now: float) -> list[int]:
+    """Ranks whose heartbeat has been unanswered for heartbeat_timeout_s; sends the next ones."""
+    if now < times.heartbeat_interval_s:
+        return []
+    silent = []
+    for rank in pending:
+        sent = heartbeats.get(rank)
+        if sent is not None:
+            ref, at = sent
+            ready, _ = ray.wait([ref], timeout=0)
+            if not ready:
+                if now - at > times.heartbeat_timeout_s:
+                    silent.append(rank)
+                continue
+        heartbeats[rank] = (workers[rank].actor.heartbeat.remote(), now)
+    return silent

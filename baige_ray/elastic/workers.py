@@ -1,0 +1,110 @@
+"""The Ray layer of the elastic controller: start, name, order, re-group and stop worker actors one by one.
+
+Unlike `WorkerGroup` (one placement group for a fixed-size job), an elastic job
+adds and removes single workers, so each actor reserves its own device. Workers
+are detached and named after the run, so they outlive a crashed controller and
+its restarted successor finds them again.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from baige_ray.actors.worker import WORKER_THREADS, WorkerActor
+from baige_ray.api.configs import ScalingConfig
+from baige_ray.api.device import DeviceInfo
+from baige_ray.runtime.distributed import GroupMembership
+from baige_ray.runtime.worker_group import worker_bundle
+
+NAMESPACE = "baige"
+
+
+@dataclass
+class Worker:
+    actor: ray.actor.ActorHandle
+    name: str
+    info: DeviceInfo | None = None
+    speed: float = 1.0  # the chip speed it emulates
+    ready_ref: ray.ObjectRef | None = field(default=None, repr=False)
+
+
+class WorkerPool:
+    def __init__(self, scaling: ScalingConfig, run_name: str, resource: str, worker_cls: type = WorkerActor):
+        self.scaling = scaling
+        self.run_name = run_name
+        self.resource = resource
+        self._remote_cls = ray.remote(**WORKER_THREADS)(worker_cls)
+
+    def start(self, count: int, speeds: list[float] | None = None) -> list[Worker]:
+        """Start `count` actors without waiting for them; `ready()` collects those that came up."""
+        bundle = worker_bundle(self.scaling, self.resource)
+        custom = {name: amount for name, amount in bundle.items() if name not in ("CPU", "GPU")}
+        started = []
+        for index in range(count):
+            name = f"baige-worker:{self.run_name}:{uuid.uuid4().hex[:8]}"
+            actor = self._remote_cls.options(
+                name=name,
+                namespace=NAMESPACE,
+                lifetime="detached",
+                num_cpus=bundle.get("CPU", 0.0),
+                num_gpus=bundle.get("GPU", 0.0),
+                resources=custom,
+            ).remote()
+            worker = Worker(actor=actor, name=name, speed=(speeds or [1.0] * count)[index])
+            worker.ready_ref = actor.device_info.remote()
+            started.append(worker)
+        return started
+
+    @staticmethod
+    def ready(workers: list[Worker], timeout_s: float = 0.0) -> list[Worker]:
+        """Those of `workers` whose actor is up (their device info arrived) within `timeout_s`."""
+        pending = [w.ready_ref for w in workers if w.info is None and w.ready_ref is not None]
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+        up = []
+        for worker in workers:
+            if worker.info is None and worker.ready_ref is not None:
+                try:
+                    worker.info = ray.get(worker.ready_ref, timeout=0)
+                except GetTimeoutError:
+                    continue
+                except RayActorError:
+                    worker.ready_ref = None  # never came up; the caller drops it
+                    continue
+            if worker.info is not None:
+                up.append(worker)
+        return up
+
+    def free_devices(self) -> int:
+        bundle = worker_bundle(self.scaling, self.resource)
+        available = ray.available_resources()
+        return int(min(available.get(name, 0.0) // amount for name, amount in bundle.items() if amount > 0))
+
+    @staticmethod
+    def stop(workers: list[Worker]) -> None:
+        for worker in workers:
+            try:
+                ray.kill(worker.actor, no_restart=True)
+            except Exception:  # already gone
+                pass
+
+    @staticmethod
+    def by_locality(workers: list[Worker]) -> list[Worker]:
+        return sorted(workers, key=lambda w: w.info.location)
+
+    @staticmethod
+    def form_group(members: list[Worker], generation: int, timeout_s: float) -> None:
+        """Join `members`, in rank order, into process-group generation `generation`."""
+        first = members[0]
+        store = ray.get(first.actor.host_store.remote(first.info.node_ip), timeout=timeout_s)
+        refs = [
+            worker.actor.join_group.remote(
+                GroupMembership(store=store, rank=rank, world_size=len(members), generation=generation)
+            )
+            for rank, worker in enumerate(members)
+        ]
+        ray.get(refs, timeout=timeout_s)

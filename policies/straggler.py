@@ -1,0 +1,76 @@
+"""When a slow worker costs more than it gives: detect persistent stragglers and decide to evict them.
+
+In synchronous data parallelism every step waits for the slowest rank, so a
+straggler slows the whole group to its pace. Evicting it pays when the remaining
+ranks, at their own pace, process more samples per second than the whole group
+at the straggler's pace.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from enum import Enum
+
+
+@dataclass(frozen=True)
+class StragglerObservation:
+    compute_s: tuple[tuple[float, ...], ...]  # recent steps, oldest first; per rank compute seconds
+    threshold: float  # slower than the median of its peers by this factor
+    patience: int  # for this many consecutive steps
+    num_spares: int
+    min_workers: int
+    replica_size: int  # ranks that leave together (tp x pp)
+    valid_sizes: tuple[int, ...]
+
+
+class StragglerAction(Enum):
+    TOLERATE = "tolerate"
+    REPLACE = "replace"
+    EVICT = "evict"
+
+
+@dataclass(frozen=True)
+class StragglerDecision:
+    action: StragglerAction
+    rank: int | None
+    reason: str
+
+
+def persistent_straggler(compute_s: tuple[tuple[float, ...], ...], threshold: float, patience: int) -> int | None:
+    """The rank that was the slow outlier in each of the last `patience` steps, if one was."""
+    if len(compute_s) < patience:
+        return None
+    suspects = {_outlier(step, threshold) for step in compute_s[-patience:]}
+    if len(suspects) == 1 and None not in suspects:
+        return suspects.pop()
+    return None
+
+
+def _outlier(per_rank: tuple[float, ...], threshold: float) -> int | None:
+    if len(per_rank) < 2:
+        return None
+    slowest = max(range(len(per_rank)), key=per_rank.__getitem__)
+    peers = [t for rank, t in enumerate(per_rank) if rank != slowest]
+    return slowest if per_rank[slowest] > threshold * statistics.median(peers) else None
+
+
+def decide_straggler(obs: StragglerObservation) -> StragglerDecision:
+    rank = persistent_straggler(obs.compute_s, obs.threshold, obs.patience)
+    if rank is None:
+        return StragglerDecision(StragglerAction.TOLERATE, None, "no persistent straggler")
+    latest = obs.compute_s[-1]
+    slow, fast = latest[rank], statistics.median(t for r, t in enumerate(latest) if r != rank)
+    if obs.num_spares > 0:
+        return StragglerDecision(StragglerAction.REPLACE, rank, f"rank {rank} is {slow / fast:.1f}x slower; a spare takes it")
+    num_workers = len(latest)
+    smaller = [size for size in obs.valid_sizes if size <= num_workers - obs.replica_size]
+    shrunk = max(smaller, default=0)
+    if shrunk < obs.min_workers or shrunk == 0:
+        return StragglerDecision(StragglerAction.TOLERATE, rank, f"rank {rank} is slow but min_workers={obs.min_workers}")
+    # Throughput is proportional to workers / step time; the step runs at the slowest rank's pace.
+    if shrunk / fast > num_workers / slow:
+        return StragglerDecision(
+            StragglerAction.EVICT, rank, f"rank {rank} is {slow / fast:.1f}x slower; {shrunk} workers at full pace do more"
+        )
+    return StragglerDecision(StragglerAction.TOLERATE, rank, f"rank {rank} is slow, but evicting it would lose throughput")
