@@ -1,0 +1,77 @@
+"""The elastic controller's pure parts: states, config, faults, sizing, snapshots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baige_ray.api.configs import TrainConfig
+from baige_ray.elastic.config import ElasticConfig
+from baige_ray.elastic.faults import FaultKind, FaultPlan
+from baige_ray.elastic.machine import Phase, StateMachine
+from baige_ray.elastic.sizing import layout_for, valid_sizes
+from baige_ray.elastic.snapshot import HostSnapshotter
+from baige_ray.engines.factory import build_engine
+from baige_ray.engines.layout import ParallelLayout
+from baige_ray.models.mlp import MLPConfig
+from baige_ray.runtime.train_loop import TrainJob
+
+
+def test_state_machine_allows_the_recovery_cycle_and_refuses_shortcuts():
+    machine = StateMachine()
+    for phase in (Phase.STARTING, Phase.RUNNING, Phase.RECOVERING, Phase.RUNNING, Phase.RESIZING, Phase.RUNNING,
+                  Phase.FINISHED):
+        machine.advance(phase)
+    assert machine.done
+    assert [t.target for t in machine.history][-1] is Phase.FINISHED
+    with pytest.raises(RuntimeError, match="cannot go from planning to running"):
+        StateMachine().advance(Phase.RUNNING)
+
+
+def test_elastic_config_names_the_bad_field():
+    with pytest.raises(ValueError, match="ElasticConfig.num_spares"):
+        ElasticConfig(num_spares=-1)
+    with pytest.raises(ValueError, match="ElasticConfig.min_workers"):
+        ElasticConfig(min_workers=8, max_workers=4)
+    with pytest.raises(ValueError, match="persist_path"):
+        ElasticConfig(persist_every=10)
+
+
+def test_step_deadline_scales_with_the_median_step_and_has_a_floor():
+    config = ElasticConfig(collective_timeout_floor_s=0.5, collective_timeout_factor=5.0)
+    assert config.step_deadline_s(None) == config.first_steps_timeout_s
+    assert config.step_deadline_s(0.01) == 0.5
+    assert config.step_deadline_s(1.0) == 5.0
+
+
+def test_a_fault_is_armed_once_even_when_its_step_runs_again():
+    plan = FaultPlan().crash(rank=2, step=25).slow(rank=1, step=25, speed=0.5)
+    assert set(plan.arm(25)) == {1, 2}
+    assert plan.arm(25) == {}
+    assert plan.count(FaultKind.CRASH) == 1 and plan.count(FaultKind.HANG) == 0
+
+
+def test_sizes_keep_whole_replicas_and_an_evenly_split_batch():
+    job = TrainJob(model=MLPConfig(), train=TrainConfig(num_steps=1, global_batch_size=24))
+    assert valid_sizes(job, ParallelLayout(dp=8), 1, 8) == (1, 2, 3, 4, 6, 8)
+    assert valid_sizes(job, ParallelLayout(dp=2, tp=2), 2, 8) == (2, 4, 6, 8)
+    assert layout_for(ParallelLayout(dp=2, tp=2), 6).dp == 3
+    with pytest.raises(ValueError, match="multiple of tp x pp"):
+        layout_for(ParallelLayout(dp=2, tp=2), 5)
+
+
+def test_snapshot_restores_the_exact_state_of_the_step_it_was_taken_after():
+    job = TrainJob(model=MLPConfig(sizes=(16, 32, 8)), train=TrainConfig(num_steps=8, global_batch_size=8))
+    engine = build_engine(job, ParallelLayout())
+    snapshots = HostSnapshotter(engine)
+    for step in range(3):
+        engine.train_step(step)
+        snapshots.after_step(step)
+    step, state = snapshots.latest()
+    continued = engine.train_step(3)["loss"]
+    restored = build_engine(job, ParallelLayout())
+    restored.import_state(state)
+    assert step == 2
+    assert restored.train_step(3)["loss"] == continued
+    for name, param in restored.module.named_parameters():
+        assert torch.equal(param, dict(engine.module.named_parameters())[name])
