@@ -1,0 +1,103 @@
+"""serve(): the reference GPT behind Ray Serve, from an in-memory state and from a checkpoint.
+
+One application for the whole module (starting Serve costs seconds): it answers generate and
+health, refuses malformed requests with 4xx and a reason, swaps weights in place, and answers
+503 rather than failing when more requests arrive than its queues hold.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import ray
+import torch
+
+from baige_ray.models.gpt import GPT, GPTConfig
+from baige_ray.runtime.checkpoint_io import load_model, save_model_checkpoint
+from baige_ray.serving import reload_weights, serve, shutdown
+from baige_ray.serving.requests import GenerateRequest
+from baige_ray.serving.sampling import decode_tokens, generate_batch
+
+CONFIG = GPTConfig(seq_len=32, num_layers=1, num_heads=2, hidden=32)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def call(url: str, body: bytes | dict | None = None, method: str | None = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method or ("POST" if data is not None else "GET"))
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        text = error.read()
+        return error.code, json.loads(text) if text.startswith(b"{") else {"raw": text.decode()}
+
+
+@pytest.fixture(scope="module")
+def app(local_ray):
+    torch.manual_seed(0)
+    state = GPT(CONFIG).state_dict()
+    info = serve((3, ray.put(state)), model_config=CONFIG, name="test-gpt", port=free_port(),
+                 max_ongoing_requests=2, max_queued_requests=2, max_batch_size=4)
+    yield info
+    shutdown(info)
+    from ray import serve as ray_serve
+
+    ray_serve.shutdown()
+
+
+def test_generate_and_health_from_an_in_memory_state(app):
+    assert app.url.startswith("http://127.0.0.1:")
+    status, health = call(app.url + "/health")
+    assert (status, health["status"], health["step"]) == (200, "ok", 3)
+    status, reply = call(app.url + "/generate", {"prompt": "def ", "max_new_tokens": 6, "seed": 7})
+    assert status == 200 and reply["tokens"] == 6 and reply["latency_s"] > 0
+    assert call(app.url + "/generate", {"prompt": "def ", "max_new_tokens": 6, "seed": 7})[1]["text"] == reply["text"]
+
+
+@pytest.mark.parametrize(
+    ("body", "method", "route", "status", "words"),
+    [
+        (b"{not json", None, "/generate", 400, "not valid JSON"),
+        ({"prompt": ""}, None, "/generate", 422, "must not be empty"),
+        ({"prompt": "x", "max_new_tokens": 10_000}, None, "/generate", 422, "out of range"),
+        ({"prompt": "x", "temperature": "warm"}, None, "/generate", 422, "must be a number"),
+        ({"prompt": "x", "stream": True}, None, "/generate", 422, "unknown fields"),
+        (None, "GET", "/generate", 405, "use POST"),
+        (None, "GET", "/nowhere", 404, "no route"),
+    ],
+)
+def test_malformed_requests_get_4xx_with_a_reason(app, body, method, route, status, words):
+    code, reply = call(app.url + route, body, method)
+    assert code == status
+    assert words in reply["error"]
+
+
+def test_weights_swap_in_place_from_a_checkpoint(app, tmp_path):
+    torch.manual_seed(1)
+    save_model_checkpoint(tmp_path / "ckpt", GPT(CONFIG).state_dict(), model_config=CONFIG, step=11)
+    reload_weights(app, tmp_path / "ckpt")
+    assert call(app.url + "/health")[1]["step"] == 11
+    status, reply = call(app.url + "/generate", {"prompt": "import", "max_new_tokens": 5, "temperature": 0})
+    expected = generate_batch(load_model(tmp_path / "ckpt"), [GenerateRequest(prompt="import", max_new_tokens=5,
+                                                                               temperature=0.0)])[0]
+    assert (status, reply["text"], reply["step"]) == (200, decode_tokens(expected), 11)
+
+
+def test_overload_is_answered_503_not_failed(app):
+    body = {"prompt": "x" * 30, "max_new_tokens": 200, "temperature": 1.0}
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        codes = list(pool.map(lambda _: call(app.url + "/generate", body)[0], range(12)))
+    assert set(codes) <= {200, 503}
+    assert codes.count(200) >= 2 and codes.count(503) >= 1
+    assert call(app.url + "/health")[0] == 200
