@@ -50,6 +50,7 @@ class ArbiterConfig:
     min_train_devices: int = 1
     min_infer_devices: int = 1
     devices_per_train_replica: int = 1
+    train_sizes: tuple[int, ...] | None = None  # sizes the job runs at (baige_ray.elastic.sizing.valid_sizes)
     poll_interval_s: float = 1.0
     load_window_s: float = 5.0
     refresh_weights_s: float | None = None  # also push training's newest weights to serving this often
@@ -89,7 +90,7 @@ class ArbiterLoop:
             min_train_devices=self.config.min_train_devices, replica_capacity=self.config.replica_capacity,
             seconds_since_change=max(0.0, self.clock() - self._last_change),
             devices_per_train_replica=self.config.devices_per_train_replica,
-            min_infer_devices=self.config.min_infer_devices,
+            min_infer_devices=self.config.min_infer_devices, train_sizes=self.config.train_sizes,
         )
 
     def tick(self) -> LendingDecision:

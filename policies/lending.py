@@ -12,7 +12,8 @@ latency objective (`replica_capacity` requests/s each). Hysteresis keeps the poo
 An SLO breach (p99 above the objective, or a queue deeper than the replicas can absorb) lends at
 once, ignoring the cool-down except for a short `breach_cooldown_s` that lets the last lend's new
 replica show up in the latency window. Training shrinks and grows only by whole data-parallel
-replicas (`devices_per_train_replica` devices each) and never below `min_train_devices`.
+replicas (`devices_per_train_replica` devices each), only to sizes it can run at (`train_sizes`,
+e.g. those whose data-parallel degree splits the global batch) and never below `min_train_devices`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class LendingObservation:
     seconds_since_change: float
     devices_per_train_replica: int = 1
     min_infer_devices: int = 1
+    train_sizes: tuple[int, ...] | None = None  # sizes training can run at; None: any whole replicas
 
     def __post_init__(self) -> None:
         for name in ("request_rate", "p99_latency_s", "seconds_since_change"):
@@ -52,6 +54,16 @@ class LendingObservation:
         for name in ("queue_depth", "train_devices", "infer_devices", "min_train_devices", "min_infer_devices"):
             require_int("LendingObservation", name, getattr(self, name), minimum=0)
         require_int("LendingObservation", "devices_per_train_replica", self.devices_per_train_replica, minimum=1)
+        if self.train_sizes is not None:
+            for size in self.train_sizes:
+                require_int("LendingObservation", "train_sizes", size, minimum=1)
+
+    def sizes(self) -> list[int]:
+        """Training sizes the pool allows, at or above the minimum, ascending."""
+        total = self.train_devices + self.infer_devices
+        unit = self.devices_per_train_replica
+        sizes = self.train_sizes if self.train_sizes is not None else range(unit, total + 1, unit)
+        return sorted(s for s in sizes if self.min_train_devices <= s <= total and s % unit == 0)
 
     @property
     def utilization(self) -> float:
@@ -95,23 +107,16 @@ def _hold(reason: str) -> LendingDecision:
     return LendingDecision(LendingAction.HOLD, 0, reason)
 
 
-def _whole_replicas(devices: int, per_replica: int) -> int:
-    """`devices` rounded up to whole data-parallel replicas."""
-    return math.ceil(devices / per_replica) * per_replica
-
-
-def _lendable(obs: LendingObservation) -> int:
-    """Devices training can give up: whole replicas above its minimum."""
-    spare = obs.train_devices - obs.min_train_devices
-    return max(0, spare // obs.devices_per_train_replica * obs.devices_per_train_replica)
-
-
 def _lend(obs: LendingObservation, policy: LendingPolicy, why: str) -> LendingDecision:
+    """Shrink training to the largest size that frees the shortfall (or, failing that, the smallest
+    size below the current one)."""
     wanted = math.ceil(obs.request_rate / (obs.replica_capacity * policy.target_utilization))
     shortfall = max(1, wanted - obs.infer_devices)
-    devices = min(_whole_replicas(shortfall, obs.devices_per_train_replica), _lendable(obs))
-    if devices == 0:
+    smaller = [size for size in obs.sizes() if size < obs.train_devices]
+    if not smaller:
         return _hold(f"{why}, but training is at its minimum of {obs.min_train_devices} devices")
+    enough = [size for size in smaller if size <= obs.train_devices - shortfall]
+    devices = obs.train_devices - (max(enough) if enough else min(smaller))
     return LendingDecision(LendingAction.LEND, devices, f"{why}: lend {devices} for {wanted} wanted")
 
 
@@ -126,15 +131,17 @@ def _breach(obs: LendingObservation, policy: LendingPolicy) -> str | None:
 
 
 def _reclaimable(obs: LendingObservation, policy: LendingPolicy) -> int:
-    """The most devices (whole training replicas) inference can return and stay at or below reclaim_below."""
-    step = obs.devices_per_train_replica
-    devices = 0
-    while obs.infer_devices - devices - step >= obs.min_infer_devices:
-        remaining = obs.infer_devices - devices - step
-        if obs.request_rate > policy.reclaim_below * remaining * obs.replica_capacity:
-            break
-        devices += step
-    return devices
+    """The most devices inference can return (training growing to one of its sizes) while its
+    utilization stays at or below reclaim_below."""
+    best = 0
+    for size in obs.sizes():
+        returned = size - obs.train_devices
+        remaining = obs.infer_devices - returned
+        if returned <= 0 or remaining < obs.min_infer_devices:
+            continue
+        if obs.request_rate <= policy.reclaim_below * remaining * obs.replica_capacity:
+            best = max(best, returned)
+    return best
 
 
 def decide(obs: LendingObservation, policy: LendingPolicy | None = None) -> LendingDecision:

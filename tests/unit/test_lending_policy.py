@@ -15,11 +15,11 @@ CAPACITY = 10.0  # requests/s per inference device
 
 
 def observe(rate: float, *, train: int = 7, infer: int = 1, p99: float = 0.1, since: float = 100.0,
-            queue: int = 0, per_replica: int = 1, min_train: int = 2) -> LendingObservation:
+            queue: int = 0, per_replica: int = 1, min_train: int = 2, sizes=None) -> LendingObservation:
     return LendingObservation(
         request_rate=rate, p99_latency_s=p99, slo_p99_s=1.0, queue_depth=queue, train_devices=train,
         infer_devices=infer, min_train_devices=min_train, replica_capacity=CAPACITY,
-        seconds_since_change=since, devices_per_train_replica=per_replica,
+        seconds_since_change=since, devices_per_train_replica=per_replica, train_sizes=sizes,
     )
 
 
@@ -115,6 +115,18 @@ def test_training_shrinks_and_grows_by_whole_data_parallel_replicas():
     reclaim = decide(observe(1.0, train=4, infer=4, per_replica=2), POLICY)
     assert (reclaim.action, reclaim.num_devices) == (LendingAction.RECLAIM, 2)  # keeps one device: min 1
     assert decide(observe(1.0, train=4, infer=3, per_replica=2), POLICY).num_devices == 2
+
+
+def test_only_sizes_training_can_run_at_are_chosen():
+    sizes = (1, 2, 3, 4, 6, 7)  # data-parallel degrees that split a global batch of 84
+    lend = decide(observe(17.0, train=7, infer=1, sizes=sizes), POLICY)  # wants 3: 2 more; 5 is not a size
+    assert (lend.action, lend.num_devices) == (LendingAction.LEND, 3)
+    small = decide(observe(9.0, train=7, infer=1, sizes=sizes), POLICY)  # wants 2: one more, 6 is a size
+    assert small.num_devices == 1
+    reclaim = decide(observe(1.0, train=4, infer=4, sizes=sizes), POLICY)
+    assert (reclaim.action, reclaim.num_devices) == (LendingAction.RECLAIM, 3)  # back to 7, not 8
+    partial = decide(observe(100.0, train=7, infer=1, sizes=(4, 7), p99=2.0), POLICY)
+    assert partial.num_devices == 3  # all the way to the smallest size there is
 
 
 def test_no_reclaim_while_latency_is_near_the_objective():
