@@ -27,6 +27,7 @@ INCIDENT_STYLES = {
     "straggler": ("goldenrod", ":"),
     "recovered": ("tab:green", ":"),
     "controller_restart": ("tab:purple", "-."),
+    "failed": ("black", "-"),
 }
 UNUSED = -1
 
