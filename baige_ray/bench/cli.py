@@ -13,6 +13,8 @@ BENCHMARK_MODULES: dict[str, str] = {
     "plan": "baige_ray.bench.plan",
     "hetero": "baige_ray.bench.hetero",
     "overhead": "baige_ray.bench.overhead",
+    "checkpoint": "baige_ray.bench.checkpoint",
+    "recovery": "baige_ray.bench.recovery",
 }
 
 

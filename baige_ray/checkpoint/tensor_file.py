@@ -38,7 +38,7 @@ DTYPE_CODES: dict[torch.dtype, str] = {
 HEADER_ALIGNMENT = 8
 
 
-def _host_bytes(tensor: torch.Tensor) -> memoryview:
+def host_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy())
 
@@ -69,7 +69,7 @@ def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str,
             digest.update(chunk)
             size += len(chunk)
         for tensor in ordered.values():
-            data = _host_bytes(tensor)
+            data = host_bytes(tensor)
             handle.write(data)
             digest.update(data)
             size += data.nbytes
