@@ -29,6 +29,10 @@ from baige_ray.ops.events import EventLog
 from baige_ray.policies.lending import LendingAction, LendingDecision, LendingObservation, LendingPolicy, decide
 
 
+MIN_REQUESTS_TO_MEASURE = 20
+CAPACITY_SMOOTHING = 0.3
+
+
 class TrainingSide(Protocol):
     def num_devices(self) -> int: ...
     def is_running(self) -> bool: ...
@@ -46,7 +50,8 @@ class ServingSide(Protocol):
 @dataclass(kw_only=True, frozen=True)
 class ArbiterConfig:
     slo_p99_s: float
-    replica_capacity: float  # requests/s one replica sustains within the objective
+    replica_capacity: float  # requests/s one replica sustains: the first estimate, refined from reports
+    capacity_from_reports: bool = True
     min_train_devices: int = 1
     min_infer_devices: int = 1
     devices_per_train_replica: int = 1
@@ -75,6 +80,7 @@ class ArbiterLoop:
         self.events = events or EventLog(config.event_log)
         self.train_devices = training.num_devices()
         self.infer_devices = serving.num_replicas()
+        self.replica_capacity = config.replica_capacity
         self._last_change = -float("inf")
         self._last_refresh = clock()
         self.last_decision: LendingDecision | None = None
@@ -83,15 +89,23 @@ class ArbiterLoop:
     def observe(self) -> LendingObservation:
         load = self.serving.load(self.config.load_window_s)
         self.last_load = load
+        self._refine_capacity(load)
         self.train_devices = self.training.num_devices()
         return LendingObservation(
             request_rate=load["request_rate"], p99_latency_s=load["p99_latency_s"], slo_p99_s=self.config.slo_p99_s,
             queue_depth=load["queue_depth"], train_devices=self.train_devices, infer_devices=self.infer_devices,
-            min_train_devices=self.config.min_train_devices, replica_capacity=self.config.replica_capacity,
+            min_train_devices=self.config.min_train_devices, replica_capacity=self.replica_capacity,
             seconds_since_change=max(0.0, self.clock() - self._last_change),
             devices_per_train_replica=self.config.devices_per_train_replica,
             min_infer_devices=self.config.min_infer_devices, train_sizes=self.config.train_sizes,
         )
+
+    def _refine_capacity(self, load: dict) -> None:
+        """Requests served per second of replica compute, smoothed: utilization then tracks how busy
+        the replicas really are (slower when they share cores with training, faster as batches fill)."""
+        measured = load.get("requests_per_busy_s")
+        if self.config.capacity_from_reports and measured and load.get("num_requests", 0) >= MIN_REQUESTS_TO_MEASURE:
+            self.replica_capacity = (1 - CAPACITY_SMOOTHING) * self.replica_capacity + CAPACITY_SMOOTHING * measured
 
     def tick(self) -> LendingDecision:
         if not self.training.is_running():
@@ -151,6 +165,7 @@ class ArbiterLoop:
         return {
             "train_devices": self.train_devices,
             "infer_devices": self.infer_devices,
+            "replica_capacity": self.replica_capacity,
             "last_decision": None if decision is None else
             {"action": decision.action.value, "num_devices": decision.num_devices, "reason": decision.reason},
             "load": self.last_load,

@@ -37,6 +37,12 @@ class LoadWindow:
     p99_latency_s: float
     queue_depth: int
     num_replicas: int
+    busy_s: float  # seconds replicas spent computing batches in the window
+
+    @property
+    def requests_per_busy_s(self) -> float | None:
+        """What a replica serves per second of compute at the current batch sizes (None: no data)."""
+        return self.num_requests / self.busy_s if self.busy_s > 0 and self.num_requests else None
 
 
 @dataclass
@@ -51,6 +57,7 @@ class _ReplicaRecord:
 class RequestLedger:
     keep_s: float = 120.0
     _latencies: deque = field(default_factory=deque)  # (finish time, latency seconds)
+    _busy: deque = field(default_factory=deque)  # (report time, busy seconds)
     _replicas: dict[str, _ReplicaRecord] = field(default_factory=dict)
 
     def record(
@@ -62,8 +69,10 @@ class RequestLedger:
         record.busy_s += busy_s
         record.num_requests += len(latencies)
         self._latencies.extend((now, latency) for latency in latencies)
-        while self._latencies and self._latencies[0][0] < now - self.keep_s:
-            self._latencies.popleft()
+        self._busy.append((now, busy_s))
+        for history in (self._latencies, self._busy):
+            while history and history[0][0] < now - self.keep_s:
+                history.popleft()
 
     def window(self, now: float, window_s: float) -> LoadWindow:
         recent = [latency for finished, latency in self._latencies if finished >= now - window_s]
@@ -75,6 +84,7 @@ class RequestLedger:
             p99_latency_s=percentile(recent, 0.99),
             queue_depth=sum(r.ongoing for r in live),
             num_replicas=len(live),
+            busy_s=sum(busy for reported, busy in self._busy if reported >= now - window_s),
         )
 
     def live_replicas(self, now: float) -> list[str]:

@@ -62,7 +62,8 @@ class ServingRegistry:
         return sorted(r for r in live if self._loaded_versions.get(r, 0) < version)
 
     def load(self, window_s: float = 5.0) -> dict:
-        return vars(self._ledger.window(time.time(), window_s))
+        window = self._ledger.window(time.time(), window_s)
+        return {**vars(window), "requests_per_busy_s": window.requests_per_busy_s}
 
     def busy_seconds(self) -> dict[str, float]:
         return self._ledger.busy_seconds()

@@ -45,12 +45,14 @@ class Serving:
     def __init__(self, calls: list, replicas: int = 1):
         self.calls, self.replicas = calls, replicas
         self.rate, self.p99, self.queue = 1.0, 0.05, 0
+        self.measured_capacity = None
 
     def num_replicas(self) -> int:
         return self.replicas
 
     def load(self, window_s: float) -> dict:
-        return {"request_rate": self.rate, "p99_latency_s": self.p99, "queue_depth": self.queue}
+        return {"request_rate": self.rate, "p99_latency_s": self.p99, "queue_depth": self.queue,
+                "num_requests": int(self.rate * window_s), "requests_per_busy_s": self.measured_capacity}
 
     def scale(self, num_replicas: int) -> None:
         self.calls.append(("scale", num_replicas))
@@ -142,6 +144,19 @@ def test_weights_refresh_on_schedule_while_holding(tmp_path):
     training.step = 90
     loop.tick()
     assert calls == [("latest_model_state", 90), ("reload", "ref@90")]
+
+
+def test_capacity_follows_what_replicas_report(pool):
+    loop, training, serving, clock, calls = pool
+    serving.rate, serving.measured_capacity = 6.0, 5.0  # 30 requests in the window: enough to measure
+    for _ in range(3):
+        loop.observe()
+    assert loop.replica_capacity == pytest.approx(5.0 + 5.0 * 0.7 ** 3)
+    assert loop.tick().action is LendingAction.LEND  # 6 req/s is over 0.8 of one replica's ~5.2
+    serving.rate = 2.0  # 10 requests: too few to trust, the estimate stays
+    before = loop.replica_capacity
+    loop.observe()
+    assert loop.replica_capacity == before
 
 
 def test_config_is_validated():

@@ -43,3 +43,14 @@ def test_old_latencies_are_forgotten():
     ledger.record("a", now=0.0, latencies=[5.0], busy_s=0.0, ongoing=0)
     ledger.record("a", now=20.0, latencies=[0.1], busy_s=0.0, ongoing=0)
     assert ledger.window(now=20.0, window_s=100.0).p99_latency_s == 0.1
+
+
+def test_requests_per_busy_second_over_the_window():
+    ledger = RequestLedger()
+    ledger.record("a", now=1.0, latencies=[0.1] * 4, busy_s=2.0, ongoing=0)
+    ledger.record("a", now=9.0, latencies=[0.1] * 6, busy_s=0.5, ongoing=0)
+    ledger.record("b", now=10.0, latencies=[0.1] * 4, busy_s=0.5, ongoing=0)
+    window = ledger.window(now=10.0, window_s=5.0)
+    assert window.busy_s == 1.0
+    assert window.requests_per_busy_s == 10.0
+    assert ledger.window(now=100.0, window_s=5.0).requests_per_busy_s is None
