@@ -104,12 +104,15 @@ class AsyncPersister:
 
     def _run(self) -> None:
         while (submission := self._next_submission()) is not None:
-            persisted = self._persist(submission)
-            with self._condition:
-                self._writing = False
-                if persisted:
-                    self._last_persisted_step = submission.step
-                self._condition.notify_all()
+            persisted = False
+            try:
+                persisted = self._persist(submission)
+            finally:  # even if the thread dies, flush() must not wait forever
+                with self._condition:
+                    self._writing = False
+                    if persisted:
+                        self._last_persisted_step = submission.step
+                    self._condition.notify_all()
 
     def _persist(self, submission: _Submission) -> bool:
         try:
