@@ -137,7 +137,7 @@ class ElasticController(RecoveryMixin):
     @ray.method(concurrency_group="control")
     def latest_model_state(self) -> tuple[int, ray.ObjectRef]:
         """(step, ref to the canonical model weights) from the newest in-memory snapshot."""
-        step, state = self._gather_snapshot(list(enumerate(self.members)), self.layout)
+        step, state = self._gather_state(list(enumerate(self.members)), self.layout)
         if state is None:
             raise RuntimeError("no snapshot yet: training has not completed a step")
         return step, ray.put(state["model"])

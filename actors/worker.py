@@ -24,8 +24,8 @@ from baige_ray.elastic.snapshot import HostSnapshotter
 from baige_ray.engines.base import Engine
 from baige_ray.engines.factory import build_engine
 from baige_ray.engines.layout import ParallelLayout
-from baige_ray.engines.state import CanonicalState
-from baige_ray.runtime.distributed import GroupMembership, ProcessGroupMember, StoreAddress
+from baige_ray.engines.state import CanonicalState, merge_states
+from baige_ray.runtime.distributed import STEP_ABORT, GroupMembership, ProcessGroupMember, StoreAddress
 from baige_ray.runtime.train_loop import TrainJob
 
 
@@ -140,6 +140,22 @@ class WorkerActor:
     def train_step(self, step: int) -> dict:
         return self._require_engine().train_step(step)
 
+    def rejoin(
+        self, membership: GroupMembership, job: TrainJob, layout: ParallelLayout, emulated_speed: float,
+        state_parts: list,
+    ) -> dict:
+        """Join a new generation, build its engine and load the state, in one round trip from the controller.
+
+        `state_parts` are ObjectRefs to canonical parts (one per pipeline stage) that
+        other workers' snapshots produced; they travel worker to worker, not through the controller.
+        """
+        self.join_group(membership)
+        report = self.build_engine(job, layout, emulated_speed)
+        if state_parts:
+            parts = ray.get(list(state_parts))
+            self.import_state(parts[0] if len(parts) == 1 else merge_states(parts))
+        return report
+
     def elastic_step(
         self, step: int, *, snapshot: bool = True, fault: Fault | None = None, collective_timeout_s: float | None = None
     ) -> dict:
@@ -150,11 +166,17 @@ class WorkerActor:
         if fault is not None:
             carry_out(fault, engine.set_emulated_speed)
         self.current_step = step
+        STEP_ABORT.clear()
         metrics = engine.train_step(step)
         if snapshot:
             self.snapshots.after_step(step)
         metrics["snapshot_stall_s"] = self.snapshots.last_stall_s
         return metrics
+
+    @ray.method(concurrency_group="control")
+    def abort_step(self) -> None:
+        """Release this worker from a collective that a lost peer will never complete."""
+        STEP_ABORT.set()
 
     def _set_collective_timeout(self, seconds: float) -> None:
         # Survivors blocked on a dead peer are released by this timeout, not gloo's/NCCL's default.

@@ -18,7 +18,6 @@ class FailureObservation:
     num_workers: int  # the group's size when the failure happened
     num_lost: int
     num_spares: int  # warm spares ready now
-    free_devices: int  # devices nobody holds, where new actors could start
     min_workers: int
     valid_sizes: tuple[int, ...]  # group sizes the layout and the global batch allow
     recoveries_so_far: int

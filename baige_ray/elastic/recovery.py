@@ -19,7 +19,7 @@ from baige_ray.elastic.machine import Phase
 from baige_ray.elastic.watch import StepOutcome
 from baige_ray.elastic.workers import NAMESPACE, Worker, WorkerPool
 from baige_ray.engines.layout import ParallelLayout
-from baige_ray.engines.state import CanonicalState, merge_states
+from baige_ray.engines.state import merge_states
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.runtime.checkpoint_io import save_model_checkpoint
 from baige_ray.policies.failure import FailureAction, FailureObservation, decide_failure
@@ -33,6 +33,7 @@ class RecoveryMixin:
 
     def _recover(self) -> tuple[Phase, str]:
         outcome, self._pending_failure = self._pending_failure, None
+        marks = {"detected": time.monotonic()}
         lost = dict(outcome.lost) if outcome is not None else dict(getattr(self, "_evicting", {}))
         self._evicting = {}
         failed_step = self.step if outcome is not None else None
@@ -46,7 +47,6 @@ class RecoveryMixin:
             num_workers=len(self.members),
             num_lost=len(lost),
             num_spares=len(self.pool.ready(self.spares)),
-            free_devices=self.pool.free_devices(),
             min_workers=self.min_workers,
             valid_sizes=self.sizes,
             recoveries_so_far=len(self.recoveries),
@@ -57,13 +57,16 @@ class RecoveryMixin:
         members = self._members_after_loss(decision, lost, survivors)
         if members is None:
             return Phase.FAILED, f"{decision.reason}; no capacity came back within {self.scaling.placement_timeout_s:g}s"
+        marks["decided"] = time.monotonic()
         step, state = self._gather_snapshot(survivors, self.layout)
+        marks["gathered"] = time.monotonic()
         try:
             self._regroup(members, state)
         except Exception as error:  # a member died while regrouping: recover again without it
             return self._lost_during_regroup(members, error)
+        marks["regrouped"] = time.monotonic()
+        self._recovery_marks = marks
         self._resume_at(step, failed_step)
-        self._start_spares(self.elastic.num_spares - len(self.spares))
         self.events.record("resize" if len(members) != len(survivors) + len(lost) else "recovered", decision.reason,
                            train_devices=len(members), infer_devices=0, resume_step=self.step)
         return Phase.RUNNING, decision.reason
@@ -120,8 +123,11 @@ class RecoveryMixin:
 
     def _finish_recovery(self, seconds: float) -> None:
         record = {"recovery_s": seconds, "resumed_step": self.step, "lost_steps": getattr(self, "_redo_steps", 0)}
+        marks, began = getattr(self, "_recovery_marks", {}), self._recovery_started
+        record["phases_s"] = {name: round(at - began, 3) for name, at in marks.items()}
         self.recoveries.append(record)
         self._recovery_started = None
+        self._start_spares(self.elastic.num_spares - len(self.spares))  # after the step: off the critical path
         self.events.record("recovered", f"next step done {seconds:.2f}s after the failure", **record)
 
     # ----- resize -----
@@ -133,9 +139,9 @@ class RecoveryMixin:
         before = len(self.members)
         if target != before:
             step, state = self._gather_snapshot(list(enumerate(self.members)), self.layout)
+            released: list[Worker] = []
             if target < before:
                 members, released = self.members[:target], self.members[target:]
-                self.pool.stop(released)  # frees their devices for whoever needs them (inference)
             else:
                 extra = self._take_or_start(target - before)
                 members = WorkerPool.by_locality(self.members + (extra or []))
@@ -144,6 +150,8 @@ class RecoveryMixin:
             except Exception as error:
                 self._resize_done.set()
                 return self._lost_during_regroup(members, error)
+            finally:
+                self.pool.stop(released)  # after the regroup read their snapshots; frees their devices
             self._resume_at(step, None)
             self.events.record("resize", reason or f"{before} -> {len(members)} workers",
                                train_devices=len(members), infer_devices=0, resume_step=self.step)
@@ -170,19 +178,19 @@ class RecoveryMixin:
 
     # ----- regrouping and state -----
 
-    def _regroup(self, members: list[Worker], state: CanonicalState | None) -> None:
+    def _regroup(self, members: list[Worker], state_parts: list[ray.ObjectRef] | None) -> None:
         layout = self.layout_for(len(members))
         self.generation += 1
-        WorkerPool.form_group(members, self.generation, CALL_TIMEOUT_S)
-        ray.get([w.actor.build_engine.remote(self.job, layout, w.speed) for w in members], timeout=CALL_TIMEOUT_S)
-        if state is not None:
-            shared = ray.put(state)  # one copy in the object store for every rank
-            ray.get([w.actor.import_state.remote(shared) for w in members], timeout=CALL_TIMEOUT_S)
+        WorkerPool.regroup(members, self.generation, self.job, layout, state_parts or [], CALL_TIMEOUT_S)
         self.members, self.layout = members, layout
         self._save_job_record()
 
     def _gather_snapshot(self, holders: list[tuple[int, Worker]], layout: ParallelLayout):
-        """(step, canonical state) of the newest snapshot every pipeline stage still has; else a persisted one."""
+        """(step, refs to one canonical part per pipeline stage) of the newest snapshot every stage still has.
+
+        Falls back to the newest good persisted checkpoint; (None, None) when there is neither.
+        The parts stay in the object store: workers fetch them from each other.
+        """
         steps = ray.get([w.actor.snapshot_step.remote() for _, w in holders], timeout=CALL_TIMEOUT_S)
         by_step: dict[int, dict[int, Worker]] = {}
         for (rank, worker), step in zip(holders, steps):
@@ -192,8 +200,14 @@ class RecoveryMixin:
         if not complete:
             return self._persisted_state()
         step = max(complete)
-        parts = ray.get([w.actor.snapshot_state.remote() for w in by_step[step].values()], timeout=CALL_TIMEOUT_S)
-        return step, merge_states(parts)
+        return step, [w.actor.snapshot_state.remote() for w in by_step[step].values()]
+
+    def _gather_state(self, holders: list[tuple[int, Worker]], layout: ParallelLayout):
+        """(step, merged canonical state) of the newest snapshot, fetched here."""
+        step, parts = self._gather_snapshot(holders, layout)
+        if parts is None:
+            return step, None
+        return step, merge_states(ray.get(parts, timeout=CALL_TIMEOUT_S))
 
     def _persisted_state(self):
         if self.elastic.persist_path is None:
@@ -203,7 +217,7 @@ class RecoveryMixin:
             return None, None
         step, state, _ = found
         self.events.record("checkpoint", f"restored persisted step {step}", step=step)
-        return step, state
+        return step, [ray.put(state)]
 
     def _persist_if_due(self) -> None:
         every = self.elastic.persist_every
@@ -215,7 +229,7 @@ class RecoveryMixin:
         meta = {"layout": layout.describe(), "run": self.run_config.name}
 
         def gather_and_submit() -> None:  # off the training loop: fetching the snapshot takes a while
-            step, state = self._gather_snapshot(holders, layout)
+            step, state = self._gather_state(holders, layout)
             if state is not None:
                 self._persister.submit(step, state, meta)
 

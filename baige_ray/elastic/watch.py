@@ -50,6 +50,8 @@ def watch_step(workers: list[Worker], refs: list[ray.ObjectRef], times: WatchTim
         now = time.monotonic()
         if outcome.first_failure_at is None and (outcome.lost or outcome.failed):
             outcome.first_failure_at = now
+            for rank in pending:  # survivors waiting on the lost peer: let go now, not at the timeout
+                workers[rank].actor.abort_step.remote()
         for rank in _unresponsive(workers, pending, heartbeats, times, now):
             outcome.lost[rank] = "stopped answering heartbeats"
             pending.discard(rank)

@@ -97,13 +97,14 @@ class WorkerPool:
         return sorted(workers, key=lambda w: w.info.location)
 
     @staticmethod
-    def form_group(members: list[Worker], generation: int, timeout_s: float) -> None:
-        """Join `members`, in rank order, into process-group generation `generation`."""
+    def regroup(members: list[Worker], generation: int, job, layout, state_parts: list, timeout_s: float) -> None:
+        """Join `members`, in rank order, into generation `generation`; each builds its engine and loads the state."""
         first = members[0]
         store = ray.get(first.actor.host_store.remote(first.info.node_ip), timeout=timeout_s)
         refs = [
-            worker.actor.join_group.remote(
-                GroupMembership(store=store, rank=rank, world_size=len(members), generation=generation)
+            worker.actor.rejoin.remote(
+                GroupMembership(store=store, rank=rank, world_size=len(members), generation=generation),
+                job, layout, worker.speed, state_parts,
             )
             for rank, worker in enumerate(members)
         ]

@@ -18,6 +18,7 @@ from baige_ray.engines.base import Engine, SlowChipEmulator
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.state import CanonicalState, full_tensor
 from baige_ray.models.mlp import MLP, regression_batch
+from baige_ray.runtime.distributed import all_reduce_abortable
 from baige_ray.runtime.train_loop import TrainJob, sample_range
 
 MOMENTUM_KEY = "momentum_buffer"
@@ -61,7 +62,7 @@ class MLPEngine(Engine):
         # recovered onto a spare stays bitwise equal to one that never failed.
         grads = [param.grad for param in self.model.parameters()]
         flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat)
+        all_reduce_abortable(flat)
         flat /= self.layout.dp
         for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
             grad.copy_(averaged)

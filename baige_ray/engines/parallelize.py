@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 from baige_ray.engines.stages import GPTStage
+from baige_ray.runtime.distributed import all_reduce_abortable
 
 TENSOR_PARALLEL_PLAN = {
     "attn.q_proj": ColwiseParallel(),
@@ -57,7 +58,7 @@ def all_reduce_gradients(parameters: list[nn.Parameter], dp_group: dist.ProcessG
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=dp_group)
+    all_reduce_abortable(flat, dp_group)
     flat /= dist.get_world_size(dp_group)
     offset = 0
     for grad in grads:

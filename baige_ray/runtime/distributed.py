@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -128,3 +129,27 @@ def forget_deepspeed_groups() -> None:
     for name, default in _DEEPSPEED_GROUP_DEFAULTS.items():
         if hasattr(groups, name):
             setattr(groups, name, default())
+
+
+class CollectiveAborted(RuntimeError):
+    """The controller abandoned this step: a peer is gone, so the collective can never complete."""
+
+
+# Set by the worker's control thread when the controller reports a lost peer; cleared by the next step.
+STEP_ABORT = threading.Event()
+_POLL_S = 0.0005
+
+
+def all_reduce_abortable(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """`dist.all_reduce`, but a survivor blocked on a dead peer returns as soon as STEP_ABORT is set.
+
+    A blocked gloo wait cannot be interrupted, and destroying the group does not
+    release peers waiting on this rank, so without this the survivors sit out the
+    whole collective timeout. The abandoned wait finishes (by that timeout) on
+    gloo's own thread, with the old generation's group, harming nothing.
+    """
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    while not work.is_completed():
+        if STEP_ABORT.wait(_POLL_S):
+            raise CollectiveAborted("step abandoned: a peer of this collective was lost")
+    work.wait()  # surfaces an error the collective ended with

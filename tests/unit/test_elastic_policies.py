@@ -15,7 +15,7 @@ SIZES = (2, 4, 6, 8)
 
 
 def failure(**changes) -> FailureObservation:
-    base = dict(num_workers=8, num_lost=2, num_spares=0, free_devices=0, min_workers=2,
+    base = dict(num_workers=8, num_lost=2, num_spares=0, min_workers=2,
                 valid_sizes=SIZES, recoveries_so_far=0, max_recoveries=5)
     return FailureObservation(**{**base, **changes})
 
