@@ -51,7 +51,10 @@ def fetch_status(name: str | None = None, timeout_s: float = STATUS_TIMEOUT_S) -
 
 def format_status(status: dict[str, Any], *, num_events: int = 10) -> str:
     """A readable, multi-line summary of a controller's status dict."""
-    lines = [_headline(status), _plan_line(status), _rate_line(status), "workers per node:"]
+    lines = [_headline(status), _plan_line(status), _rate_line(status)]
+    if status.get("recoveries"):
+        lines.append(_recovery_line(status["recoveries"]))
+    lines.append("workers per node:")
     lines += [f"  {row}" for row in _node_rows(status.get("workers", []))] or ["  (none)"]
     events = status.get("events", [])[-num_events:]
     lines.append(f"recent events ({len(events)} of {len(status.get('events', []))}):")
@@ -86,6 +89,17 @@ def _rate_line(status: dict[str, Any]) -> str:
     remaining = status.get("num_steps", 0) - status.get("step", 0)
     if rate > 0 and remaining > 0 and status.get("state") not in ("finished", "failed"):
         text += f", about {format_duration(remaining / rate)} to go"
+    return text
+
+
+def _recovery_line(recoveries: list[dict[str, Any]]) -> str:
+    last = recoveries[-1]
+    times = [r["recovery_s"] for r in recoveries if "recovery_s" in r]
+    text = f"{len(recoveries)} recover{'ies' if len(recoveries) != 1 else 'y'}"
+    if times:
+        text += f", last took {format_duration(times[-1])} (worst {format_duration(max(times))})"
+    if last.get("lost_steps"):
+        text += f", {last['lost_steps']} step{'s' if last['lost_steps'] != 1 else ''} redone"
     return text
 
 

@@ -57,6 +57,14 @@ def test_an_empty_early_status_still_renders():
     assert "goodput n/a" in text and text.count("(none)") == 2
 
 
+def test_recoveries_are_summarized_when_the_controller_reports_them():
+    recoveries = [{"recovery_s": 5.4, "resumed_step": 61, "lost_steps": 0},
+                  {"recovery_s": 1.25, "resumed_step": 90, "lost_steps": 1}]
+    lines = format_status(_status(recoveries=recoveries)).splitlines()
+    assert lines[3] == "2 recoveries, last took 1.2s (worst 5.4s), 1 step redone"
+    assert "recover" not in format_status(_status(recoveries=[])).splitlines()[3]
+
+
 def test_event_line_carries_the_local_clock_time():
     event = {"time": time.mktime((2026, 1, 2, 13, 4, 5, 0, 0, -1)), "kind": "eviction", "reason": "slow"}
     assert format_event(event).startswith("13:04:05  eviction")
