@@ -1,0 +1,209 @@
+"""Train and serve on one 8-device pool: lending by the PoolArbiter against a static half/half split.
+
+A training job (the reference GPT, elastic between `--min-train` and 7 workers) and a Serve
+application of the same model share the simulated 2-node x 4-GPU cluster; every worker and every
+replica holds one (fake) GPU. The same compressed diurnal load (24 "hours" of `--hour-s` seconds,
+trough to 5x trough and back, Poisson arrivals, seeded noise) is replayed twice over HTTP in one run:
+
+- `dynamic` (top-level keys): training starts on 7 devices, serving on 1, and the PoolArbiter lends
+  and reclaims devices as load and latency move;
+- `static`: training holds 4 devices and serving 4, for the whole day.
+
+Utilization is busy device-seconds over 8 x wall seconds. A training device is busy while training
+runs on it (job state "running", sampled 4 times a second: pauses to resize or recover count as
+idle); an inference device is busy while its replica computes a batch (the seconds replicas
+report). SLO attainment is the fraction of requests answered within `--slo-p99-s` (client-side,
+failed requests count as misses); failed requests are any non-200 answer or connection error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+POOL_DEVICES = 8
+MAX_TRAIN_DEVICES = 7  # serving always keeps at least one device
+STATIC_SPLIT = 4
+GLOBAL_BATCH = 84  # splits evenly over 3, 4, 6 and 7 data-parallel workers
+
+
+def busy_device_seconds(samples: Sequence[tuple[float, int]], start: float, end: float) -> float:
+    """Integral over [start, end] of a piecewise-constant device count: each (time, devices) sample
+    holds until the next one."""
+    total = 0.0
+    for (at, devices), (next_at, _) in zip(samples, [*samples[1:], (end, 0)]):
+        total += devices * max(0.0, min(next_at, end) - max(at, start))
+    return total
+
+
+def slo_attainment(latencies: Sequence[float | None], slo_s: float) -> float:
+    """Fraction of requests answered within the objective; a failed request (None) is a miss."""
+    if not latencies:
+        return 1.0
+    return sum(1 for latency in latencies if latency is not None and latency <= slo_s) / len(latencies)
+
+
+def phase_summary(*, train_busy_s: float, infer_busy_s: float, wall_s: float, latencies: Sequence[float | None],
+                  slo_s: float, train_steps: int, num_devices: int = POOL_DEVICES) -> dict[str, Any]:
+    from baige_ray.serving.ledger import percentile
+
+    answered = [latency for latency in latencies if latency is not None]
+    return {
+        "utilization": round((train_busy_s + infer_busy_s) / (num_devices * wall_s), 4),
+        "slo_attainment": round(slo_attainment(latencies, slo_s), 4),
+        "failed_requests": len(latencies) - len(answered),
+        "train_steps": train_steps,
+        "requests": len(latencies),
+        "p99_latency_s": round(percentile(answered, 0.99), 4) if answered else None,
+        "train_device_s": round(train_busy_s, 1),
+        "infer_busy_device_s": round(infer_busy_s, 1),
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hour-s", type=float, default=4.0, help="seconds per simulated hour (24 of them)")
+    parser.add_argument("--trough", type=float, default=3.0, help="requests/s at the trough; the peak is 5x")
+    parser.add_argument("--slo-p99-s", type=float, default=1.0, help="p99 latency objective in seconds")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--min-train", type=int, default=3, help="fewest devices training keeps")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+class TrainingSampler:
+    """Samples (time, devices training runs on) and the step counter of a job, on a thread."""
+
+    def __init__(self, job, interval_s: float = 0.25):
+        self.job, self.interval_s = job, interval_s
+        self.samples: list[tuple[float, int]] = []
+        self.steps: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            status = self.job.status()
+            running = status["state"] == "running"
+            self.samples.append((time.monotonic(), status["num_workers"] if running else 0))
+            self.steps.append(status["step"])
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> TrainingSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _run_phase(job, info, arrivals: list[float], args: argparse.Namespace) -> dict[str, Any]:
+    from baige_ray.bench.colocate_load import replay
+    from baige_ray.serving import busy_seconds
+
+    busy_before = sum(busy_seconds(info).values())
+    with TrainingSampler(job) as sampler:
+        started = time.monotonic()
+        results = replay(info.url + "/generate", arrivals, max_new_tokens=args.max_new_tokens)
+        ended = time.monotonic()
+    time.sleep(1.5)  # replicas report their busy seconds twice a second
+    return phase_summary(
+        train_busy_s=busy_device_seconds(sampler.samples, started, ended),
+        infer_busy_s=sum(busy_seconds(info).values()) - busy_before,
+        wall_s=ended - started,
+        latencies=[r.latency_s for r in results],
+        slo_s=args.slo_p99_s,
+        train_steps=sampler.steps[-1] - sampler.steps[0],
+    )
+
+
+def _split(job, info, train_devices: int) -> None:
+    """Move the pool to `train_devices` for training and the rest for serving, never over-committing."""
+    from baige_ray.serving import scale_replicas
+
+    if job.status()["num_workers"] > train_devices:
+        job.resize(train_devices, reason="colocate static split")
+        scale_replicas(info, POOL_DEVICES - train_devices)
+    else:
+        scale_replicas(info, POOL_DEVICES - train_devices)
+        job.resize(train_devices, reason="colocate static split")
+
+
+def _start(args: argparse.Namespace):
+    import baige_ray as br
+    from baige_ray.elastic.config import ElasticConfig
+    from baige_ray.elastic.job import launch
+    from baige_ray.serving import serve
+
+    model = br.GPTConfig(seq_len=64, num_layers=2, num_heads=4, hidden=64)
+    job = launch(model, train=br.TrainConfig(num_steps=10**7, global_batch_size=GLOBAL_BATCH, warmup_steps=5),
+                 scaling=br.ScalingConfig(num_workers=MAX_TRAIN_DEVICES), run=br.RunConfig(name="colocate"),
+                 elastic=ElasticConfig(min_workers=args.min_train, max_workers=MAX_TRAIN_DEVICES))
+    while (status := job.status())["state"] != "running" or status["step"] < 2:
+        if status["state"] in ("failed", "finished"):
+            raise RuntimeError(f"the training job ended before serving started: {status['state']}")
+        time.sleep(0.5)
+    info = serve(job.latest_model_state(), model_config=model, name="colocate", port=_free_port(),
+                 max_ongoing_requests=64, max_queued_requests=4096)
+    return model, job, info
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _arbiter_config(args: argparse.Namespace):
+    from baige_ray.actors.arbiter import ArbiterConfig
+    from baige_ray.elastic.sizing import valid_sizes
+    from baige_ray.engines.layout import ParallelLayout
+    from baige_ray.models.gpt import GPTConfig
+    from baige_ray.runtime.train_loop import TrainJob
+    from baige_ray.api.configs import TrainConfig
+
+    job = TrainJob(model=GPTConfig(), train=TrainConfig(num_steps=1, global_batch_size=GLOBAL_BATCH))
+    sizes = valid_sizes(job, ParallelLayout(dp=MAX_TRAIN_DEVICES), args.min_train, MAX_TRAIN_DEVICES)
+    return ArbiterConfig(slo_p99_s=args.slo_p99_s, replica_capacity=4 * args.trough, min_train_devices=args.min_train,
+                         train_sizes=sizes, poll_interval_s=1.0, load_window_s=4.0)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import dataclasses
+    from pathlib import Path
+
+    import ray
+
+    import baige_ray as br
+    from baige_ray.actors.arbiter import start_pool_arbiter
+    from baige_ray.bench.colocate_load import arrival_times, diurnal_rates
+    from baige_ray.serving import shutdown
+
+    descriptor = Path(__file__).resolve().parents[2] / "clusters" / "sim-2x4.yaml"
+    arrivals = arrival_times(diurnal_rates(trough=args.trough, seed=args.seed), args.hour_s, seed=args.seed)
+    with br.open_cluster(descriptor):
+        model, job, info = _start(args)
+        arbiter = start_pool_arbiter("colocate", info, dataclasses.asdict(model), _arbiter_config(args))
+        dynamic = _run_phase(job, info, arrivals, args)
+        arbiter_status = ray.get(arbiter.stop.remote())
+        _split(job, info, STATIC_SPLIT)
+        static = _run_phase(job, info, arrivals, args)
+        job.stop()
+        shutdown(info)
+    kinds = [event["kind"] for event in arbiter_status["events"]]
+    return {**dynamic, "lends": kinds.count("lend"), "reclaims": kinds.count("reclaim"),
+            "arbiter_errors": arbiter_status["errors"], "slo_p99_s": args.slo_p99_s, "static": static}
+
+
+def summarize(result: dict[str, Any]) -> str:
+    lines = [f"{'':10s}{'utilization':>12s}{'SLO met':>9s}{'failed':>8s}{'steps':>8s}{'p99 s':>8s}"]
+    for name, phase in (("lending", result), ("static", result["static"])):
+        lines.append(f"{name:10s}{phase['utilization']:12.3f}{phase['slo_attainment']:9.4f}"
+                     f"{phase['failed_requests']:8d}{phase['train_steps']:8d}{phase['p99_latency_s'] or 0:8.3f}")
+    lines.append(f"{result['lends']} lends, {result['reclaims']} reclaims; objective p99 <= {result['slo_p99_s']}s")
+    return "\n".join(lines)

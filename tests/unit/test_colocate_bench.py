@@ -1,0 +1,77 @@
+"""The colocate benchmark's arithmetic: diurnal load, arrivals, busy device-seconds, SLO attainment."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import pytest
+
+from baige_ray.bench.colocate import busy_device_seconds, phase_summary, slo_attainment
+from baige_ray.bench.colocate_load import arrival_times, diurnal_rates, request_body
+from baige_ray.bench.cli import BENCHMARK_MODULES, register
+
+
+def test_day_runs_from_trough_to_five_times_trough_and_back():
+    rates = diurnal_rates(trough=2.0, peak_ratio=5.0, noise=0.0)
+    assert len(rates) == 24
+    assert min(rates) == pytest.approx(2.0, rel=0.02) and max(rates) == pytest.approx(10.0, rel=0.02)
+    assert rates.index(max(rates)) in (11, 12)
+    assert rates[:12] == pytest.approx(rates[12:][::-1])  # symmetric about noon
+
+
+def test_noise_is_bounded_and_seeded():
+    noisy = diurnal_rates(trough=2.0, noise=0.1, seed=3)
+    smooth = diurnal_rates(trough=2.0, noise=0.0)
+    assert all(0.9 * s - 1e-9 <= n <= 1.1 * s + 1e-9 for n, s in zip(noisy, smooth))
+    assert noisy == diurnal_rates(trough=2.0, noise=0.1, seed=3) != diurnal_rates(trough=2.0, noise=0.1, seed=4)
+    with pytest.raises(ValueError):
+        diurnal_rates(peak_ratio=0.5)
+
+
+def test_arrivals_follow_each_hours_rate():
+    arrivals = arrival_times([5.0, 50.0], hour_s=200.0, seed=1)
+    first = [a for a in arrivals if a < 200.0]
+    second = [a for a in arrivals if a >= 200.0]
+    assert len(first) == pytest.approx(1000, rel=0.1) and len(second) == pytest.approx(10000, rel=0.05)
+    assert arrivals == sorted(arrivals) and arrivals[-1] < 400.0
+    gaps = [b - a for a, b in zip(second, second[1:])]
+    assert statistics.mean(gaps) == pytest.approx(0.02, rel=0.05)
+    assert arrivals == arrival_times([5.0, 50.0], hour_s=200.0, seed=1)
+
+
+def test_busy_device_seconds_integrates_between_samples_inside_the_window():
+    samples = [(0.0, 7), (10.0, 0), (12.0, 4), (20.0, 7)]
+    assert busy_device_seconds(samples, 0.0, 30.0) == 7 * 10 + 0 * 2 + 4 * 8 + 7 * 10
+    assert busy_device_seconds(samples, 5.0, 15.0) == 7 * 5 + 4 * 3
+    assert busy_device_seconds([], 0.0, 5.0) == 0.0
+
+
+def test_slo_attainment_counts_failures_as_misses():
+    assert slo_attainment([0.1, 0.2, 0.6, None], 0.5) == 0.5
+    assert slo_attainment([0.5], 0.5) == 1.0
+    assert slo_attainment([], 0.5) == 1.0
+
+
+def test_phase_summary_puts_busy_device_seconds_over_the_pool():
+    summary = phase_summary(train_busy_s=600.0, infer_busy_s=120.0, wall_s=100.0,
+                            latencies=[0.1] * 98 + [2.0, None], slo_s=1.0, train_steps=42)
+    assert summary["utilization"] == pytest.approx(0.9)
+    assert (summary["slo_attainment"], summary["failed_requests"], summary["train_steps"]) == (0.98, 1, 42)
+    assert summary["p99_latency_s"] == 2.0 and summary["requests"] == 100  # 99 answered: p99 is the slowest
+
+
+def test_requests_are_valid_for_the_generate_route():
+    from baige_ray.serving.requests import RequestLimits, parse_generate_request
+    import json
+
+    parsed = parse_generate_request(json.dumps(request_body(7, 16)).encode(), RequestLimits())
+    assert parsed.seed == 7 and parsed.max_new_tokens == 16
+
+
+def test_colocate_is_registered_with_its_options():
+    assert BENCHMARK_MODULES["colocate"] == "baige_ray.bench.colocate"
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "colocate", "--json", "--hour-s", "2", "--slo-p99-s", "0.5"])
+    assert (args.hour_s, args.slo_p99_s, args.json) == (2.0, 0.5, True)
