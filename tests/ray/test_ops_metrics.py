@@ -43,10 +43,11 @@ def test_recorded_metrics_appear_in_prometheus_output(local_ray):
         ray.kill(recorder)  # after the scrape: a dead worker's unsent metrics would be lost
     missing = [name for name in EXPORTED_NAMES if name not in text]
     assert not missing, f"not exported within {DEADLINE_S} s: {missing}"
-    worker_line = next(line for line in text.splitlines() if line.startswith("ray_baige_worker_step_time_seconds_count"))
+    lines = text.splitlines()
+    worker_line = next(line for line in lines if line.startswith("ray_baige_worker_step_time_seconds_count"))
     for tag in ('job="metrics-test"', 'pool="test-pool"', 'node="node-0"', 'worker="2"', 'device="1"'):
         assert tag in worker_line
-    inference = next(line for line in text.splitlines()
+    inference = next(line for line in lines
                      if line.startswith("ray_baige_devices_held{") and 'holder="inference"' in line)
     assert inference.rsplit(" ", 1)[1] == "1.0"
 
