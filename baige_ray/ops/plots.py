@@ -29,6 +29,7 @@ INCIDENT_STYLES = {
     "controller_restart": ("tab:purple", "-."),
     "failed": ("black", "-"),
 }
+JOB_END_KINDS = ("finished", "failed")
 UNUSED = -1
 
 
@@ -157,7 +158,8 @@ class DeviceSeries:
 
 def device_series(events: list[dict[str, Any]]) -> DeviceSeries:
     """Device counts from events that carry them: `train_devices` / `infer_devices` (resize, lend, reclaim),
-    or `num_workers` (one device per worker) for training when an event has no `train_devices`.
+    or `num_workers` (one device per worker) for training when an event has no `train_devices`;
+    training holds none after the job's finished / failed event.
 
     A count missing from an event keeps its previous value; the series ends at the last event.
     """
@@ -168,6 +170,8 @@ def device_series(events: list[dict[str, Any]]) -> DeviceSeries:
     current = (0, 0)
     for event in ordered:
         train = event.get("train_devices", event.get("num_workers"))
+        if event.get("kind") in JOB_END_KINDS:
+            train = 0  # a finished or failed job has released its workers
         if train is None and "infer_devices" not in event:
             continue
         current = (int(current[0] if train is None else train), int(event.get("infer_devices", current[1])))

@@ -123,8 +123,8 @@ def test_device_series_steps_through_counts_and_holds_the_last(tmp_path):
 
     events = read_events(_events(tmp_path))
     series = device_series(events)
-    assert series.train.tolist() == [8, 6, 4, 8, 8]
-    assert series.infer.tolist() == [0, 0, 2, 0, 0]
+    assert series.train.tolist() == [8, 6, 4, 8, 0, 0]  # the finished job holds nothing
+    assert series.infer.tolist() == [0, 0, 2, 0, 0, 0]
     assert series.times[0] == 0.0 and series.times[-1] == pytest.approx(events[-1]["time"] - events[0]["time"])
     assert np.all(np.diff(series.times) >= 0)
 
