@@ -1,0 +1,131 @@
+"""Lend a device from training to serving and take it back, under steady request load.
+
+No request may fail across the lend and the reclaim, the lent replica must start with the current
+weights, and training's loss curve must continue where it was (no reset to the first steps' loss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+import baige_ray as br
+from baige_ray.actors.arbiter import ArbiterConfig, ArbiterLoop, JobTrainingSide, ServeServingSide
+from baige_ray.elastic.config import ElasticConfig
+from baige_ray.elastic.job import launch
+from baige_ray.ops.events import EventLog
+from baige_ray.policies.lending import LendingAction, LendingPolicy
+from baige_ray.serving import replica_states, serve, shutdown
+
+MODEL = br.GPTConfig(seq_len=32, num_layers=1, num_heads=2, hidden=32)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class SteadyLoad:
+    """Sends a generate request every `interval_s` on a thread; keeps every status."""
+
+    def __init__(self, url: str, interval_s: float = 0.2):
+        self.url, self.interval_s, self.statuses = url, interval_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _one(self, index: int) -> int:
+        body = json.dumps({"prompt": "def ", "max_new_tokens": 4, "seed": index}).encode()
+        try:
+            with urllib.request.urlopen(urllib.request.Request(self.url, data=body), timeout=60) as response:
+                return response.status
+        except urllib.error.HTTPError as error:
+            return error.code
+        except OSError:
+            return 0
+
+    def _run(self) -> None:
+        index = 0
+        while not self._stop.wait(self.interval_s):
+            self.statuses.append(self._one(index))
+            index += 1
+
+    def __enter__(self) -> SteadyLoad:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def health_steps(url: str, tries: int = 6) -> set[int]:
+    return {json.loads(urllib.request.urlopen(url + "/health", timeout=30).read())["step"] for _ in range(tries)}
+
+
+def loop_with_capacity(job, info, capacity: float, events: EventLog) -> ArbiterLoop:
+    """An arbiter loop whose capacity estimate is fixed, so the steady load reads as high or low."""
+    config = ArbiterConfig(slo_p99_s=30.0, replica_capacity=capacity, capacity_from_reports=False,
+                           min_train_devices=3, train_sizes=(3, 4), load_window_s=3.0,
+                           policy=LendingPolicy(cooldown_s=0.0, breach_cooldown_s=0.0))
+    return ArbiterLoop(JobTrainingSide(job.name), ServeServingSide(info, dataclasses.asdict(MODEL)), config,
+                       events=events)
+
+
+@pytest.fixture(scope="module")
+def job_and_app(sim_cluster):
+    job = launch(MODEL, train=br.TrainConfig(num_steps=100_000, global_batch_size=12, warmup_steps=2),
+                 scaling=br.ScalingConfig(num_workers=4), run=br.RunConfig(name="colocate-test"),
+                 elastic=ElasticConfig(min_workers=3, max_workers=4))
+    deadline = time.monotonic() + 120
+    while (status := job.status())["state"] != "running" or status["step"] < 5:
+        assert time.monotonic() < deadline, f"training did not start: {status['state']}"
+        time.sleep(0.5)
+    info = serve(job.latest_model_state(), model_config=MODEL, name="colocate-test", port=free_port())
+    yield job, info
+    shutdown(info)
+    try:
+        job.stop()
+    except Exception:  # the test already stopped the job and its controller is gone
+        pass
+
+
+def test_lend_and_reclaim_lose_no_request_and_training_continues(job_and_app):
+    job, info = job_and_app
+    events = EventLog(None)
+    with SteadyLoad(info.url + "/generate") as load:
+        time.sleep(4)  # a load window of requests before deciding
+        step_at_lend = job.status()["step"]
+        lend = loop_with_capacity(job, info, capacity=0.5, events=events).tick()  # ~5 req/s reads as overload
+        assert (lend.action, lend.num_devices) == (LendingAction.LEND, 1)
+        assert replica_states(info) == {"RUNNING": 2} and job.status()["num_workers"] == 3
+        assert min(health_steps(info.url)) >= step_at_lend  # the lent replica serves current weights
+        time.sleep(3)
+        reclaim = loop_with_capacity(job, info, capacity=1000.0, events=events).tick()
+        assert (reclaim.action, reclaim.num_devices) == (LendingAction.RECLAIM, 1)
+        assert replica_states(info) == {"RUNNING": 1} and job.status()["num_workers"] == 4
+        time.sleep(2)
+    assert load.statuses and set(load.statuses) == {200}, f"failed requests: {load.statuses}"
+    assert [(e["kind"], e["train_devices"], e["infer_devices"]) for e in events.recent()] == [
+        ("lend", 3, 2), ("reclaim", 4, 1)]
+
+    resumed_after = job.status()["step"]
+    while job.status()["step"] < resumed_after + 5:
+        time.sleep(0.5)
+    job.stop()
+    metrics = job.wait(timeout_s=120).metrics
+    steps = [m.step for m in metrics]
+    assert steps == sorted(steps) and steps[-1] > resumed_after
+    first_loss = metrics[0].loss
+    assert first_loss == pytest.approx(math.log(256), rel=0.1)
+    later = [m.loss for m in metrics if m.step >= step_at_lend]
+    # No reset: after the lend and the reclaim the loss stays near where it was, well below the start.
+    assert max(later) < first_loss - 0.5
