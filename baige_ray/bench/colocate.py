@@ -3,7 +3,9 @@
 A training job (the reference GPT, elastic between `--min-train` and 7 workers) and a Serve
 application of the same model share the simulated 2-node x 4-GPU cluster; every worker and every
 replica holds one (fake) GPU. The same compressed diurnal load (24 "hours" of `--hour-s` seconds,
-trough to 5x trough and back, Poisson arrivals, seeded noise) is replayed twice over HTTP in one run:
+trough to 5x trough and back, Poisson arrivals, seeded noise) is replayed twice over HTTP in one run. The load is scaled to what one replica serves: before the
+replays, one replica is driven to saturation (closed loop) while training runs, and the trough is set
+so the peak is `--peak-replicas` times that throughput, so the peak needs several replicas.
 
 - `dynamic` (top-level keys): training starts on 7 devices, serving on 1, and the PoolArbiter lends
   and reclaims devices as load and latency move;
@@ -28,6 +30,7 @@ POOL_DEVICES = 8
 MAX_TRAIN_DEVICES = 7  # serving always keeps at least one device
 STATIC_SPLIT = 4
 GLOBAL_BATCH = 84  # splits evenly over 3, 4, 6 and 7 data-parallel workers
+PEAK_RATIO = 5.0
 
 
 def busy_device_seconds(samples: Sequence[tuple[float, int]], start: float, end: float) -> float:
@@ -44,6 +47,15 @@ def slo_attainment(latencies: Sequence[float | None], slo_s: float) -> float:
     if not latencies:
         return 1.0
     return sum(1 for latency in latencies if latency is not None and latency <= slo_s) / len(latencies)
+
+
+def hourly_attainment(sent_at: Sequence[float], latencies: Sequence[float | None], hour_s: float,
+                      slo_s: float, num_hours: int = 24) -> list[float]:
+    """SLO attainment of the requests sent in each simulated hour (1.0 for an hour without requests)."""
+    by_hour: list[list[float | None]] = [[] for _ in range(num_hours)]
+    for at, latency in zip(sent_at, latencies):
+        by_hour[min(num_hours - 1, int(at // hour_s))].append(latency)
+    return [round(slo_attainment(hour, slo_s), 3) for hour in by_hour]
 
 
 def phase_summary(*, train_busy_s: float, infer_busy_s: float, wall_s: float, latencies: Sequence[float | None],
@@ -66,7 +78,10 @@ def phase_summary(*, train_busy_s: float, infer_busy_s: float, wall_s: float, la
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hour-s", type=float, default=4.0, help="seconds per simulated hour (24 of them)")
-    parser.add_argument("--trough", type=float, default=3.0, help="requests/s at the trough; the peak is 5x")
+    parser.add_argument("--trough", type=float, default=None,
+                        help="requests/s at the trough (the peak is 5x); default: from --peak-replicas")
+    parser.add_argument("--peak-replicas", type=float, default=1.6,
+                        help="the peak load in multiples of one replica's measured saturated throughput")
     parser.add_argument("--slo-p99-s", type=float, default=1.0, help="p99 latency objective in seconds")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--min-train", type=int, default=3, help="fewest devices training keeps")
@@ -110,7 +125,9 @@ def _run_phase(job, info, arrivals: list[float], args: argparse.Namespace) -> di
         results = replay(info.url + "/generate", arrivals, max_new_tokens=args.max_new_tokens)
         ended = time.monotonic()
     time.sleep(1.5)  # replicas report their busy seconds twice a second
-    return phase_summary(
+    hourly = hourly_attainment([r.sent_at for r in results], [r.latency_s for r in results], args.hour_s,
+                               args.slo_p99_s)
+    return {"hourly_slo_attainment": hourly, "started_at": time.time() - (time.monotonic() - started)} | phase_summary(
         train_busy_s=busy_device_seconds(sampler.samples, started, ended),
         infer_busy_s=sum(busy_seconds(info).values()) - busy_before,
         wall_s=ended - started,
@@ -159,7 +176,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _arbiter_config(args: argparse.Namespace):
+def _arbiter_config(args: argparse.Namespace, capacity: float):
     from baige_ray.actors.arbiter import ArbiterConfig
     from baige_ray.elastic.sizing import valid_sizes
     from baige_ray.engines.layout import ParallelLayout
@@ -169,8 +186,8 @@ def _arbiter_config(args: argparse.Namespace):
 
     job = TrainJob(model=GPTConfig(), train=TrainConfig(num_steps=1, global_batch_size=GLOBAL_BATCH))
     sizes = valid_sizes(job, ParallelLayout(dp=MAX_TRAIN_DEVICES), args.min_train, MAX_TRAIN_DEVICES)
-    return ArbiterConfig(slo_p99_s=args.slo_p99_s, replica_capacity=4 * args.trough, min_train_devices=args.min_train,
-                         train_sizes=sizes, poll_interval_s=1.0, load_window_s=4.0)
+    return ArbiterConfig(slo_p99_s=args.slo_p99_s, replica_capacity=capacity, capacity_from_reports=False,
+                         min_train_devices=args.min_train, train_sizes=sizes, poll_interval_s=1.0, load_window_s=4.0)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -181,23 +198,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     import baige_ray as br
     from baige_ray.actors.arbiter import start_pool_arbiter
-    from baige_ray.bench.colocate_load import arrival_times, diurnal_rates
+    from baige_ray.bench.colocate_load import arrival_times, diurnal_rates, saturated_throughput
     from baige_ray.serving import shutdown
 
     descriptor = Path(__file__).resolve().parents[2] / "clusters" / "sim-2x4.yaml"
-    arrivals = arrival_times(diurnal_rates(trough=args.trough, seed=args.seed), args.hour_s, seed=args.seed)
     with br.open_cluster(descriptor):
         model, job, info = _start(args)
-        arbiter = start_pool_arbiter("colocate", info, dataclasses.asdict(model), _arbiter_config(args))
+        capacity = saturated_throughput(info.url + "/generate", max_new_tokens=args.max_new_tokens)
+        trough = args.trough or args.peak_replicas * capacity / PEAK_RATIO
+        arrivals = arrival_times(diurnal_rates(trough=trough, peak_ratio=PEAK_RATIO, seed=args.seed), args.hour_s,
+                                 seed=args.seed)
+        time.sleep(5.0)  # let the calibration burst leave the load window
+        arbiter = start_pool_arbiter("colocate", info, dataclasses.asdict(model), _arbiter_config(args, capacity))
         dynamic = _run_phase(job, info, arrivals, args)
         arbiter_status = ray.get(arbiter.stop.remote())
         _split(job, info, STATIC_SPLIT)
         static = _run_phase(job, info, arrivals, args)
         job.stop()
         shutdown(info)
-    kinds = [event["kind"] for event in arbiter_status["events"]]
-    return {**dynamic, "lends": kinds.count("lend"), "reclaims": kinds.count("reclaim"),
-            "arbiter_errors": arbiter_status["errors"], "slo_p99_s": args.slo_p99_s, "static": static}
+    moves = [e for e in arbiter_status["events"] if e["kind"] in ("lend", "reclaim")]
+    dynamic_start = dynamic.pop("started_at")
+    static.pop("started_at")
+    return {**dynamic, "lends": sum(e["kind"] == "lend" for e in moves),
+            "reclaims": sum(e["kind"] == "reclaim" for e in moves),
+            "moves": [[round(e["time"] - dynamic_start, 1), e["kind"], e["train_devices"], e["infer_devices"],
+                       e["took_s"]] for e in moves],
+            "arbiter_errors": arbiter_status["errors"], "replica_capacity": round(capacity, 2),
+            "trough_rate": round(trough, 2), "slo_p99_s": args.slo_p99_s, "static": static}
 
 
 def summarize(result: dict[str, Any]) -> str:
@@ -205,5 +232,10 @@ def summarize(result: dict[str, Any]) -> str:
     for name, phase in (("lending", result), ("static", result["static"])):
         lines.append(f"{name:10s}{phase['utilization']:12.3f}{phase['slo_attainment']:9.4f}"
                      f"{phase['failed_requests']:8d}{phase['train_steps']:8d}{phase['p99_latency_s'] or 0:8.3f}")
-    lines.append(f"{result['lends']} lends, {result['reclaims']} reclaims; objective p99 <= {result['slo_p99_s']}s")
+    lines.append(f"{result['lends']} lends, {result['reclaims']} reclaims; objective p99 <= {result['slo_p99_s']}s; "
+                 f"one replica serves {result['replica_capacity']} req/s, trough {result['trough_rate']} req/s")
+    for at, kind, train, infer, took in result["moves"]:
+        lines.append(f"  {at:6.1f}s {kind:8s} -> train {train}, infer {infer} ({took:.1f}s)")
+    for name, phase in (("lending", result), ("static", result["static"])):
+        lines.append(f"  {name} SLO attainment by hour: {phase['hourly_slo_attainment']}")
     return "\n".join(lines)

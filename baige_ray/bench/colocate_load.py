@@ -91,3 +91,30 @@ async def _replay(url: str, arrivals: Sequence[float], max_new_tokens: int, time
 def replay(url: str, arrivals: Sequence[float], *, max_new_tokens: int = 16, timeout_s: float = 60.0) -> list[RequestResult]:
     """POST one generate request at each arrival time (open loop: a slow answer never delays the next)."""
     return asyncio.run(_replay(url, arrivals, max_new_tokens, timeout_s))
+
+
+async def _saturate(url: str, seconds: float, concurrency: int, max_new_tokens: int) -> int:
+    import aiohttp
+
+    deadline = time.perf_counter() + seconds
+    completed = 0
+
+    async def client(session, offset: int) -> None:
+        nonlocal completed
+        index = offset
+        while time.perf_counter() < deadline:
+            async with session.post(url, json=request_body(index, max_new_tokens)) as response:
+                await response.read()
+                completed += response.status == 200
+            index += concurrency
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        await asyncio.gather(*(client(session, offset) for offset in range(concurrency)))
+    return completed
+
+
+def saturated_throughput(url: str, *, seconds: float = 6.0, concurrency: int = 16, max_new_tokens: int = 16) -> float:
+    """Requests/s the application answers with `concurrency` requests always outstanding (closed loop)."""
+    started = time.perf_counter()
+    completed = asyncio.run(_saturate(url, seconds, concurrency, max_new_tokens))
+    return completed / (time.perf_counter() - started)

@@ -75,3 +75,10 @@ def test_colocate_is_registered_with_its_options():
     register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "colocate", "--json", "--hour-s", "2", "--slo-p99-s", "0.5"])
     assert (args.hour_s, args.slo_p99_s, args.json) == (2.0, 0.5, True)
+
+
+def test_hourly_attainment_buckets_requests_by_send_time():
+    from baige_ray.bench.colocate import hourly_attainment
+
+    hourly = hourly_attainment([0.5, 1.5, 1.7, 9.9], [0.1, 0.1, 3.0, None], hour_s=1.0, slo_s=1.0, num_hours=4)
+    assert hourly == [1.0, 0.5, 1.0, 0.0]  # the late send lands in the last hour
