@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+import warnings
 
 import ray
 
@@ -25,6 +26,7 @@ from baige_ray.elastic.watch import WatchTimes, watch_step
 from baige_ray.elastic.workers import Worker, WorkerPool
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.ops.events import EventLog
+from baige_ray.ops.metrics import JobMetrics
 from baige_ray.runtime.train_loop import TrainJob
 from baige_ray.runtime.worker_group import choose_device_resource
 from baige_ray.policies.straggler import StragglerAction, StragglerObservation, decide_straggler
@@ -76,6 +78,8 @@ class ElasticController(RecoveryMixin):
         self._stop_requested = False
         self._last_growth_check = 0.0
         self._persister = None
+        self._failed_step: int | None = None
+        self.job_metrics = JobMetrics(job=self.run_config.name)
 
     # ----- public surface (called on the controller's control thread) -----
 
@@ -149,7 +153,10 @@ class ElasticController(RecoveryMixin):
     # ----- phases -----
 
     def _plan(self) -> tuple[Phase, str]:
-        if ray.get_runtime_context().was_current_actor_reconstructed:
+        with warnings.catch_warnings():  # Ray warns about an internal property this one reads
+            warnings.simplefilter("ignore", DeprecationWarning)
+            restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if restarted:
             return self._resume_after_restart()
         self.events.record("plan", f"layout {self.layout.describe()}", valid_sizes=list(self.sizes))
         return Phase.STARTING, f"layout {self.layout.describe()}"
@@ -176,6 +183,7 @@ class ElasticController(RecoveryMixin):
         outcome = watch_step(self.members, self._dispatch_step(), self._watch_times())
         if not outcome.ok:
             self._pending_failure = outcome
+            self._failed_step = self.step if self._failed_step is None else self._failed_step
             self._recovery_started = self._recovery_started or dispatched
             return Phase.RECOVERING, self._describe_failure(outcome)
         self._record_step(outcome.metrics, time.monotonic() - dispatched)
@@ -218,11 +226,22 @@ class ElasticController(RecoveryMixin):
             "num_workers": len(per_rank),
             "snapshot_stall_s": max(m["snapshot_stall_s"] for m in per_rank),
         })
+        self._export_metrics(per_rank, seconds)
         self.step_times.append(seconds)
         self.productive_s += seconds
         self.compute_history = (self.compute_history + [tuple(m["compute_s"] for m in per_rank)])[-50:]
         if self._recovery_started is not None:
             self._finish_recovery(time.monotonic() - self._recovery_started)
+
+    def _export_metrics(self, per_rank: list[dict], seconds: float) -> None:
+        tokens = sum(m["tokens"] for m in per_rank)
+        self.job_metrics.step(step_time_s=seconds, tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+                              mfu=0.0, num_workers=len(per_rank))
+        self.job_metrics.devices(train=len(per_rank), infer=0)
+        for rank, (worker, metrics) in enumerate(zip(self.members, per_rank)):
+            node, device = worker.info.node_id[:12], worker.info.device_index
+            self.job_metrics.worker_step(node=node, worker=rank, device=device, step_time_s=metrics["compute_s"])
+            self.job_metrics.snapshot_stall(metrics["snapshot_stall_s"], node=node, worker=rank)
 
     def _check_stragglers(self) -> int | None:
         if not self.elastic.evict_stragglers or len(self.members) < 2:

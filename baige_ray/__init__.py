@@ -15,6 +15,9 @@ from baige_ray.api.device import DeviceInfo
 from baige_ray.models.corpus import CorpusConfig
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.runtime.checkpoint_io import load_model
+from baige_ray.elastic.config import ElasticConfig
+from baige_ray.elastic.faults import FaultPlan
+from baige_ray.elastic.job import TrainingJob, launch
 from baige_ray.runtime.fit import fit
 from baige_ray.topology.connect import ClusterSession, open_cluster
 from baige_ray.topology.descriptor import load_descriptor
@@ -28,14 +31,18 @@ __all__ = [
     "ClusterSession",
     "CorpusConfig",
     "DeviceInfo",
+    "ElasticConfig",
+    "FaultPlan",
     "GPTConfig",
     "Result",
     "RunConfig",
     "ScalingConfig",
     "StepMetrics",
     "TrainConfig",
+    "TrainingJob",
     "WorkerError",
     "fit",
+    "launch",
     "load_descriptor",
     "load_model",
     "open_cluster",

@@ -15,6 +15,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SIM_2X4 = REPO_ROOT / "clusters" / "sim-2x4.yaml"
+SIM_4X2 = REPO_ROOT / "clusters" / "sim-4x2.yaml"
 _TIERS = ("unit", "ray", "cluster")
 
 
@@ -66,3 +67,9 @@ def local_ray(ray_sessions):
 def sim_cluster(ray_sessions):
     """The simulated 2-node x 4-GPU cluster from clusters/sim-2x4.yaml (or the RAY_ADDRESS cluster)."""
     return ray_sessions.use("cluster", descriptor=SIM_2X4)
+
+
+@pytest.fixture(scope="module")
+def sim_cluster_4x2(ray_sessions):
+    """Four simulated nodes with two fake GPUs each, for tests that remove and re-add whole nodes."""
+    return ray_sessions.use("cluster-4x2", descriptor=SIM_4X2)

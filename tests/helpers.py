@@ -25,3 +25,28 @@ class FailingStepWorker(WorkerActor):
         if membership.rank == self.fail_rank and step == self.fail_step:
             raise RuntimeError(f"injected failure at rank {membership.rank}, step {step}")
         return super().train_step(step)
+
+
+def elastic_mlp_run(name: str, storage_path, *, num_workers: int = 4, num_steps: int = 15, faults=None,
+                    elastic=None, global_batch_size: int = 24, sizes=(64, 128, 32)):
+    """Start the recovery scenario's MLP (smaller) as an elastic job; returns the TrainingJob."""
+    from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
+    from baige_ray.elastic.config import ElasticConfig
+    from baige_ray.elastic.job import launch
+    from baige_ray.models.mlp import MLPConfig
+
+    return launch(
+        MLPConfig(sizes=sizes),
+        train=TrainConfig(num_steps=num_steps, global_batch_size=global_batch_size, learning_rate=0.05,
+                          min_learning_rate=0.05, warmup_steps=0, grad_clip=0.0),
+        scaling=ScalingConfig(num_workers=num_workers),
+        run=RunConfig(name=name, storage_path=storage_path, show_progress=False),
+        elastic=elastic or ElasticConfig(num_spares=1),
+        faults=faults,
+    )
+
+
+def final_parameters(result) -> dict:
+    import ray
+
+    return ray.get(result.final_state)["model"]

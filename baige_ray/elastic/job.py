@@ -26,6 +26,7 @@ from baige_ray.runtime.fit import check_execution
 from baige_ray.runtime.train_loop import TrainJob
 
 CONTROLLER_RESTARTS = 3
+logger = logging.getLogger(__name__)
 
 
 class TrainingJob:
@@ -46,10 +47,19 @@ class TrainingJob:
         return ray.get(self.controller.latest_model_state.remote())
 
     def stop(self) -> None:
+        """Finish after the current step; `wait()` then returns the result so far."""
         ray.get(self.controller.stop.remote())
+
+    def kill(self) -> None:
+        """Tear the job down now: its controller and every worker actor of this run."""
+        ray.kill(self.controller, no_restart=True)
+        kill_run_actors(self.name)
 
     def wait(self, timeout_s: float | None = None) -> Result:
         outcome = ray.get(self._run_ref, timeout=timeout_s)
+        final_state = outcome.get("final_state")
+        if final_state is not None:  # the controller owns it; take a copy before it goes
+            final_state = ray.put(ray.get(final_state))
         ray.kill(self.controller, no_restart=True)
         return Result(
             metrics=[
@@ -62,8 +72,22 @@ class TrainingJob:
             layout=outcome["layout"],
             elapsed_s=outcome["elapsed_s"],
             recoveries=outcome["recoveries"],
-            final_state=outcome.get("final_state"),
+            final_state=final_state,
         )
+
+
+def kill_run_actors(run_name: str) -> int:
+    """Kill the detached actors a run left behind (a crashed driver, a failed test); returns how many."""
+    prefixes = (f"baige-worker:{run_name}:", f"baige-controller:{run_name}")
+    killed = 0
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefixes):
+            try:
+                ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
+                killed += 1
+            except ValueError:  # gone meanwhile
+                pass
+    return killed
 
 
 def launch(
@@ -88,6 +112,8 @@ def launch(
     speeds = check_execution(job, scaling, layout, emulated_speeds)
     if not ray.is_initialized():
         ray.init(logging_level=logging.WARNING)
+    if kill_run_actors(run.name):
+        logger.warning("killed actors left behind by an earlier run named %r", run.name)
     options = {"worker_cls": worker_cls} if worker_cls is not None else {}
     controller = ray.remote(**CONTROLLER_THREADS)(ElasticController).options(
         name=f"baige-controller:{run.name}",

@@ -18,7 +18,7 @@ class Phase(Enum):
 
 
 ALLOWED: dict[Phase, frozenset[Phase]] = {
-    Phase.PLANNING: frozenset({Phase.STARTING, Phase.FAILED}),
+    Phase.PLANNING: frozenset({Phase.STARTING, Phase.RECOVERING, Phase.FAILED}),  # recovering: after a restart
     Phase.STARTING: frozenset({Phase.RUNNING, Phase.RECOVERING, Phase.FAILED}),
     Phase.RUNNING: frozenset({Phase.RUNNING, Phase.RECOVERING, Phase.RESIZING, Phase.FINISHED, Phase.FAILED}),
     Phase.RECOVERING: frozenset({Phase.RUNNING, Phase.RECOVERING, Phase.FAILED}),

@@ -36,13 +36,16 @@ class RecoveryMixin:
         marks = {"detected": time.monotonic()}
         lost = dict(outcome.lost) if outcome is not None else dict(getattr(self, "_evicting", {}))
         self._evicting = {}
-        failed_step = self.step if outcome is not None else None
+        failed_step = getattr(self, "_failed_step", None)
         for rank, why in sorted(lost.items()):
             worker = self.members[rank]
             node = worker.info.node_id if worker.info else None
             self.events.record("failure" if outcome is not None else "eviction", why, rank=rank, node_id=node, step=self.step)
         self.pool.stop([self.members[rank] for rank in lost])
         survivors = [(rank, w) for rank, w in enumerate(self.members) if rank not in lost]
+        if len(self.pool.ready(self.spares)) < len(lost) and len(self.spares) > len(self.pool.ready(self.spares)):
+            # Spares still starting are worth a short wait: the alternative is shrinking.
+            self.pool.ready(self.spares, min(10.0, self.scaling.placement_timeout_s))
         decision = decide_failure(FailureObservation(
             num_workers=len(self.members),
             num_lost=len(lost),
@@ -86,7 +89,10 @@ class RecoveryMixin:
         extra = self._take_or_start(needed)
         if extra is None:
             return None
-        return WorkerPool.by_locality(kept + extra)[: max(decision.num_workers, len(kept) + len(extra))]
+        ordered = WorkerPool.by_locality(kept + extra)
+        size = decision.num_workers if decision.action is FailureAction.SHRINK else len(ordered)
+        self.spares.extend(ordered[size:])  # survivors beyond a valid size wait as warm spares
+        return ordered[:size]
 
     def _take_or_start(self, count: int) -> list[Worker] | None:
         """`count` ready workers: warm spares first, then new actors (waiting for them to start)."""
@@ -119,7 +125,7 @@ class RecoveryMixin:
 
     def _resume_at(self, snapshot_step: int | None, failed_step: int | None) -> None:
         self.step = 0 if snapshot_step is None else snapshot_step + 1
-        self._redo_steps = 0 if failed_step is None else failed_step - self.step + 1
+        self._redo_steps = 0 if failed_step is None else max(0, failed_step - self.step + 1)
 
     def _finish_recovery(self, seconds: float) -> None:
         record = {"recovery_s": seconds, "resumed_step": self.step, "lost_steps": getattr(self, "_redo_steps", 0)}
@@ -127,6 +133,8 @@ class RecoveryMixin:
         record["phases_s"] = {name: round(at - began, 3) for name, at in marks.items()}
         self.recoveries.append(record)
         self._recovery_started = None
+        self._failed_step = None
+        self.job_metrics.recovery(seconds)
         self._start_spares(self.elastic.num_spares - len(self.spares))  # after the step: off the critical path
         self.events.record("recovered", f"next step done {seconds:.2f}s after the failure", **record)
 

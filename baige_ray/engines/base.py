@@ -30,6 +30,7 @@ class SlowChipEmulator:
         self.extra = 0.0
         self.set_speed(speed)
         self._started = 0.0
+        self.forward_s = 0.0  # this step's forward time, emulation included: the chip's own pace
         # Hooks stay registered even at full speed so a fault can slow the chip later.
         module.register_forward_pre_hook(self._before_forward)
         module.register_forward_hook(self._after_forward)
@@ -43,6 +44,7 @@ class SlowChipEmulator:
     def _after_forward(self, *_: object) -> None:
         if self.extra > 0:
             time.sleep(self.extra * (time.perf_counter() - self._started))
+        self.forward_s += time.perf_counter() - self._started
 
 
 class Engine(ABC):
@@ -70,12 +72,14 @@ class Engine(ABC):
         self.emulators: list[SlowChipEmulator] = []
 
     def train_step(self, step: int) -> dict:
-        started = time.perf_counter()
+        for emulator in self.emulators:
+            emulator.forward_s = 0.0
         learning_rate = learning_rate_at(step, self.job.train)
         self.set_learning_rate(learning_rate)
         inputs, targets = self.batch(step)
         loss = self.forward_backward(inputs, targets)
-        compute_s = time.perf_counter() - started
+        # Forward time alone tells chips apart: backward and update include waiting for peers.
+        compute_s = sum(emulator.forward_s for emulator in self.emulators)
         for hook in self.before_update_hooks:  # e.g. a snapshot still copying the weights this update changes
             hook()
         self.optimizer_step()
