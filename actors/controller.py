@@ -129,13 +129,17 @@ class ElasticController(RecoveryMixin):
         """Ask training to run on `num_workers` (a valid size); returns once it does."""
         if num_workers not in self.sizes:
             raise ValueError(f"num_workers={num_workers} is invalid: expected one of {list(self.sizes)}")
-        self.target_workers = num_workers
-        self._resize_done.clear()
-        self._resize_request = num_workers
         self._resize_reason = reason
-        while not self._resize_done.wait(0.1):
-            if self.machine.done:
-                break
+        self.target_workers = num_workers
+        if num_workers < len(self.members):
+            self._resize_done.clear()
+            self._resize_request = num_workers
+        else:
+            # Growth keeps training at its current size while the new workers start (as
+            # spares, in the background), then switches in one regroup.
+            self._last_growth_check = 0.0
+        while not self.machine.done and len(self.members) != num_workers:
+            self._resize_done.wait(0.1)
         return len(self.members)
 
     @ray.method(concurrency_group="control")
@@ -270,10 +274,16 @@ class ElasticController(RecoveryMixin):
         if len(self.members) >= self.target_workers or now - self._last_growth_check < self.elastic.grow_check_interval_s:
             return False
         self._last_growth_check = now
-        return self._growth_target() > len(self.members)
+        if self._growth_target() > len(self.members):
+            return True
+        self._last_growth_check = now - self.elastic.grow_check_interval_s + 0.1  # spares starting: look again soon
+        return False
 
     def _describe(self, rank: int, worker: Worker) -> dict:
         info = worker.info
+        if info is None:  # lost, or not found after a controller restart
+            return {"rank": rank, "node_id": None, "node_ip": None, "device_index": None, "pid": None,
+                    "speed": worker.speed}
         return {"rank": rank, "node_id": info.node_id, "node_ip": info.node_ip,
                 "device_index": info.device_index, "pid": info.pid, "speed": worker.speed}
 

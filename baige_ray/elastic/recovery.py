@@ -143,7 +143,8 @@ class RecoveryMixin:
     def _resize(self) -> tuple[Phase, str]:
         requested, self._resize_request = self._resize_request, None
         target = requested if requested is not None else self._growth_target()
-        reason = getattr(self, "_resize_reason", "") if requested is not None else "capacity came back"
+        reason = getattr(self, "_resize_reason", "") or "capacity came back"
+        self._resize_reason = ""
         before = len(self.members)
         if target != before:
             step, state = self._gather_snapshot(list(enumerate(self.members)), self.layout)
@@ -180,6 +181,8 @@ class RecoveryMixin:
         ))
 
     def _start_spares(self, wanted: int) -> None:
+        if wanted <= 0:
+            return
         count = spares_to_start(wanted, 0, self.pool.free_devices())
         if count:
             self.spares.extend(self.pool.start(count))
