@@ -19,6 +19,7 @@ from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.faults import FaultPlan
 from baige_ray.elastic.job import TrainingJob, launch
 from baige_ray.runtime.fit import fit
+from baige_ray.serving import ServeHandleInfo, serve
 from baige_ray.topology.connect import ClusterSession, open_cluster
 from baige_ray.topology.descriptor import load_descriptor
 
@@ -37,6 +38,7 @@ __all__ = [
     "Result",
     "RunConfig",
     "ScalingConfig",
+    "ServeHandleInfo",
     "StepMetrics",
     "TrainConfig",
     "TrainingJob",
@@ -46,4 +48,5 @@ __all__ = [
     "load_descriptor",
     "load_model",
     "open_cluster",
+    "serve",
 ]
