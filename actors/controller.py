@@ -131,14 +131,13 @@ class ElasticController(RecoveryMixin):
             raise ValueError(f"num_workers={num_workers} is invalid: expected one of {list(self.sizes)}")
         self._resize_reason = reason
         self.target_workers = num_workers
-        if num_workers < len(self.members):
-            self._resize_done.clear()
-            self._resize_request = num_workers
-        else:
-            # Growth keeps training at its current size while the new workers start (as
-            # spares, in the background), then switches in one regroup.
-            self._last_growth_check = 0.0
+        # Growth keeps training at its current size while the new workers start (as spares,
+        # in the background), then switches in one regroup; shrinking is one regroup now.
+        self._last_growth_check = 0.0
         while not self.machine.done and len(self.members) != num_workers:
+            if num_workers < len(self.members) and self._resize_request is None:
+                self._resize_done.clear()
+                self._resize_request = num_workers
             self._resize_done.wait(0.1)
         return len(self.members)
 
