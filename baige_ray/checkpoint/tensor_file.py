@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -58,24 +59,27 @@ def _encode_header(tensors: dict[str, torch.Tensor]) -> bytes:
 
 
 def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, object]:
-    """Write `tensors` (sorted by name) as a safetensors file, fsynced; return its manifest record."""
+    """Write `tensors` (sorted by name) as a safetensors file, fsynced; return its manifest record.
+
+    A helper thread hashes each chunk while this one writes it (hashing and writing
+    take about as long, and both release the GIL); its queue runs the updates in order.
+    """
     ordered = {name: tensors[name] for name in sorted(tensors)}
     header = _encode_header(ordered)
+    chunks = [memoryview(struct.pack("<Q", len(header))), memoryview(header)]
+    chunks += [host_bytes(tensor) for tensor in ordered.values()]
     digest = hashlib.sha256()
-    size = 0
-    with Path(path).open("wb") as handle:
-        for chunk in (struct.pack("<Q", len(header)), header):
-            handle.write(chunk)
-            digest.update(chunk)
-            size += len(chunk)
-        for tensor in ordered.values():
-            data = host_bytes(tensor)
-            handle.write(data)
-            digest.update(data)
-            size += data.nbytes
-        handle.flush()
-        os.fsync(handle.fileno())
-    return {"bytes": size, "sha256": digest.hexdigest()}
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256") as hasher:
+        with Path(path).open("wb") as handle:
+            updates = []
+            for chunk in chunks:
+                updates.append(hasher.submit(digest.update, chunk))
+                handle.write(chunk)
+            handle.flush()
+            os.fsync(handle.fileno())
+    for update in updates:
+        update.result()  # re-raises a failed update rather than recording a wrong hash
+    return {"bytes": sum(chunk.nbytes for chunk in chunks), "sha256": digest.hexdigest()}
 
 
 def read_tensor_file(path: Path) -> dict[str, torch.Tensor]:

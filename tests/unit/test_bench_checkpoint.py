@@ -41,6 +41,8 @@ def test_result_arithmetic():
     assert result["stall_s"] == pytest.approx(0.05)
     assert result["stall_frac"] == pytest.approx(0.05 / 1.1, abs=1e-4)
     assert result["fence_wait_s"] == pytest.approx(0.02)
+    assert result["step_min_s"] == pytest.approx(1.0)
+    assert result["stall_min_s"] == pytest.approx(0.1)
     assert result["persist_gbps"] == pytest.approx(0.75)
     assert result["file_write_gbps"] == pytest.approx(1.5)
     assert result["persist_vs_file"] == pytest.approx(0.5)
@@ -69,7 +71,7 @@ def test_default_model_has_about_100m_parameters():
     config = GPTConfig(hidden=args.hidden, num_layers=args.num_layers, num_heads=args.num_heads, seq_len=args.seq_len)
     with torch.device("meta"):
         params = sum(p.numel() for p in GPT(config).parameters())
-    assert params == 99_674_112
+    assert params == 99_723_264
 
 
 def test_plain_file_holds_exactly_the_tensor_bytes(tmp_path):
