@@ -26,7 +26,7 @@ from baige_ray.elastic.watch import WatchTimes, watch_step
 from baige_ray.elastic.workers import Worker, WorkerPool
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.ops.events import EventLog
-from baige_ray.ops.metrics import JobMetrics
+from baige_ray.ops.metrics import JobMetrics, estimate_mfu
 from baige_ray.runtime.train_loop import TrainJob
 from baige_ray.runtime.worker_group import choose_device_resource
 from baige_ray.policies.straggler import StragglerAction, StragglerObservation, decide_straggler
@@ -79,6 +79,7 @@ class ElasticController(RecoveryMixin):
         self._last_growth_check = 0.0
         self._persister = None
         self._failed_step: int | None = None
+        self.num_parameters = 0
         self.job_metrics = JobMetrics(job=self.run_config.name)
 
     # ----- public surface (called on the controller's control thread) -----
@@ -237,9 +238,10 @@ class ElasticController(RecoveryMixin):
             self._finish_recovery(time.monotonic() - self._recovery_started)
 
     def _export_metrics(self, per_rank: list[dict], seconds: float) -> None:
-        tokens = sum(m["tokens"] for m in per_rank)
-        self.job_metrics.step(step_time_s=seconds, tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
-                              mfu=0.0, num_workers=len(per_rank))
+        tokens_per_s = sum(m["tokens"] for m in per_rank) / seconds if seconds > 0 else 0.0
+        peak = self.elastic.peak_flops_per_device
+        mfu = estimate_mfu(tokens_per_s, self.num_parameters, len(per_rank), peak) if peak and tokens_per_s else 0.0
+        self.job_metrics.step(step_time_s=seconds, tokens_per_s=tokens_per_s, mfu=mfu, num_workers=len(per_rank))
         self.job_metrics.devices(train=len(per_rank), infer=0)
         for rank, (worker, metrics) in enumerate(zip(self.members, per_rank)):
             node, device = worker.info.node_id[:12], worker.info.device_index

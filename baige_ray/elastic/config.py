@@ -37,6 +37,7 @@ class ElasticConfig:
     keep_checkpoints: int = 3
     max_recoveries: int = 10
     grow_check_interval_s: float = 1.0
+    peak_flops_per_device: float | None = None  # for the MFU estimate; None: MFU is not exported
 
     def __post_init__(self) -> None:
         for name in ("min_workers", "max_workers"):
@@ -61,6 +62,9 @@ class ElasticConfig:
             object.__setattr__(self, "persist_path", Path(self.persist_path).expanduser())
         require_int("ElasticConfig", "keep_checkpoints", self.keep_checkpoints, minimum=1)
         require_int("ElasticConfig", "max_recoveries", self.max_recoveries, minimum=0)
+        if self.peak_flops_per_device is not None:
+            require_number("ElasticConfig", "peak_flops_per_device", self.peak_flops_per_device, minimum=0,
+                           exclusive_minimum=True)
 
     def bounds(self, num_workers: int) -> tuple[int, int]:
         return self.min_workers or num_workers, self.max_workers or num_workers

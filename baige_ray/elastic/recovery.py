@@ -192,7 +192,12 @@ class RecoveryMixin:
     def _regroup(self, members: list[Worker], state_parts: list[ray.ObjectRef] | None) -> None:
         layout = self.layout_for(len(members))
         self.generation += 1
-        WorkerPool.regroup(members, self.generation, self.job, layout, state_parts or [], CALL_TIMEOUT_S)
+        reports = WorkerPool.regroup(members, self.generation, self.job, layout, state_parts or [], CALL_TIMEOUT_S)
+        # One rank per pipeline stage counts its stage's parameters (DTensor counts are global).
+        self.num_parameters = sum(
+            report["num_parameters"] for rank, report in enumerate(reports)
+            if layout.coords(rank).dp == 0 and layout.coords(rank).tp == 0
+        )
         self.members, self.layout = members, layout
         self._save_job_record()
 

@@ -97,8 +97,10 @@ class WorkerPool:
         return sorted(workers, key=lambda w: w.info.location)
 
     @staticmethod
-    def regroup(members: list[Worker], generation: int, job, layout, state_parts: list, timeout_s: float) -> None:
-        """Join `members`, in rank order, into generation `generation`; each builds its engine and loads the state."""
+    def regroup(members: list[Worker], generation: int, job, layout, state_parts: list, timeout_s: float) -> list[dict]:
+        """Join `members`, in rank order, into generation `generation`; each builds its engine and loads the state.
+
+        Returns each rank's engine report (parameter count, corpus fingerprint)."""
         first = members[0]
         store = ray.get(first.actor.host_store.remote(first.info.node_ip), timeout=timeout_s)
         refs = [
@@ -108,4 +110,4 @@ class WorkerPool:
             )
             for rank, worker in enumerate(members)
         ]
-        ray.get(refs, timeout=timeout_s)
+        return ray.get(refs, timeout=timeout_s)
