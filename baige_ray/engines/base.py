@@ -17,17 +17,26 @@ from baige_ray.runtime.train_loop import TrainJob, learning_rate_at, sample_rang
 
 
 class SlowChipEmulator:
-    """Makes a module behave like a chip `speed` times as fast as this one.
+    """Makes a module behave like a chip `speed` times as fast as this one, forward and backward alike.
 
-    After each forward it sleeps (1/speed - 1) x the forward time x 3, the 3
-    standing for forward plus backward (backward costs about twice forward).
+    After the module's forward it sleeps (1/speed - 1) x that forward's time, and after
+    the backward through it (1/speed - 1) x that backward's time, timed from the gradient
+    reaching the module's output to the end of the backward pass. Each piece of work is
+    stretched by its own measured time, so a stage whose backward costs 1.5x or 2.2x its
+    forward (embedding, LM head, attention) is exactly 1/speed as fast, not approximately.
     Sleeping, unlike spinning, leaves the shared CPU cores to the other workers.
     """
 
-    BACKWARD_FACTOR = 3.0
-
-    def __init__(self, module: nn.Module, speed: float):
-        self.extra = 0.0
+    def __init__(
+        self,
+        module: nn.Module,
+        speed: float,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        self._clock, self._sleep = clock, sleep
+        self.slowdown = 0.0
         self.set_speed(speed)
         self._started = 0.0
         self.forward_s = 0.0  # this step's forward time, emulation included: the chip's own pace
@@ -36,15 +45,35 @@ class SlowChipEmulator:
         module.register_forward_hook(self._after_forward)
 
     def set_speed(self, speed: float) -> None:
-        self.extra = max(0.0, 1.0 / speed - 1.0) * self.BACKWARD_FACTOR
+        self.slowdown = max(0.0, 1.0 / speed - 1.0)
 
     def _before_forward(self, *_: object) -> None:
-        self._started = time.perf_counter()
+        self._started = self._clock()
 
-    def _after_forward(self, *_: object) -> None:
-        if self.extra > 0:
-            time.sleep(self.extra * (time.perf_counter() - self._started))
-        self.forward_s += time.perf_counter() - self._started
+    def _after_forward(self, _module: nn.Module, _args: object, output: object) -> None:
+        if self.slowdown > 0:
+            self._sleep(self.slowdown * (self._clock() - self._started))
+            node = _output_grad_fn(output)
+            if node is not None:
+                node.register_prehook(self._before_backward)
+        self.forward_s += self._clock() - self._started
+
+    def _before_backward(self, _grad_outputs: object) -> None:
+        started = self._clock()
+        # Runs once the whole backward pass (this module's part of it last) has finished.
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._after_backward(started))
+
+    def _after_backward(self, started: float) -> None:
+        self._sleep(self.slowdown * (self._clock() - started))
+
+
+def _output_grad_fn(output: object) -> torch.autograd.graph.Node | None:
+    """The autograd node that produced the module's (first differentiable) output, if any."""
+    tensors = output if isinstance(output, (tuple, list)) else (output,)
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
+            return tensor.grad_fn
+    return None
 
 
 class Engine(ABC):
