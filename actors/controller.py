@@ -74,6 +74,9 @@ class ElasticController(RecoveryMixin):
         self._pending_failure = None
         self._recovery_started: float | None = None
         self._resize_request: int | None = None
+        self._inflight: list[ray.ObjectRef] | None = None  # the next step, already queued on every worker
+        self._last_completion: float | None = None
+        self._dispatched_at = 0.0
         self._resize_done = threading.Event()
         self._stop_requested = False
         self._last_growth_check = 0.0
@@ -177,37 +180,65 @@ class ElasticController(RecoveryMixin):
         return Phase.RUNNING, "workers up"
 
     def _run_step(self) -> tuple[Phase, str]:
-        if self._stop_requested:
-            return Phase.FINISHED, "stopped by request"
-        if self.step >= self.job.train.num_steps:
-            return Phase.FINISHED, f"{self.step} steps done"
-        if self._resize_request is not None or self._growth_due():
-            return Phase.RESIZING, "resize"
-        dispatched = time.monotonic()
-        outcome = watch_step(self.members, self._dispatch_step(), self._watch_times())
-        if not outcome.ok:
-            self._pending_failure = outcome
-            self._failed_step = self.step if self._failed_step is None else self._failed_step
-            self._recovery_started = self._recovery_started or dispatched
-            return Phase.RECOVERING, self._describe_failure(outcome)
-        self._record_step(outcome.metrics, time.monotonic() - dispatched)
+        if self._inflight is None:
+            if self._stop_requested:
+                return Phase.FINISHED, "stopped by request"
+            if self.step >= self.job.train.num_steps:
+                return Phase.FINISHED, f"{self.step} steps done"
+            if self._resize_request is not None or self._growth_due():
+                return Phase.RESIZING, "resize"
+        refs = self._inflight or self._dispatch_step(self.step)
+        # The next step waits in each worker's queue and starts the moment this one ends,
+        # instead of a controller round trip later.
+        self._inflight = self._dispatch_step(self.step + 1) if self._may_run_ahead() else None
+        phase = self._complete_step(refs)
+        if phase is not None:
+            return phase
         evicted = self._check_stragglers()
         if evicted is not None:
-            return Phase.RECOVERING, f"straggler rank {evicted}"
+            return self._drain_inflight() or (Phase.RECOVERING, f"straggler rank {evicted}")
+        return Phase.RUNNING, ""
+
+    def _may_run_ahead(self) -> bool:
+        return (
+            self.step + 1 < self.job.train.num_steps
+            and self._resize_request is None
+            and not self._stop_requested
+            and len(self.members) >= self.target_workers
+        )
+
+    def _complete_step(self, refs: list[ray.ObjectRef]) -> tuple[Phase, str] | None:
+        """Watch step `self.step` to its end; record it, or hand the failure to recovery."""
+        began = time.monotonic() if self._last_completion is None else max(self._last_completion, self._dispatched_at)
+        outcome = watch_step(self.members, refs, self._watch_times())
+        if not outcome.ok:
+            self._inflight = None  # queued behind a failed step; workers refuse it at once
+            self._pending_failure = outcome
+            self._failed_step = self.step if self._failed_step is None else self._failed_step
+            self._recovery_started = self._recovery_started or began
+            self._last_completion = None
+            return Phase.RECOVERING, self._describe_failure(outcome)
+        self._last_completion = time.monotonic()
+        self._record_step(outcome.metrics, self._last_completion - began)
         self._persist_if_due()
         self.step += 1
-        return Phase.RUNNING, ""
+        return None
+
+    def _drain_inflight(self) -> tuple[Phase, str] | None:
+        if self._inflight is None:
+            return None
+        refs, self._inflight = self._inflight, None
+        return self._complete_step(refs)
 
     # ----- a step -----
 
-    def _dispatch_step(self) -> list[ray.ObjectRef]:
-        due = self.faults.arm(self.step)
+    def _dispatch_step(self, step: int) -> list[ray.ObjectRef]:
+        due = self.faults.arm(step)
         timeout = self._deadline() if len(self.step_times) >= WARMUP_STEPS else None
-        snapshot = self.step % self.elastic.snapshot_every == 0
+        snapshot = step % self.elastic.snapshot_every == 0
+        self._dispatched_at = time.monotonic()
         return [
-            worker.actor.elastic_step.remote(
-                self.step, snapshot=snapshot, fault=due.get(rank), collective_timeout_s=timeout
-            )
+            worker.actor.elastic_step.remote(step, snapshot=snapshot, fault=due.get(rank), collective_timeout_s=timeout)
             for rank, worker in enumerate(self.members)
         ]
 
@@ -236,6 +267,23 @@ class ElasticController(RecoveryMixin):
         self.compute_history = (self.compute_history + [tuple(m["compute_s"] for m in per_rank)])[-50:]
         if self._recovery_started is not None:
             self._finish_recovery(time.monotonic() - self._recovery_started)
+
+    def _record_unreported(self, per_rank: list[dict | None], step: int) -> None:
+        """A step that finished everywhere but whose result died with a lost worker: keep the survivors' view."""
+        reported = [m for m in per_rank if m is not None and m.get("step") == step]
+        if not reported:
+            return
+        losses = [m["loss"] for m in reported if m["loss"] is not None]
+        self.metrics.append({
+            "step": step,
+            "loss": sum(losses) / len(losses) if losses else float("nan"),
+            "learning_rate": reported[0]["learning_rate"],
+            "step_time_s": float("nan"),
+            "tokens": sum(m["tokens"] for m in reported),
+            "num_workers": len(reported),
+            "snapshot_stall_s": max(m["snapshot_stall_s"] for m in reported),
+            "partial": True,
+        })
 
     def _export_metrics(self, per_rank: list[dict], seconds: float) -> None:
         tokens_per_s = sum(m["tokens"] for m in per_rank) / seconds if seconds > 0 else 0.0
@@ -267,7 +315,6 @@ class ElasticController(RecoveryMixin):
         self._pending_failure = None
         self._evicting = {decision.rank: decision.reason}
         self._recovery_started = time.monotonic()
-        self.step += 1  # this step completed; recovery resumes after it
         return decision.rank
 
     def _growth_due(self) -> bool:

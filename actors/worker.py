@@ -25,7 +25,7 @@ from baige_ray.engines.base import Engine
 from baige_ray.engines.factory import build_engine
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.state import CanonicalState, merge_states
-from baige_ray.runtime.distributed import STEP_ABORT, GroupMembership, ProcessGroupMember, StoreAddress
+from baige_ray.runtime.distributed import STEP_ABORT, GroupMembership, ProcessGroupMember, StoreAddress, abort_step
 from baige_ray.runtime.train_loop import TrainJob
 
 
@@ -71,6 +71,7 @@ class WorkerActor:
         self.snapshots: HostSnapshotter | None = None
         self.current_step: int | None = None
         self._collective_timeout_s: float | None = None
+        self._failed_generation: int | None = None
 
     def device_info(self) -> DeviceInfo:
         node_id, node_ip, resource, resource_ids = _ray_placement()
@@ -165,9 +166,15 @@ class WorkerActor:
             self._set_collective_timeout(collective_timeout_s)
         if fault is not None:
             carry_out(fault, engine.set_emulated_speed)
+        if self._failed_generation == self.group.membership.generation:
+            raise RuntimeError(f"step {step} refused: an earlier step of this process-group generation failed")
         self.current_step = step
         STEP_ABORT.clear()
-        metrics = engine.train_step(step)
+        try:
+            metrics = engine.train_step(step)
+        except BaseException:
+            self._failed_generation = self.group.membership.generation
+            raise
         if snapshot:
             self.snapshots.after_step(step)
         metrics["snapshot_stall_s"] = self.snapshots.last_stall_s
@@ -176,7 +183,7 @@ class WorkerActor:
     @ray.method(concurrency_group="control")
     def abort_step(self) -> None:
         """Release this worker from a collective that a lost peer will never complete."""
-        STEP_ABORT.set()
+        abort_step()
 
     def _set_collective_timeout(self, seconds: float) -> None:
         # Survivors blocked on a dead peer are released by this timeout, not gloo's/NCCL's default.
@@ -193,7 +200,8 @@ class WorkerActor:
 
     @ray.method(concurrency_group="control")
     def snapshot_state(self) -> CanonicalState:
-        latest = self.snapshots.latest() if self.snapshots is not None else None
+        # A copy: the snapshot's buffers are reused two steps later, while Ray may still be sending these.
+        latest = self.snapshots.latest_copy() if self.snapshots is not None else None
         if latest is None:
             raise RuntimeError("this worker holds no snapshot")
         return latest[1]

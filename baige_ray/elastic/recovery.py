@@ -70,6 +70,9 @@ class RecoveryMixin:
         marks["regrouped"] = time.monotonic()
         self._recovery_marks = marks
         self._resume_at(step, failed_step)
+        if outcome is not None and failed_step is not None and self.step > failed_step:
+            # The lost worker died after finishing the step, before its result arrived.
+            self._record_unreported(outcome.metrics, failed_step)
         self.events.record("resize" if len(members) != len(survivors) + len(lost) else "recovered", decision.reason,
                            train_devices=len(members), infer_devices=0, resume_step=self.step)
         return Phase.RUNNING, decision.reason

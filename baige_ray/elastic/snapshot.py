@@ -23,6 +23,9 @@ class HostSnapshotter:
         self.engine = engine
         self.last_stall_s = 0.0
         self._latest = latest
+        # Double buffering: the next copy overwrites the snapshot before the latest, which no one
+        # reads any more (readers get copies: `latest_copy`), so steady state allocates nothing.
+        self._spare: CanonicalState | None = None
         self._copying: threading.Thread | None = None
         self._failure: BaseException | None = None
         engine.before_update_hooks.append(self._fence_for_update)
@@ -32,7 +35,7 @@ class HostSnapshotter:
         self.fence()
         if not self.engine.snapshot_is_local:
             started = time.perf_counter()
-            self._latest = (step, self.engine.snapshot_state())
+            self._publish(step, self.engine.snapshot_state(self._spare))
             self.last_stall_s = time.perf_counter() - started
             return
         self._copying = threading.Thread(target=self._copy, args=(step,), name=f"snapshot-{step}", daemon=True)
@@ -40,9 +43,14 @@ class HostSnapshotter:
 
     def _copy(self, step: int) -> None:
         try:
-            self._latest = (step, self.engine.snapshot_state())
+            self._publish(step, self.engine.snapshot_state(self._spare))
         except BaseException as error:  # surfaced by fence() on the training thread
             self._failure = error
+
+    def _publish(self, step: int, state: CanonicalState) -> None:
+        previous = self._latest
+        self._latest = (step, state)
+        self._spare = previous[1] if previous is not None and previous[1] is not state else None
 
     def fence(self) -> float:
         """Wait for an in-flight copy; returns the seconds waited."""
@@ -59,12 +67,26 @@ class HostSnapshotter:
         self.last_stall_s = self.fence()
 
     def latest(self) -> tuple[int, CanonicalState] | None:
-        """The newest complete snapshot as (step it was taken after, state)."""
+        """The newest complete snapshot as (step it was taken after, state): valid until the next two steps."""
         self.fence()
         return self._latest
+
+    def latest_copy(self) -> tuple[int, CanonicalState] | None:
+        """The newest snapshot, copied: safe to hand to another thread or process while training goes on."""
+        latest = self.latest()
+        if latest is None:
+            return None
+        step, state = latest
+        return step, {section: _clone_tree(part) for section, part in state.items()}
 
     def drop(self) -> None:
         """Forget the engine (a new generation builds a new one); the latest snapshot is kept."""
         self.fence()
         if self._fence_for_update in self.engine.before_update_hooks:
             self.engine.before_update_hooks.remove(self._fence_for_update)
+
+
+def _clone_tree(tree):
+    if isinstance(tree, dict):
+        return {key: _clone_tree(value) for key, value in tree.items()}
+    return tree.clone()

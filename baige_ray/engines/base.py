@@ -19,12 +19,21 @@ from baige_ray.runtime.train_loop import TrainJob, learning_rate_at, sample_rang
 class SlowChipEmulator:
     """Makes a module behave like a chip `speed` times as fast as this one, forward and backward alike.
 
-    After the module's forward it sleeps (1/speed - 1) x that forward's time, and after
-    the backward through it (1/speed - 1) x that backward's time, timed from the gradient
+    After the module's forward it sleeps (1/speed - 1) x that forward's work, and after
+    the backward through it (1/speed - 1) x that backward's work, timed from the gradient
     reaching the module's output to the end of the backward pass. Each piece of work is
     stretched by its own measured time, so a stage whose backward costs 1.5x or 2.2x its
     forward (embedding, LM head, attention) is exactly 1/speed as fast, not approximately.
-    Sleeping, unlike spinning, leaves the shared CPU cores to the other workers.
+
+    Work is measured in this thread's CPU time: on cores shared with other processes the
+    wall time of a forward also holds the time they ran instead, which is the machine's
+    load, not the chip's speed, and must not be multiplied by 1/speed (a worker that
+    sleeps is preempted more than one that computes without pause, which made the
+    emulated half-speed chip measure 0.45, and anywhere from 0.3 to 0.5 under load).
+    Sleeping, unlike spinning, leaves the shared cores to the other workers. A sleep
+    overshoots (timer slack, waiting for a core: a millisecond or more, two sleeps per
+    micro-batch); the overshoot is taken off the next sleep, so the emulated delay stays
+    exact over a step instead of growing with the micro-batch count.
     """
 
     def __init__(
@@ -33,12 +42,14 @@ class SlowChipEmulator:
         speed: float,
         *,
         clock: Callable[[], float] = time.perf_counter,
+        work_clock: Callable[[], float] = time.thread_time,
         sleep: Callable[[float], None] = time.sleep,
     ):
-        self._clock, self._sleep = clock, sleep
+        self._clock, self._work_clock, self._sleep = clock, work_clock, sleep
         self.slowdown = 0.0
+        self._owed_s = 0.0  # emulated delay not slept yet; negative after oversleeping
         self.set_speed(speed)
-        self._started = 0.0
+        self._started = self._work_started = 0.0
         self.forward_s = 0.0  # this step's forward time, emulation included: the chip's own pace
         # Hooks stay registered even at full speed so a fault can slow the chip later.
         module.register_forward_pre_hook(self._before_forward)
@@ -46,25 +57,34 @@ class SlowChipEmulator:
 
     def set_speed(self, speed: float) -> None:
         self.slowdown = max(0.0, 1.0 / speed - 1.0)
+        self._owed_s = 0.0
+
+    def _stretch(self, worked_s: float) -> None:
+        """Sleep so that `worked_s` of real work takes worked_s / speed in all."""
+        self._owed_s += self.slowdown * worked_s
+        if self._owed_s > 0:
+            started = self._clock()
+            self._sleep(self._owed_s)
+            self._owed_s -= self._clock() - started
 
     def _before_forward(self, *_: object) -> None:
-        self._started = self._clock()
+        self._started, self._work_started = self._clock(), self._work_clock()
 
     def _after_forward(self, _module: nn.Module, _args: object, output: object) -> None:
         if self.slowdown > 0:
-            self._sleep(self.slowdown * (self._clock() - self._started))
+            self._stretch(self._work_clock() - self._work_started)
             node = _output_grad_fn(output)
             if node is not None:
                 node.register_prehook(self._before_backward)
         self.forward_s += self._clock() - self._started
 
     def _before_backward(self, _grad_outputs: object) -> None:
-        started = self._clock()
+        started = self._work_clock()
         # Runs once the whole backward pass (this module's part of it last) has finished.
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._after_backward(started))
 
-    def _after_backward(self, started: float) -> None:
-        self._sleep(self.slowdown * (self._clock() - started))
+    def _after_backward(self, work_started: float) -> None:
+        self._stretch(self._work_clock() - work_started)
 
 
 def _output_grad_fn(output: object) -> torch.autograd.graph.Node | None:
@@ -131,8 +151,11 @@ class Engine(ABC):
         for emulator in self.emulators:
             emulator.set_speed(speed)
 
-    def snapshot_state(self) -> CanonicalState:
-        """Everything this rank can restore from: by default the collective canonical export."""
+    def snapshot_state(self, into: CanonicalState | None = None) -> CanonicalState:
+        """Everything this rank can restore from (by default the collective canonical export).
+
+        `into`, an earlier snapshot no one reads any more, may be overwritten to save allocations.
+        """
         return self.export_state()
 
     @property

@@ -111,8 +111,8 @@ class DeepSpeedEngine(Engine):
         state = self.snapshot_state()
         return state if self.owns_state else {"model": {}, "optimizer": {}}
 
-    def snapshot_state(self) -> CanonicalState:
-        """Collective: every rank gets the full fp32 weights and Adam moments."""
+    def snapshot_state(self, into: CanonicalState | None = None) -> CanonicalState:
+        """Collective: every rank gets the full fp32 weights and Adam moments (fresh tensors)."""
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         if self._base_optimizer_states():

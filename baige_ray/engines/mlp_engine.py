@@ -78,13 +78,15 @@ class MLPEngine(Engine):
     def snapshot_is_local(self) -> bool:
         return True
 
-    def snapshot_state(self) -> CanonicalState:
+    def snapshot_state(self, into: CanonicalState | None = None) -> CanonicalState:
+        old_model, old_momentum = (into or {}).get("model", {}), (into or {}).get("optimizer", {})
         model, momentum = {}, {}
         for name, param in self.model.named_parameters():
-            model[name] = full_tensor(param)
+            model[name] = full_tensor(param, old_model.get(name))
             buffer = self.optimizer.state.get(param, {}).get(MOMENTUM_KEY)
             if buffer is not None:
-                momentum[name] = {MOMENTUM_KEY: full_tensor(buffer)}
+                old = old_momentum.get(name, {}).get(MOMENTUM_KEY)
+                momentum[name] = {MOMENTUM_KEY: full_tensor(buffer, old)}
         return {"model": model, "optimizer": momentum}
 
     def import_state(self, state: CanonicalState) -> None:

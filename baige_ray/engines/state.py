@@ -17,8 +17,11 @@ ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 CanonicalState = dict[str, dict]
 
 
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+def full_tensor(tensor: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    """A full CPU copy of `tensor`; written into `into` when it fits (no fresh allocation per snapshot)."""
     full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    if into is not None and into.shape == full.shape and into.dtype == full.dtype:
+        return into.copy_(full.detach())
     return full.detach().cpu().clone()
 
 
@@ -29,14 +32,19 @@ def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return full.to(like.device).clone()
 
 
-def export_module_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> CanonicalState:
+def export_module_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, into: CanonicalState | None = None
+) -> CanonicalState:
+    """Full copies of the weights and Adam state; `into`, an earlier export of the same names, is reused."""
+    old_model, old_adam = (into or {}).get("model", {}), (into or {}).get("optimizer", {})
     model, adam = {}, {}
     for name, param in module.named_parameters():
-        model[name] = full_tensor(param)
+        model[name] = full_tensor(param, old_model.get(name))
         state = optimizer.state.get(param)
         if state:
-            adam[name] = {"step": state["step"].detach().cpu().clone()}
-            adam[name].update({key: full_tensor(state[key]) for key in ADAM_KEYS})
+            old = old_adam.get(name, {})
+            adam[name] = {"step": full_tensor(state["step"], old.get("step"))}
+            adam[name].update({key: full_tensor(state[key], old.get(key)) for key in ADAM_KEYS})
     return {"model": model, "optimizer": adam}
 
 

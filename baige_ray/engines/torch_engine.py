@@ -155,18 +155,21 @@ class TorchEngine(Engine):
         # Without DTensor parameters every rank holds its stages' full tensors.
         return self.layout.tp == 1 and not (self.layout.dp > 1 and self.layout.data_parallel == "fsdp2")
 
-    def snapshot_state(self) -> CanonicalState:
+    def snapshot_state(self, into: CanonicalState | None = None) -> CanonicalState:
         # Every rank keeps its stages' full state (gathered when sharded), so any survivor can restore them.
-        return self._strip_prefix(export_module_state(self.module, self.optimizer))
+        reuse = self._add_prefix(into, partial=True) if into else None
+        return self._strip_prefix(export_module_state(self.module, self.optimizer, reuse))
 
     def _strip_prefix(self, state: CanonicalState) -> CanonicalState:
         # Names inside the ModuleList are "<stage slot>.<canonical name>".
         return {section: {name.split(".", 1)[1]: v for name, v in part.items()} for section, part in state.items()}
 
-    def _add_prefix(self, state: CanonicalState) -> CanonicalState:
+    def _add_prefix(self, state: CanonicalState, partial: bool = False) -> CanonicalState:
         prefixed: CanonicalState = {"model": {}, "optimizer": {}}
         for slot, stage in enumerate(self.stages):
             for name, _ in stage.named_parameters():
+                if partial and name not in state["model"]:
+                    continue
                 prefixed["model"][f"{slot}.{name}"] = state["model"][name]
                 if name in state["optimizer"]:
                     prefixed["optimizer"][f"{slot}.{name}"] = state["optimizer"][name]

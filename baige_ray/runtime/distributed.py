@@ -137,19 +137,38 @@ class CollectiveAborted(RuntimeError):
 
 # Set by the worker's control thread when the controller reports a lost peer; cleared by the next step.
 STEP_ABORT = threading.Event()
-_POLL_S = 0.0005
+_waiting: threading.Event | None = None  # what the training thread sleeps on right now
+
+
+def abort_step() -> None:
+    """Called on the control thread: make a collective waiting in `all_reduce_abortable` give up."""
+    STEP_ABORT.set()
+    waiting = _waiting
+    if waiting is not None:
+        waiting.set()
 
 
 def all_reduce_abortable(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
-    """`dist.all_reduce`, but a survivor blocked on a dead peer returns as soon as STEP_ABORT is set.
+    """`dist.all_reduce`, but a survivor blocked on a dead peer returns as soon as `abort_step()` runs.
 
     A blocked gloo wait cannot be interrupted, and destroying the group does not
     release peers waiting on this rank, so without this the survivors sit out the
-    whole collective timeout. The abandoned wait finishes (by that timeout) on
-    gloo's own thread, with the old generation's group, harming nothing.
+    whole collective timeout. The training thread sleeps on an event that either
+    the collective's completion or the abort sets (no polling). An abandoned
+    collective finishes (by the timeout) on gloo's own thread, with the old
+    generation's group, harming nothing.
     """
+    global _waiting
     work = dist.all_reduce(tensor, group=group, async_op=True)
-    while not work.is_completed():
-        if STEP_ABORT.wait(_POLL_S):
+    finished = threading.Event()
+    work.get_future().add_done_callback(lambda _: finished.set())
+    _waiting = finished
+    try:
+        if STEP_ABORT.is_set() and not work.is_completed():
             raise CollectiveAborted("step abandoned: a peer of this collective was lost")
+        finished.wait()
+        if STEP_ABORT.is_set() and not work.is_completed():
+            raise CollectiveAborted("step abandoned: a peer of this collective was lost")
+    finally:
+        _waiting = None
     work.wait()  # surfaces an error the collective ended with
