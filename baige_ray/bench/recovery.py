@@ -95,7 +95,7 @@ def _run_baige(args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     recovery = result.recoveries[0]
     times = [m.step_time_s for m in result.metrics if m.step != args.crash_step]
     return {"recovery_s": round(recovery["recovery_s"], 3), "lost_steps": recovery["lost_steps"],
-            "per_step_s": round(steady_median(times, 5), 4)}
+            "per_step_s": round(steady_median(times, 5), 4), "phases_s": recovery.get("phases_s", {})}
 
 
 def _ray_train_loop(config: dict) -> None:
@@ -116,6 +116,7 @@ def _ray_train_loop(config: dict) -> None:
     torch.set_num_threads(1)
     rank, world = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()
     marks = Path(config["marks"])
+    attempt = 2 if (marks / "crashed").exists() else 1
     torch.manual_seed(0)
     mlp_config = MLPConfig(sizes=tuple(config["sizes"]))
     model = nn.parallel.DistributedDataParallel(MLP(mlp_config))
@@ -141,7 +142,7 @@ def _ray_train_loop(config: dict) -> None:
         dist.barrier()
         if rank == 0:
             with open(marks / "steps.jsonl", "a") as log:
-                log.write(json.dumps({"step": step, "start": started, "end": time.time()}) + "\n")
+                log.write(json.dumps({"step": step, "start": started, "end": time.time(), "attempt": attempt}) + "\n")
         if (step + 1) % config["checkpoint_every"] == 0:
             with tempfile.TemporaryDirectory() as directory:
                 if rank == 0:
@@ -182,9 +183,13 @@ def _run_ray_train(args: argparse.Namespace, tmp: str) -> dict[str, Any]:
 
 
 def recovery_figures(steps: list[dict], crashed_at: float, crash_step: int) -> dict[str, Any]:
-    """From per-step {step, start, end} records of one run with one crash at `crash_step`."""
-    after = [record for record in steps if record["end"] > crashed_at]
-    before = [record for record in steps if record["end"] <= crashed_at]
+    """From per-step {step, start, end, attempt} records of one run with one crash at `crash_step`.
+
+    The first attempt's steps may finish a moment after the crash (rank 0 logs after the
+    crashed rank started its next step); recovery ends with the restarted attempt's first step.
+    """
+    after = [record for record in steps if record["attempt"] > 1]
+    before = [record for record in steps if record["attempt"] == 1]
     if not after:
         raise RuntimeError("no step completed after the crash")
     resumed = after[0]

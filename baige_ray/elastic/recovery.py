@@ -69,7 +69,7 @@ class RecoveryMixin:
             return self._lost_during_regroup(members, error)
         marks["regrouped"] = time.monotonic()
         self._recovery_marks = marks
-        self._resume_at(step, failed_step)
+        self._resume_at(step, self._furthest_started_step(survivors, failed_step))
         if outcome is not None and failed_step is not None and self.step > failed_step:
             # The lost worker died after finishing the step, before its result arrived.
             self._record_unreported(outcome.metrics, failed_step)
@@ -125,6 +125,16 @@ class RecoveryMixin:
             return Phase.FAILED, f"regrouping failed with every worker alive: {error}"
         self._pending_failure = StepOutcome(metrics=[], lost=dead)
         return Phase.RECOVERING, f"regrouping failed: {error}"
+
+    @staticmethod
+    def _furthest_started_step(survivors: list[tuple[int, Worker]], failed_step: int | None) -> int | None:
+        """The last step any survivor began: with steps queued ahead it can be past the one being watched."""
+        if failed_step is None:
+            return None
+        beats = [w.actor.heartbeat.remote() for _, w in survivors]
+        ready, _ = ray.wait(beats, num_returns=len(beats), timeout=2.0)
+        started = [ray.get(ref)["step"] for ref in ready]
+        return max([failed_step] + [step for step in started if step is not None])
 
     def _resume_at(self, snapshot_step: int | None, failed_step: int | None) -> None:
         self.step = 0 if snapshot_step is None else snapshot_step + 1
