@@ -132,8 +132,7 @@ class RecoveryMixin:
         if failed_step is None:
             return None
         beats = [w.actor.heartbeat.remote() for _, w in survivors]
-        ready, _ = ray.wait(beats, num_returns=len(beats), timeout=2.0)
-        started = [ray.get(ref)["step"] for ref in ready]
+        started = [beat["step"] for beat in _answers(beats, timeout_s=2.0) if beat is not None]
         return max([failed_step] + [step for step in started if step is not None])
 
     def _resume_at(self, snapshot_step: int | None, failed_step: int | None) -> None:
@@ -220,7 +219,7 @@ class RecoveryMixin:
         Falls back to the newest good persisted checkpoint; (None, None) when there is neither.
         The parts stay in the object store: workers fetch them from each other.
         """
-        steps = ray.get([w.actor.snapshot_step.remote() for _, w in holders], timeout=CALL_TIMEOUT_S)
+        steps = _answers([w.actor.snapshot_step.remote() for _, w in holders])  # None: no snapshot, or dead
         by_step: dict[int, dict[int, Worker]] = {}
         for (rank, worker), step in zip(holders, steps):
             if step is not None:
@@ -320,3 +319,15 @@ class RecoveryMixin:
             return Worker(actor=actor, name=name, speed=speed, info=ray.get(actor.device_info.remote(), timeout=10))
         except Exception:
             return Worker(actor=None, name=name, speed=speed)
+
+
+def _answers(refs: list[ray.ObjectRef], timeout_s: float = CALL_TIMEOUT_S) -> list:
+    """Each call's result, or None where the actor died or did not answer in time."""
+    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    answers = []
+    for ref in refs:
+        try:
+            answers.append(ray.get(ref, timeout=0))
+        except Exception:  # dead, or still silent: not a holder we can use
+            answers.append(None)
+    return answers

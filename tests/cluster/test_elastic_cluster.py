@@ -80,3 +80,22 @@ def test_the_controller_resumes_after_its_own_crash(reference, tmp_path):
     final = final_parameters(result)
     for name in reference:
         torch.testing.assert_close(final[name], reference[name], rtol=1e-5, atol=0)
+
+
+def test_losing_every_worker_resumes_from_the_last_persisted_checkpoint(reference, tmp_path):
+    elastic = ElasticConfig(num_spares=0, persist_every=4, persist_path=tmp_path / "checkpoints")
+    job = elastic_mlp_run("elastic-all-lost", tmp_path, num_steps=15, elastic=elastic)
+    deadline = time.monotonic() + 120
+    while job.status()["step"] < 9:
+        assert time.monotonic() < deadline, "job never reached step 9"
+        time.sleep(0.05)
+    for worker in ray.util.list_named_actors(all_namespaces=True):
+        if worker["name"].startswith("baige-worker:elastic-all-lost:"):
+            ray.kill(ray.get_actor(worker["name"], namespace=worker["namespace"]), no_restart=True)
+    result = job.wait()
+    events = (tmp_path / "elastic-all-lost" / "events.jsonl").read_text()
+    assert "restored persisted step" in events
+    assert [m.step for m in result.metrics][-1] == 14
+    final = final_parameters(result)
+    for name in reference:  # the persisted state is exact, so the rerun steps reproduce the same run
+        torch.testing.assert_close(final[name], reference[name], rtol=1e-5, atol=0)
