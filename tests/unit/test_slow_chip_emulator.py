@@ -8,8 +8,9 @@ from baige_ray.engines.base import SlowChipEmulator
 class FakeClock:
     """A clock that only moves when work or a sleep moves it, so emulated time is exact."""
 
-    def __init__(self):
+    def __init__(self, oversleep_s: float = 0.0):
         self.now = 0.0
+        self.oversleep_s = oversleep_s
         self.sleeps: list[float] = []
 
     def __call__(self) -> float:
@@ -17,7 +18,7 @@ class FakeClock:
 
     def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
-        self.now += seconds
+        self.now += seconds + self.oversleep_s
 
 
 class TimedWork(torch.autograd.Function):
@@ -51,7 +52,7 @@ def run_step(speed: float, forward_s: float = 1.0, backward_s: float = 2.5):
     clock = FakeClock()
     torch.manual_seed(0)
     stage = TimedStage(clock, forward_s, backward_s)
-    emulator = SlowChipEmulator(stage, speed, clock=clock, sleep=clock.sleep)
+    emulator = SlowChipEmulator(stage, speed, clock=clock, work_clock=clock, sleep=clock.sleep)
     stage(torch.tensor([[1, 2, 3]])).square().sum().backward()
     return clock, emulator, stage
 
@@ -86,7 +87,36 @@ def test_emulation_leaves_outputs_and_gradients_unchanged():
     assert torch.equal(slow.embedding.weight.grad, fast.embedding.weight.grad)
     no_grad_clock = FakeClock()
     stage = TimedStage(no_grad_clock, 1.0, 1.0)
-    SlowChipEmulator(stage, 0.5, clock=no_grad_clock, sleep=no_grad_clock.sleep)
+    SlowChipEmulator(stage, 0.5, clock=no_grad_clock, work_clock=no_grad_clock, sleep=no_grad_clock.sleep)
     with torch.no_grad():  # no autograd graph: the forward is still slowed, nothing waits for a backward
         stage(torch.tensor([[1]]))
     assert no_grad_clock.sleeps == pytest.approx([1.0])
+
+
+def test_oversleeping_is_taken_off_the_next_sleep_so_a_step_stays_exact():
+    clock = FakeClock(oversleep_s=0.1)
+    stage = TimedStage(clock, forward_s=1.0, backward_s=2.0)
+    SlowChipEmulator(stage, 0.5, clock=clock, work_clock=clock, sleep=clock.sleep)
+    for _ in range(10):
+        stage(torch.tensor([[1]])).sum().backward()
+    assert clock.sleeps[:3] == pytest.approx([1.0, 1.9, 0.9])
+    # 10 micro-batches of 3 s real work at half speed: 60 s, off by one sleep's overshoot at most.
+    assert 60.0 <= clock.now <= 60.1 + 1e-9
+
+
+def test_time_other_processes_held_the_core_is_not_stretched():
+    wall, cpu = FakeClock(), FakeClock()
+
+    class PreemptedWork(nn.Module):
+        """1 s of work that takes 3 s of wall time on a busy machine."""
+
+        def forward(self, x):
+            wall.now += 3.0
+            cpu.now += 1.0
+            return x * 2.0
+
+    module = PreemptedWork()
+    emulator = SlowChipEmulator(module, 0.5, clock=wall, work_clock=cpu, sleep=wall.sleep)
+    module(torch.ones(2))
+    assert wall.sleeps == pytest.approx([1.0])
+    assert emulator.forward_s == pytest.approx(4.0)  # the chip's own pace, emulation included
