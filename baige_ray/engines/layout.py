@@ -30,6 +30,9 @@ class ParallelLayout:
     data_parallel: str = "ddp"
     num_microbatches: int | None = None
     pipeline_schedule: str = "1f1b"
+    # 1F1B only: forwards each non-last stage keeps in flight beyond 1F1B's p - r, so that a
+    # stage slower than its successor never idles waiting for the first gradient (mixed chips).
+    pipeline_run_ahead: int = 0
     stage_layers: tuple[int, ...] | None = None
     stage_speeds: tuple[float, ...] | None = None
 
@@ -40,6 +43,7 @@ class ParallelLayout:
         require_choice("ParallelLayout", "pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
         if self.num_microbatches is not None:
             require_int("ParallelLayout", "num_microbatches", self.num_microbatches, minimum=1)
+        require_int("ParallelLayout", "pipeline_run_ahead", self.pipeline_run_ahead, minimum=0)
         if self.data_parallel.startswith("zero") and (self.tp > 1 or self.pp > 1):
             raise ValueError(
                 f"ParallelLayout.data_parallel={self.data_parallel!r} is invalid with tp={self.tp}, pp={self.pp}: "
@@ -111,11 +115,11 @@ class ParallelLayout:
         return "x".join(parts or ["single"]) + f" ({self.data_parallel})"
 
 
-_LAYOUT_KEYS = {"dp": int, "tp": int, "pp": int, "engine": str, "micro": int, "schedule": str}
+_LAYOUT_KEYS = {"dp": int, "tp": int, "pp": int, "engine": str, "micro": int, "schedule": str, "ahead": int}
 
 
 def parse_layout(text: str) -> ParallelLayout | str:
-    """'ddp', 'auto', or degrees such as 'dp=2,tp=2,pp=2,engine=fsdp2,micro=4,schedule=interleaved-1f1b'."""
+    """'ddp', 'auto', or degrees such as 'dp=2,tp=2,pp=2,engine=fsdp2,micro=4,schedule=interleaved-1f1b,ahead=1'."""
     if text in ("ddp", "auto"):
         return text
     fields = {}
@@ -127,5 +131,6 @@ def parse_layout(text: str) -> ParallelLayout | str:
             fields[key] = _LAYOUT_KEYS[key](value)
         except ValueError:
             raise ValueError(f"layout item {item!r} is invalid: {key} takes an integer") from None
-    renamed = {"engine": "data_parallel", "micro": "num_microbatches", "schedule": "pipeline_schedule"}
+    renamed = {"engine": "data_parallel", "micro": "num_microbatches", "schedule": "pipeline_schedule",
+               "ahead": "pipeline_run_ahead"}
     return ParallelLayout(**{renamed.get(key, key): value for key, value in fields.items()})

@@ -1,7 +1,8 @@
 """The torch-native engine: any DP x TP x PP layout from one device mesh.
 
 DP by DDP, FSDP2 or an explicit gradient all-reduce; TP by DTensor;
-PP by torch.distributed.pipelining (1F1B or interleaved 1F1B).
+PP by torch.distributed.pipelining (1F1B with upstream stages running ahead, see
+pipeline_schedule.py, or interleaved 1F1B).
 The mesh's dimensions (pp, dp, tp) follow the layout's row-major rank order,
 so its groups are exactly the plan's groups.
 """
@@ -15,11 +16,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
 from baige_ray.engines import parallelize
 from baige_ray.engines.base import Engine, SlowChipEmulator
 from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.pipeline_schedule import ScheduleRunAhead1F1B
 from baige_ray.engines.stages import GPTStage, build_stage
 from baige_ray.engines.state import CanonicalState, export_module_state, import_module_state
 from baige_ray.models.gpt import GPT, language_model_loss
@@ -89,7 +91,9 @@ class TorchEngine(Engine):
         ]
         if self.layout.pipeline_schedule == "interleaved-1f1b":
             return ScheduleInterleaved1F1B(pipeline_stages, num_micro, loss_fn=language_model_loss)
-        return Schedule1F1B(pipeline_stages[0], num_micro, loss_fn=language_model_loss)
+        return ScheduleRunAhead1F1B(
+            pipeline_stages[0], num_micro, language_model_loss, run_ahead=self.layout.pipeline_run_ahead
+        )
 
     @property
     def module(self) -> nn.Module:

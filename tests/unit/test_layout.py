@@ -43,3 +43,10 @@ def test_parse_layout():
         parse_layout("xp=2")
     with pytest.raises(ValueError, match="integer"):
         parse_layout("dp=two")
+
+
+def test_pipeline_run_ahead_is_a_non_negative_integer():
+    assert parse_layout("pp=2,ahead=3") == ParallelLayout(pp=2, pipeline_run_ahead=3)
+    assert ParallelLayout(pp=2).pipeline_run_ahead == 0
+    with pytest.raises(ValueError, match="pipeline_run_ahead=-1 is invalid"):
+        ParallelLayout(pp=2, pipeline_run_ahead=-1)
