@@ -3,7 +3,13 @@ import argparse
 import pytest
 
 from baige_ray.bench import cli
-from baige_ray.bench.hetero import bubble_fraction, speed_proportional_split
+from baige_ray.bench.hetero import (
+    bubble_fraction,
+    head_cost_in_layers,
+    pipeline_step_units,
+    plan_stages,
+    speed_proportional_split,
+)
 from baige_ray.bench.measure import steady_median, steady_throughput
 from baige_ray.engines.layout import ParallelLayout
 
@@ -49,6 +55,41 @@ def test_split_keeps_a_layer_per_stage_and_rejects_bad_input():
         speed_proportional_split(4, (1.0, 0.0))
     with pytest.raises(ValueError, match="fixed_costs"):
         speed_proportional_split(4, (1.0, 0.5), fixed_costs=(0.0,))
+
+
+def test_head_cost_is_the_lm_head_over_one_block_in_flops():
+    from baige_ray.models.gpt import GPTConfig
+
+    model = GPTConfig(num_layers=6, hidden=256, num_heads=4, seq_len=128)
+    # head 2*h*V = 131,072; block 24*h^2 + 4*s*h = 1,703,936 FLOPs per token
+    assert head_cost_in_layers(model) == pytest.approx(131_072 / 1_703_936)
+
+
+def test_pipeline_step_is_sum_of_stages_plus_the_slowest_for_every_other_micro_batch():
+    assert pipeline_step_units((4, 2), (1.0, 0.5), (0.0, 0.5), 8) == pytest.approx(4 + 5 + 7 * 5)
+    assert pipeline_step_units((3, 3), (1.0, 1.0), (0.0, 0.0), 1) == pytest.approx(6)
+
+
+def test_plan_puts_the_lm_head_on_the_fast_chip_when_that_shortens_the_step():
+    assert plan_stages(6, (1.0, 0.5), head_cost=0.08, num_microbatches=64) == ((0.5, 1.0), (2, 4))
+    assert plan_stages(6, (1.0, 0.5), head_cost=0.0, num_microbatches=64) == ((1.0, 0.5), (4, 2))
+    assert plan_stages(6, (1.0, 1.0), head_cost=0.08, num_microbatches=64) == ((1.0, 1.0), (3, 3))
+
+
+def test_plan_beats_or_ties_every_order_and_split_by_brute_force():
+    import itertools
+
+    speeds, head, micro = (1.0, 0.45, 0.8), 0.3, 16
+    order, layers = plan_stages(10, speeds, head, micro)
+    costs = (0.0, 0.0, head)
+    best = min(
+        pipeline_step_units(split, perm, costs, micro)
+        for perm in itertools.permutations(speeds)
+        for split in itertools.product(range(1, 9), repeat=3)
+        if sum(split) == 10
+    )
+    assert sorted(order) == sorted(speeds) and sum(layers) == 10
+    assert pipeline_step_units(layers, order, costs, micro) == pytest.approx(best)
 
 
 def test_bubble_fraction_of_1f1b():
