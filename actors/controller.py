@@ -196,7 +196,9 @@ class ElasticController(RecoveryMixin):
             return phase
         evicted = self._check_stragglers()
         if evicted is not None:
-            return self._drain_inflight() or (Phase.RECOVERING, f"straggler rank {evicted}")
+            drained = self._drain_inflight()  # the step queued behind this one completes first
+            self._recovery_started = time.monotonic()
+            return drained or (Phase.RECOVERING, f"straggler rank {evicted}")
         return Phase.RUNNING, ""
 
     def _may_run_ahead(self) -> bool:
@@ -307,6 +309,7 @@ class ElasticController(RecoveryMixin):
             min_workers=self.min_workers,
             replica_size=replica_size(self.layout),
             valid_sizes=self.sizes,
+            step_s=statistics.median(self.step_times[-self.elastic.straggler_patience:]),
         ))
         if decision.action is StragglerAction.TOLERATE:
             return None
@@ -314,7 +317,6 @@ class ElasticController(RecoveryMixin):
         self.compute_history = []
         self._pending_failure = None
         self._evicting = {decision.rank: decision.reason}
-        self._recovery_started = time.monotonic()
         return decision.rank
 
     def _growth_due(self) -> bool:

@@ -22,6 +22,8 @@ class StragglerObservation:
     min_workers: int
     replica_size: int  # ranks that leave together (tp x pp)
     valid_sizes: tuple[int, ...]
+    step_s: float  # the group's recent median step time: compute, communication and all
+    min_gain: float = 0.1  # act only when it buys at least this much throughput
 
 
 class StragglerAction(Enum):
@@ -61,16 +63,21 @@ def decide_straggler(obs: StragglerObservation) -> StragglerDecision:
         return StragglerDecision(StragglerAction.TOLERATE, None, "no persistent straggler")
     latest = obs.compute_s[-1]
     slow, fast = latest[rank], statistics.median(t for r, t in enumerate(latest) if r != rank)
+    # The step waits for the slowest rank: without it, it would be `excess` shorter.
+    excess = min(slow - fast, obs.step_s)
+    without = max(obs.step_s - excess, 1e-9)
     if obs.num_spares > 0:
+        if obs.step_s / without < 1 + obs.min_gain:
+            return StragglerDecision(StragglerAction.TOLERATE, rank, f"rank {rank} costs under {obs.min_gain:.0%} of a step")
         return StragglerDecision(StragglerAction.REPLACE, rank, f"rank {rank} is {slow / fast:.1f}x slower; a spare takes it")
     num_workers = len(latest)
     smaller = [size for size in obs.valid_sizes if size <= num_workers - obs.replica_size]
     shrunk = max(smaller, default=0)
     if shrunk < obs.min_workers or shrunk == 0:
         return StragglerDecision(StragglerAction.TOLERATE, rank, f"rank {rank} is slow but min_workers={obs.min_workers}")
-    # Throughput is proportional to workers / step time; the step runs at the slowest rank's pace.
-    if shrunk / fast > num_workers / slow:
+    # Throughput is proportional to workers / step time.
+    if shrunk / without > (1 + obs.min_gain) * num_workers / obs.step_s:
         return StragglerDecision(
             StragglerAction.EVICT, rank, f"rank {rank} is {slow / fast:.1f}x slower; {shrunk} workers at full pace do more"
         )
-    return StragglerDecision(StragglerAction.TOLERATE, rank, f"rank {rank} is slow, but evicting it would lose throughput")
+    return StragglerDecision(StragglerAction.TOLERATE, rank, f"rank {rank} is slow, but evicting it would not pay")

@@ -15,7 +15,9 @@ class ElasticConfig:
     A step is hung when it runs longer than max(collective_timeout_floor_s,
     collective_timeout_factor x the median step time); the same bound is set as
     the collective timeout of every process group, so survivors blocked on a dead
-    peer are released by then. A worker is a straggler when its compute time
+    peer are released by then at the latest (engines whose collectives are
+    abortable let go as soon as the controller sees the peer die). The defaults
+    leave room for a shared, overloaded machine: a false alarm costs a recovery. A worker is a straggler when its compute time
     exceeds the median of its peers by straggler_threshold (1.5 = 50% slower) for
     straggler_patience steps in a row.
     """
@@ -24,9 +26,9 @@ class ElasticConfig:
     max_workers: int | None = None
     num_spares: int = 0
     heartbeat_interval_s: float = 0.25
-    heartbeat_timeout_s: float = 1.0
-    collective_timeout_floor_s: float = 0.5
-    collective_timeout_factor: float = 5.0
+    heartbeat_timeout_s: float = 2.0
+    collective_timeout_floor_s: float = 2.0
+    collective_timeout_factor: float = 10.0
     first_steps_timeout_s: float = 120.0
     straggler_threshold: float = 1.5
     straggler_patience: int = 5

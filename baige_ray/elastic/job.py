@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from baige_ray.actors.controller import CONTROLLER_THREADS, ElasticController
 from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
@@ -76,6 +77,14 @@ class TrainingJob:
         )
 
 
+def head_node_id() -> str:
+    """The Ray head node's id (the driver's own node is ambiguous when simulated nodes share one IP)."""
+    for node in ray.nodes():
+        if node["Alive"] and "node:__internal_head__" in node["Resources"]:
+            return node["NodeID"]
+    return ray.get_runtime_context().get_node_id()
+
+
 def kill_run_actors(run_name: str) -> int:
     """Kill the detached actors a run left behind (a crashed driver, a failed test); returns how many."""
     prefixes = (f"baige-worker:{run_name}:", f"baige-controller:{run_name}")
@@ -120,6 +129,9 @@ def launch(
         namespace=NAMESPACE,
         lifetime="detached",
         num_cpus=0,
+        # On the head node (it needs no resources there): a worker node's loss must not take the
+        # controller too. Hard affinity: Ray's soft affinity placed it on other nodes in practice.
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head_node_id(), soft=False),
         max_restarts=CONTROLLER_RESTARTS,
         max_task_retries=CONTROLLER_RESTARTS,
     ).remote(job, scaling, run, elastic, layout, speeds=list(speeds), faults=faults, **options)

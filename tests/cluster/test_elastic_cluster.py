@@ -60,7 +60,7 @@ def test_a_frozen_worker_is_detected_by_heartbeats_and_replaced(reference, tmp_p
 def test_a_persistent_straggler_is_evicted_and_training_goes_on(reference, tmp_path):
     elastic = ElasticConfig(num_spares=0, min_workers=2, straggler_patience=3, straggler_threshold=1.5)
     job = elastic_mlp_run("elastic-straggler", tmp_path, elastic=elastic, num_steps=20,
-                          faults=FaultPlan().slow(rank=3, step=4, speed=0.1))
+                          faults=FaultPlan().slow(rank=3, step=4, speed=0.01))
     result = job.wait()
     events = (tmp_path / "elastic-straggler" / "events.jsonl").read_text()
     assert '"kind": "straggler"' in events and '"kind": "eviction"' in events

@@ -38,7 +38,7 @@ def test_elastic_config_names_the_bad_field():
 
 
 def test_step_deadline_scales_with_the_median_step_and_has_a_floor():
-    config = ElasticConfig(collective_timeout_floor_s=0.5, collective_timeout_factor=5.0)
+    config = ElasticConfig(collective_timeout_floor_s=0.5, collective_timeout_factor=5.0)  # not the defaults
     assert config.step_deadline_s(None) == config.first_steps_timeout_s
     assert config.step_deadline_s(0.01) == 0.5
     assert config.step_deadline_s(1.0) == 5.0
