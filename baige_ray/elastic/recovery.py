@@ -26,6 +26,7 @@ from baige_ray.policies.failure import FailureAction, FailureObservation, decide
 from baige_ray.policies.scaling import GrowthObservation, grow_to, spares_to_start
 
 CALL_TIMEOUT_S = 120.0
+MAX_REGROUP_RETRIES = 3
 
 
 class RecoveryMixin:
@@ -41,6 +42,14 @@ class RecoveryMixin:
             worker = self.members[rank]
             node = worker.info.node_id if worker.info else None
             self.events.record("failure" if outcome is not None else "eviction", why, rank=rank, node_id=node, step=self.step)
+        candidates = [(rank, w) for rank, w in enumerate(self.members) if rank not in lost and w.actor is not None]
+        # A node's loss reaches its workers one by one: confirm the others are still there.
+        for (rank, _), alive in zip(candidates, WorkerPool.responsive([w for _, w in candidates])):
+            if not alive:
+                lost[rank] = "did not answer after a peer failed"
+                self.events.record("failure", lost[rank], rank=rank, node_id=self.members[rank].info.node_id,
+                                   step=self.step)
+        self._drop_dead_spares()
         self.pool.stop([self.members[rank] for rank in lost])
         survivors = [(rank, w) for rank, w in enumerate(self.members) if rank not in lost]
         if len(self.pool.ready(self.spares)) < len(lost) and len(self.spares) > len(self.pool.ready(self.spares)):
@@ -101,6 +110,7 @@ class RecoveryMixin:
         """`count` ready workers: warm spares first, then new actors (waiting for them to start)."""
         if count <= 0:
             return []
+        self._drop_dead_spares()
         taken = self.pool.ready(self.spares)[:count]
         for worker in taken:
             self.spares.remove(worker)
@@ -111,18 +121,24 @@ class RecoveryMixin:
             return None
         return taken + up
 
+    def _drop_dead_spares(self) -> None:
+        """Forget ready spares that no longer answer (spares still starting are left alone)."""
+        ready = self.pool.ready(self.spares)
+        dead = [w for w, alive in zip(ready, WorkerPool.responsive(ready)) if not alive]
+        self.pool.stop(dead)
+        self.spares = [w for w in self.spares if w not in dead]
+
     def _lost_during_regroup(self, members: list[Worker], error: Exception) -> tuple[Phase, str]:
-        pings = [worker.actor.ping.remote() for worker in members]
-        ray.wait(pings, num_returns=len(pings), timeout=2.0)
-        dead = {}
-        for rank, ref in enumerate(pings):
-            try:
-                ray.get(ref, timeout=0)
-            except Exception:
-                dead[rank] = f"lost while regrouping ({type(error).__name__})"
+        # Heartbeats, not pings: the living may still be blocked in the failed rendezvous.
+        answered = WorkerPool.responsive(members, timeout_s=2.0)
+        dead = {rank: f"lost while regrouping ({type(error).__name__})"
+                for rank, alive in enumerate(answered) if not alive}
         self.members = members
-        if not dead:
-            return Phase.FAILED, f"regrouping failed with every worker alive: {error}"
+        self._regroup_failures = getattr(self, "_regroup_failures", 0) + 1
+        if not dead and self._regroup_failures > MAX_REGROUP_RETRIES:
+            return Phase.FAILED, f"regrouping failed {self._regroup_failures} times with every worker alive: {error}"
+        # With everyone alive the rendezvous itself failed (e.g. it waited on a member that died
+        # meanwhile, then timed out): the same members try again.
         self._pending_failure = StepOutcome(metrics=[], lost=dead)
         return Phase.RECOVERING, f"regrouping failed: {error}"
 
@@ -211,6 +227,7 @@ class RecoveryMixin:
             if layout.coords(rank).dp == 0 and layout.coords(rank).tp == 0
         )
         self.members, self.layout = members, layout
+        self._regroup_failures = 0
         self._save_job_record()
 
     def _gather_snapshot(self, holders: list[tuple[int, Worker]], layout: ParallelLayout):

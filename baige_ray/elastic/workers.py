@@ -79,6 +79,20 @@ class WorkerPool:
                 up.append(worker)
         return up
 
+    @staticmethod
+    def responsive(workers: list[Worker], timeout_s: float = 1.0) -> list[bool]:
+        """Whether each worker answers a heartbeat (on its control thread, so a busy one answers too)."""
+        beats = [worker.actor.heartbeat.remote() for worker in workers]
+        ray.wait(beats, num_returns=len(beats), timeout=timeout_s)
+        answered = []
+        for beat in beats:
+            try:
+                ray.get(beat, timeout=0)
+                answered.append(True)
+            except Exception:  # dead, or silent for timeout_s
+                answered.append(False)
+        return answered
+
     def free_devices(self) -> int:
         bundle = worker_bundle(self.scaling, self.resource)
         available = ray.available_resources()
