@@ -148,7 +148,11 @@ class ElasticController(RecoveryMixin):
     @ray.method(concurrency_group="control")
     def latest_model_state(self) -> tuple[int, ray.ObjectRef]:
         """(step, ref to the canonical model weights) from the newest in-memory snapshot."""
-        step, state = self._gather_state(list(enumerate(self.members)), self.layout)
+        for _ in range(10):  # stages can be a step apart for a moment while training runs
+            step, state = self._gather_state(list(enumerate(self.members)), self.layout)
+            if state is not None:
+                break
+            time.sleep(0.05)
         if state is None:
             raise RuntimeError("no snapshot yet: training has not completed a step")
         return step, ray.put(state["model"])

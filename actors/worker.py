@@ -199,6 +199,11 @@ class WorkerActor:
         return latest[0] if latest is not None else None
 
     @ray.method(concurrency_group="control")
+    def snapshot_with_step(self) -> tuple[int, CanonicalState] | None:
+        """(step, copy of the newest snapshot), read together while training may go on."""
+        return self.snapshots.latest_copy() if self.snapshots is not None else None
+
+    @ray.method(concurrency_group="control")
     def snapshot_state(self) -> CanonicalState:
         # A copy: the snapshot's buffers are reused two steps later, while Ray may still be sending these.
         latest = self.snapshots.latest_copy() if self.snapshots is not None else None

@@ -248,11 +248,16 @@ class RecoveryMixin:
         return step, [w.actor.snapshot_state.remote() for w in by_step[step].values()]
 
     def _gather_state(self, holders: list[tuple[int, Worker]], layout: ParallelLayout):
-        """(step, merged canonical state) of the newest snapshot, fetched here."""
-        step, parts = self._gather_snapshot(holders, layout)
-        if parts is None:
-            return step, None
-        return step, merge_states(ray.get(parts, timeout=CALL_TIMEOUT_S))
+        """(step, merged canonical state) of one snapshot per pipeline stage, fetched here while training
+        may go on: each part comes with its own step, and parts of different steps are not merged."""
+        per_stage: dict[int, Worker] = {}
+        for rank, worker in holders:
+            per_stage.setdefault(layout.coords(rank).pp, worker)
+        parts = _answers([w.actor.snapshot_with_step.remote() for w in per_stage.values()])
+        steps = {part[0] for part in parts if part is not None}
+        if None in parts or len(steps) != 1 or len(per_stage) != layout.pp:
+            return None, None  # a stage missing or mid-step: the next attempt will do
+        return steps.pop(), merge_states([part[1] for part in parts])
 
     def _persisted_state(self):
         if self.elastic.persist_path is None:

@@ -26,6 +26,9 @@ class HostSnapshotter:
         # Double buffering: the next copy overwrites the snapshot before the latest, which no one
         # reads any more (readers get copies: `latest_copy`), so steady state allocates nothing.
         self._spare: CanonicalState | None = None
+        # Held while a copy writes into the spare buffers and while a reader clones the latest:
+        # after a publish the old latest becomes the spare, so the two must never overlap.
+        self._buffers = threading.Lock()
         self._copying: threading.Thread | None = None
         self._failure: BaseException | None = None
         engine.before_update_hooks.append(self._fence_for_update)
@@ -35,7 +38,8 @@ class HostSnapshotter:
         self.fence()
         if not self.engine.snapshot_is_local:
             started = time.perf_counter()
-            self._publish(step, self.engine.snapshot_state(self._spare))
+            with self._buffers:
+                self._publish(step, self.engine.snapshot_state(self._spare))
             self.last_stall_s = time.perf_counter() - started
             return
         self._copying = threading.Thread(target=self._copy, args=(step,), name=f"snapshot-{step}", daemon=True)
@@ -43,7 +47,8 @@ class HostSnapshotter:
 
     def _copy(self, step: int) -> None:
         try:
-            self._publish(step, self.engine.snapshot_state(self._spare))
+            with self._buffers:
+                self._publish(step, self.engine.snapshot_state(self._spare))
         except BaseException as error:  # surfaced by fence() on the training thread
             self._failure = error
 
@@ -73,11 +78,12 @@ class HostSnapshotter:
 
     def latest_copy(self) -> tuple[int, CanonicalState] | None:
         """The newest snapshot, copied: safe to hand to another thread or process while training goes on."""
-        latest = self.latest()
-        if latest is None:
-            return None
-        step, state = latest
-        return step, {section: _clone_tree(part) for section, part in state.items()}
+        self.fence()
+        with self._buffers:
+            if self._latest is None:
+                return None
+            step, state = self._latest
+            return step, {section: _clone_tree(part) for section, part in state.items()}
 
     def drop(self) -> None:
         """Forget the engine (a new generation builds a new one); the latest snapshot is kept."""
