@@ -104,6 +104,7 @@ class WorkerActor:
     def join_group(self, membership: GroupMembership) -> int:
         self._drop_engine()  # an engine holds the old generation's communicators
         self._collective_timeout_s = None
+        STEP_ABORT.clear()  # an abort ends a generation: only a new one clears it
         self.group.join(membership)
         return os.getpid()
 
@@ -169,7 +170,6 @@ class WorkerActor:
         if self._failed_generation == self.group.membership.generation:
             raise RuntimeError(f"step {step} refused: an earlier step of this process-group generation failed")
         self.current_step = step
-        STEP_ABORT.clear()
         try:
             metrics = engine.train_step(step)
         except BaseException:
@@ -182,7 +182,9 @@ class WorkerActor:
 
     @ray.method(concurrency_group="control")
     def abort_step(self) -> None:
-        """Release this worker from a collective that a lost peer will never complete."""
+        """Release this worker from a collective that a lost peer will never complete; refuse queued steps."""
+        if self.group.membership is not None:
+            self._failed_generation = self.group.membership.generation
         abort_step()
 
     def _set_collective_timeout(self, seconds: float) -> None:

@@ -27,7 +27,7 @@ class ElasticConfig:
     num_spares: int = 0
     heartbeat_interval_s: float = 0.25
     heartbeat_timeout_s: float = 2.0
-    collective_timeout_floor_s: float = 2.0
+    collective_timeout_floor_s: float = 1.0
     collective_timeout_factor: float = 10.0
     first_steps_timeout_s: float = 120.0
     straggler_threshold: float = 1.5

@@ -42,8 +42,14 @@ class RecoveryMixin:
             worker = self.members[rank]
             node = worker.info.node_id if worker.info else None
             self.events.record("failure" if outcome is not None else "eviction", why, rank=rank, node_id=node, step=self.step)
-        candidates = [(rank, w) for rank, w in enumerate(self.members) if rank not in lost and w.actor is not None]
-        # A node's loss reaches its workers one by one: confirm the others are still there.
+        if outcome is not None:  # survivors may be inside a step queued behind the failed one
+            for rank, worker in enumerate(self.members):
+                if rank not in lost and worker.actor is not None:
+                    worker.actor.abort_step.remote()
+        answered = set(outcome.failed) if outcome is not None else set()
+        candidates = [(rank, w) for rank, w in enumerate(self.members)
+                      if rank not in lost and rank not in answered and w.actor is not None]
+        # A node's loss reaches its workers one by one: confirm those not heard from just now are still there.
         for (rank, _), alive in zip(candidates, WorkerPool.responsive([w for _, w in candidates])):
             if not alive:
                 lost[rank] = "did not answer after a peer failed"
