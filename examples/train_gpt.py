@@ -98,8 +98,12 @@ def lend_and_serve(job: br.TrainingJob, args: argparse.Namespace) -> None:
                   f"\n    | {text}\n")
     finally:
         shutdown(info)
-    job.resize(args.workers, reason="reclaim from inference")
-    print(f"reclaimed: training back on {args.workers} workers at step {job.status()['step']}")
+    training = job.resize(args.workers, reason="reclaim from inference")
+    status = job.status()
+    if training == args.workers:
+        print(f"reclaimed: training back on {training} workers at step {status['step']}")
+    else:  # new workers start in the background; the run may end first
+        print(f"reclaim pending: training {status['state']} on {training} workers at step {status['step']}")
 
 
 def ask(url: str, prompt: str, seed: int) -> dict:
