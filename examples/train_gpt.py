@@ -38,7 +38,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cluster", type=Path, default=REPO_ROOT / "clusters" / "sim-2x4.yaml")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--serve-at", type=int, default=200, help="step at which inference borrows devices")
+    parser.add_argument("--serve-at", type=int, default=150, help="step at which inference borrows devices")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--storage", type=Path, default=Path.home() / "baige_ray_results")
     args = parser.parse_args()
