@@ -77,8 +77,6 @@ def _collect(rank: int, ref: ray.ObjectRef, outcome: StepOutcome) -> bool:
 
 def _unresponsive(workers, pending, heartbeats, times: WatchTimes, now: float) -> list[int]:
     """Ranks whose heartbeat has been unanswered for heartbeat_timeout_s; sends the next ones."""
-    if now < times.heartbeat_interval_s:
-        return []
     silent = []
     for rank in pending:
         sent = heartbeats.get(rank)
