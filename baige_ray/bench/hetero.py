@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from baige_ray.bench.measure import steady_median, steady_throughput
@@ -105,6 +106,50 @@ def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
     return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
 
+def data_parallel_step_units(replica_microbatches: Sequence[int], speeds: Sequence[float], model_units: float,
+                             allreduce_units: float = 0.0) -> float:
+    """Step time of data parallel over mixed chips, in layer-times of a speed-1 chip.
+
+    Replica i trains replica_microbatches[i] micro-batches of the whole model
+    (`model_units` layer-times each) on a chip of speed[i]; the step waits for the
+    slowest replica, then for one gradient all-reduce.
+    """
+    return max(n * model_units / s for n, s in zip(replica_microbatches, speeds)) + allreduce_units
+
+
+@dataclass(frozen=True)
+class HeteroPlan:
+    """The faster of uneven PP and uneven-share DP for a set of chip speeds, with both predictions."""
+
+    kind: str  # "pipeline" or "data_parallel"
+    pipeline_speeds: tuple[float, ...]  # chip speed per pipeline stage, in stage order
+    stage_layers: tuple[int, ...]
+    dp_microbatches: tuple[int, ...]  # micro-batches per replica, replicas in the given speeds' order
+    pipeline_units: float
+    data_parallel_units: float
+
+
+def plan_hetero(num_layers: int, speeds: Sequence[float], head_cost: float, num_microbatches: int, *,
+                handover_units: float = 0.0, allreduce_units: float = 0.0) -> HeteroPlan:
+    """Predict both ways to use mixed chips and pick the faster (ties go to the pipeline).
+
+    Uneven PP: `plan_stages`, plus `handover_units` per micro-batch and stage boundary
+    (activation and gradient exchange). Uneven-share DP: each chip trains the whole model
+    (layers plus the head) on micro-batches in proportion to its speed, the split minimising
+    the slowest replica (`speed_proportional_split` over micro-batches), plus one
+    all-reduce of the gradients a step.
+    """
+    stage_speeds, stage_layers = plan_stages(num_layers, speeds, head_cost, num_microbatches)
+    costs = [0.0] * (len(speeds) - 1) + [head_cost]
+    pipeline = pipeline_step_units(stage_layers, stage_speeds, costs, num_microbatches)
+    pipeline += num_microbatches * (len(speeds) - 1) * handover_units
+    shares = speed_proportional_split(num_microbatches, speeds)
+    data_parallel = data_parallel_step_units(shares, speeds, num_layers + head_cost, allreduce_units)
+    kind = "data_parallel" if data_parallel < pipeline - 1e-9 else "pipeline"
+    return HeteroPlan(kind=kind, pipeline_speeds=stage_speeds, stage_layers=stage_layers, dp_microbatches=shares,
+                      pipeline_units=pipeline, data_parallel_units=data_parallel)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-layers", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=256)
@@ -117,17 +162,66 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the steady state")
 
 
+def _fit_case(model: Any, train: Any, name: str, layout: Any, speeds: list[float], storage: str,
+              warmup: int) -> dict[str, Any]:
+    """Train one case and reduce it to its steady-state row."""
+    from baige_ray.api.configs import RunConfig, ScalingConfig
+    from baige_ray.models.corpus import CorpusConfig
+    from baige_ray.runtime.fit import fit
+
+    result = fit(
+        model, train=train, layout=layout, emulated_speeds=speeds,
+        scaling=ScalingConfig(num_workers=layout.world_size, accelerator="cpu"),
+        run=RunConfig(name=f"hetero-{name}", storage_path=storage, show_progress=False),
+        corpus=CorpusConfig(max_bytes=2 * 1024 * 1024),
+    )
+    times = [m.step_time_s for m in result.metrics]
+    tokens = [m.tokens for m in result.metrics]
+    return {
+        "stage_layers": list(layout.layers_per_stage(model.num_layers)),
+        "speeds": speeds,
+        "throughput": steady_throughput(tokens, times, warmup),
+        "median_step_s": steady_median(times, warmup),
+        "step_times_s": [round(t, 4) for t in times],
+        "losses": [round(m.loss, 5) for m in result.metrics],
+        "fit_s": round(result.elapsed_s, 2),
+    }
+
+
+def _fit_alone_concurrently(model: Any, train: Any, storage: str, warmup: int) -> dict[str, dict[str, Any]]:
+    """Each chip trains the whole model by itself, both at once: each group's throughput under shared cores.
+
+    The faster chip runs proportionally more steps so that it keeps computing for as
+    long as the slower one does: every steady step of either run then overlaps the other.
+    """
+    import dataclasses
+    from concurrent.futures import ThreadPoolExecutor
+
+    from baige_ray.engines.layout import ParallelLayout
+
+    extra = round(train.num_steps * (max(SPEEDS) / min(SPEEDS) - 1))
+    cases = {  # name: (steps, speed)
+        "fast_alone_concurrent": (train.num_steps + extra, max(SPEEDS)),
+        "slow_alone_concurrent": (train.num_steps, min(SPEEDS)),
+    }
+    with ThreadPoolExecutor(max_workers=len(cases)) as pool:
+        futures = {
+            name: pool.submit(_fit_case, model, dataclasses.replace(train, num_steps=steps), name,
+                              ParallelLayout(), [speed], storage, warmup)
+            for name, (steps, speed) in cases.items()
+        }
+        return {name: future.result() for name, future in futures.items()}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import os
     import tempfile
     import time
 
-    from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
-    from baige_ray.engines.layout import ParallelLayout
-    from baige_ray.models.corpus import CorpusConfig
-    from baige_ray.models.gpt import GPTConfig
+    from baige_ray.api.configs import TrainConfig
     from baige_ray.bench.measure import bench_ray
-    from baige_ray.runtime.fit import fit
+    from baige_ray.engines.layout import ParallelLayout
+    from baige_ray.models.gpt import GPTConfig
 
     if args.steps <= args.warmup:
         raise ValueError(f"--steps={args.steps} must exceed --warmup={args.warmup}")
@@ -137,50 +231,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         num_steps=args.steps, global_batch_size=global_batch, micro_batch_size=args.micro_batch_size,
         warmup_steps=1, log_every=1,
     )
-    stage_speeds, planned_layers = plan_stages(args.num_layers, SPEEDS, head_cost_in_layers(model), args.microbatches)
+    plan = plan_hetero(args.num_layers, SPEEDS, head_cost_in_layers(model), args.microbatches)
     even_layers = ParallelLayout(pp=len(SPEEDS)).layers_per_stage(args.num_layers)
-    pipeline = dict(pp=len(SPEEDS), num_microbatches=args.microbatches, stage_speeds=stage_speeds,
+    pipeline = dict(pp=len(SPEEDS), num_microbatches=args.microbatches, stage_speeds=plan.pipeline_speeds,
                     pipeline_run_ahead=args.run_ahead)
-    cases = [  # (name, layout, speeds); interleaved so slow drift on a shared box hits all alike
+    cases = [  # (name, layout, per-rank speeds); interleaved so slow drift on a shared box hits all alike
         ("fast_alone", ParallelLayout(), [SPEEDS[0]]),
-        ("planned", ParallelLayout(**pipeline, stage_layers=planned_layers), list(stage_speeds)),
-        ("even", ParallelLayout(**pipeline, stage_layers=even_layers), list(stage_speeds)),
+        ("pp_uneven", ParallelLayout(**pipeline, stage_layers=plan.stage_layers), list(plan.pipeline_speeds)),
+        ("dp_uneven", ParallelLayout(dp=len(SPEEDS), dp_microbatches=plan.dp_microbatches), list(SPEEDS)),
+        ("pp_even", ParallelLayout(**pipeline, stage_layers=even_layers), list(plan.pipeline_speeds)),
+        ("dp_even", ParallelLayout(dp=len(SPEEDS)), list(SPEEDS)),
         ("slow_alone", ParallelLayout(), [SPEEDS[1]]),
     ]
     runs: dict[str, dict[str, Any]] = {}
     started, load_before = time.perf_counter(), os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="baige-bench-hetero-") as tmp, bench_ray(num_cpus=4):
         for name, layout, speeds in cases:
-            result = fit(
-                model, train=train, layout=layout, emulated_speeds=speeds,
-                scaling=ScalingConfig(num_workers=layout.world_size, accelerator="cpu"),
-                run=RunConfig(name=f"hetero-{name}", storage_path=tmp, show_progress=False),
-                corpus=CorpusConfig(max_bytes=2 * 1024 * 1024),
-            )
-            times = [m.step_time_s for m in result.metrics]
-            tokens = [m.tokens for m in result.metrics]
-            runs[name] = {
-                "stage_layers": list(layout.layers_per_stage(args.num_layers)),
-                "speeds": speeds,
-                "throughput": steady_throughput(tokens, times, args.warmup),
-                "median_step_s": steady_median(times, args.warmup),
-                "step_times_s": [round(t, 4) for t in times],
-                "fit_s": round(result.elapsed_s, 2),
-            }
-    ideal = runs["fast_alone"]["throughput"] + runs["slow_alone"]["throughput"]
-    planned = runs["planned"]["throughput"]
+            runs[name] = _fit_case(model, train, name, layout, speeds, tmp, args.warmup)
+        runs.update(_fit_alone_concurrently(model, train, tmp, args.warmup))
+    planned, even = ("dp_uneven", "dp_even") if plan.kind == "data_parallel" else ("pp_uneven", "pp_even")
     return {
-        "planned_throughput": round(planned, 2),
-        "ideal_throughput": round(ideal, 2),
-        "ratio": round(planned / ideal, 4),
-        "even_split_ratio": round(runs["even"]["throughput"] / ideal, 4),
-        "even_throughput": round(runs["even"]["throughput"], 2),
-        "fast_alone_throughput": round(runs["fast_alone"]["throughput"], 2),
-        "slow_alone_throughput": round(runs["slow_alone"]["throughput"], 2),
-        "measured_slow_speed": round(runs["slow_alone"]["throughput"] / runs["fast_alone"]["throughput"], 4),
-        "planned_stage_layers": list(planned_layers),
-        "stage_speeds": list(stage_speeds),
-        "even_stage_layers": list(even_layers),
+        **ratios(runs, planned, even),
+        "planned_layout": planned,
+        "even_layout": even,
+        "predicted_units": {"pp_uneven": round(plan.pipeline_units, 2), "dp_uneven": round(plan.data_parallel_units, 2),
+                            "ideal": round(args.microbatches * (args.num_layers + head_cost_in_layers(model))
+                                           / sum(SPEEDS), 2)},
+        "pp_stage_layers": list(plan.stage_layers),
+        "pp_stage_speeds": list(plan.pipeline_speeds),
+        "pp_even_stage_layers": list(even_layers),
+        "dp_microbatches": list(plan.dp_microbatches),
         "speeds": list(SPEEDS),
         "microbatches": args.microbatches,
         "micro_batch_size": args.micro_batch_size,
@@ -196,14 +276,46 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+LAYOUTS = ("pp_uneven", "dp_uneven", "pp_even", "dp_even")
+
+
+def ratios(runs: dict[str, dict[str, Any]], planned: str, even: str) -> dict[str, Any]:
+    """Throughputs and ratios to the concurrent ideal, with the sequential ideal's beside them."""
+    throughput = {name: row["throughput"] for name, row in runs.items()}
+    ideal = throughput["fast_alone_concurrent"] + throughput["slow_alone_concurrent"]
+    sequential = throughput["fast_alone"] + throughput["slow_alone"]
+    return {
+        "planned_throughput": round(throughput[planned], 2),
+        "ideal_throughput": round(ideal, 2),
+        "ratio": round(throughput[planned] / ideal, 4),
+        "even_split_ratio": round(throughput[even] / ideal, 4),
+        "ideal_sequential_throughput": round(sequential, 2),
+        "ratio_vs_sequential": round(throughput[planned] / sequential, 4),
+        "even_split_ratio_vs_sequential": round(throughput[even] / sequential, 4),
+        "layouts": {
+            name: {"throughput": round(throughput[name], 2), "ratio": round(throughput[name] / ideal, 4),
+                   "ratio_vs_sequential": round(throughput[name] / sequential, 4)}
+            for name in LAYOUTS
+        },
+        "fast_alone_throughput": round(throughput["fast_alone"], 2),
+        "slow_alone_throughput": round(throughput["slow_alone"], 2),
+        "measured_slow_speed": round(throughput["slow_alone"] / throughput["fast_alone"], 4),
+        "measured_slow_speed_concurrent": round(
+            throughput["slow_alone_concurrent"] / throughput["fast_alone_concurrent"], 4),
+    }
+
+
 def summarize(result: dict[str, Any]) -> str:
-    lines = ["run          stage_layers  speeds      tokens/s   median_step_s"]
+    lines = ["run                    stage_layers  speeds      tokens/s   median_step_s"]
     for name, row in result["runs"].items():
-        lines.append(f"{name:<12} {str(row['stage_layers']):<13} {str(row['speeds']):<11} "
+        lines.append(f"{name:<22} {str(row['stage_layers']):<13} {str(row['speeds']):<11} "
                      f"{row['throughput']:>9.1f}  {row['median_step_s']:>10.3f}")
-    lines.append(f"ideal (fast + slow alone): {result['ideal_throughput']:.1f} tokens/s; "
-                 f"planned {result['planned_stage_layers']}: ratio {result['ratio']:.3f}; "
-                 f"even {result['even_stage_layers']}: ratio {result['even_split_ratio']:.3f}")
+    lines.append(f"ideal: {result['ideal_throughput']:.1f} tokens/s (chips alone, concurrently), "
+                 f"{result['ideal_sequential_throughput']:.1f} (one after the other)")
+    for name, row in result["layouts"].items():
+        mark = " <- planned" if name == result["planned_layout"] else ""
+        lines.append(f"{name:<10} ratio {row['ratio']:.3f} (vs sequential {row['ratio_vs_sequential']:.3f}){mark}")
     lines.append(f"1F1B bubble with {result['microbatches']} micro-batches: {result['bubble_fraction']:.1%}; "
-                 f"measured speed of the emulated 0.5 chip: {result['measured_slow_speed']:.3f}")
+                 f"DP micro-batches per chip {result['dp_microbatches']}; measured speed of the emulated 0.5 chip: "
+                 f"{result['measured_slow_speed']:.3f} alone, {result['measured_slow_speed_concurrent']:.3f} concurrently")
     return "\n".join(lines)

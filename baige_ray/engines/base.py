@@ -13,7 +13,7 @@ from baige_ray.engines.layout import ParallelLayout, RankCoords
 from baige_ray.engines.state import CanonicalState
 from baige_ray.models.corpus import ByteCorpus, stdlib_corpus
 from baige_ray.models.gpt import GPTConfig
-from baige_ray.runtime.train_loop import TrainJob, learning_rate_at, sample_range
+from baige_ray.runtime.train_loop import TrainJob, learning_rate_at, replica_sample_range
 
 
 class SlowChipEmulator:
@@ -115,7 +115,8 @@ class Engine(ABC):
         self.device = torch.device(device)
         self.emulated_speed = emulated_speed
         self.coords: RankCoords = layout.coords(rank)
-        self.per_replica_batch = job.train.per_worker_batch(layout.dp)
+        self.replica_batches = layout.replica_batches(job.train)
+        self.per_replica_batch = self.replica_batches[self.coords.dp]
         self.corpus = corpus or (stdlib_corpus(job.corpus) if isinstance(job.model, GPTConfig) else None)
         self.before_update_hooks: list[Callable[[], None]] = []
         self.emulators: list[SlowChipEmulator] = []
@@ -142,7 +143,7 @@ class Engine(ABC):
         }
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        indices = sample_range(step, self.coords.dp, self.layout.dp, self.job.train.global_batch_size)
+        indices = replica_sample_range(step, self.coords.dp, self.replica_batches)
         return self.corpus.batch(indices, self.job.model.seq_len, self.job.train.seed)
 
     def set_emulated_speed(self, speed: float) -> None:

@@ -8,11 +8,15 @@ one NVSwitch island keeps TP traffic inside it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from baige_ray.api.validation import require_choice, require_int, require_number
 
 DATA_PARALLEL_KINDS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b")
+
+if TYPE_CHECKING:
+    from baige_ray.api.configs import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,11 @@ class ParallelLayout:
     pipeline_run_ahead: int = 0
     stage_layers: tuple[int, ...] | None = None
     stage_speeds: tuple[float, ...] | None = None
+    # Data parallel over chips of different speeds: micro-batches each DP replica trains per
+    # step, in proportion to its chip's speed (e.g. (43, 21) of 64 at speeds 1.0 / 0.5); None
+    # splits the global batch evenly. Losses are weighted so a step's gradient is the mean over
+    # the whole global batch, whatever the split.
+    dp_microbatches: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp"):
@@ -51,6 +60,23 @@ class ParallelLayout:
             )
         self._check_stage_tuple("stage_layers", self.stage_layers, int)
         self._check_stage_tuple("stage_speeds", self.stage_speeds, float)
+        self._check_dp_microbatches()
+
+    def _check_dp_microbatches(self) -> None:
+        if self.dp_microbatches is None:
+            return
+        object.__setattr__(self, "dp_microbatches", tuple(self.dp_microbatches))
+        if len(self.dp_microbatches) != self.dp:
+            raise ValueError(
+                f"ParallelLayout.dp_microbatches={self.dp_microbatches!r} is invalid: expected dp={self.dp} entries"
+            )
+        for count in self.dp_microbatches:
+            require_int("ParallelLayout", "dp_microbatches", count, minimum=1)
+        if self.tp > 1 or self.pp > 1 or self.data_parallel != "ddp":
+            raise ValueError(
+                f"ParallelLayout.dp_microbatches={self.dp_microbatches!r} is invalid with tp={self.tp}, "
+                f"pp={self.pp}, data_parallel={self.data_parallel!r}: expected pure data parallel by 'ddp'"
+            )
 
     def _check_stage_tuple(self, name: str, values: tuple | None, kind: type) -> None:
         if values is None:
@@ -85,6 +111,18 @@ class ParallelLayout:
                 f"per-replica batch {per_replica_batch}"
             )
         return count
+
+    def replica_batches(self, train: TrainConfig) -> tuple[int, ...]:
+        """Sequences each data-parallel replica trains per step; they add up to the global batch."""
+        if self.dp_microbatches is None:
+            return (train.per_worker_batch(self.dp),) * self.dp
+        if train.micro_batch_size is None or sum(self.dp_microbatches) * train.micro_batch_size != train.global_batch_size:
+            raise ValueError(
+                f"ParallelLayout.dp_microbatches={self.dp_microbatches!r} is invalid: expected micro-batches of "
+                f"TrainConfig.micro_batch_size={train.micro_batch_size} adding up to the global batch "
+                f"{train.global_batch_size}"
+            )
+        return tuple(count * train.micro_batch_size for count in self.dp_microbatches)
 
     def coords(self, rank: int) -> RankCoords:
         if not 0 <= rank < self.world_size:

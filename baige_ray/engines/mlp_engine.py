@@ -25,8 +25,10 @@ MOMENTUM_KEY = "momentum_buffer"
 
 class MLPEngine(Engine):
     def __init__(self, job: TrainJob, layout: ParallelLayout, rank: int = 0, **options: Any):
-        if layout.tp > 1 or layout.pp > 1 or layout.data_parallel != "ddp":
-            raise ValueError(f"layout {layout.describe()} is invalid for the MLP: expected data parallel (ddp) only")
+        if layout.tp > 1 or layout.pp > 1 or layout.data_parallel != "ddp" or layout.dp_microbatches:
+            raise ValueError(
+                f"layout {layout.describe()} is invalid for the MLP: expected data parallel (ddp) with even shares"
+            )
         super().__init__(job, layout, rank, **options)
         torch.manual_seed(job.train.seed)
         self.model = MLP(job.model).to(self.device)

@@ -122,11 +122,14 @@ class TorchEngine(Engine):
         (model,) = self._wrapped
         micro = self.job.train.micro_batch_size or self.per_replica_batch
         num_micro = self.per_replica_batch // micro
+        # Replicas average their gradients, so each micro-batch weighs dp / (all replicas' micro-batches):
+        # the batch mean even when replicas on faster chips train more micro-batches (= 1 / num_micro if even).
+        weight_divisor = self.job.train.global_batch_size // micro / self.layout.dp
         loss_sum = 0.0
         for index in range(num_micro):
             chunk = slice(index * micro, (index + 1) * micro)
             with self._gradient_sync(model, index == num_micro - 1):
-                loss = language_model_loss(model(inputs[chunk]), targets[chunk]) / num_micro
+                loss = language_model_loss(model(inputs[chunk]), targets[chunk]) / weight_divisor
                 loss.backward()
             loss_sum += loss.item()
         return loss_sum

@@ -135,9 +135,13 @@ def check_execution(
             f"ScalingConfig.num_workers={scaling.num_workers} is invalid: layout {layout.describe()} "
             f"expected {layout.world_size} workers"
         )
-    job.train.per_worker_batch(layout.dp)
+    layout.replica_batches(job.train)
     if isinstance(job.model, GPTConfig):
         layout.layers_per_stage(job.model.num_layers)
+    return check_speeds(scaling, speeds)
+
+
+def check_speeds(scaling: ScalingConfig, speeds: list[float] | None) -> tuple[float, ...]:
     speeds = list(speeds or [1.0] * scaling.num_workers)
     if len(speeds) != scaling.num_workers or min(speeds) <= 0:
         raise ValueError(f"emulated_speeds={speeds!r} is invalid: expected {scaling.num_workers} positive numbers")

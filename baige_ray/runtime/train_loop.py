@@ -3,12 +3,16 @@
 A step covers global sample indices [step * B, (step + 1) * B); data-parallel
 replica r of R reads the contiguous slice r * B/R ... (r + 1) * B/R and splits
 it into micro-batches. Gradients are averaged over micro-batches and replicas,
-so every layout computes the same update as one process with batch B.
+so every layout computes the same update as one process with batch B. Replicas on
+chips of different speeds may hold uneven slices (`ParallelLayout.dp_microbatches`);
+each micro-batch's loss is then weighted by R / (B / micro) instead of 1 / its
+replica's micro-batch count, so the average over replicas is still the batch mean.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +47,12 @@ def sample_range(step: int, rank: int, world_size: int, global_batch_size: int) 
     per_rank = global_batch_size // world_size
     start = step * global_batch_size + rank * per_rank
     return range(start, start + per_rank)
+
+
+def replica_sample_range(step: int, replica: int, replica_batches: Sequence[int]) -> range:
+    """The global batch's samples one data-parallel replica trains, replicas holding consecutive, possibly uneven parts."""
+    start = step * sum(replica_batches) + sum(replica_batches[:replica])
+    return range(start, start + replica_batches[replica])
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:

@@ -5,9 +5,12 @@ import pytest
 from baige_ray.bench import cli
 from baige_ray.bench.hetero import (
     bubble_fraction,
+    data_parallel_step_units,
     head_cost_in_layers,
     pipeline_step_units,
+    plan_hetero,
     plan_stages,
+    ratios,
     speed_proportional_split,
 )
 from baige_ray.bench.measure import steady_median, steady_throughput
@@ -118,3 +121,39 @@ def test_benchmarks_are_registered_with_their_options():
     assert args.microbatches == 16 and args.json
     args = parser.parse_args(["bench", "overhead", "--steps", "12", "--systems", "baige", "torchrun"])
     assert args.steps == 12 and args.systems == ["baige", "torchrun"]
+
+
+def test_data_parallel_step_waits_for_the_slowest_replica_then_the_all_reduce():
+    assert data_parallel_step_units((43, 21), (1.0, 0.5), 6.0) == pytest.approx(43 * 6)
+    assert data_parallel_step_units((32, 32), (1.0, 0.5), 6.0, allreduce_units=2.0) == pytest.approx(64 * 6 + 2)
+
+
+def test_plan_picks_uneven_data_parallel_for_half_speed_chips_and_splits_micro_batches_by_speed():
+    plan = plan_hetero(6, (1.0, 0.5), head_cost=0.08, num_microbatches=64)
+    assert plan.kind == "data_parallel"
+    assert plan.dp_microbatches == (43, 21)  # max(43 / 1.0, 21 / 0.5) = 43 beats (42, 22) -> 44
+    assert plan.data_parallel_units == pytest.approx(43 * 6.08)
+    assert (plan.pipeline_speeds, plan.stage_layers) == ((0.5, 1.0), (2, 4))
+    assert plan.pipeline_units == pytest.approx(pipeline_step_units((2, 4), (0.5, 1.0), (0.0, 0.08), 64))
+
+
+def test_plan_picks_the_pipeline_when_the_all_reduce_costs_more_than_the_pipeline_loses():
+    cheap = plan_hetero(6, (1.0, 0.5), head_cost=0.08, num_microbatches=64, allreduce_units=1.0)
+    costly = plan_hetero(6, (1.0, 0.5), head_cost=0.08, num_microbatches=64, allreduce_units=10.0)
+    assert (cheap.kind, costly.kind) == ("data_parallel", "pipeline")
+    handover = plan_hetero(6, (1.0, 0.5), head_cost=0.08, num_microbatches=64, allreduce_units=10.0,
+                           handover_units=0.2)
+    assert handover.kind == "data_parallel"  # 64 hand-overs of 0.2 outweigh one all-reduce of 10
+
+
+def test_ratios_are_against_the_concurrent_ideal_with_the_sequential_one_beside():
+    names = ("fast_alone", "slow_alone", "fast_alone_concurrent", "slow_alone_concurrent",
+             "pp_uneven", "dp_uneven", "pp_even", "dp_even")
+    values = (100.0, 50.0, 80.0, 40.0, 90.0, 117.0, 60.0, 80.0)
+    result = ratios({name: {"throughput": value} for name, value in zip(names, values)}, "dp_uneven", "dp_even")
+    assert result["ideal_throughput"] == 120.0 and result["ideal_sequential_throughput"] == 150.0
+    assert result["ratio"] == pytest.approx(117 / 120, abs=1e-4)
+    assert result["ratio_vs_sequential"] == pytest.approx(117 / 150, abs=1e-4)
+    assert result["even_split_ratio"] == pytest.approx(80 / 120, abs=1e-4)
+    assert result["layouts"]["pp_uneven"]["ratio"] == 0.75
+    assert result["measured_slow_speed"] == 0.5 and result["measured_slow_speed_concurrent"] == 0.5

@@ -1,0 +1,88 @@
+"""Data parallel over chips of different speeds: uneven micro-batch shares train like one process."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from baige_ray.api.configs import TrainConfig
+from baige_ray.engines.layout import ParallelLayout
+from baige_ray.models.corpus import CorpusConfig
+from baige_ray.models.gpt import GPTConfig
+from baige_ray.runtime.train_loop import TrainJob, replica_sample_range, sample_range
+
+NUM_STEPS = 3
+
+
+def _job() -> TrainJob:
+    return TrainJob(
+        model=GPTConfig(num_layers=2, hidden=32, num_heads=2, seq_len=16),
+        train=TrainConfig(num_steps=NUM_STEPS, global_batch_size=6, micro_batch_size=1, warmup_steps=1, log_every=1),
+        corpus=CorpusConfig(max_bytes=64 * 1024),
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _train_uneven_replicas(rank: int, port: int, results) -> None:
+    import os
+
+    from baige_ray.engines.factory import build_engine
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    engine = build_engine(_job(), ParallelLayout(dp=2, dp_microbatches=(4, 2)), rank)
+    steps = [engine.train_step(step) for step in range(NUM_STEPS)]
+    results[rank] = ([s["loss"] for s in steps], [s["tokens"] for s in steps], engine.per_replica_batch)
+    dist.destroy_process_group()
+
+
+def test_uneven_shares_give_the_single_process_losses_step_by_step():
+    from tests.helpers import reference_losses
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(_train_uneven_replicas, args=(_free_port(), results), nprocs=2, start_method="spawn")
+        results = dict(results)
+    assert results[0][2] == 4 and results[1][2] == 2  # sequences per replica follow the shares
+    assert [a + b for a, b in zip(results[0][1], results[1][1])] == [6 * 16] * NUM_STEPS
+    # The step's loss is the mean over replicas of their weighted partial sums, as fit reduces it.
+    losses = [(a + b) / 2 for a, b in zip(results[0][0], results[1][0])]
+    expected = reference_losses(_job())
+    assert losses == pytest.approx(expected, rel=1e-3)
+    assert losses[-1] != pytest.approx(losses[0], rel=1e-3)  # training moved, so later steps test the gradients
+
+
+def test_replica_ranges_are_consecutive_and_cover_the_global_batch():
+    assert [replica_sample_range(2, r, (4, 2)) for r in (0, 1)] == [range(12, 16), range(16, 18)]
+    for rank in range(4):
+        assert replica_sample_range(3, rank, (8,) * 4) == sample_range(3, rank, 4, 32)
+
+
+def test_replica_batches_follow_the_shares_and_must_add_up():
+    train = TrainConfig(num_steps=1, global_batch_size=12, micro_batch_size=2)
+    assert ParallelLayout(dp=2, dp_microbatches=(4, 2)).replica_batches(train) == (8, 4)
+    assert ParallelLayout(dp=3).replica_batches(train) == (4, 4, 4)
+    with pytest.raises(ValueError, match="dp_microbatches"):
+        ParallelLayout(dp=2, dp_microbatches=(4, 1)).replica_batches(train)
+    with pytest.raises(ValueError, match="dp_microbatches"):
+        ParallelLayout(dp=2, dp_microbatches=(8, 4)).replica_batches(TrainConfig(num_steps=1, global_batch_size=12))
+
+
+@pytest.mark.parametrize("fields", [
+    dict(dp=2, dp_microbatches=(1,)),
+    dict(dp=2, dp_microbatches=(3, 0)),
+    dict(dp=2, pp=2, dp_microbatches=(3, 1)),
+    dict(dp=2, tp=2, dp_microbatches=(3, 1)),
+    dict(dp=2, data_parallel="fsdp2", dp_microbatches=(3, 1)),
+])
+def test_layout_rejects_bad_shares_naming_the_field(fields):
+    with pytest.raises(ValueError, match="dp_microbatches"):
+        ParallelLayout(**fields)
