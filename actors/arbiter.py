@@ -10,6 +10,10 @@ policy, and acts:
 - reclaim k: Serve shrinks by k replicas (Serve drains them: no request dropped) and only once they
   are gone does training grow back onto the devices they held.
 
+A lend takes effect only once its replica is up, so the loop measures how long its own lends take
+(smoothed over the lends so far, starting from `lend_latency_s`) and gives the policy a forecast of
+the request rate that far ahead, from the trend of the rates it observed over `trend_window_s`.
+
 `ArbiterLoop` holds the decision loop and talks to the two sides through small interfaces, so it
 is tested without Ray; `JobTrainingSide` and `ServeServingSide` are the real sides and
 `PoolArbiter` the Ray actor that runs the loop on a thread.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,11 +31,19 @@ from typing import Any, Protocol
 
 from baige_ray.api.validation import require_int, require_number
 from baige_ray.ops.events import EventLog
-from baige_ray.policies.lending import LendingAction, LendingDecision, LendingObservation, LendingPolicy, decide
+from baige_ray.policies.lending import (
+    LendingAction,
+    LendingDecision,
+    LendingObservation,
+    LendingPolicy,
+    decide,
+    forecast_rate,
+)
 
 
 MIN_REQUESTS_TO_MEASURE = 20
 CAPACITY_SMOOTHING = 0.3
+LEND_LATENCY_SMOOTHING = 0.5
 
 
 class TrainingSide(Protocol):
@@ -59,16 +72,20 @@ class ArbiterConfig:
     poll_interval_s: float = 1.0
     load_window_s: float = 5.0
     refresh_weights_s: float | None = None  # also push training's newest weights to serving this often
+    lend_latency_s: float = 15.0  # first guess of how long a lend takes, refined from the lends made
+    trend_window_s: float | None = 30.0  # rate history the forecast fits; None: no forecast
     policy: LendingPolicy = field(default_factory=LendingPolicy)
     event_log: Path | None = None
 
     def __post_init__(self) -> None:
-        for name in ("slo_p99_s", "replica_capacity", "poll_interval_s", "load_window_s"):
+        for name in ("slo_p99_s", "replica_capacity", "poll_interval_s", "load_window_s", "lend_latency_s"):
             require_number("ArbiterConfig", name, getattr(self, name), minimum=0, exclusive_minimum=True)
         for name in ("min_train_devices", "min_infer_devices", "devices_per_train_replica"):
             require_int("ArbiterConfig", name, getattr(self, name), minimum=1)
         if self.refresh_weights_s is not None:
             require_number("ArbiterConfig", "refresh_weights_s", self.refresh_weights_s, minimum=0, exclusive_minimum=True)
+        if self.trend_window_s is not None:
+            require_number("ArbiterConfig", "trend_window_s", self.trend_window_s, minimum=0, exclusive_minimum=True)
 
 
 class ArbiterLoop:
@@ -81,6 +98,8 @@ class ArbiterLoop:
         self.train_devices = training.num_devices()
         self.infer_devices = serving.num_replicas()
         self.replica_capacity = config.replica_capacity
+        self.lend_latency_s = config.lend_latency_s
+        self._rates: deque[tuple[float, float]] = deque()  # (time the window is centred on, rate)
         self._last_change = -float("inf")
         self._last_refresh = clock()
         self.last_decision: LendingDecision | None = None
@@ -91,6 +110,7 @@ class ArbiterLoop:
         self.last_load = load
         self._refine_capacity(load)
         self.train_devices = self.training.num_devices()
+        forecast = self._forecast(load["request_rate"])
         return LendingObservation(
             request_rate=load["request_rate"], p99_latency_s=load["p99_latency_s"], slo_p99_s=self.config.slo_p99_s,
             queue_depth=load["queue_depth"], train_devices=self.train_devices, infer_devices=self.infer_devices,
@@ -98,7 +118,20 @@ class ArbiterLoop:
             seconds_since_change=max(0.0, self.clock() - self._last_change),
             devices_per_train_replica=self.config.devices_per_train_replica,
             min_infer_devices=self.config.min_infer_devices, train_sizes=self.config.train_sizes,
+            forecast_rate=forecast,
         )
+
+    def _forecast(self, rate: float) -> float | None:
+        """The rate expected once a lend decided now is serving: the load window's rate belongs to
+        the middle of the window, and a lend's replica serves `lend_latency_s` plus a poll from now."""
+        if self.config.trend_window_s is None:
+            return None
+        now = self.clock()
+        self._rates.append((now - self.config.load_window_s / 2, rate))
+        while self._rates and self._rates[0][0] < now - self.config.trend_window_s:
+            self._rates.popleft()
+        return forecast_rate(list(self._rates), now + self.lend_latency_s + self.config.poll_interval_s,
+                             min_span_s=self.config.trend_window_s / 3)
 
     def _refine_capacity(self, load: dict) -> None:
         """Requests served per second of replica compute, smoothed: utilization then tracks how busy
@@ -131,6 +164,8 @@ class ArbiterLoop:
             self._publish_weights()
             self.serving.scale(self.infer_devices + freed)
             self.infer_devices += freed
+            took = self.clock() - started
+            self.lend_latency_s = (1 - LEND_LATENCY_SMOOTHING) * self.lend_latency_s + LEND_LATENCY_SMOOTHING * took
         self._record("lend", decision, observation, freed, started)
 
     def _reclaim(self, decision: LendingDecision, observation: LendingObservation) -> None:
@@ -158,6 +193,8 @@ class ArbiterLoop:
             kind, decision.reason, train_devices=self.train_devices, infer_devices=self.infer_devices,
             num_devices=moved, took_s=round(self._last_change - started, 3),
             request_rate=round(observation.request_rate, 3), p99_latency_s=round(observation.p99_latency_s, 4),
+            forecast_rate=None if observation.forecast_rate is None else round(observation.forecast_rate, 3),
+            lend_latency_s=round(self.lend_latency_s, 2),
         )
 
     def status(self) -> dict:
@@ -166,6 +203,7 @@ class ArbiterLoop:
             "train_devices": self.train_devices,
             "infer_devices": self.infer_devices,
             "replica_capacity": self.replica_capacity,
+            "lend_latency_s": self.lend_latency_s,
             "last_decision": None if decision is None else
             {"action": decision.action.value, "num_devices": decision.num_devices, "reason": decision.reason},
             "load": self.last_load,

@@ -9,6 +9,13 @@ latency objective (`replica_capacity` requests/s each). Hysteresis keeps the poo
   `reclaim_below` (< target < lend_above) and the p99 is well inside the objective;
 - after any change, wait `cooldown_s` before the next one, so a change's effect is measured first.
 
+A lend takes effect only once the new replica is up (seconds to tens of seconds), so the policy plans
+for the rate it will face by then, not the rate now: `forecast_rate` extrapolates the recent trend of
+the request rate one lend latency ahead, and lending and reclaiming both use the larger of the rate
+now and that forecast. Rising load is met before it arrives; falling load is given back only once
+even the near future no longer needs the devices (if it rises again, a lend started then still comes
+in time).
+
 An SLO breach (p99 above the objective, or a queue deeper than the replicas can absorb) lends at
 once, ignoring the cool-down except for a short `breach_cooldown_s` that lets the last lend's new
 replica show up in the latency window. Training shrinks and grows only by whole data-parallel
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from baige_ray.api.validation import require_int, require_number
@@ -45,10 +53,13 @@ class LendingObservation:
     devices_per_train_replica: int = 1
     min_infer_devices: int = 1
     train_sizes: tuple[int, ...] | None = None  # sizes training can run at; None: any whole replicas
+    forecast_rate: float | None = None  # requests/s expected one lend latency from now; None: no forecast
 
     def __post_init__(self) -> None:
         for name in ("request_rate", "p99_latency_s", "seconds_since_change"):
             require_number("LendingObservation", name, getattr(self, name), minimum=0)
+        if self.forecast_rate is not None:
+            require_number("LendingObservation", "forecast_rate", self.forecast_rate, minimum=0)
         for name in ("slo_p99_s", "replica_capacity"):
             require_number("LendingObservation", name, getattr(self, name), minimum=0, exclusive_minimum=True)
         for name in ("queue_depth", "train_devices", "infer_devices", "min_train_devices", "min_infer_devices"):
@@ -66,11 +77,16 @@ class LendingObservation:
         return sorted(s for s in sizes if self.min_train_devices <= s <= total and s % unit == 0)
 
     @property
+    def planning_rate(self) -> float:
+        """The rate to provision for: the larger of the rate now and the forecast."""
+        return max(self.request_rate, self.forecast_rate or 0.0)
+
+    @property
     def utilization(self) -> float:
-        """Load over what the current inference devices sustain (inf with no devices and some load)."""
+        """Planning rate over what the current inference devices sustain (inf with no devices and some load)."""
         if self.infer_devices == 0:
-            return math.inf if self.request_rate > 0 else 0.0
-        return self.request_rate / (self.infer_devices * self.replica_capacity)
+            return math.inf if self.planning_rate > 0 else 0.0
+        return self.planning_rate / (self.infer_devices * self.replica_capacity)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -110,7 +126,7 @@ def _hold(reason: str) -> LendingDecision:
 def _lend(obs: LendingObservation, policy: LendingPolicy, why: str) -> LendingDecision:
     """Shrink training to the largest size that frees the shortfall (or, failing that, the smallest
     size below the current one)."""
-    wanted = math.ceil(obs.request_rate / (obs.replica_capacity * policy.target_utilization))
+    wanted = math.ceil(obs.planning_rate / (obs.replica_capacity * policy.target_utilization))
     shortfall = max(1, wanted - obs.infer_devices)
     smaller = [size for size in obs.sizes() if size < obs.train_devices]
     if not smaller:
@@ -139,7 +155,7 @@ def _reclaimable(obs: LendingObservation, policy: LendingPolicy) -> int:
         remaining = obs.infer_devices - returned
         if returned <= 0 or remaining < obs.min_infer_devices:
             continue
-        if obs.request_rate <= policy.reclaim_below * remaining * obs.replica_capacity:
+        if obs.planning_rate <= policy.reclaim_below * remaining * obs.replica_capacity:
             best = max(best, returned)
     return best
 
@@ -164,3 +180,19 @@ def decide(obs: LendingObservation, policy: LendingPolicy | None = None) -> Lend
                 f"utilization {obs.utilization:.2f} stays at or below {policy.reclaim_below} with {devices} fewer devices",
             )
     return _hold(f"utilization {obs.utilization:.2f} within [{policy.reclaim_below}, {policy.lend_above}]")
+
+
+def forecast_rate(samples: Sequence[tuple[float, float]], at: float, *, min_span_s: float = 1.0) -> float | None:
+    """The request rate expected at time `at`, from a least-squares line through (time, rate) samples.
+
+    None when the samples span less than `min_span_s` (no trend to speak of yet). Never negative.
+    """
+    if len(samples) < 2:
+        return None
+    times = [t for t, _ in samples]
+    if max(times) - min(times) < min_span_s:
+        return None
+    mean_t = sum(times) / len(times)
+    mean_r = sum(r for _, r in samples) / len(samples)
+    slope = sum((t - mean_t) * (r - mean_r) for t, r in samples) / sum((t - mean_t) ** 2 for t in times)
+    return max(0.0, mean_r + slope * (at - mean_t))

@@ -164,3 +164,35 @@ def test_config_is_validated():
         ArbiterConfig(slo_p99_s=0, replica_capacity=1.0)
     with pytest.raises(ValueError, match="min_train_devices"):
         ArbiterConfig(slo_p99_s=1.0, replica_capacity=1.0, min_train_devices=0)
+
+
+def _first_lend_rate(trend_window_s: float | None) -> tuple[float, ArbiterLoop]:
+    """Raise the load by 0.2 requests/s each second; the rate at which the loop first lends.
+    Each scale-up takes 20 s of the loop's clock (a replica starting)."""
+    calls: list = []
+    training, serving, clock = Training(calls), Serving(calls), Clock()
+    scale = serving.scale
+
+    def slow_scale(num_replicas: int) -> None:
+        clock.now += 20.0
+        scale(num_replicas)
+
+    serving.scale = slow_scale
+    config = ArbiterConfig(slo_p99_s=0.5, replica_capacity=10.0, min_train_devices=2, policy=POLICY,
+                           lend_latency_s=10.0, load_window_s=4.0, trend_window_s=trend_window_s)
+    loop = ArbiterLoop(training, serving, config, clock=clock, events=EventLog(None))
+    for second in range(60):
+        serving.rate = 3.0 + 0.2 * second
+        if loop.tick().action is LendingAction.LEND:
+            return serving.rate, loop
+        clock.now += 1.0
+    raise AssertionError("never lent")
+
+
+def test_rising_load_is_lent_for_ahead_of_time_and_the_lend_latency_is_measured():
+    reactive, _ = _first_lend_rate(trend_window_s=None)
+    assert reactive > POLICY.lend_above * 10.0  # only once the load itself crosses the threshold
+    ahead, loop = _first_lend_rate(trend_window_s=30.0)
+    assert ahead < reactive - 2.0  # the forecast 10 s + a poll ahead crossed it first
+    assert loop.lend_latency_s == pytest.approx((10.0 + 20.0) / 2)
+    assert loop.events.recent()[-1]["forecast_rate"] > ahead

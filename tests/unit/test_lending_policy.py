@@ -8,18 +8,20 @@ import random
 
 import pytest
 
-from baige_ray.policies.lending import LendingAction, LendingObservation, LendingPolicy, decide
+from baige_ray.policies.lending import LendingAction, LendingObservation, LendingPolicy, decide, forecast_rate
 
 POLICY = LendingPolicy(lend_above=0.8, target_utilization=0.6, reclaim_below=0.45, cooldown_s=10, breach_cooldown_s=3)
 CAPACITY = 10.0  # requests/s per inference device
 
 
 def observe(rate: float, *, train: int = 7, infer: int = 1, p99: float = 0.1, since: float = 100.0,
-            queue: int = 0, per_replica: int = 1, min_train: int = 2, sizes=None) -> LendingObservation:
+            queue: int = 0, per_replica: int = 1, min_train: int = 2, sizes=None,
+            forecast: float | None = None) -> LendingObservation:
     return LendingObservation(
         request_rate=rate, p99_latency_s=p99, slo_p99_s=1.0, queue_depth=queue, train_devices=train,
         infer_devices=infer, min_train_devices=min_train, replica_capacity=CAPACITY,
         seconds_since_change=since, devices_per_train_replica=per_replica, train_sizes=sizes,
+        forecast_rate=forecast,
     )
 
 
@@ -144,3 +146,53 @@ def test_invalid_policy_and_observation_are_refused():
         dataclasses.replace(observe(1.0), replica_capacity=0.0)
     with pytest.raises(ValueError, match="queue_depth"):
         dataclasses.replace(observe(1.0), queue_depth=-1)
+
+
+def test_forecast_extrapolates_the_trend():
+    line = [(t, 2.0 + 0.5 * t) for t in range(10)]
+    assert forecast_rate(line, 20.0) == pytest.approx(12.0)
+    assert forecast_rate([(t, 7.0) for t in range(10)], 100.0) == pytest.approx(7.0)
+    noisy = [(t, 2.0 + 0.5 * t + (0.3 if t % 2 else -0.3)) for t in range(20)]
+    assert forecast_rate(noisy, 30.0) == pytest.approx(17.0, abs=0.3)
+
+
+def test_forecast_needs_a_span_and_is_never_negative():
+    assert forecast_rate([], 5.0) is None and forecast_rate([(1.0, 3.0)], 5.0) is None
+    assert forecast_rate([(0.0, 3.0), (0.5, 4.0)], 5.0, min_span_s=1.0) is None
+    assert forecast_rate([(0.0, 10.0), (10.0, 5.0)], 100.0) == 0.0
+
+
+def test_rising_forecast_lends_before_the_load_arrives():
+    assert decide(observe(7.0, infer=1), POLICY).action is LendingAction.HOLD  # 0.7 now: inside the band
+    early = decide(observe(7.0, infer=1, forecast=14.0), POLICY)
+    assert (early.action, early.num_devices) == (LendingAction.LEND, math.ceil(14 / (CAPACITY * 0.6)) - 1)
+
+
+def test_no_reclaim_while_the_forecast_still_needs_the_devices():
+    assert decide(observe(3.0, train=4, infer=4), POLICY).action is LendingAction.RECLAIM
+    assert decide(observe(3.0, train=4, infer=4, forecast=30.0), POLICY).action is LendingAction.HOLD
+    falling = decide(observe(3.0, train=4, infer=4, forecast=1.0), POLICY)  # below now: the rate now counts
+    assert falling.action is LendingAction.RECLAIM and falling.num_devices == 3
+
+
+def _overloaded_seconds(use_forecast: bool, lend_latency_s: int = 15) -> int:
+    """Replay a ramp from 2 to 38 requests/s over 120 s, one observation a second; a lend's devices
+    serve only lend_latency_s after the decision. Returns the seconds serving was short of the load."""
+    train, infer, since, history, arriving, short = 7, 1, 1000.0, [], [], 0
+    for second in range(120):
+        rate = 2.0 + 0.3 * second
+        history = [*history, (float(second), rate)][-30:]
+        serving = infer - sum(n for at, n in arriving if at > second)
+        short += rate > serving * CAPACITY
+        forecast = forecast_rate(history, second + lend_latency_s) if use_forecast else None
+        decision = decide(observe(rate, train=train, infer=infer, since=since, forecast=forecast), POLICY)
+        since = 0.0 if decision.action is not LendingAction.HOLD else since + 1.0
+        if decision.action is LendingAction.LEND:
+            train, infer = train - decision.num_devices, infer + decision.num_devices
+            arriving.append((second + lend_latency_s, decision.num_devices))
+    return short
+
+
+def test_a_slow_lend_keeps_up_with_a_ramp_only_with_the_forecast():
+    assert _overloaded_seconds(use_forecast=False) > 0
+    assert _overloaded_seconds(use_forecast=True) == 0
