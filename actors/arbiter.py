@@ -260,7 +260,9 @@ class ServeServingSide:
     def reload(self, step: int, state_ref: Any) -> None:
         from baige_ray.serving.app import reload_weights
 
-        reload_weights(self.info, (step, state_ref), model_config=self.model_config)
+        # A lend's new replica loads the published weights as it starts; the running ones swap
+        # at their next report, so the lend does not wait for them.
+        reload_weights(self.info, (step, state_ref), model_config=self.model_config, wait=False)
 
 
 class PoolArbiter:

@@ -176,12 +176,18 @@ def scale_replicas(info: ServeHandleInfo, num_replicas: int, *, timeout_s: float
 
 
 def reload_weights(
-    info: ServeHandleInfo, source: Any, *, model_config: GPTConfig | dict | None = None, timeout_s: float = 60.0
+    info: ServeHandleInfo, source: Any, *, model_config: GPTConfig | dict | None = None, timeout_s: float = 60.0,
+    wait: bool = True,
 ) -> int:
-    """Swap every replica's weights in place (no restart); returns the new weights version."""
+    """Swap every replica's weights in place (no restart); returns the new weights version.
+
+    With `wait=False` it returns once the weights are published: replicas started from then on
+    load them, running ones swap at their next report (within a second or so)."""
     step, state_ref, config = _resolve_source(source, model_config)
     registry = _registry(info)
     version = ray.get(registry.publish_weights.remote(step, [state_ref], config))
+    if not wait:
+        return version
     deadline = time.monotonic() + timeout_s
     while behind := ray.get(registry.replicas_behind.remote(version)):
         if time.monotonic() > deadline:

@@ -82,3 +82,49 @@ def test_hourly_attainment_buckets_requests_by_send_time():
 
     hourly = hourly_attainment([0.5, 1.5, 1.7, 9.9], [0.1, 0.1, 3.0, None], hour_s=1.0, slo_s=1.0, num_hours=4)
     assert hourly == [1.0, 0.5, 1.0, 0.0]  # the late send lands in the last hour
+
+
+def _default_args(*extra: str) -> argparse.Namespace:
+    from baige_ray.bench.colocate import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(extra))
+
+
+def test_the_noisy_peak_needs_one_lend_and_the_trough_none():
+    from baige_ray.bench.colocate import PEAK_RATIO, _arbiter_config
+    from baige_ray.policies.lending import LendingAction, LendingObservation, decide
+
+    args = _default_args()
+    capacity = 30.0
+    config = _arbiter_config(args, capacity)
+    assert config.train_sizes == (3, 4, 6, 7)
+    assert config.trend_window_s == 3 * args.hour_s
+
+    def decision(rate: float, train: int, infer: int):
+        return decide(LendingObservation(
+            request_rate=rate, p99_latency_s=0.2, slo_p99_s=args.slo_p99_s, queue_depth=0, train_devices=train,
+            infer_devices=infer, min_train_devices=config.min_train_devices, replica_capacity=capacity,
+            seconds_since_change=1000.0, train_sizes=config.train_sizes), config.policy)
+
+    peak = args.peak_replicas * capacity * 1.1  # the highest hour: 10% noise over the peak
+    lend = decision(peak, 7, 1)
+    assert (lend.action, lend.num_devices) == (LendingAction.LEND, 1)  # to 6 + 2, not 4 + 4
+    assert decision(peak, 6, 2).action is LendingAction.HOLD
+    trough = args.peak_replicas * capacity / PEAK_RATIO * 1.1
+    assert decision(trough, 7, 1).action is LendingAction.HOLD
+    assert decision(trough, 6, 2).action is LendingAction.RECLAIM
+
+
+def test_summary_lists_moves_by_simulated_hour():
+    from baige_ray.bench.colocate import summarize
+
+    phase = {"utilization": 0.9, "slo_attainment": 0.99, "failed_requests": 0, "train_steps": 10,
+             "p99_latency_s": 0.5, "hourly_slo_attainment": [1.0] * 24}
+    result = {**phase, "lends": 1, "reclaims": 0, "slo_p99_s": 1.0, "replica_capacity": 30.0, "trough_rate": 6.0,
+              "hour_s": 10.0, "moves": [[45.0, "lend", 6, 2, 12.5, 14.2, 19.8]],
+              "load_average": {"before": [1.0, 1.0, 1.0], "after": [2.0, 2.0, 2.0]}, "static": phase}
+    text = summarize(result)
+    assert "(hour  4.5) lend     -> train 6, infer 2 in 12.5s (rate 14.2, forecast 19.8 req/s)" in text
+    assert "load average before [1.0, 1.0, 1.0]" in text
