@@ -1,31 +1,45 @@
-"""Mixed chip speeds: a pipeline split in proportion to speed against the ideal sum of each chip alone.
+"""Mixed chip speeds: uneven pipeline or uneven-share data parallel against the ideal sum of each chip alone.
 
 Two workers emulate chips at relative speed 1.0 and 0.5 (`fit(emulated_speeds=...)`:
 the slower one sleeps after each forward and each backward for as long again as that
-work took, see `SlowChipEmulator`). The same GPT and global batch are trained four ways,
-one after another in one Ray session:
+work took, see `SlowChipEmulator`). The same GPT, global batch and micro-batches are
+trained in every case, one case after another in one Ray session:
 
-- `planned`: PP=2 laid out by `plan_stages`: which chip holds which stage and how many
+- `pp_uneven`: PP=2 laid out by `plan_stages`: which chip holds which stage and how many
   layers, minimising the 1F1B step time with the LM head counted on the last stage. For
   6 layers at speeds 1.0 / 0.5 that is the slow chip first with 2 layers, the fast chip
-  last with 4 layers and the head (4.0 and 4.08 layer-times per micro-batch; the other
-  order, (4, 2), gives 4.0 and 4.15). Stage 0 runs `--run-ahead` forwards beyond 1F1B's,
-  so when it is the slower stage it never idles waiting for the first gradient;
-- `even`: the same pipeline with layers split evenly (3, 3);
-- `fast_alone` / `slow_alone`: each worker trains the whole model by itself.
+  last with 4 layers and the head (4.0 and 4.08 layer-times per micro-batch). Stage 0 runs
+  `--run-ahead` forwards beyond 1F1B's, so as the slower stage it never idles waiting for
+  the first gradient. Even so its step is sum(T) + (m - 1) max(T): the bubble and the
+  4.08 / 4.0 imbalance alone cap it at about 0.978 of the ideal, before any per-micro-batch
+  hand-over cost;
+- `dp_uneven`: each chip trains a whole replica on micro-batches in proportion to its
+  speed (`ParallelLayout.dp_microbatches`, 43 and 21 of 64), losses weighted so the step is
+  the single-process step; one gradient all-reduce a step, no bubble (cap 42.67 / 43);
+- `pp_even` / `dp_even`: the same layouts with layers, or micro-batches, split evenly;
+- `fast_alone` / `slow_alone`: each chip trains the whole model by itself.
 
-`ideal_throughput` is fast_alone + slow_alone: what the two chips would deliver if no
-work were ever lost to imbalance, the pipeline bubble or communication. Every run uses
-the same micro-batches (pipeline micro-batches or gradient accumulation), so the only
-difference between them is how the work is spread. Throughput is the step's tokens over
-the median step time after the warm-up steps.
+`plan_hetero` (pure arithmetic) predicts both uneven layouts' step times and picks the
+faster as `planned`; `even_split_ratio` is the even split of the same kind. All four
+layouts' ratios are reported.
 
-The pipeline pays per micro-batch what the single chip does not (stage bookkeeping,
-activation and gradient hand-over): about 1.5 ms of CPU per stage here, 5% of a
-single-sequence micro-batch on the fast stage. Hence 4 sequences per micro-batch, while
-64 micro-batches keep the fill and drain of the pipeline to about 1/64 of the step (fewer,
-larger micro-batches would trade that overhead for a bigger bubble). Timings on a machine
-shared with other work move by several percent from run to run: read them with its load.
+The ideal is what the two chips deliver if no work were ever lost to imbalance, bubble or
+communication: the sum of each chip's throughput training alone. Real chips of two groups
+share nothing; emulated ones share this machine's cores, caches and memory bandwidth,
+and in every two-chip case both compute at the same time. A chip measured alone on an
+otherwise idle machine is therefore faster than the same chip can be in any two-chip
+layout here, and the sum of the sequential alone-runs overstates the ideal by the
+machine's sharing cost, not by anything a layout loses. So `ideal_throughput` sums the two
+alone-runs trained at the same time (`*_alone_concurrent`, two independent `fit`s from two
+driver threads; the fast one runs proportionally more steps so both compute throughout),
+which puts each chip under the sharing the two-chip layouts have. The sequential sum is
+kept beside it (`ideal_sequential_throughput`, `ratio_vs_sequential`).
+
+Throughput is the step's tokens over the median step time after the warm-up steps. The
+pipeline pays per micro-batch what a whole replica does not (stage bookkeeping, activation
+and gradient hand-over, about 1.5 ms of CPU per stage here), hence 4 sequences per
+micro-batch and 64 micro-batches. Timings on a machine shared with other work move by
+several percent from run to run: read them with its load.
 """
 
 from __future__ import annotations
@@ -165,6 +179,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _fit_case(model: Any, train: Any, name: str, layout: Any, speeds: list[float], storage: str,
               warmup: int) -> dict[str, Any]:
     """Train one case and reduce it to its steady-state row."""
+    import os
+    import sys
+
     from baige_ray.api.configs import RunConfig, ScalingConfig
     from baige_ray.models.corpus import CorpusConfig
     from baige_ray.runtime.fit import fit
@@ -177,6 +194,9 @@ def _fit_case(model: Any, train: Any, name: str, layout: Any, speeds: list[float
     )
     times = [m.step_time_s for m in result.metrics]
     tokens = [m.tokens for m in result.metrics]
+    # Progress on stderr: on a loaded machine a case takes minutes, and stdout's last line is the result.
+    print(f"hetero {name}: median step {steady_median(times, warmup):.3f} s, {result.elapsed_s:.0f} s in all, "
+          f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
     return {
         "stage_layers": list(layout.layers_per_stage(model.num_layers)),
         "speeds": speeds,
