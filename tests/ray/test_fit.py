@@ -1,6 +1,7 @@
 import pytest
 
 from baige_ray import GPTConfig, RunConfig, ScalingConfig, TrainConfig, fit, load_model
+from baige_ray.engines.layout import ParallelLayout
 from baige_ray.models.corpus import CorpusConfig
 from baige_ray.runtime.train_loop import TrainJob
 
@@ -35,3 +36,14 @@ def test_final_checkpoint_loads_and_generates(result):
 def test_uneven_batch_fails_before_any_actor_starts(local_ray):
     with pytest.raises(ValueError, match="global_batch_size=8 .* num_workers=3"):
         fit(MODEL, train=TRAIN, scaling=ScalingConfig(num_workers=3), corpus=CORPUS)
+
+
+def test_uneven_data_parallel_shares_match_single_process_step_by_step(local_ray, tmp_path):
+    # A full-speed and a half-speed chip, the faster training 3 of the 4 micro-batches.
+    run = RunConfig(name="ddp-uneven", storage_path=tmp_path, show_progress=False)
+    result = fit(
+        MODEL, train=TRAIN, layout=ParallelLayout(dp=2, dp_microbatches=(3, 1)), emulated_speeds=[1.0, 0.5],
+        scaling=ScalingConfig(num_workers=2), run=run, corpus=CORPUS,
+    )
+    assert result.losses == pytest.approx(reference_losses(TrainJob(model=MODEL, train=TRAIN, corpus=CORPUS)), rel=1e-5)
+    assert all(m.tokens == 8 * 32 for m in result.metrics)
