@@ -18,7 +18,10 @@ in time).
 
 An SLO breach (p99 above the objective, or a queue deeper than the replicas can absorb) lends at
 once, ignoring the cool-down except for a short `breach_cooldown_s` that lets the last lend's new
-replica show up in the latency window. Training shrinks and grows only by whole data-parallel
+replica show up in the latency window. A breach while the replicas are lightly loaded (utilization
+below `breach_min_utilization`) is not a shortage of devices but a passing stall (a neighbour's
+burst of work on shared hosts, a backlog draining): another replica would not fix it, and starting
+one costs a training resize, so the policy holds. Training shrinks and grows only by whole data-parallel
 replicas (`devices_per_train_replica` devices each), only to sizes it can run at (`train_sizes`,
 e.g. those whose data-parallel degree splits the global batch) and never below `min_train_devices`.
 """
@@ -98,6 +101,7 @@ class LendingPolicy:
     breach_cooldown_s: float = 3.0
     reclaim_latency_fraction: float = 0.5  # reclaim only while p99 <= this fraction of the objective
     queue_per_device: int = 16  # a deeper queue than this per inference device counts as a breach
+    breach_min_utilization: float = 0.0  # a breach lends only at or above this utilization
 
     def __post_init__(self) -> None:
         for name in ("lend_above", "target_utilization", "reclaim_below", "reclaim_latency_fraction"):
@@ -107,7 +111,7 @@ class LendingPolicy:
                 f"LendingPolicy thresholds are invalid: expected reclaim_below={self.reclaim_below} < "
                 f"target_utilization={self.target_utilization} < lend_above={self.lend_above} (the hysteresis band)"
             )
-        for name in ("cooldown_s", "breach_cooldown_s"):
+        for name in ("cooldown_s", "breach_cooldown_s", "breach_min_utilization"):
             require_number("LendingPolicy", name, getattr(self, name), minimum=0)
         require_int("LendingPolicy", "queue_per_device", self.queue_per_device, minimum=1)
 
@@ -164,6 +168,9 @@ def decide(obs: LendingObservation, policy: LendingPolicy | None = None) -> Lend
     """Lend, reclaim or hold, from one observation of the pool."""
     policy = policy or LendingPolicy()
     breach = _breach(obs, policy)
+    if breach is not None and obs.utilization < policy.breach_min_utilization:
+        return _hold(f"{breach}, but utilization {obs.utilization:.2f} is below {policy.breach_min_utilization}: "
+                     "a stall, not a shortage of devices")
     if breach is not None:
         if obs.seconds_since_change < policy.breach_cooldown_s:
             return _hold(f"{breach}; waiting for the last change to take effect")

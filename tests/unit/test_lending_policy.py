@@ -196,3 +196,14 @@ def _overloaded_seconds(use_forecast: bool, lend_latency_s: int = 15) -> int:
 def test_a_slow_lend_keeps_up_with_a_ramp_only_with_the_forecast():
     assert _overloaded_seconds(use_forecast=False) > 0
     assert _overloaded_seconds(use_forecast=True) == 0
+
+
+def test_a_breach_at_light_load_is_a_stall_not_a_shortage():
+    gated = dataclasses.replace(POLICY, breach_min_utilization=0.4)
+    stall = decide(observe(6.0, infer=2, p99=1.5, since=50.0), gated)  # 0.3 of two devices
+    assert stall.action is LendingAction.HOLD and "stall" in stall.reason
+    assert decide(observe(6.0, infer=2, p99=1.5, since=50.0), POLICY).action is LendingAction.LEND
+    loaded = decide(observe(9.0, infer=2, p99=1.5, since=50.0), gated)  # 0.45: a real shortage
+    assert loaded.action is LendingAction.LEND
+    assert decide(observe(6.0, infer=2, p99=0.1, since=50.0, forecast=9.0), gated).action is LendingAction.HOLD
+    assert decide(observe(6.0, infer=2, p99=1.5, since=50.0, forecast=9.0), gated).action is LendingAction.LEND
