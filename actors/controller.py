@@ -20,6 +20,7 @@ from baige_ray.api.configs import RunConfig, ScalingConfig
 from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.faults import FaultKind, FaultPlan
 from baige_ray.elastic.machine import Phase, StateMachine
+from baige_ray.elastic.planning import ElasticPlanner
 from baige_ray.elastic.recovery import RecoveryMixin
 from baige_ray.elastic.sizing import layout_for, replica_size, valid_sizes
 from baige_ray.elastic.watch import WatchTimes, watch_step
@@ -47,6 +48,7 @@ class ElasticController(RecoveryMixin):
         speeds: list[float] | None = None,
         faults: FaultPlan | None = None,
         worker_cls: type = WorkerActor,
+        planner: ElasticPlanner | None = None,
     ):
         self.job, self.scaling, self.run_config, self.elastic = job, scaling, run, elastic
         self.layout = layout
@@ -57,7 +59,10 @@ class ElasticController(RecoveryMixin):
         self.pool = WorkerPool(scaling, run.name, choose_device_resource(scaling, ray.cluster_resources()), worker_cls)
         self.min_workers, self.max_workers = elastic.bounds(scaling.num_workers)
         self.target_workers = scaling.num_workers
-        self.sizes = valid_sizes(job, layout, self.min_workers, self.max_workers)
+        self.planner = planner
+        # The planner may use any number of the devices it is given (idle ones stay as spares).
+        self.sizes = (tuple(range(self.min_workers, self.max_workers + 1)) if planner is not None
+                      else valid_sizes(job, layout, self.min_workers, self.max_workers))
         self._build_runtime_state()
 
     def _build_runtime_state(self) -> None:
@@ -83,6 +88,7 @@ class ElasticController(RecoveryMixin):
         self._persister = None
         self._failed_step: int | None = None
         self.num_parameters = 0
+        self._generation_steps = 0  # steps completed since the last regroup
         self.job_metrics = JobMetrics(job=self.run_config.name)
 
     # ----- public surface (called on the controller's control thread) -----
@@ -135,6 +141,12 @@ class ElasticController(RecoveryMixin):
             raise ValueError(f"num_workers={num_workers} is invalid: expected one of {list(self.sizes)}")
         self._resize_reason = reason
         self.target_workers = num_workers
+        if self.planner is not None:  # one regroup either way: the planner decides how many it uses
+            self._resize_done.clear()
+            self._resize_request = num_workers
+            while not self.machine.done and not self._resize_done.wait(0.1):
+                pass
+            return len(self.members)
         # Growth keeps training at its current size while the new workers start (as spares,
         # in the background), then switches in one regroup; shrinking is one regroup now.
         self._last_growth_check = 0.0
@@ -169,6 +181,9 @@ class ElasticController(RecoveryMixin):
             restarted = ray.get_runtime_context().was_current_actor_reconstructed
         if restarted:
             return self._resume_after_restart()
+        if self.planner is not None:
+            self.events.record("plan", "the planner lays out the devices the workers get", valid_sizes=list(self.sizes))
+            return Phase.STARTING, "layout planned once the workers are up"
         self.events.record("plan", f"layout {self.layout.describe()}", valid_sizes=list(self.sizes))
         return Phase.STARTING, f"layout {self.layout.describe()}"
 
@@ -180,6 +195,8 @@ class ElasticController(RecoveryMixin):
             return Phase.FAILED, f"only {len(members)} of {self.target_workers} workers started"
         self._start_spares(self.elastic.num_spares)
         self._regroup(self.pool.by_locality(members), None)
+        if self.planner is not None:  # grow back to what the planner chose on full capacity
+            self.target_workers = len(self.members)
         self.events.record("start", f"{len(members)} workers", train_devices=len(members), infer_devices=0)
         return Phase.RUNNING, "workers up"
 
@@ -227,6 +244,7 @@ class ElasticController(RecoveryMixin):
         self._last_completion = time.monotonic()
         self._record_step(outcome.metrics, self._last_completion - began)
         self._persist_if_due()
+        self._replicate_if_due()
         self.step += 1
         return None
 
@@ -240,7 +258,7 @@ class ElasticController(RecoveryMixin):
 
     def _dispatch_step(self, step: int) -> list[ray.ObjectRef]:
         due = self.faults.arm(step)
-        timeout = self._deadline() if len(self.step_times) >= WARMUP_STEPS else None
+        timeout = self._deadline() if len(self.step_times) >= WARMUP_STEPS and self._generation_steps > 0 else None
         snapshot = step % self.elastic.snapshot_every == 0
         self._dispatched_at = time.monotonic()
         return [
@@ -250,8 +268,10 @@ class ElasticController(RecoveryMixin):
 
     def _deadline(self) -> float:
         recent = self.step_times[-20:]
-        median = statistics.median(recent) if len(recent) >= WARMUP_STEPS else None
-        return self.elastic.step_deadline_s(median)
+        # A new generation's first step (new engine, new layout, newly started workers) is no
+        # slower a hang than the job's first: earlier generations' step times do not bound it.
+        warm = len(recent) >= WARMUP_STEPS and self._generation_steps > 0
+        return self.elastic.step_deadline_s(statistics.median(recent) if warm else None)
 
     def _watch_times(self) -> WatchTimes:
         return WatchTimes(self._deadline(), self.elastic.heartbeat_interval_s, self.elastic.heartbeat_timeout_s)
@@ -269,6 +289,7 @@ class ElasticController(RecoveryMixin):
         })
         self._export_metrics(per_rank, seconds)
         self.step_times.append(seconds)
+        self._generation_steps += 1
         self.productive_s += seconds
         self.compute_history = (self.compute_history + [tuple(m["compute_s"] for m in per_rank)])[-50:]
         if self._recovery_started is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import threading
 import time
 
 import ray
@@ -72,6 +73,8 @@ class WorkerActor:
         self.current_step: int | None = None
         self._collective_timeout_s: float | None = None
         self._failed_generation: int | None = None
+        self.replica: tuple[int, CanonicalState] | None = None  # every stage at one step, for a lost node
+        self._replicating: threading.Thread | None = None
 
     def device_info(self) -> DeviceInfo:
         node_id, node_ip, resource, resource_ids = _ray_placement()
@@ -212,6 +215,37 @@ class WorkerActor:
         if latest is None:
             raise RuntimeError("this worker holds no snapshot")
         return latest[1]
+
+    @ray.method(concurrency_group="control")
+    def take_replica(self, holders: dict[int, ray.actor.ActorHandle], timeout_s: float = 60.0) -> bool:
+        """Start copying each stage's newest snapshot (from one holder each) here in the background,
+        so heartbeats keep being answered; False when the previous copy is still under way."""
+        if self._replicating is not None and self._replicating.is_alive():
+            return False
+        self._replicating = threading.Thread(target=self._copy_replica, args=(holders, timeout_s), daemon=True,
+                                             name="replica")
+        self._replicating.start()
+        return True
+
+    def _copy_replica(self, holders: dict[int, ray.actor.ActorHandle], timeout_s: float) -> None:
+        refs = {stage: holder.snapshot_with_step.remote() for stage, holder in holders.items()}
+        try:
+            parts = {stage: ray.get(ref, timeout=timeout_s) for stage, ref in refs.items()}
+        except Exception:  # a holder died or is busy: the next round tries again
+            return
+        steps = {part[0] for part in parts.values() if part is not None}
+        if None not in parts.values() and len(steps) == 1:  # stages a step apart: skip, not mix
+            self.replica = (steps.pop(), merge_states([part[1] for part in parts.values()]))
+
+    @ray.method(concurrency_group="control")
+    def replica_step(self) -> int | None:
+        return self.replica[0] if self.replica is not None else None
+
+    @ray.method(concurrency_group="control")
+    def replica_state(self) -> CanonicalState:
+        if self.replica is None:
+            raise RuntimeError("this worker holds no replica")
+        return self.replica[1]
 
     def export_state(self) -> CanonicalState:
         return self._require_engine().export_state()

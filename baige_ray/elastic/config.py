@@ -34,6 +34,9 @@ class ElasticConfig:
     straggler_patience: int = 5
     evict_stragglers: bool = True
     snapshot_every: int = 1
+    # Copies of the snapshot on two other nodes, every this many steps, for layouts where some
+    # stage lives on one node only (0: never; a lost node then falls back to the persisted checkpoint).
+    replicate_every: int = 1
     persist_every: int = 0
     persist_path: Path | None = None
     keep_checkpoints: int = 3
@@ -57,6 +60,7 @@ class ElasticConfig:
         require_number("ElasticConfig", "straggler_threshold", self.straggler_threshold, minimum=1, exclusive_minimum=True)
         require_int("ElasticConfig", "straggler_patience", self.straggler_patience, minimum=1)
         require_int("ElasticConfig", "snapshot_every", self.snapshot_every, minimum=1)
+        require_int("ElasticConfig", "replicate_every", self.replicate_every, minimum=0)
         require_int("ElasticConfig", "persist_every", self.persist_every, minimum=0)
         if self.persist_every and self.persist_path is None:
             raise ValueError("ElasticConfig.persist_path=None is invalid: expected a directory when persist_every > 0")

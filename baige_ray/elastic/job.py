@@ -23,7 +23,10 @@ from baige_ray.engines.layout import ParallelLayout
 from baige_ray.models.corpus import CorpusConfig
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.models.mlp import MLPConfig
-from baige_ray.runtime.fit import check_execution
+from baige_ray.elastic.planning import ElasticPlanner
+from baige_ray.runtime.fit import check_execution, check_speeds
+from baige_ray.topology.descriptor import ClusterDescriptor
+from baige_ray.topology.simulated import SimulatedCluster
 from baige_ray.runtime.train_loop import TrainJob
 
 CONTROLLER_RESTARTS = 3
@@ -107,18 +110,34 @@ def launch(
     run: RunConfig | None = None,
     elastic: ElasticConfig | None = None,
     corpus: CorpusConfig | None = None,
-    layout: ParallelLayout | None = None,
+    layout: ParallelLayout | str | None = None,
     emulated_speeds: list[float] | None = None,
     faults: FaultPlan | None = None,
     worker_cls: type | None = None,
+    cluster: ClusterDescriptor | None = None,
 ) -> TrainingJob:
-    """Start training in the background; `job.wait()` returns the `Result`."""
+    """Start training in the background; `job.wait()` returns the `Result`.
+
+    `layout` is an explicit `ParallelLayout`, "ddp" (the default: data parallel over every
+    worker) or "auto": the planner lays out the devices the workers get, and re-plans them
+    after every failure and resize (`cluster` is the descriptor when not simulated).
+    """
     job = TrainJob(model=model or GPTConfig(), train=train, corpus=corpus or CorpusConfig())
     scaling = scaling or ScalingConfig()
     run = run or RunConfig()
     elastic = elastic or ElasticConfig()
-    layout = layout or ParallelLayout(dp=scaling.num_workers)
-    speeds = check_execution(job, scaling, layout, emulated_speeds)
+    planner = None
+    if layout == "auto":
+        if cluster is None and SimulatedCluster.active() is not None:
+            cluster = SimulatedCluster.active().descriptor
+        planner = ElasticPlanner(job, cluster)
+        layout = None
+    elif isinstance(layout, str) and layout != "ddp":
+        raise ValueError(f"launch layout={layout!r} is invalid: expected 'ddp', 'auto' or a ParallelLayout")
+    if not isinstance(layout, ParallelLayout):
+        layout = ParallelLayout(dp=scaling.num_workers)
+    speeds = check_execution(job, scaling, layout, emulated_speeds) if planner is None else \
+        check_speeds(scaling, emulated_speeds)
     if not ray.is_initialized():
         ray.init(logging_level=logging.WARNING)
     if kill_run_actors(run.name):
@@ -134,5 +153,5 @@ def launch(
         scheduling_strategy=NodeAffinitySchedulingStrategy(head_node_id(), soft=False),
         max_restarts=CONTROLLER_RESTARTS,
         max_task_retries=CONTROLLER_RESTARTS,
-    ).remote(job, scaling, run, elastic, layout, speeds=list(speeds), faults=faults, **options)
+    ).remote(job, scaling, run, elastic, layout, speeds=list(speeds), faults=faults, planner=planner, **options)
     return TrainingJob(controller, run.name)

@@ -16,6 +16,7 @@ from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _in
 from baige_ray.checkpoint.persister import AsyncPersister
 from baige_ray.checkpoint.store import load_latest_good
 from baige_ray.elastic.machine import Phase
+from baige_ray.elastic.replicas import exposed_stages, replica_holders
 from baige_ray.elastic.watch import StepOutcome
 from baige_ray.elastic.workers import NAMESPACE, Worker, WorkerPool
 from baige_ray.engines.layout import ParallelLayout
@@ -55,7 +56,9 @@ class RecoveryMixin:
                 lost[rank] = "did not answer after a peer failed"
                 self.events.record("failure", lost[rank], rank=rank, node_id=self.members[rank].info.node_id,
                                    step=self.step)
+        marks["confirmed"] = time.monotonic()
         self._drop_dead_spares()
+        marks["spares_checked"] = time.monotonic()
         self.pool.stop([self.members[rank] for rank in lost])
         survivors = [(rank, w) for rank, w in enumerate(self.members) if rank not in lost]
         if len(self.pool.ready(self.spares)) < len(lost) and len(self.spares) > len(self.pool.ready(self.spares)):
@@ -76,7 +79,7 @@ class RecoveryMixin:
         if members is None:
             return Phase.FAILED, f"{decision.reason}; no capacity came back within {self.scaling.placement_timeout_s:g}s"
         marks["decided"] = time.monotonic()
-        step, state = self._gather_snapshot(survivors, self.layout)
+        step, state = self._gather_snapshot(survivors, self.layout, replicas=self._surviving_replicas(lost))
         marks["gathered"] = time.monotonic()
         try:
             self._regroup(members, state)
@@ -159,6 +162,8 @@ class RecoveryMixin:
 
     def _resume_at(self, snapshot_step: int | None, failed_step: int | None) -> None:
         self.step = 0 if snapshot_step is None else snapshot_step + 1
+        # Steps after an older snapshot (a replica, a persisted checkpoint) are done again: keep the redo.
+        self.metrics = [m for m in self.metrics if m["step"] < self.step]
         self._redo_steps = 0 if failed_step is None else max(0, failed_step - self.step + 1)
 
     def _finish_recovery(self, seconds: float) -> None:
@@ -176,6 +181,8 @@ class RecoveryMixin:
 
     def _resize(self) -> tuple[Phase, str]:
         requested, self._resize_request = self._resize_request, None
+        if self.planner is not None:
+            return self._resize_planned(requested if requested is not None else self._growth_target())
         target = requested if requested is not None else self._growth_target()
         reason = getattr(self, "_resize_reason", "") or "capacity came back"
         self._resize_reason = ""
@@ -201,11 +208,38 @@ class RecoveryMixin:
         self._resize_done.set()
         return Phase.RUNNING, f"{before} -> {len(self.members)} workers"
 
+    def _resize_planned(self, devices: int) -> tuple[Phase, str]:
+        """Hold `devices` devices (workers and idle spares) and let the planner lay out all of them."""
+        reason = getattr(self, "_resize_reason", "") or "capacity came back"
+        self._resize_reason = ""
+        before = self.layout.describe()
+        self._drop_dead_spares()
+        ready = self.pool.ready(self.spares)
+        held = self.members + ready
+        extra = self._take_or_start(devices - len(held)) if devices > len(held) else []
+        keep, released = held[:devices], held[devices:]  # members first: they already hold the state
+        self.spares = [w for w in self.spares if w not in ready]
+        step, state = self._gather_snapshot(list(enumerate(self.members)), self.layout)
+        candidates = WorkerPool.by_locality(keep + (extra or []))
+        try:
+            self._regroup(candidates, state)
+        except Exception as error:
+            self._resize_done.set()
+            return self._lost_during_regroup(candidates, error)
+        finally:
+            self.pool.stop(released)
+        self._resume_at(step, None)
+        self.events.record("resize", reason, train_devices=len(self.members), infer_devices=0, resume_step=self.step)
+        self._resize_done.set()
+        return Phase.RUNNING, f"{before} -> {self.layout.describe()}"
+
     def _growth_target(self) -> int:
         """Grow from warm spares only; start spares on free devices so they are warm by the next check."""
         ready = len(self.pool.ready(self.spares))
         missing = self.target_workers - len(self.members) - len(self.spares)
         self._start_spares(missing)
+        if self.planner is not None:
+            return self._planned_growth()
         return grow_to(GrowthObservation(
             num_workers=len(self.members),
             target_workers=self.target_workers,
@@ -213,6 +247,22 @@ class RecoveryMixin:
             num_spares=ready,
             valid_sizes=self.sizes,
         ))
+
+    def _planned_growth(self) -> int:
+        """How many devices the planner would hold with every ready spare added (current ones if no more).
+
+        Planned once per set of candidates: a planner that prefers fewer devices is not asked again
+        until a spare comes or goes."""
+        candidates = self.members + self.pool.ready(self.spares)
+        key = frozenset(w.name for w in candidates)
+        if key != getattr(self, "_growth_key", None):
+            self._growth_key = key
+            try:
+                used = len(self.planner.arrange(candidates).members)
+            except LookupError:  # a new node not in the graph yet: look again next time
+                self._growth_key, used = None, len(self.members)
+            self._growth_devices = len(candidates) if used > len(self.members) else len(self.members)
+        return self._growth_devices
 
     def _start_spares(self, wanted: int) -> None:
         if wanted <= 0:
@@ -224,34 +274,76 @@ class RecoveryMixin:
     # ----- regrouping and state -----
 
     def _regroup(self, members: list[Worker], state_parts: list[ray.ObjectRef] | None) -> None:
-        layout = self.layout_for(len(members))
+        arrangement = self.planner.arrange(members) if self.planner is not None else None
+        if arrangement is not None:
+            members, layout = list(arrangement.members), arrangement.layout
+        else:
+            layout = self.layout_for(len(members))
         self.generation += 1
         reports = WorkerPool.regroup(members, self.generation, self.job, layout, state_parts or [], CALL_TIMEOUT_S)
+        if arrangement is not None:
+            self.planner.commit(arrangement)
+            self.spares.extend(arrangement.unused)
+            self.events.record("plan", arrangement.describe(), repaired=arrangement.repaired,
+                               reshard=arrangement.reshard, step_time_s=arrangement.plan.step_time_s)
         # One rank per pipeline stage counts its stage's parameters (DTensor counts are global).
         self.num_parameters = sum(
             report["num_parameters"] for rank, report in enumerate(reports)
             if layout.coords(rank).dp == 0 and layout.coords(rank).tp == 0
         )
         self.members, self.layout = members, layout
+        self._generation_steps = 0
         self._regroup_failures = 0
         self._save_job_record()
 
-    def _gather_snapshot(self, holders: list[tuple[int, Worker]], layout: ParallelLayout):
-        """(step, refs to one canonical part per pipeline stage) of the newest snapshot every stage still has.
+    def _gather_snapshot(self, holders: list[tuple[int, Worker]], layout: ParallelLayout,
+                         replicas: list[Worker] = ()):
+        """(step, refs to one canonical part per pipeline stage) of the newest snapshot every stage still has,
+        live in the holders or in a replica (all stages at one step) held on another node.
 
         Falls back to the newest good persisted checkpoint; (None, None) when there is neither.
         The parts stay in the object store: workers fetch them from each other.
         """
-        steps = _answers([w.actor.snapshot_step.remote() for _, w in holders])  # None: no snapshot, or dead
+        refs = [w.actor.snapshot_step.remote() for _, w in holders] + [w.actor.replica_step.remote() for w in replicas]
+        answers = _answers(refs)  # None: no snapshot, or dead
+        steps, replica_steps = answers[:len(holders)], answers[len(holders):]
         by_step: dict[int, dict[int, Worker]] = {}
         for (rank, worker), step in zip(holders, steps):
             if step is not None:
                 by_step.setdefault(step, {}).setdefault(layout.coords(rank).pp, worker)
         complete = [step for step, stages in by_step.items() if len(stages) == layout.pp]
-        if not complete:
+        live = max(complete, default=None)
+        replica = max(((step, w) for step, w in zip(replica_steps, replicas) if step is not None),
+                      key=lambda pair: pair[0], default=None)
+        if replica is not None and (live is None or replica[0] > live):
+            self.events.record("checkpoint", f"restored the replica of step {replica[0]}", step=replica[0])
+            return replica[0], [replica[1].actor.replica_state.remote()]
+        if live is None:
             return self._persisted_state()
-        step = max(complete)
-        return step, [w.actor.snapshot_state.remote() for w in by_step[step].values()]
+        return live, [w.actor.snapshot_state.remote() for w in by_step[live].values()]
+
+    def _surviving_replicas(self, lost: dict[int, str]) -> list[Worker]:
+        gone = {self.members[rank].name for rank in lost}
+        return [w for w in getattr(self, "_replica_holders", []) if w.name not in gone and w.actor is not None]
+
+    def _replicate_if_due(self) -> None:
+        """Ask two workers on different nodes to copy every stage's newest snapshot, where a node's loss
+        would otherwise lose a stage (replicas.py). Fire and forget: a worker still copying skips a round."""
+        every = self.elastic.replicate_every
+        if not every or (self.step + 1) % every:
+            return
+        nodes = [w.info.node_id for w in self.members]
+        stages = [self.layout.coords(rank).pp for rank in range(len(self.members))]
+        if not exposed_stages(stages, nodes):
+            self._replica_holders = []
+            return
+        candidates = self.pool.ready(self.spares) + self.members  # idle spares first
+        self._replica_holders = [candidates[i] for i in replica_holders([w.info.node_id for w in candidates])]
+        sources = {}
+        for rank, worker in enumerate(self.members):
+            sources.setdefault(stages[rank], worker.actor)
+        for holder in self._replica_holders:
+            holder.actor.take_replica.remote(sources)
 
     def _gather_state(self, holders: list[tuple[int, Worker]], layout: ParallelLayout):
         """(step, merged canonical state) of one snapshot per pipeline stage, fetched here while training

@@ -71,14 +71,21 @@ class HostSnapshotter:
     def _fence_for_update(self) -> None:
         self.last_stall_s = self.fence()
 
+    def _await_copy(self) -> None:
+        """Readers (any thread) wait for an in-flight copy without taking it over: only the training
+        thread's `fence()` may forget it, or its fence before the next update would not wait for it."""
+        copying = self._copying
+        if copying is not None:
+            copying.join()
+
     def latest(self) -> tuple[int, CanonicalState] | None:
         """The newest complete snapshot as (step it was taken after, state): valid until the next two steps."""
-        self.fence()
+        self._await_copy()
         return self._latest
 
     def latest_copy(self) -> tuple[int, CanonicalState] | None:
         """The newest snapshot, copied: safe to hand to another thread or process while training goes on."""
-        self.fence()
+        self._await_copy()
         with self._buffers:
             if self._latest is None:
                 return None

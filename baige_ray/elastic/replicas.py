@@ -1,0 +1,35 @@
+"""Where copies of the newest snapshot must live so that losing any one node loses no state.
+
+Every worker keeps its own stage's newest snapshot in host memory. A stage whose holders
+sit on two or more nodes (data-parallel peers across nodes) survives any single node's loss
+as it is. A stage whose every holder shares one node (tensor- or pipeline-parallel groups
+inside a node, a single-node job) does not: for those layouts two workers on two different
+nodes, spares first since they are idle, each keep a full replica (every stage, one step).
+Losing any node leaves at least one of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def exposed_stages(stage_of_rank: Sequence[int], node_of_rank: Sequence[str]) -> list[int]:
+    """Stages whose every holder sits on one node: that node's loss takes their live snapshot with it."""
+    nodes_of_stage: dict[int, set[str]] = {}
+    for stage, node in zip(stage_of_rank, node_of_rank):
+        nodes_of_stage.setdefault(stage, set()).add(node)
+    return sorted(stage for stage, nodes in nodes_of_stage.items() if len(nodes) == 1)
+
+
+def replica_holders(candidate_nodes: Sequence[str], copies: int = 2) -> list[int]:
+    """Indices of `copies` candidates on distinct nodes, earliest first (callers list spares first);
+    fewer when the candidates span fewer nodes, none when they all share one (no copy would help)."""
+    chosen: list[int] = []
+    seen: set[str] = set()
+    for index, node in enumerate(candidate_nodes):
+        if node not in seen:
+            chosen.append(index)
+            seen.add(node)
+        if len(chosen) == copies:
+            break
+    return chosen if len(chosen) > 1 else []
