@@ -22,6 +22,7 @@ from baige_ray.elastic.faults import FaultKind, FaultPlan
 from baige_ray.elastic.machine import Phase, StateMachine
 from baige_ray.elastic.planning import ElasticPlanner
 from baige_ray.elastic.recovery import RecoveryMixin
+from baige_ray.elastic.step_log import StepLog
 from baige_ray.elastic.sizing import layout_for, replica_size, valid_sizes
 from baige_ray.elastic.watch import WatchTimes, watch_step
 from baige_ray.elastic.workers import Worker, WorkerPool
@@ -70,7 +71,7 @@ class ElasticController(RecoveryMixin):
         self.spares: list[Worker] = []
         self.generation = -1
         self.step = 0
-        self.metrics: list[dict] = []
+        self.step_log: StepLog | None = None  # opened in _plan: fresh, or read back after a restart
         self.step_times: list[float] = []
         self.compute_history: list[tuple[float, ...]] = []
         self.recoveries: list[dict] = []
@@ -90,6 +91,10 @@ class ElasticController(RecoveryMixin):
         self.num_parameters = 0
         self._generation_steps = 0  # steps completed since the last regroup
         self.job_metrics = JobMetrics(job=self.run_config.name)
+
+    @property
+    def metrics(self) -> list[dict]:
+        return self.step_log.records if self.step_log is not None else []
 
     # ----- public surface (called on the controller's control thread) -----
 
@@ -179,6 +184,7 @@ class ElasticController(RecoveryMixin):
         with warnings.catch_warnings():  # Ray warns about an internal property this one reads
             warnings.simplefilter("ignore", DeprecationWarning)
             restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self.step_log = StepLog(self.run_config.run_dir / "steps.jsonl", resume=restarted)
         if restarted:
             return self._resume_after_restart()
         if self.planner is not None:
@@ -278,7 +284,7 @@ class ElasticController(RecoveryMixin):
 
     def _record_step(self, per_rank: list[dict], seconds: float) -> None:
         losses = [m["loss"] for m in per_rank if m["loss"] is not None]
-        self.metrics.append({
+        self.step_log.append({
             "step": self.step,
             "loss": sum(losses) / len(losses),
             "learning_rate": per_rank[0]["learning_rate"],
@@ -301,7 +307,7 @@ class ElasticController(RecoveryMixin):
         if not reported:
             return
         losses = [m["loss"] for m in reported if m["loss"] is not None]
-        self.metrics.append({
+        self.step_log.append({
             "step": step,
             "loss": sum(losses) / len(losses) if losses else float("nan"),
             "learning_rate": reported[0]["learning_rate"],
@@ -309,7 +315,7 @@ class ElasticController(RecoveryMixin):
             "tokens": sum(m["tokens"] for m in reported),
             "num_workers": len(reported),
             "snapshot_stall_s": max(m["snapshot_stall_s"] for m in reported),
-            "partial": True,
+            "partial": len(reported) < len(per_rank),
         })
 
     def _export_metrics(self, per_rank: list[dict], seconds: float) -> None:

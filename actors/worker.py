@@ -8,6 +8,7 @@ process, and runs training steps.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import os
 import socket
@@ -75,6 +76,8 @@ class WorkerActor:
         self._failed_generation: int | None = None
         self.replica: tuple[int, CanonicalState] | None = None  # every stage at one step, for a lost node
         self._replicating: threading.Thread | None = None
+        # A restarted controller reads the steps finished while it was down from here.
+        self._recent_metrics: collections.deque[dict] = collections.deque(maxlen=16)
 
     def device_info(self) -> DeviceInfo:
         node_id, node_ip, resource, resource_ids = _ray_placement()
@@ -181,7 +184,12 @@ class WorkerActor:
         if snapshot:
             self.snapshots.after_step(step)
         metrics["snapshot_stall_s"] = self.snapshots.last_stall_s
+        self._recent_metrics.append(metrics)
         return metrics
+
+    @ray.method(concurrency_group="control")
+    def recent_metrics(self) -> list[dict]:
+        return list(self._recent_metrics)
 
     @ray.method(concurrency_group="control")
     def abort_step(self) -> None:

@@ -88,6 +88,8 @@ class RecoveryMixin:
         marks["regrouped"] = time.monotonic()
         self._recovery_marks = marks
         self._resume_at(step, self._furthest_started_step(survivors, failed_step))
+        if getattr(self, "_restarted", False):
+            self._recover_history(survivors)
         if outcome is not None and failed_step is not None and self.step > failed_step:
             # The lost worker died after finishing the step, before its result arrived.
             self._record_unreported(outcome.metrics, failed_step)
@@ -151,6 +153,17 @@ class RecoveryMixin:
         self._pending_failure = StepOutcome(metrics=[], lost=dead)
         return Phase.RECOVERING, f"regrouping failed: {error}"
 
+    def _recover_history(self, survivors: list[tuple[int, Worker]]) -> None:
+        """Record the steps the workers finished while no controller was there to see them."""
+        self._restarted = False
+        logged = {m["step"] for m in self.metrics}
+        missing = [step for step in range(self.step) if step not in logged]
+        if not missing:
+            return
+        recent = [answer or [] for answer in _answers([w.actor.recent_metrics.remote() for _, w in survivors], 10.0)]
+        for step in missing:
+            self._record_unreported([next((m for m in ranks if m.get("step") == step), None) for ranks in recent], step)
+
     @staticmethod
     def _furthest_started_step(survivors: list[tuple[int, Worker]], failed_step: int | None) -> int | None:
         """The last step any survivor began: with steps queued ahead it can be past the one being watched."""
@@ -163,7 +176,7 @@ class RecoveryMixin:
     def _resume_at(self, snapshot_step: int | None, failed_step: int | None) -> None:
         self.step = 0 if snapshot_step is None else snapshot_step + 1
         # Steps after an older snapshot (a replica, a persisted checkpoint) are done again: keep the redo.
-        self.metrics = [m for m in self.metrics if m["step"] < self.step]
+        self.step_log.keep_before(self.step)
         self._redo_steps = 0 if failed_step is None else max(0, failed_step - self.step + 1)
 
     def _finish_recovery(self, seconds: float) -> None:
@@ -399,6 +412,7 @@ class RecoveryMixin:
             result["final_state"] = ray.put(state)
         if self._persister is not None:
             self._persister.close(timeout=60)
+        self.step_log.close()
         return result
 
     def _release_everything(self) -> None:
@@ -429,6 +443,7 @@ class RecoveryMixin:
         self.members = members
         self._pending_failure = StepOutcome(metrics=[], lost=lost)
         self._recovery_started = time.monotonic()
+        self._restarted = True
         self.events.record("controller_restart", f"found {len(members) - len(lost)} of {len(members)} workers")
         return Phase.RECOVERING, "controller restarted"
 
