@@ -73,22 +73,29 @@ def cpu_speed_descriptor():
     return dataclasses.replace(descriptor, node_types={"sim-a100-node": dataclasses.replace(node_type, chip=chip)})
 
 
-def planned_gpt_run(name: str, tmp_path, num_steps: int):
-    """A GPT the planner lays out as DP4xTP2 on all 8 devices; constant learning rate, so a run
-    stopped after k steps and a k-step run do the same arithmetic."""
+def gpt_run(name: str, tmp_path, *, num_steps: int, num_layers: int, global_batch_size: int,
+            micro_batch_size: int, elastic: ElasticConfig, **launch_args):
+    """A small GPT on all 8 devices at a constant learning rate, so a run stopped after k steps and a
+    k-step run do the same arithmetic."""
     from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
     from baige_ray.elastic.job import launch
     from baige_ray.models.gpt import GPTConfig
 
     return launch(
-        GPTConfig(seq_len=32, hidden=64, num_layers=2),
-        train=TrainConfig(num_steps=num_steps, global_batch_size=24, micro_batch_size=1, warmup_steps=0,
-                          learning_rate=3e-3, min_learning_rate=3e-3),
+        GPTConfig(seq_len=32, hidden=64, num_layers=num_layers),
+        train=TrainConfig(num_steps=num_steps, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
+                          warmup_steps=0, learning_rate=3e-3, min_learning_rate=3e-3),
         scaling=ScalingConfig(num_workers=8, placement_timeout_s=240),  # slow actor starts on a busy box
         run=RunConfig(name=name, storage_path=tmp_path, show_progress=False),
-        elastic=ElasticConfig(num_spares=0, min_workers=2, max_workers=8, grow_check_interval_s=0.5),
-        layout="auto", cluster=cpu_speed_descriptor(),
+        elastic=elastic, **launch_args,
     )
+
+
+def planned_gpt_run(name: str, tmp_path, num_steps: int):
+    """The planner lays this one out as DP4xTP2 on all 8 devices."""
+    return gpt_run(name, tmp_path, num_steps=num_steps, num_layers=2, global_batch_size=24, micro_batch_size=1,
+                   elastic=ElasticConfig(num_spares=0, min_workers=2, max_workers=8, grow_check_interval_s=0.5),
+                   layout="auto", cluster=cpu_speed_descriptor())
 
 
 def test_the_planner_re_lays_out_the_job_after_a_node_loss_and_when_it_returns(sim_cluster_4x2, tmp_path):
@@ -124,22 +131,13 @@ def result_events(tmp_path, run_name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def pipelined_gpt_run(name: str, tmp_path, num_steps: int, faults=None):
+def pipelined_gpt_run(name: str, tmp_path, num_steps: int):
     """PP4 x TP2 on the 4x2 cluster: each stage's two ranks on one node, so no live peer elsewhere holds it."""
-    from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
-    from baige_ray.elastic.job import launch
     from baige_ray.engines.layout import ParallelLayout
-    from baige_ray.models.gpt import GPTConfig
 
-    return launch(
-        GPTConfig(seq_len=32, hidden=64, num_layers=4),
-        train=TrainConfig(num_steps=num_steps, global_batch_size=8, micro_batch_size=2, warmup_steps=0,
-                          learning_rate=3e-3, min_learning_rate=3e-3),
-        scaling=ScalingConfig(num_workers=8, placement_timeout_s=240),  # slow actor starts on a busy box
-        run=RunConfig(name=name, storage_path=tmp_path, show_progress=False),
-        elastic=ElasticConfig(num_spares=0, min_workers=8, max_workers=8),
-        layout=ParallelLayout(pp=4, tp=2, num_microbatches=4),
-    )
+    return gpt_run(name, tmp_path, num_steps=num_steps, num_layers=4, global_batch_size=8, micro_batch_size=2,
+                   elastic=ElasticConfig(num_spares=0, min_workers=8, max_workers=8),
+                   layout=ParallelLayout(pp=4, tp=2, num_microbatches=4))
 
 
 def test_a_lost_node_holding_a_whole_pipeline_stage_is_restored_from_a_replica_on_another_node(
