@@ -44,14 +44,34 @@ def bench_ray(num_cpus: int, attempts: int = 3) -> Iterator[None]:
         ray.init(address=address, logging_level=logging.WARNING)
     else:
         for attempt in range(1, attempts + 1):
+            before = _child_pids()
             try:
                 ray.init(address="local", num_cpus=num_cpus, num_gpus=0, logging_level=logging.WARNING)
                 break
             except Exception as error:  # Ray raises a bare Exception on a node start timeout
                 ray.shutdown()
+                _kill_children_except(before)  # shutdown() misses the processes of a start that timed out
                 if attempt == attempts or "timed out during startup" not in str(error):
                     raise
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def _child_pids() -> set[int]:
+    import psutil
+
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def _kill_children_except(keep: set[int]) -> None:
+    """Kill this process's descendants that were not there before (only processes this process started)."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        if child.pid not in keep:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
