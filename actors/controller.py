@@ -194,12 +194,15 @@ class ElasticController(RecoveryMixin):
         return Phase.STARTING, f"layout {self.layout.describe()}"
 
     def _start(self) -> tuple[Phase, str]:
+        room = self.pool.free_devices() - self.target_workers
         started = self.pool.start(self.target_workers, self.speeds)
+        if self.elastic.num_spares and room > 0:  # alongside the members: warm before the first failure
+            self.spares.extend(self.pool.start(min(self.elastic.num_spares, room)))
         members = self.pool.ready(started, self.scaling.placement_timeout_s)
         if len(members) < self.target_workers:
-            self.pool.stop(started)
+            self.pool.stop(started + self.spares)
             return Phase.FAILED, f"only {len(members)} of {self.target_workers} workers started"
-        self._start_spares(self.elastic.num_spares)
+        self._start_spares(self.elastic.num_spares - len(self.spares))
         self._regroup(self.pool.by_locality(members), None)
         if self.planner is not None:  # grow back to what the planner chose on full capacity
             self.target_workers = len(self.members)

@@ -60,10 +60,12 @@ class RecoveryMixin:
         self._drop_dead_spares()
         marks["spares_checked"] = time.monotonic()
         self.pool.stop([self.members[rank] for rank in lost])
+        marks["stopped"] = time.monotonic()
         survivors = [(rank, w) for rank, w in enumerate(self.members) if rank not in lost]
         if len(self.pool.ready(self.spares)) < len(lost) and len(self.spares) > len(self.pool.ready(self.spares)):
             # Spares still starting are worth a short wait: the alternative is shrinking.
             self.pool.ready(self.spares, min(10.0, self.scaling.placement_timeout_s))
+        marks["spares_ready"] = time.monotonic()
         decision = decide_failure(FailureObservation(
             num_workers=len(self.members),
             num_lost=len(lost),
