@@ -57,11 +57,18 @@ class RecoveryMixin:
                 self.events.record("failure", lost[rank], rank=rank, node_id=self.members[rank].info.node_id,
                                    step=self.step)
         marks["confirmed"] = time.monotonic()
+        survivors = [(rank, w) for rank, w in enumerate(self.members) if rank not in lost]
+        # Wedged and evicted ranks still answer: read their snapshots and replicas before stopping them.
+        readable = set(outcome.wedged) if outcome is not None else set(lost)
+        departing = [(rank, self.members[rank]) for rank in sorted(readable & set(lost))]
+        step, state = self._gather_snapshot(survivors + departing, self.layout,
+                                            replicas=self._readable_replicas(lost, readable))
+        _settle(state)
+        marks["gathered"] = time.monotonic()
         self._drop_dead_spares()
         marks["spares_checked"] = time.monotonic()
         self.pool.stop([self.members[rank] for rank in lost])
         marks["stopped"] = time.monotonic()
-        survivors = [(rank, w) for rank, w in enumerate(self.members) if rank not in lost]
         if len(self.pool.ready(self.spares)) < len(lost) and len(self.spares) > len(self.pool.ready(self.spares)):
             # Spares still starting are worth a short wait: the alternative is shrinking.
             self.pool.ready(self.spares, min(10.0, self.scaling.placement_timeout_s))
@@ -81,8 +88,6 @@ class RecoveryMixin:
         if members is None:
             return Phase.FAILED, f"{decision.reason}; no capacity came back within {self.scaling.placement_timeout_s:g}s"
         marks["decided"] = time.monotonic()
-        step, state = self._gather_snapshot(survivors, self.layout, replicas=self._surviving_replicas(lost))
-        marks["gathered"] = time.monotonic()
         try:
             self._regroup(members, state)
         except Exception as error:  # a member died while regrouping: recover again without it
@@ -337,8 +342,8 @@ class RecoveryMixin:
             return self._persisted_state()
         return live, [w.actor.snapshot_state.remote() for w in by_step[live].values()]
 
-    def _surviving_replicas(self, lost: dict[int, str]) -> list[Worker]:
-        gone = {self.members[rank].name for rank in lost}
+    def _readable_replicas(self, lost: dict[int, str], readable: set[int]) -> list[Worker]:
+        gone = {self.members[rank].name for rank in lost if rank not in readable}
         return [w for w in getattr(self, "_replica_holders", []) if w.name not in gone and w.actor is not None]
 
     def _replicate_if_due(self) -> None:
@@ -456,6 +461,13 @@ class RecoveryMixin:
             return Worker(actor=actor, name=name, speed=speed, info=ray.get(actor.device_info.remote(), timeout=10))
         except Exception:
             return Worker(actor=None, name=name, speed=speed)
+
+
+def _settle(parts: list | None, timeout_s: float = CALL_TIMEOUT_S) -> None:
+    """Wait until the gathered parts exist in the object store, so their holders may then be stopped."""
+    refs = [part for part in parts or [] if isinstance(part, ray.ObjectRef)]
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
 
 
 def _answers(refs: list[ray.ObjectRef], timeout_s: float = CALL_TIMEOUT_S) -> list:

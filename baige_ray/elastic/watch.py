@@ -23,6 +23,9 @@ class StepOutcome:
     metrics: list[dict | None]
     lost: dict[int, str] = field(default_factory=dict)  # rank -> why
     failed: dict[int, str] = field(default_factory=dict)  # rank -> error (alive, but its step raised)
+    # Lost ranks whose process still answers (a step past its deadline, e.g. a pipeline send to a
+    # dead stage that gloo cannot interrupt): their snapshots can be read before they are stopped.
+    wedged: set[int] = field(default_factory=set)
     first_failure_at: float | None = None
 
     @property
@@ -59,6 +62,7 @@ def watch_step(workers: list[Worker], refs: list[ray.ObjectRef], times: WatchTim
         if pending and now - since > times.deadline_s + times.heartbeat_timeout_s:
             for rank in pending:
                 outcome.lost[rank] = f"step still running {now - started:.1f}s after it began"
+                outcome.wedged.add(rank)
             pending.clear()
     return outcome
 
