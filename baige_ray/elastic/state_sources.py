@@ -1,0 +1,130 @@
+"""Where a recovering job's state comes from: live snapshots, replicas on other nodes, checkpoints.
+
+The controller's state-keeping half (split from recovery.py): every step it may ask two workers on
+other nodes to copy the newest snapshot (replicas.py) and a background thread to persist one; after a
+failure it picks the newest complete state among the survivors' snapshots, the replicas and the
+persisted checkpoints. Only ElasticController uses it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import ray
+
+from baige_ray.checkpoint.persister import AsyncPersister
+from baige_ray.checkpoint.store import load_latest_good
+from baige_ray.elastic.replicas import exposed_stages, replica_holders
+from baige_ray.elastic.workers import Worker
+from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.state import merge_states
+
+CALL_TIMEOUT_S = 120.0
+
+
+class StateSourcesMixin:
+    def _gather_snapshot(self, holders: list[tuple[int, Worker]], layout: ParallelLayout,
+                         replicas: list[Worker] = ()):
+        """(step, refs to one canonical part per pipeline stage) of the newest snapshot every stage still has,
+        live in the holders or in a replica (all stages at one step) held on another node.
+
+        Falls back to the newest good persisted checkpoint; (None, None) when there is neither.
+        The parts stay in the object store: workers fetch them from each other.
+        """
+        refs = [w.actor.snapshot_step.remote() for _, w in holders] + [w.actor.replica_step.remote() for w in replicas]
+        answers = answers_or_none(refs)  # None: no snapshot, or dead
+        steps, replica_steps = answers[:len(holders)], answers[len(holders):]
+        by_step: dict[int, dict[int, Worker]] = {}
+        for (rank, worker), step in zip(holders, steps):
+            if step is not None:
+                by_step.setdefault(step, {}).setdefault(layout.coords(rank).pp, worker)
+        complete = [step for step, stages in by_step.items() if len(stages) == layout.pp]
+        live = max(complete, default=None)
+        replica = max(((step, w) for step, w in zip(replica_steps, replicas) if step is not None),
+                      key=lambda pair: pair[0], default=None)
+        if replica is not None and (live is None or replica[0] > live):
+            self.events.record("checkpoint", f"restored the replica of step {replica[0]}", step=replica[0])
+            return replica[0], [replica[1].actor.replica_state.remote()]
+        if live is None:
+            return self._persisted_state()
+        return live, [w.actor.snapshot_state.remote() for w in by_step[live].values()]
+
+    def _readable_replicas(self, lost: dict[int, str], readable: set[int]) -> list[Worker]:
+        gone = {self.members[rank].name for rank in lost if rank not in readable}
+        return [w for w in getattr(self, "_replica_holders", []) if w.name not in gone and w.actor is not None]
+
+    def _replicate_if_due(self) -> None:
+        """Ask two workers on different nodes to copy every stage's newest snapshot, where a node's loss
+        would otherwise lose a stage (replicas.py). Fire and forget: a worker still copying skips a round."""
+        every = self.elastic.replicate_every
+        if not every or (self.step + 1) % every:
+            return
+        nodes = [w.info.node_id for w in self.members]
+        stages = [self.layout.coords(rank).pp for rank in range(len(self.members))]
+        if not exposed_stages(stages, nodes):
+            self._replica_holders = []
+            return
+        candidates = self.pool.ready(self.spares) + self.members  # idle spares first
+        self._replica_holders = [candidates[i] for i in replica_holders([w.info.node_id for w in candidates])]
+        sources = {}
+        for rank, worker in enumerate(self.members):
+            sources.setdefault(stages[rank], worker.actor)
+        for holder in self._replica_holders:
+            holder.actor.take_replica.remote(sources)
+
+    def _gather_state(self, holders: list[tuple[int, Worker]], layout: ParallelLayout):
+        """(step, merged canonical state) of one snapshot per pipeline stage, fetched here while training
+        may go on: each part comes with its own step, and parts of different steps are not merged."""
+        per_stage: dict[int, Worker] = {}
+        for rank, worker in holders:
+            per_stage.setdefault(layout.coords(rank).pp, worker)
+        parts = answers_or_none([w.actor.snapshot_with_step.remote() for w in per_stage.values()])
+        steps = {part[0] for part in parts if part is not None}
+        if None in parts or len(steps) != 1 or len(per_stage) != layout.pp:
+            return None, None  # a stage missing or mid-step: the next attempt will do
+        return steps.pop(), merge_states([part[1] for part in parts])
+
+    def _persisted_state(self):
+        if self.elastic.persist_path is None:
+            return None, None
+        found = load_latest_good(self.elastic.persist_path)
+        if found is None:
+            return None, None
+        step, state, _ = found
+        self.events.record("checkpoint", f"restored persisted step {step}", step=step)
+        return step, [ray.put(state)]
+
+    def _persist_if_due(self) -> None:
+        every = self.elastic.persist_every
+        if not every or (self.step + 1) % every:
+            return
+        if self._persister is None:
+            self._persister = AsyncPersister(self.elastic.persist_path, keep_last=self.elastic.keep_checkpoints)
+        holders, layout = list(enumerate(self.members)), self.layout
+        meta = {"layout": layout.describe(), "run": self.run_config.name}
+
+        def gather_and_submit() -> None:  # off the training loop: fetching the snapshot takes a while
+            step, state = self._gather_state(holders, layout)
+            if state is not None:
+                self._persister.submit(step, state, meta)
+
+        threading.Thread(target=gather_and_submit, daemon=True).start()
+
+
+def settle_parts(parts: list | None, timeout_s: float = CALL_TIMEOUT_S) -> None:
+    """Wait until the gathered parts exist in the object store, so their holders may then be stopped."""
+    refs = [part for part in parts or [] if isinstance(part, ray.ObjectRef)]
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
+
+
+def answers_or_none(refs: list[ray.ObjectRef], timeout_s: float = CALL_TIMEOUT_S) -> list:
+    """Each call's result, or None where the actor died or did not answer in time."""
+    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    answers = []
+    for ref in refs:
+        try:
+            answers.append(ray.get(ref, timeout=0))
+        except Exception:  # dead, or still silent: not a holder we can use
+            answers.append(None)
+    return answers
