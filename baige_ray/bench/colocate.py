@@ -39,6 +39,7 @@ failed requests count as misses); failed requests are any non-200 answer or conn
 from __future__ import annotations
 
 import argparse
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -74,6 +75,21 @@ def hourly_attainment(sent_at: Sequence[float], latencies: Sequence[float | None
     for at, latency in zip(sent_at, latencies):
         by_hour[min(num_hours - 1, int(at // hour_s))].append(latency)
     return [round(slo_attainment(hour, slo_s), 3) for hour in by_hour]
+
+
+def whole_device_bound(rates: Sequence[float], replica_capacity: float, busy_cap: float, *,
+                       num_devices: int = POOL_DEVICES, min_infer: int = 1, min_train: int = 3) -> float:
+    """The utilization no whole-device lending can beat on this day: each hour's replicas are the fewest
+    that keep each at or below `busy_cap` of its saturated throughput (at least `min_infer`), moves are
+    free and instant, training keeps every other device busy, and a replica is busy `rate / capacity`
+    of the time (optimistic: small batches cost more per request than saturated ones)."""
+    if replica_capacity <= 0 or not 0 < busy_cap <= 1:
+        raise ValueError(f"replica_capacity={replica_capacity}, busy_cap={busy_cap}: expected > 0 and in (0, 1]")
+    busy = 0.0
+    for rate in rates:
+        replicas = min(num_devices - min_train, max(min_infer, math.ceil(rate / (replica_capacity * busy_cap))))
+        busy += (num_devices - replicas) + min(replicas, rate / replica_capacity)
+    return busy / (num_devices * len(rates))
 
 
 def phase_summary(*, train_busy_s: float, infer_busy_s: float, wall_s: float, latencies: Sequence[float | None],
@@ -232,10 +248,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model, job, info = _start(args)
         capacity = saturated_throughput(info.url + "/generate", max_new_tokens=args.max_new_tokens)
         trough = args.trough or args.peak_replicas * capacity / PEAK_RATIO
-        arrivals = arrival_times(diurnal_rates(trough=trough, peak_ratio=PEAK_RATIO, seed=args.seed), args.hour_s,
-                                 seed=args.seed)
+        rates = diurnal_rates(trough=trough, peak_ratio=PEAK_RATIO, seed=args.seed)
+        arrivals = arrival_times(rates, args.hour_s, seed=args.seed)
         time.sleep(5.0)  # let the calibration burst leave the load window
-        arbiter = start_pool_arbiter("colocate", info, dataclasses.asdict(model), _arbiter_config(args, capacity))
+        config = _arbiter_config(args, capacity)
+        arbiter = start_pool_arbiter("colocate", info, dataclasses.asdict(model), config)
         dynamic = _run_phase(job, info, arrivals, args)
         arbiter_status = ray.get(arbiter.stop.remote())
         _split(job, info, STATIC_SPLIT)
@@ -252,6 +269,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "lend_latency_s": round(arbiter_status["lend_latency_s"], 1),
             "arbiter_errors": arbiter_status["errors"], "replica_capacity": round(capacity, 2),
             "trough_rate": round(trough, 2), "slo_p99_s": args.slo_p99_s, "hour_s": args.hour_s,
+            "utilization_bound": {str(cap): round(whole_device_bound(rates, capacity, cap, min_train=args.min_train), 4)
+                                  for cap in (config.policy.lend_above, 1.0)},
             "load_average": {"before": [round(x, 2) for x in load_before],
                              "after": [round(x, 2) for x in os.getloadavg()]},
             "static": static}
@@ -269,6 +288,8 @@ def summarize(result: dict[str, Any]) -> str:
         ahead = f", forecast {forecast:.1f}" if forecast is not None else ""
         lines.append(f"  {at:6.1f}s (hour {at / hour_s:4.1f}) {kind:8s} -> train {train}, infer {infer} in {took:.1f}s"
                      f" (rate {rate:.1f}{ahead} req/s)")
+    bounds = ", ".join(f"{bound:.3f} with replicas at most {cap} busy" for cap, bound in result["utilization_bound"].items())
+    lines.append(f"utilization bound for whole-device lending (free moves): {bounds}")
     lines.append(f"load average before {result['load_average']['before']}, after {result['load_average']['after']}")
     for name, phase in (("lending", result), ("static", result["static"])):
         lines.append(f"  {name} SLO attainment by hour: {phase['hourly_slo_attainment']}")

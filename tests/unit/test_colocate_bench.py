@@ -124,7 +124,24 @@ def test_summary_lists_moves_by_simulated_hour():
              "p99_latency_s": 0.5, "hourly_slo_attainment": [1.0] * 24}
     result = {**phase, "lends": 1, "reclaims": 0, "slo_p99_s": 1.0, "replica_capacity": 30.0, "trough_rate": 6.0,
               "hour_s": 10.0, "moves": [[45.0, "lend", 6, 2, 12.5, 14.2, 19.8]],
-              "load_average": {"before": [1.0, 1.0, 1.0], "after": [2.0, 2.0, 2.0]}, "static": phase}
+              "load_average": {"before": [1.0, 1.0, 1.0], "after": [2.0, 2.0, 2.0]}, "static": phase,
+              "utilization_bound": {"0.47": 0.874, "1.0": 0.936}}
     text = summarize(result)
     assert "(hour  4.5) lend     -> train 6, infer 2 in 12.5s (rate 14.2, forecast 19.8 req/s)" in text
     assert "load average before [1.0, 1.0, 1.0]" in text
+    assert "0.874 with replicas at most 0.47 busy, 0.936 with replicas at most 1.0 busy" in text
+
+
+def test_whole_device_bound_charges_the_idle_share_of_the_replicas_the_cap_requires():
+    from baige_ray.bench.colocate import whole_device_bound
+
+    # 0.2 of a replica's throughput needs one replica, idle 0.8 of the time: 1 - 0.8/8.
+    assert whole_device_bound([0.2], 1.0, busy_cap=0.5) == pytest.approx(1 - 0.8 / 8)
+    # 0.8 at a cap of 0.5 needs two replicas: 1.2 idle; at a cap of 1.0 one replica, 0.2 idle.
+    assert whole_device_bound([0.8], 1.0, busy_cap=0.5) == pytest.approx(1 - 1.2 / 8)
+    assert whole_device_bound([0.8], 1.0, busy_cap=1.0) == pytest.approx(1 - 0.2 / 8)
+    # Hours average; training never drops below its minimum, so an overload's replicas are all busy.
+    assert whole_device_bound([0.2, 0.8], 1.0, busy_cap=0.5) == pytest.approx(1 - 1.0 / 8)
+    assert whole_device_bound([9.0], 1.0, busy_cap=0.5, min_train=3) == 1.0
+    with pytest.raises(ValueError, match="busy_cap"):
+        whole_device_bound([1.0], 1.0, busy_cap=0.0)
