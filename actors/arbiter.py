@@ -162,8 +162,11 @@ class ArbiterLoop:
         freed = observation.train_devices - self.train_devices
         if freed > 0:
             self._publish_weights()
-            self.serving.scale(self.infer_devices + freed)
-            self.infer_devices += freed
+            # One replica at a time: on hosts where starting one is CPU-heavy, starting them together
+            # slowed the running replicas past the objective, and the first one up relieves them sooner.
+            for _ in range(freed):
+                self.serving.scale(self.infer_devices + 1)
+                self.infer_devices += 1
             took = self.clock() - started
             self.lend_latency_s = (1 - LEND_LATENCY_SMOOTHING) * self.lend_latency_s + LEND_LATENCY_SMOOTHING * took
         self._record("lend", decision, observation, freed, started)

@@ -120,6 +120,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--min-train", type=int, default=3, help="fewest devices training keeps")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--busy-cap", type=float, default=0.47,
+                        help="the lending policy keeps each replica at most this busy (lends above it)")
+    parser.add_argument("--capacity-from", choices=("calibration", "reports"), default="calibration",
+                        help="a replica's capacity: the saturated throughput measured before the replays, or "
+                             "refined online from the requests replicas serve per busy second")
 
 
 class TrainingSampler:
@@ -223,9 +228,11 @@ def _arbiter_config(args: argparse.Namespace, capacity: float):
     sizes = valid_sizes(job, ParallelLayout(dp=MAX_TRAIN_DEVICES), args.min_train, MAX_TRAIN_DEVICES)
     # Capacity is the saturated throughput; see the module docstring for the thresholds.
     change_s = max(10.0, args.hour_s)
-    policy = LendingPolicy(lend_above=0.47, target_utilization=0.46, reclaim_below=0.3, cooldown_s=change_s,
+    policy = LendingPolicy(lend_above=args.busy_cap, target_utilization=args.busy_cap - 0.01,
+                           reclaim_below=min(0.3, args.busy_cap / 2), cooldown_s=change_s,
                            breach_cooldown_s=change_s, breach_min_utilization=0.2)
-    return ArbiterConfig(slo_p99_s=args.slo_p99_s, replica_capacity=capacity, capacity_from_reports=False,
+    return ArbiterConfig(slo_p99_s=args.slo_p99_s, replica_capacity=capacity,
+                         capacity_from_reports=args.capacity_from == "reports",
                          min_train_devices=args.min_train, train_sizes=sizes, poll_interval_s=1.0, load_window_s=4.0,
                          lend_latency_s=15.0, trend_window_s=3 * args.hour_s, policy=policy)
 

@@ -30,6 +30,7 @@ from baige_ray.serving.requests import GenerateRequest, RequestError, RequestLim
 from baige_ray.serving.sampling import decode_tokens, generate_batch
 
 REPORT_INTERVAL_S = 0.5
+WARMUP_TOKENS = 4
 
 
 def _error(status: int, reason: str) -> JSONResponse:
@@ -50,6 +51,7 @@ class GPTServer:
         self._pending_latencies: list[float] = []
         self._pending_busy_s = 0.0
         self._reporter: asyncio.Task | None = None
+        self._warmup_size = max_batch_size
         self._generate_batch.set_max_batch_size(max_batch_size)
         self._generate_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
         await self._load_newest_weights()
@@ -60,13 +62,18 @@ class GPTServer:
         if version == self._version:
             return
         state = await state_ref
-        model = await asyncio.to_thread(self._build_model, GPTConfig(**model_config), state)
+        model = await asyncio.to_thread(self._build_model, GPTConfig(**model_config), state, self._warmup_size)
         self._model, self._version, self._step = model, version, step
 
     @staticmethod
-    def _build_model(config: GPTConfig, state: dict) -> GPT:
+    def _build_model(config: GPTConfig, state: dict, warmup_size: int) -> GPT:
         model = GPT(config)
         model.load_state_dict(state)
+        # A full batch before any request sees the model: a fresh replica's first forward passes
+        # (lazy kernel and allocator set-up) took seconds on shared cores, and the router sends a
+        # new, empty replica many requests at once.
+        warmup = GenerateRequest(prompt="warm up", max_new_tokens=WARMUP_TOKENS, temperature=1.0, seed=0)
+        generate_batch(model, [warmup] * warmup_size)
         return model.eval()
 
     async def __call__(self, request: Request) -> JSONResponse:
