@@ -377,4 +377,4 @@ class ElasticController(RecoveryMixin):
         return lost or f"{len(outcome.failed)} rank(s) failed their step"
 
     def layout_for(self, num_workers: int) -> ParallelLayout:
-        return layout_for(self.layout, num_workers)
+        return layout_for(self.layout, num_workers, self.job)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from baige_ray.engines.layout import ParallelLayout
+from baige_ray.models.gpt import GPTConfig
 from baige_ray.runtime.train_loop import TrainJob
 
 
@@ -13,23 +14,48 @@ def replica_size(layout: ParallelLayout) -> int:
 
 
 def valid_sizes(job: TrainJob, layout: ParallelLayout, min_workers: int, max_workers: int) -> tuple[int, ...]:
-    """Sizes in [min, max] made of whole replicas whose data-parallel degree splits the global batch."""
+    """Sizes in [min, max] made of whole replicas whose data-parallel degree splits the global batch,
+    evenly or, for pure data parallel GPT jobs, in shares that differ by at most one sequence."""
     sizes = []
     unit = replica_size(layout)
     for size in range(unit, max_workers + 1, unit):
         if size < min_workers:
             continue
-        try:
-            job.train.per_worker_batch(size // unit)
-        except ValueError:
-            continue
-        sizes.append(size)
+        if _splits_evenly(job, size // unit) or _allows_uneven_shares(job, layout, size // unit):
+            sizes.append(size)
     return tuple(sizes)
 
 
-def layout_for(layout: ParallelLayout, num_workers: int) -> ParallelLayout:
-    """The same tensor/pipeline shape with as many data-parallel replicas as `num_workers` holds."""
+def layout_for(layout: ParallelLayout, num_workers: int, job: TrainJob | None = None) -> ParallelLayout:
+    """The same tensor/pipeline shape with as many data-parallel replicas as `num_workers` holds; with
+    the job given, a global batch that does not split evenly gets shares that differ by one sequence."""
     unit = replica_size(layout)
     if num_workers % unit:
         raise ValueError(f"num_workers={num_workers} is invalid: expected a multiple of tp x pp = {unit}")
-    return dataclasses.replace(layout, dp=num_workers // unit)
+    dp = num_workers // unit
+    shares = None
+    if job is not None and not _splits_evenly(job, dp) and _allows_uneven_shares(job, layout, dp):
+        shares = even_shares(job.train.global_batch_size // (job.train.micro_batch_size or 1), dp)
+    return dataclasses.replace(layout, dp=dp, dp_microbatches=shares)
+
+
+def even_shares(total: int, parts: int) -> tuple[int, ...]:
+    """`total` split into `parts` that differ by at most one, larger ones first."""
+    base, extra = divmod(total, parts)
+    return tuple(base + 1 if index < extra else base for index in range(parts))
+
+
+def _splits_evenly(job: TrainJob, dp: int) -> bool:
+    try:
+        job.train.per_worker_batch(dp)
+    except ValueError:
+        return False
+    return True
+
+
+def _allows_uneven_shares(job: TrainJob, layout: ParallelLayout, dp: int) -> bool:
+    """Uneven shares are a DDP feature of the GPT engines, counted in whole micro-batches (sequences
+    without a micro-batch size), at least one per replica."""
+    micro = job.train.micro_batch_size or 1
+    return (isinstance(job.model, GPTConfig) and layout.tp == layout.pp == 1 and layout.data_parallel == "ddp"
+            and job.train.global_batch_size % micro == 0 and dp <= job.train.global_batch_size // micro)

@@ -40,9 +40,11 @@ class ParallelLayout:
     stage_layers: tuple[int, ...] | None = None
     stage_speeds: tuple[float, ...] | None = None
     # Data parallel over chips of different speeds: micro-batches each DP replica trains per
-    # step, in proportion to its chip's speed (e.g. (43, 21) of 64 at speeds 1.0 / 0.5); None
-    # splits the global batch evenly. Losses are weighted so a step's gradient is the mean over
-    # the whole global batch, whatever the split.
+    # step, in proportion to its chip's speed (e.g. (43, 21) of 64 at speeds 1.0 / 0.5), or a
+    # global batch that does not split evenly over dp (e.g. (17, 17, 17, 17, 16) of 84); None
+    # splits the global batch evenly. Without TrainConfig.micro_batch_size the shares count
+    # sequences and each replica trains its share in one pass. Losses are weighted so a step's
+    # gradient is the mean over the whole global batch, whatever the split.
     dp_microbatches: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -116,13 +118,14 @@ class ParallelLayout:
         """Sequences each data-parallel replica trains per step; they add up to the global batch."""
         if self.dp_microbatches is None:
             return (train.per_worker_batch(self.dp),) * self.dp
-        if train.micro_batch_size is None or sum(self.dp_microbatches) * train.micro_batch_size != train.global_batch_size:
+        micro = train.micro_batch_size or 1
+        if sum(self.dp_microbatches) * micro != train.global_batch_size:
             raise ValueError(
                 f"ParallelLayout.dp_microbatches={self.dp_microbatches!r} is invalid: expected micro-batches of "
-                f"TrainConfig.micro_batch_size={train.micro_batch_size} adding up to the global batch "
-                f"{train.global_batch_size}"
+                f"TrainConfig.micro_batch_size={train.micro_batch_size} (None: of one sequence) adding up to the "
+                f"global batch {train.global_batch_size}"
             )
-        return tuple(count * train.micro_batch_size for count in self.dp_microbatches)
+        return tuple(count * micro for count in self.dp_microbatches)
 
     def coords(self, rank: int) -> RankCoords:
         if not 0 <= rank < self.world_size:

@@ -124,7 +124,7 @@ class TorchEngine(Engine):
         num_micro = self.per_replica_batch // micro
         # Replicas average their gradients, so each micro-batch weighs dp / (all replicas' micro-batches):
         # the batch mean even when replicas on faster chips train more micro-batches (= 1 / num_micro if even).
-        weight_divisor = self.job.train.global_batch_size // micro / self.layout.dp
+        weight_divisor = self.job.train.global_batch_size / micro / self.layout.dp
         loss_sum = 0.0
         for index in range(num_micro):
             chunk = slice(index * micro, (index + 1) * micro)

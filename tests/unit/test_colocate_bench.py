@@ -99,7 +99,7 @@ def test_the_noisy_peak_needs_one_lend_and_the_trough_none():
     args = _default_args()
     capacity = 30.0
     config = _arbiter_config(args, capacity)
-    assert config.train_sizes == (3, 4, 6, 7)
+    assert config.train_sizes == (3, 4, 5, 6, 7)  # 5 with shares of 17, 17, 17, 17, 16 of the 84
     assert config.trend_window_s == 3 * args.hour_s
 
     def decision(rate: float, train: int, infer: int):

@@ -60,6 +60,22 @@ def test_sizes_keep_whole_replicas_and_an_evenly_split_batch():
         layout_for(ParallelLayout(dp=2, tp=2), 5)
 
 
+def test_pure_data_parallel_gpt_jobs_also_run_at_sizes_that_split_the_batch_unevenly():
+    from baige_ray.models.gpt import GPTConfig
+
+    job = TrainJob(model=GPTConfig(), train=TrainConfig(num_steps=1, global_batch_size=84))
+    assert valid_sizes(job, ParallelLayout(dp=7), 3, 7) == (3, 4, 5, 6, 7)
+    assert layout_for(ParallelLayout(dp=7), 5, job).dp_microbatches == (17, 17, 17, 17, 16)
+    assert layout_for(ParallelLayout(dp=7), 6, job).dp_microbatches is None  # 84 = 6 x 14
+    # Tensor or pipeline parallel jobs, and MLP jobs, keep to even splits.
+    assert valid_sizes(job, ParallelLayout(dp=2, tp=2), 2, 8) == (2, 4, 6, 8)
+    mlp = TrainJob(model=MLPConfig(), train=TrainConfig(num_steps=1, global_batch_size=84))
+    assert valid_sizes(mlp, ParallelLayout(dp=7), 3, 7) == (3, 4, 6, 7)
+    # With micro-batches the shares count whole micro-batches: 84 = 21 micro-batches of 4.
+    micro = TrainJob(model=GPTConfig(), train=TrainConfig(num_steps=1, global_batch_size=84, micro_batch_size=4))
+    assert layout_for(ParallelLayout(dp=7), 5, micro).dp_microbatches == (5, 4, 4, 4, 4)
+
+
 def test_snapshot_restores_the_exact_state_of_the_step_it_was_taken_after():
     job = TrainJob(model=MLPConfig(sizes=(16, 32, 8)), train=TrainConfig(num_steps=8, global_batch_size=8))
     engine = build_engine(job, ParallelLayout())

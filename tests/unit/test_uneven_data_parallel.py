@@ -30,7 +30,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _train_uneven_replicas(rank: int, port: int, results) -> None:
+def _unevenly_split_job() -> TrainJob:
+    """A global batch of 5 over two replicas, no micro-batches: shares of 3 and 2 sequences."""
+    return TrainJob(
+        model=GPTConfig(num_layers=2, hidden=32, num_heads=2, seq_len=16),
+        train=TrainConfig(num_steps=NUM_STEPS, global_batch_size=5, warmup_steps=1, log_every=1),
+        corpus=CorpusConfig(max_bytes=64 * 1024),
+    )
+
+
+def _train_uneven_replicas(rank: int, port: int, results, split: str = "speeds") -> None:
     import os
 
     from baige_ray.engines.factory import build_engine
@@ -38,7 +47,8 @@ def _train_uneven_replicas(rank: int, port: int, results) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    engine = build_engine(_job(), ParallelLayout(dp=2, dp_microbatches=(4, 2)), rank)
+    job, shares = (_job(), (4, 2)) if split == "speeds" else (_unevenly_split_job(), (3, 2))
+    engine = build_engine(job, ParallelLayout(dp=2, dp_microbatches=shares), rank)
     steps = [engine.train_step(step) for step in range(NUM_STEPS)]
     results[rank] = ([s["loss"] for s in steps], [s["tokens"] for s in steps], engine.per_replica_batch)
     dist.destroy_process_group()
@@ -60,6 +70,19 @@ def test_uneven_shares_give_the_single_process_losses_step_by_step():
     assert losses[-1] != pytest.approx(losses[0], rel=1e-3)  # training moved, so later steps test the gradients
 
 
+def test_a_batch_that_does_not_split_evenly_trains_like_one_process():
+    from tests.helpers import reference_losses
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(_train_uneven_replicas, args=(_free_port(), results, "uneven"), nprocs=2,
+                           start_method="spawn")
+        results = dict(results)
+    assert (results[0][2], results[1][2]) == (3, 2)  # each replica trains its share in one pass
+    losses = [(a + b) / 2 for a, b in zip(results[0][0], results[1][0])]
+    assert losses == pytest.approx(reference_losses(_unevenly_split_job()), rel=1e-5)
+
+
 def test_replica_ranges_are_consecutive_and_cover_the_global_batch():
     assert [replica_sample_range(2, r, (4, 2)) for r in (0, 1)] == [range(12, 16), range(16, 18)]
     for rank in range(4):
@@ -72,8 +95,11 @@ def test_replica_batches_follow_the_shares_and_must_add_up():
     assert ParallelLayout(dp=3).replica_batches(train) == (4, 4, 4)
     with pytest.raises(ValueError, match="dp_microbatches"):
         ParallelLayout(dp=2, dp_microbatches=(4, 1)).replica_batches(train)
+    # Without a micro-batch size the shares count sequences.
+    unsplit = TrainConfig(num_steps=1, global_batch_size=12)
+    assert ParallelLayout(dp=2, dp_microbatches=(7, 5)).replica_batches(unsplit) == (7, 5)
     with pytest.raises(ValueError, match="dp_microbatches"):
-        ParallelLayout(dp=2, dp_microbatches=(8, 4)).replica_batches(TrainConfig(num_steps=1, global_batch_size=12))
+        ParallelLayout(dp=2, dp_microbatches=(8, 5)).replica_batches(unsplit)
 
 
 @pytest.mark.parametrize("fields", [
