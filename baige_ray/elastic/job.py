@@ -18,6 +18,7 @@ from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
 from baige_ray.api.result import Result, StepMetrics
 from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.faults import FaultPlan
+from baige_ray.elastic.sizing import layout_for
 from baige_ray.elastic.workers import NAMESPACE
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.models.corpus import CorpusConfig
@@ -134,8 +135,8 @@ def launch(
         layout = None
     elif isinstance(layout, str) and layout != "ddp":
         raise ValueError(f"launch layout={layout!r} is invalid: expected 'ddp', 'auto' or a ParallelLayout")
-    if not isinstance(layout, ParallelLayout):
-        layout = ParallelLayout(dp=scaling.num_workers)
+    if not isinstance(layout, ParallelLayout):  # any size the job may later resize to, uneven shares included
+        layout = layout_for(ParallelLayout(dp=scaling.num_workers), scaling.num_workers, job)
     speeds = check_execution(job, scaling, layout, emulated_speeds) if planner is None else \
         check_speeds(scaling, emulated_speeds)
     if not ray.is_initialized():
