@@ -8,7 +8,10 @@ policy, and acts:
   gradient accumulation), the newest in-memory weights are published to serving, and Serve grows
   by k replicas, each asking for one device, so they land on the devices training released;
 - reclaim k: Serve shrinks by k replicas (Serve drains them: no request dropped) and only once they
-  are gone does training grow back onto the devices they held.
+  are gone does training grow back onto the devices they held;
+- harvest k / unharvest k (with `harvest_share` set): training starts k more ranks, each on
+  `harvest_share` of a lightly loaded replica's device, or stops k of them. The replicas stay up
+  and keep serving throughout: no request is moved, and giving a device back is one training regroup.
 
 A lend takes effect only once its replica is up, so the loop measures how long its own lends take
 (smoothed over the lends so far, starting from `lend_latency_s`) and gives the policy a forecast of
@@ -51,6 +54,8 @@ class TrainingSide(Protocol):
     def is_running(self) -> bool: ...
     def resize(self, num_devices: int, reason: str) -> int: ...
     def latest_model_state(self) -> tuple[int, Any]: ...
+    def num_harvested(self) -> int: ...
+    def harvest(self, count: int, share: float, reason: str) -> int: ...
 
 
 class ServingSide(Protocol):
@@ -76,6 +81,8 @@ class ArbiterConfig:
     trend_window_s: float | None = 30.0  # rate history the forecast fits; None: no forecast
     policy: LendingPolicy = field(default_factory=LendingPolicy)
     event_log: Path | None = None
+    harvest_share: float | None = None  # of a serving device one training rank may use; None: no harvesting
+    shared_capacity: float = 0.5  # what a shared device serves, as a fraction of replica_capacity
 
     def __post_init__(self) -> None:
         for name in ("slo_p99_s", "replica_capacity", "poll_interval_s", "load_window_s", "lend_latency_s"):
@@ -86,6 +93,14 @@ class ArbiterConfig:
             require_number("ArbiterConfig", "refresh_weights_s", self.refresh_weights_s, minimum=0, exclusive_minimum=True)
         if self.trend_window_s is not None:
             require_number("ArbiterConfig", "trend_window_s", self.trend_window_s, minimum=0, exclusive_minimum=True)
+        require_number("ArbiterConfig", "shared_capacity", self.shared_capacity, minimum=0, exclusive_minimum=True,
+                       maximum=1)
+        if self.harvest_share is not None:
+            require_number("ArbiterConfig", "harvest_share", self.harvest_share, minimum=0, exclusive_minimum=True,
+                           maximum=0.99)
+            if self.policy.harvest_below is None:
+                raise ValueError("ArbiterConfig.harvest_share is set but policy.harvest_below is None: "
+                                 "the policy would never harvest")
 
 
 class ArbiterLoop:
@@ -97,6 +112,7 @@ class ArbiterLoop:
         self.events = events or EventLog(config.event_log)
         self.train_devices = training.num_devices()
         self.infer_devices = serving.num_replicas()
+        self.harvested = self._num_harvested()
         self.replica_capacity = config.replica_capacity
         self.lend_latency_s = config.lend_latency_s
         self._rates: deque[tuple[float, float]] = deque()  # (time the window is centred on, rate)
@@ -110,6 +126,7 @@ class ArbiterLoop:
         self.last_load = load
         self._refine_capacity(load)
         self.train_devices = self.training.num_devices()
+        self.harvested = self._num_harvested()
         forecast = self._forecast(load["request_rate"])
         return LendingObservation(
             request_rate=load["request_rate"], p99_latency_s=load["p99_latency_s"], slo_p99_s=self.config.slo_p99_s,
@@ -118,8 +135,12 @@ class ArbiterLoop:
             seconds_since_change=max(0.0, self.clock() - self._last_change),
             devices_per_train_replica=self.config.devices_per_train_replica,
             min_infer_devices=self.config.min_infer_devices, train_sizes=self.config.train_sizes,
-            forecast_rate=forecast,
+            forecast_rate=forecast, harvested_devices=min(self.harvested, self.infer_devices),
+            shared_capacity=self.config.shared_capacity,
         )
+
+    def _num_harvested(self) -> int:
+        return self.training.num_harvested() if self.config.harvest_share is not None else 0
 
     def _forecast(self, rate: float) -> float | None:
         """The rate expected once a lend decided now is serving: the load window's rate belongs to
@@ -151,6 +172,8 @@ class ArbiterLoop:
             self._lend(decision, observation)
         elif decision.action is LendingAction.RECLAIM:
             self._reclaim(decision, observation)
+        elif decision.action in (LendingAction.HARVEST, LendingAction.UNHARVEST):
+            self._harvest(decision, observation)
         else:
             self._maybe_refresh_weights()
         return decision
@@ -179,6 +202,13 @@ class ArbiterLoop:
         self.train_devices = self.training.resize(target, f"reclaim {decision.num_devices} from inference")
         self._record("reclaim", decision, observation, decision.num_devices, started)
 
+    def _harvest(self, decision: LendingDecision, observation: LendingObservation) -> None:
+        started = self.clock()
+        sign = 1 if decision.action is LendingAction.HARVEST else -1
+        wanted = self.harvested + sign * decision.num_devices
+        self.harvested = self.training.harvest(wanted, self.config.harvest_share, decision.reason)
+        self._record(decision.action.value, decision, observation, decision.num_devices, started)
+
     def _publish_weights(self) -> None:
         step, state_ref = self.training.latest_model_state()
         self.serving.reload(step, state_ref)
@@ -194,7 +224,7 @@ class ArbiterLoop:
         self._last_change = self.clock()
         self.events.record(
             kind, decision.reason, train_devices=self.train_devices, infer_devices=self.infer_devices,
-            num_devices=moved, took_s=round(self._last_change - started, 3),
+            harvested_devices=self.harvested, num_devices=moved, took_s=round(self._last_change - started, 3),
             request_rate=round(observation.request_rate, 3), p99_latency_s=round(observation.p99_latency_s, 4),
             forecast_rate=None if observation.forecast_rate is None else round(observation.forecast_rate, 3),
             lend_latency_s=round(self.lend_latency_s, 2),
@@ -205,6 +235,7 @@ class ArbiterLoop:
         return {
             "train_devices": self.train_devices,
             "infer_devices": self.infer_devices,
+            "harvested_devices": self.harvested,
             "replica_capacity": self.replica_capacity,
             "lend_latency_s": self.lend_latency_s,
             "last_decision": None if decision is None else
@@ -227,7 +258,14 @@ class JobTrainingSide:
         return self._ray.get(self._controller.status.remote())
 
     def num_devices(self) -> int:
-        return int(self._status()["num_workers"])
+        status = self._status()
+        return int(status["num_workers"]) - int(status.get("num_harvest", 0))
+
+    def num_harvested(self) -> int:
+        return int(self._status().get("num_harvest", 0))
+
+    def harvest(self, count: int, share: float, reason: str) -> int:
+        return int(self._ray.get(self._controller.harvest.remote(count, share, reason)))
 
     def is_running(self) -> bool:
         return self._status()["state"] == "running"

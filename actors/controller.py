@@ -19,6 +19,7 @@ from baige_ray.actors.worker import WorkerActor
 from baige_ray.api.configs import RunConfig, ScalingConfig
 from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.faults import FaultKind, FaultPlan
+from baige_ray.elastic.harvest import HarvestMixin
 from baige_ray.elastic.machine import Phase, StateMachine
 from baige_ray.elastic.planning import ElasticPlanner
 from baige_ray.elastic.recovery import RecoveryMixin
@@ -35,9 +36,10 @@ from baige_ray.policies.straggler import StragglerAction, StragglerObservation, 
 
 CONTROLLER_THREADS = {"max_concurrency": 1, "concurrency_groups": {"loop": 1, "control": 4}}
 WARMUP_STEPS = 2  # first steps build caches; their times do not set the deadline
+HARVEST_START_TIMEOUT_S = 60.0  # a harvest rank not up by then found no device share free
 
 
-class ElasticController(RecoveryMixin):
+class ElasticController(HarvestMixin, RecoveryMixin):
     def __init__(
         self,
         job: TrainJob,
@@ -80,6 +82,9 @@ class ElasticController(RecoveryMixin):
         self._pending_failure = None
         self._recovery_started: float | None = None
         self._resize_request: int | None = None
+        self._harvest_request: int | None = None  # harvest ranks wanted; the new ones wait in _harvest_incoming
+        self._harvest_incoming: list[Worker] = []
+        self._harvest_reason = ""
         self._inflight: list[ray.ObjectRef] | None = None  # the next step, already queued on every worker
         self._last_completion: float | None = None
         self._dispatched_at = 0.0
@@ -128,6 +133,7 @@ class ElasticController(RecoveryMixin):
             "num_steps": self.job.train.num_steps,
             "layout": self.layout.describe(),
             "num_workers": len(self.members),
+            "num_harvest": len(self._harvest_members()),
             "num_spares": len(self.spares),
             "workers": [self._describe(rank, worker) for rank, worker in enumerate(self.members)],
             "events": self.events.recent(20),
@@ -141,9 +147,12 @@ class ElasticController(RecoveryMixin):
 
     @ray.method(concurrency_group="control")
     def resize(self, num_workers: int, reason: str = "") -> int:
-        """Ask training to run on `num_workers` (a valid size); returns once it does."""
-        if num_workers not in self.sizes:
-            raise ValueError(f"num_workers={num_workers} is invalid: expected one of {list(self.sizes)}")
+        """Ask training to run on `num_workers` whole devices (plus any harvest ranks, a valid size in
+        all); returns once it does."""
+        harvesting = len(self._harvest_members())
+        if num_workers + harvesting not in self.sizes:
+            raise ValueError(f"num_workers={num_workers} is invalid: with {harvesting} harvest rank(s), expected "
+                             f"one of {[size - harvesting for size in self.sizes if size > harvesting]}")
         self._resize_reason = reason
         self.target_workers = num_workers
         if self.planner is not None:  # one regroup either way: the planner decides how many it uses
@@ -155,12 +164,28 @@ class ElasticController(RecoveryMixin):
         # Growth keeps training at its current size while the new workers start (as spares,
         # in the background), then switches in one regroup; shrinking is one regroup now.
         self._last_growth_check = 0.0
-        while not self.machine.done and len(self.members) != num_workers:
-            if num_workers < len(self.members) and self._resize_request is None:
+        while not self.machine.done and len(self._whole_members()) != num_workers:
+            if num_workers < len(self._whole_members()) and self._resize_request is None:
                 self._resize_done.clear()
                 self._resize_request = num_workers
             self._resize_done.wait(0.1)
-        return len(self.members)
+        return len(self._whole_members())
+
+    @ray.method(concurrency_group="control")
+    def harvest(self, count: int, share: float, reason: str = "") -> int:
+        """Run `count` training ranks beside Serve replicas, each holding `share` of a replica's device
+        (new ones start while training runs, then join in one regroup); returns how many do."""
+        self._check_harvest(count, share)
+        missing = count - len(self._harvest_members())
+        incoming = self._start_harvest_workers(missing, share, HARVEST_START_TIMEOUT_S) if missing > 0 else []
+        wanted = len(self._harvest_members()) + len(incoming) if missing > 0 else count
+        self._harvest_reason = reason
+        self._resize_done.clear()
+        self._harvest_incoming = incoming
+        self._harvest_request = wanted
+        while not self.machine.done and not self._resize_done.wait(0.1):
+            pass
+        return len(self._harvest_members())
 
     @ray.method(concurrency_group="control")
     def latest_model_state(self) -> tuple[int, ray.ObjectRef]:
@@ -215,7 +240,7 @@ class ElasticController(RecoveryMixin):
                 return Phase.FINISHED, "stopped by request"
             if self.step >= self.job.train.num_steps:
                 return Phase.FINISHED, f"{self.step} steps done"
-            if self._resize_request is not None or self._growth_due():
+            if self._resize_request is not None or self._harvest_request is not None or self._growth_due():
                 return Phase.RESIZING, "resize"
         refs = self._inflight or self._dispatch_step(self.step)
         # The next step waits in each worker's queue and starts the moment this one ends,
@@ -235,8 +260,9 @@ class ElasticController(RecoveryMixin):
         return (
             self.step + 1 < self.job.train.num_steps
             and self._resize_request is None
+            and self._harvest_request is None
             and not self._stop_requested
-            and len(self.members) >= self.target_workers
+            and len(self._whole_members()) >= self.target_workers
         )
 
     def _complete_step(self, refs: list[ray.ObjectRef]) -> tuple[Phase, str] | None:
@@ -355,7 +381,7 @@ class ElasticController(RecoveryMixin):
 
     def _growth_due(self) -> bool:
         now = time.monotonic()
-        if len(self.members) >= self.target_workers or now - self._last_growth_check < self.elastic.grow_check_interval_s:
+        if len(self._whole_members()) >= self.target_workers or now - self._last_growth_check < self.elastic.grow_check_interval_s:
             return False
         self._last_growth_check = now
         if self._growth_target() > len(self.members):
@@ -367,9 +393,9 @@ class ElasticController(RecoveryMixin):
         info = worker.info
         if info is None:  # lost, or not found after a controller restart
             return {"rank": rank, "node_id": None, "node_ip": None, "device_index": None, "pid": None,
-                    "speed": worker.speed}
+                    "speed": worker.speed, "share": worker.share}
         return {"rank": rank, "node_id": info.node_id, "node_ip": info.node_ip,
-                "device_index": info.device_index, "pid": info.pid, "speed": worker.speed}
+                "device_index": info.device_index, "pid": info.pid, "speed": worker.speed, "share": worker.share}
 
     @staticmethod
     def _describe_failure(outcome) -> str:

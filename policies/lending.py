@@ -24,6 +24,14 @@ burst of work on shared hosts, a backlog draining): another replica would not fi
 one costs a training resize, so the policy holds. Training shrinks and grows only by whole data-parallel
 replicas (`devices_per_train_replica` devices each), only to sizes it can run at (`train_sizes`,
 e.g. those whose data-parallel degree splits the global batch) and never below `min_train_devices`.
+
+Harvesting (`harvest_below` set): a lightly loaded inference device also runs one low-priority
+training rank beside its replica, so its idle time trains instead of idling. A shared device counts
+as `shared_capacity` of a replica. The policy harvests while the utilization, counted that way,
+stays at or below `harvest_below`. When the load rises it first gives shared devices back to
+inference ("unharvest"), and lends whole devices only once none is shared. Giving a device back
+costs one training regroup; a lend costs a replica start. With harvesting on, whole devices are not
+reclaimed: the replicas stay warm, and falling load is met by harvesting their devices.
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ from baige_ray.api.validation import require_int, require_number
 class LendingAction(enum.Enum):
     LEND = "lend"
     RECLAIM = "reclaim"
+    HARVEST = "harvest"  # run training ranks beside replicas on `num_devices` more inference devices
+    UNHARVEST = "unharvest"  # stop the training ranks on `num_devices` shared inference devices
     HOLD = "hold"
 
 
@@ -57,6 +67,8 @@ class LendingObservation:
     min_infer_devices: int = 1
     train_sizes: tuple[int, ...] | None = None  # sizes training can run at; None: any whole replicas
     forecast_rate: float | None = None  # requests/s expected one lend latency from now; None: no forecast
+    harvested_devices: int = 0  # inference devices that also run a training rank
+    shared_capacity: float = 0.5  # what a shared device serves, as a fraction of replica_capacity
 
     def __post_init__(self) -> None:
         for name in ("request_rate", "p99_latency_s", "seconds_since_change"):
@@ -65,8 +77,14 @@ class LendingObservation:
             require_number("LendingObservation", "forecast_rate", self.forecast_rate, minimum=0)
         for name in ("slo_p99_s", "replica_capacity"):
             require_number("LendingObservation", name, getattr(self, name), minimum=0, exclusive_minimum=True)
-        for name in ("queue_depth", "train_devices", "infer_devices", "min_train_devices", "min_infer_devices"):
+        for name in ("queue_depth", "train_devices", "infer_devices", "min_train_devices", "min_infer_devices",
+                     "harvested_devices"):
             require_int("LendingObservation", name, getattr(self, name), minimum=0)
+        if self.harvested_devices > self.infer_devices:
+            raise ValueError(f"LendingObservation.harvested_devices={self.harvested_devices} is invalid: "
+                             f"expected at most infer_devices={self.infer_devices}")
+        require_number("LendingObservation", "shared_capacity", self.shared_capacity, minimum=0, maximum=1,
+                       exclusive_minimum=True)
         require_int("LendingObservation", "devices_per_train_replica", self.devices_per_train_replica, minimum=1)
         if self.train_sizes is not None:
             for size in self.train_sizes:
@@ -87,9 +105,19 @@ class LendingObservation:
     @property
     def utilization(self) -> float:
         """Planning rate over what the current inference devices sustain (inf with no devices and some load)."""
-        if self.infer_devices == 0:
+        return self.utilization_with(self.harvested_devices)
+
+    def utilization_with(self, harvested: int) -> float:
+        """The utilization were `harvested` of the inference devices shared with training."""
+        devices = self.infer_devices - harvested + self.shared_capacity * harvested
+        if devices <= 0:
             return math.inf if self.planning_rate > 0 else 0.0
-        return self.planning_rate / (self.infer_devices * self.replica_capacity)
+        return self.planning_rate / (devices * self.replica_capacity)
+
+    def harvest_sizes_ok(self, harvested: int) -> bool:
+        """Whether training can run with `harvested` ranks beside its whole devices."""
+        total = self.train_devices + harvested
+        return self.train_sizes is None or total in self.train_sizes
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -102,6 +130,7 @@ class LendingPolicy:
     reclaim_latency_fraction: float = 0.5  # reclaim only while p99 <= this fraction of the objective
     queue_per_device: int = 16  # a deeper queue than this per inference device counts as a breach
     breach_min_utilization: float = 0.0  # a breach lends only at or above this utilization
+    harvest_below: float | None = None  # harvest while utilization stays at or below this; None: never
 
     def __post_init__(self) -> None:
         for name in ("lend_above", "target_utilization", "reclaim_below", "reclaim_latency_fraction"):
@@ -114,6 +143,9 @@ class LendingPolicy:
         for name in ("cooldown_s", "breach_cooldown_s", "breach_min_utilization"):
             require_number("LendingPolicy", name, getattr(self, name), minimum=0)
         require_int("LendingPolicy", "queue_per_device", self.queue_per_device, minimum=1)
+        if self.harvest_below is not None and not 0 < self.harvest_below < self.lend_above:
+            raise ValueError(f"LendingPolicy.harvest_below={self.harvest_below} is invalid: expected in "
+                             f"(0, lend_above={self.lend_above}), or a shared device would be given back at once")
 
 
 @dataclass(frozen=True)
@@ -164,8 +196,32 @@ def _reclaimable(obs: LendingObservation, policy: LendingPolicy) -> int:
     return best
 
 
+def _unharvest(obs: LendingObservation, policy: LendingPolicy, why: str) -> LendingDecision:
+    """Give back the fewest shared devices that bring utilization to the target (all of them if none does)."""
+    enough = [kept for kept in range(obs.harvested_devices)
+              if obs.utilization_with(kept) <= policy.target_utilization]
+    devices = obs.harvested_devices - (max(enough) if enough else 0)
+    return LendingDecision(LendingAction.UNHARVEST, devices, f"{why}: give {devices} shared device(s) back to inference")
+
+
+def _harvestable(obs: LendingObservation, policy: LendingPolicy) -> int:
+    """The most more inference devices training can share while utilization stays at or below harvest_below."""
+    best = 0
+    for harvested in range(obs.harvested_devices + 1, obs.infer_devices + 1):
+        if obs.utilization_with(harvested) <= policy.harvest_below and obs.harvest_sizes_ok(harvested):
+            best = harvested - obs.harvested_devices
+    return best
+
+
+def _short_of_devices(obs: LendingObservation, policy: LendingPolicy, why: str) -> LendingDecision:
+    """Inference needs more: shared devices go back first (a regroup), whole devices only then (a replica start)."""
+    if obs.harvested_devices:
+        return _unharvest(obs, policy, why)
+    return _lend(obs, policy, why)
+
+
 def decide(obs: LendingObservation, policy: LendingPolicy | None = None) -> LendingDecision:
-    """Lend, reclaim or hold, from one observation of the pool."""
+    """Lend, reclaim, harvest, give back or hold, from one observation of the pool."""
     policy = policy or LendingPolicy()
     breach = _breach(obs, policy)
     if breach is not None and obs.utilization < policy.breach_min_utilization:
@@ -174,11 +230,18 @@ def decide(obs: LendingObservation, policy: LendingPolicy | None = None) -> Lend
     if breach is not None:
         if obs.seconds_since_change < policy.breach_cooldown_s:
             return _hold(f"{breach}; waiting for the last change to take effect")
-        return _lend(obs, policy, breach)
+        return _short_of_devices(obs, policy, breach)
     if obs.seconds_since_change < policy.cooldown_s:
         return _hold(f"cooling down ({obs.seconds_since_change:.1f}s of {policy.cooldown_s:g}s since the last change)")
     if obs.utilization > policy.lend_above:
-        return _lend(obs, policy, f"utilization {obs.utilization:.2f} above {policy.lend_above}")
+        return _short_of_devices(obs, policy, f"utilization {obs.utilization:.2f} above {policy.lend_above}")
+    if policy.harvest_below is not None:
+        devices = _harvestable(obs, policy) if obs.p99_latency_s <= policy.reclaim_latency_fraction * obs.slo_p99_s else 0
+        if devices:
+            return LendingDecision(LendingAction.HARVEST, devices,
+                                   f"utilization {obs.utilization_with(obs.harvested_devices + devices):.2f} stays at "
+                                   f"or below {policy.harvest_below} with {devices} more device(s) shared with training")
+        return _hold(f"utilization {obs.utilization:.2f}: no device to share or give back")
     if obs.p99_latency_s <= policy.reclaim_latency_fraction * obs.slo_p99_s:
         devices = _reclaimable(obs, policy)
         if devices:

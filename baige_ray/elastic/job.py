@@ -46,7 +46,13 @@ class TrainingJob:
         return ray.get(self.controller.status.remote())
 
     def resize(self, num_workers: int, *, reason: str = "") -> int:
+        """Train on `num_workers` whole devices; returns once it does."""
         return ray.get(self.controller.resize.remote(num_workers, reason))
+
+    def harvest(self, count: int, *, share: float, reason: str = "") -> int:
+        """Run `count` extra ranks beside Serve replicas, each on `share` of a replica's device (the
+        replicas ask for 1 - share); returns how many do."""
+        return ray.get(self.controller.harvest.remote(count, share, reason))
 
     def latest_model_state(self) -> tuple[int, ray.ObjectRef]:
         return ray.get(self.controller.latest_model_state.remote())

@@ -117,7 +117,9 @@ class RecoveryMixin(StateSourcesMixin):
             return None
         ordered = WorkerPool.by_locality(kept + extra)
         size = decision.num_workers if decision.action is FailureAction.SHRINK else len(ordered)
-        self.spares.extend(ordered[size:])  # survivors beyond a valid size wait as warm spares
+        leftover = ordered[size:]  # survivors beyond a valid size wait as warm spares; harvest ranks leave
+        self.spares.extend(w for w in leftover if w.share >= 1)
+        self.pool.stop([w for w in leftover if w.share < 1])
         return ordered[:size]
 
     def _take_or_start(self, count: int) -> list[Worker] | None:
@@ -197,18 +199,21 @@ class RecoveryMixin(StateSourcesMixin):
     # ----- resize -----
 
     def _resize(self) -> tuple[Phase, str]:
+        if self._harvest_request is not None:
+            return self._reharvest()
         requested, self._resize_request = self._resize_request, None
         if self.planner is not None:
             return self._resize_planned(requested if requested is not None else self._growth_target())
         target = requested if requested is not None else self._growth_target()
         reason = getattr(self, "_resize_reason", "") or "capacity came back"
         self._resize_reason = ""
-        before = len(self.members)
+        whole, harvest = self._whole_members(), self._harvest_members()
+        before = len(whole)
         if target != before:
             step, state = self._gather_snapshot(list(enumerate(self.members)), self.layout)
             released: list[Worker] = []
             if target < before:
-                members, released = self.members[:target], self.members[target:]
+                members, released = WorkerPool.by_locality(whole[:target] + harvest), whole[target:]
             else:
                 extra = self._take_or_start(target - before)
                 members = WorkerPool.by_locality(self.members + (extra or []))
@@ -253,16 +258,17 @@ class RecoveryMixin(StateSourcesMixin):
     def _growth_target(self) -> int:
         """Grow from warm spares only; start spares on free devices so they are warm by the next check."""
         ready = len(self.pool.ready(self.spares))
-        missing = self.target_workers - len(self.members) - len(self.spares)
+        missing = self.target_workers - len(self._whole_members()) - len(self.spares)
         self._start_spares(missing)
         if self.planner is not None:
             return self._planned_growth()
-        return grow_to(GrowthObservation(
-            num_workers=len(self.members),
+        harvesting = len(self._harvest_members())
+        return grow_to(GrowthObservation(  # in whole workers: sizes less the harvest ranks beside them
+            num_workers=len(self._whole_members()),
             target_workers=self.target_workers,
             free_devices=0,
             num_spares=ready,
-            valid_sizes=self.sizes,
+            valid_sizes=tuple(size - harvesting for size in self.sizes if size > harvesting),
         ))
 
     def _planned_growth(self) -> int:
@@ -333,7 +339,7 @@ class RecoveryMixin(StateSourcesMixin):
         return result
 
     def _release_everything(self) -> None:
-        self.pool.stop([w for w in self.members + self.spares if w.actor is not None])
+        self.pool.stop([w for w in self.members + self.spares + self._harvest_incoming if w.actor is not None])
         self.members, self.spares = list(self.members), []
         _internal_kv_del(self._record_key())
 
@@ -342,6 +348,7 @@ class RecoveryMixin(StateSourcesMixin):
 
     def _save_job_record(self) -> None:
         record = {"workers": [w.name for w in self.members], "speeds": [w.speed for w in self.members],
+                  "shares": [w.share for w in self.members],
                   "layout": dataclasses.asdict(self.layout), "generation": self.generation}
         _internal_kv_put(self._record_key(), json.dumps(record), overwrite=True)
 
@@ -353,8 +360,9 @@ class RecoveryMixin(StateSourcesMixin):
         self.layout = ParallelLayout(**{k: tuple(v) if isinstance(v, list) else v for k, v in record["layout"].items()})
         self.generation = record["generation"]
         members, lost = [], {}
-        for rank, (name, speed) in enumerate(zip(record["workers"], record["speeds"])):
-            members.append(self._find_worker(name, speed))
+        shares = record.get("shares", [1.0] * len(record["workers"]))
+        for rank, (name, speed, share) in enumerate(zip(record["workers"], record["speeds"], shares)):
+            members.append(self._find_worker(name, speed, share))
             if members[-1].info is None:
                 lost[rank] = "gone when the controller restarted"
         self.members = members
@@ -365,9 +373,10 @@ class RecoveryMixin(StateSourcesMixin):
         return Phase.RECOVERING, "controller restarted"
 
     @staticmethod
-    def _find_worker(name: str, speed: float) -> Worker:
+    def _find_worker(name: str, speed: float, share: float = 1.0) -> Worker:
         try:
             actor = ray.get_actor(name, namespace=NAMESPACE)
-            return Worker(actor=actor, name=name, speed=speed, info=ray.get(actor.device_info.remote(), timeout=10))
+            info = ray.get(actor.device_info.remote(), timeout=10)
+            return Worker(actor=actor, name=name, speed=speed, share=share, info=info)
         except Exception:
-            return Worker(actor=None, name=name, speed=speed)
+            return Worker(actor=None, name=name, speed=speed, share=share)

@@ -29,6 +29,7 @@ class Worker:
     name: str
     info: DeviceInfo | None = None
     speed: float = 1.0  # the chip speed it emulates
+    share: float = 1.0  # the fraction of its device it holds: < 1 for a rank harvesting a serving device
     ready_ref: ray.ObjectRef | None = field(default=None, repr=False)
 
 
@@ -39,9 +40,16 @@ class WorkerPool:
         self.resource = resource
         self._remote_cls = ray.remote(**WORKER_THREADS)(worker_cls)
 
-    def start(self, count: int, speeds: list[float] | None = None) -> list[Worker]:
-        """Start `count` actors without waiting for them; `ready()` collects those that came up."""
+    def start(self, count: int, speeds: list[float] | None = None, share: float = 1.0) -> list[Worker]:
+        """Start `count` actors without waiting for them; `ready()` collects those that came up.
+
+        `share` < 1 asks for that fraction of a device, so the actor lands beside an actor holding
+        the rest of one (a Serve replica asking for 1 - share), not on a device of its own."""
         bundle = worker_bundle(self.scaling, self.resource)
+        if share < 1:
+            if self.resource == "CPU":
+                raise ValueError("a device share below 1 needs accelerators (real or simulated); this job runs on CPUs")
+            bundle[self.resource] = share
         custom = {name: amount for name, amount in bundle.items() if name not in ("CPU", "GPU")}
         started = []
         for index in range(count):
@@ -54,7 +62,7 @@ class WorkerPool:
                 num_gpus=bundle.get("GPU", 0.0),
                 resources=custom,
             ).remote()
-            worker = Worker(actor=actor, name=name, speed=(speeds or [1.0] * count)[index])
+            worker = Worker(actor=actor, name=name, speed=(speeds or [1.0] * count)[index], share=share)
             worker.ready_ref = actor.device_info.remote()
             started.append(worker)
         return started

@@ -44,6 +44,7 @@ class ServeOptions:
     port: int = 8000
     num_replicas: int = 1
     ray_actor_options: dict | None = None
+    device_share: float = 1.0  # of a device per replica; < 1 leaves room for a training rank beside it
     max_batch_size: int = 8
     batch_wait_timeout_s: float = 0.01
     max_ongoing_requests: int = 32
@@ -56,13 +57,15 @@ class ServeOptions:
         for name in ("num_replicas", "max_batch_size", "max_ongoing_requests", "max_queued_requests"):
             require_int("ServeOptions", name, getattr(self, name), minimum=1)
         require_number("ServeOptions", "batch_wait_timeout_s", self.batch_wait_timeout_s, minimum=0)
+        require_number("ServeOptions", "device_share", self.device_share, minimum=0, exclusive_minimum=True, maximum=1)
 
 
-def default_actor_options() -> dict:
+def default_actor_options(device_share: float = 1.0) -> dict:
     """One (possibly simulated) GPU per replica when the cluster has GPUs, so a replica lands only
-    on a device training gave up; half a CPU slot otherwise-idle cores can absorb."""
+    on a device training gave up (`device_share` of one, to let a training rank harvest the rest);
+    half a CPU slot otherwise-idle cores can absorb."""
     if ray.cluster_resources().get("GPU", 0) >= 1:
-        return {"num_cpus": 0.25, "num_gpus": 1}
+        return {"num_cpus": 0.25, "num_gpus": device_share}
     return {"num_cpus": 0.5}
 
 
@@ -96,6 +99,7 @@ def serve(
     port: int = 8000,
     num_replicas: int = 1,
     ray_actor_options: dict | None = None,
+    device_share: float = 1.0,
     max_batch_size: int = 8,
     batch_wait_timeout_s: float = 0.01,
     max_ongoing_requests: int = 32,
@@ -108,11 +112,12 @@ def serve(
     ray.ObjectRef to {param name: tensor} (or the (step, ref) pair `job.latest_model_state()`
     returns) with `model_config`. A replica holds at most `max_ongoing_requests`; beyond that up to
     `max_queued_requests` wait at the proxy and the rest are answered 503. `limits` bounds what one
-    request may ask for (prompt length, max_new_tokens, temperature).
+    request may ask for (prompt length, max_new_tokens, temperature). With `device_share` < 1 each
+    replica holds that much of its device, so training can harvest the rest (`job.harvest`).
     """
     settings = ServeOptions(
         route_prefix=route_prefix, host=host, port=port, num_replicas=num_replicas,
-        ray_actor_options=ray_actor_options, max_batch_size=max_batch_size,
+        ray_actor_options=ray_actor_options, device_share=device_share, max_batch_size=max_batch_size,
         batch_wait_timeout_s=batch_wait_timeout_s, max_ongoing_requests=max_ongoing_requests,
         max_queued_requests=max_queued_requests,
     )
@@ -124,7 +129,7 @@ def serve(
     deployment = ray_serve.deployment(GPTServer).options(
         name=DEPLOYMENT_NAME,
         num_replicas=settings.num_replicas,
-        ray_actor_options=settings.ray_actor_options or default_actor_options(),
+        ray_actor_options=settings.ray_actor_options or default_actor_options(settings.device_share),
         max_ongoing_requests=settings.max_ongoing_requests,
         max_queued_requests=settings.max_queued_requests,
         graceful_shutdown_wait_loop_s=0.5,

@@ -197,3 +197,53 @@ def test_rising_load_is_lent_for_ahead_of_time_and_the_lend_latency_is_measured(
     assert ahead < reactive - 2.0  # the forecast 10 s + a poll ahead crossed it first
     assert loop.lend_latency_s == pytest.approx((10.0 + 20.0) / 2)
     assert loop.events.recent()[-1]["forecast_rate"] > ahead
+
+
+class HarvestingTraining(Training):
+    """Training that can also run ranks beside replicas."""
+
+    def __init__(self, calls: list, devices: int = 5):
+        super().__init__(calls, devices)
+        self.harvested = 0
+
+    def num_harvested(self) -> int:
+        return self.harvested
+
+    def harvest(self, count: int, share: float, reason: str) -> int:
+        self.calls.append(("harvest", count, share))
+        self.harvested = count
+        return count
+
+
+def test_light_load_harvests_replica_devices_and_rising_load_gives_them_back_first(tmp_path):
+    calls: list = []
+    training, serving, clock = HarvestingTraining(calls), Serving(calls, replicas=3), Clock()
+    policy = LendingPolicy(lend_above=0.8, target_utilization=0.6, reclaim_below=0.3, cooldown_s=10,
+                           breach_cooldown_s=3, harvest_below=0.4)
+    config = ArbiterConfig(slo_p99_s=0.5, replica_capacity=10.0, min_train_devices=2, policy=policy,
+                           harvest_share=0.25, event_log=tmp_path / "events.jsonl")
+    loop = ArbiterLoop(training, serving, config, clock=clock)
+    serving.rate = 3.0  # 3 shared devices serve 15 req/s: 0.2
+    assert loop.tick().action is LendingAction.HARVEST
+    assert calls == [("harvest", 3, 0.25)] and loop.harvested == 3
+    clock.now += 60
+    serving.rate = 14.0  # 0.93 with all shared: give two back, not a lend
+    assert loop.tick().action is LendingAction.UNHARVEST
+    assert calls[-1] == ("harvest", 1, 0.25) and serving.replicas == 3 and training.devices == 5
+    clock.now += 60
+    serving.rate = 30.0
+    loop.tick()  # one still shared: it goes back before any lend
+    assert calls[-1] == ("harvest", 0, 0.25)
+    clock.now += 60
+    assert loop.tick().action is LendingAction.LEND
+    events = read_events(config.event_log)
+    assert [(e["kind"], e["harvested_devices"]) for e in events][:3] == [
+        ("harvest", 3), ("unharvest", 1), ("unharvest", 0)]
+
+
+def test_harvest_share_needs_a_policy_that_harvests():
+    with pytest.raises(ValueError, match="harvest_below"):
+        ArbiterConfig(slo_p99_s=1.0, replica_capacity=1.0, harvest_share=0.25)
+    with pytest.raises(ValueError, match="harvest_share"):
+        ArbiterConfig(slo_p99_s=1.0, replica_capacity=1.0, harvest_share=1.0,
+                      policy=LendingPolicy(harvest_below=0.3, reclaim_below=0.2))

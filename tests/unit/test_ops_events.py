@@ -107,7 +107,8 @@ def test_bad_events_are_rejected_naming_the_problem(kind, fields, message):
 def test_every_documented_kind_is_accepted():
     log = EventLog(None)
     extra = {"resize": dict(train_devices=1, infer_devices=0), "lend": dict(train_devices=1, infer_devices=1),
-             "reclaim": dict(train_devices=2, infer_devices=0), "failure": dict(rank=0, node_id="n")}
+             "reclaim": dict(train_devices=2, infer_devices=0), "unharvest": dict(train_devices=2, infer_devices=1),
+             "failure": dict(rank=0, node_id="n")}
     for kind in EVENT_KINDS:
         log.record(kind, "reason", **extra.get(kind, {}))
     assert [e["kind"] for e in log.recent(len(EVENT_KINDS))] == list(EVENT_KINDS)
