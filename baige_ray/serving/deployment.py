@@ -3,7 +3,7 @@
 Routes (under the application's route prefix):
   POST generate  {"prompt": str, "max_new_tokens": int, "temperature": float, "seed": int}
                  -> {"text": str, "tokens": int, "latency_s": float, "step": int}
-  GET  health    -> {"status": "ok", "step": int, "replica": str}
+  GET  health    -> {"status": "ok", "step": int, "replica": str, "node_id": str, "devices": [int]}
 
 Requests are batched by `@serve.batch`; the forward passes run on a worker thread so the replica's
 event loop keeps accepting, queueing and health-checking while a batch computes. Weights come from
@@ -44,6 +44,7 @@ class GPTServer:
         self._registry = ray.get_actor(registry_name(app_name), namespace=REGISTRY_NAMESPACE)
         self._replica = serve.get_replica_context().replica_id.unique_id
         self._node = ray.get_runtime_context().get_node_id()
+        self._devices = [int(index) for index in ray.get_gpu_ids()]  # the (possibly shared) devices it holds
         self._metrics = ServingMetrics(app=app_name)
         self._model: GPT | None = None
         self._version, self._step = 0, -1
@@ -83,7 +84,8 @@ class GPTServer:
         if route == "health":
             if request.method != "GET":
                 return _error(405, f"{request.method} is not allowed on health: use GET")
-            return JSONResponse({"status": "ok", "step": self._step, "replica": self._replica})
+            return JSONResponse({"status": "ok", "step": self._step, "replica": self._replica,
+                                 "node_id": self._node, "devices": self._devices})
         if route == "generate":
             if request.method != "POST":
                 return _error(405, f"{request.method} is not allowed on generate: use POST")
