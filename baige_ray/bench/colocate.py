@@ -40,25 +40,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from baige_ray.bench.colocate_accounting import PoolSampler, infer_device_seconds, train_device_seconds
+
 POOL_DEVICES = 8
-MAX_TRAIN_DEVICES = 7  # serving always keeps at least one device
+MAX_TRAIN_DEVICES = 7  # whole devices: serving always keeps at least one
 STATIC_SPLIT = 4
 GLOBAL_BATCH = 84  # splits evenly over 3, 4, 6 and 7 data-parallel workers
 PEAK_RATIO = 5.0
-
-
-def busy_device_seconds(samples: Sequence[tuple[float, int]], start: float, end: float) -> float:
-    """Integral over [start, end] of a piecewise-constant device count: each (time, devices) sample
-    holds until the next one."""
-    total = 0.0
-    for (at, devices), (next_at, _) in zip(samples, [*samples[1:], (end, 0)]):
-        total += devices * max(0.0, min(next_at, end) - max(at, start))
-    return total
 
 
 def slo_attainment(latencies: Sequence[float | None], slo_s: float) -> float:
@@ -125,62 +117,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity-from", choices=("calibration", "reports"), default="calibration",
                         help="a replica's capacity: the saturated throughput measured before the replays, or "
                              "refined online from the requests replicas serve per busy second")
-
-
-class TrainingSampler:
-    """Samples (time, devices training runs on) and the step counter of a job, on a thread."""
-
-    def __init__(self, job, interval_s: float = 0.25):
-        self.job, self.interval_s = job, interval_s
-        self.samples: list[tuple[float, int]] = []
-        self.steps: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            status = self.job.status()
-            running = status["state"] == "running"
-            self.samples.append((time.monotonic(), status["num_workers"] if running else 0))
-            self.steps.append(status["step"])
-            self._stop.wait(self.interval_s)
-
-    def __enter__(self) -> TrainingSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join()
+    parser.add_argument("--min-infer", type=int, default=2,
+                        help="replicas serving keeps up all day (the lending phase starts with this many)")
+    parser.add_argument("--harvest-share", type=float, default=0.25,
+                        help="fraction of a lightly loaded replica's device a training rank may use (0: no harvesting)")
+    parser.add_argument("--harvest-below", type=float, default=0.35,
+                        help="harvest while serving utilization, a shared device counting --shared-capacity, "
+                             "stays at or below this")
+    parser.add_argument("--shared-capacity", type=float, default=0.5,
+                        help="what a replica serves beside a training rank, as a fraction of its capacity")
 
 
 def _run_phase(job, info, arrivals: list[float], args: argparse.Namespace) -> dict[str, Any]:
     from baige_ray.bench.colocate_load import replay
-    from baige_ray.serving import busy_seconds
 
-    busy_before = sum(busy_seconds(info).values())
-    with TrainingSampler(job) as sampler:
+    with PoolSampler(job, info) as sampler:
         started = time.monotonic()
         results = replay(info.url + "/generate", arrivals, max_new_tokens=args.max_new_tokens)
         ended = time.monotonic()
-    time.sleep(1.5)  # replicas report their busy seconds twice a second
+        time.sleep(1.5)  # replicas report their busy seconds twice a second
+    samples = sampler.samples
     hourly = hourly_attainment([r.sent_at for r in results], [r.latency_s for r in results], args.hour_s,
                                args.slo_p99_s)
     return {"hourly_slo_attainment": hourly, "started_at": time.time() - (time.monotonic() - started)} | phase_summary(
-        train_busy_s=busy_device_seconds(sampler.samples, started, ended),
-        infer_busy_s=sum(busy_seconds(info).values()) - busy_before,
+        train_busy_s=train_device_seconds(samples, started, ended),
+        infer_busy_s=infer_device_seconds(samples),
         wall_s=ended - started,
         latencies=[r.latency_s for r in results],
         slo_s=args.slo_p99_s,
-        train_steps=sampler.steps[-1] - sampler.steps[0],
-    )
+        train_steps=samples[-1].step - samples[0].step,
+    ) | {"harvested_device_s": round(sum(
+        len(a.shared) * (b.at - a.at) for a, b in zip(samples, samples[1:]) if a.training), 1)}
 
 
 def _split(job, info, train_devices: int) -> None:
     """Move the pool to `train_devices` for training and the rest for serving, never over-committing."""
     from baige_ray.serving import scale_replicas
 
-    if job.status()["num_workers"] > train_devices:
+    if job.status()["num_workers"] - job.status().get("num_harvest", 0) > train_devices:
         job.resize(train_devices, reason="colocate static split")
         scale_replicas(info, POOL_DEVICES - train_devices)
     else:
@@ -197,14 +171,19 @@ def _start(args: argparse.Namespace):
     model = br.GPTConfig(seq_len=64, num_layers=2, num_heads=4, hidden=64)
     job = launch(model, train=br.TrainConfig(num_steps=10**7, global_batch_size=GLOBAL_BATCH, warmup_steps=5),
                  scaling=br.ScalingConfig(num_workers=MAX_TRAIN_DEVICES), run=br.RunConfig(name="colocate"),
-                 elastic=ElasticConfig(min_workers=args.min_train, max_workers=MAX_TRAIN_DEVICES))
+                 elastic=ElasticConfig(min_workers=args.min_train, max_workers=_max_ranks(args)))
     while (status := job.status())["state"] != "running" or status["step"] < 2:
         if status["state"] in ("failed", "finished"):
             raise RuntimeError(f"the training job ended before serving started: {status['state']}")
         time.sleep(0.5)
     info = serve(job.latest_model_state(), model_config=model, name="colocate", port=_free_port(),
-                 max_ongoing_requests=64, max_queued_requests=4096)
+                 max_ongoing_requests=64, max_queued_requests=4096, device_share=1 - args.harvest_share)
     return model, job, info
+
+
+def _max_ranks(args: argparse.Namespace) -> int:
+    """Whole devices plus harvest ranks: with harvesting, training may run a rank on every device."""
+    return POOL_DEVICES if args.harvest_share > 0 else MAX_TRAIN_DEVICES
 
 
 def _free_port() -> int:
@@ -225,16 +204,18 @@ def _arbiter_config(args: argparse.Namespace, capacity: float):
     from baige_ray.policies.lending import LendingPolicy
 
     job = TrainJob(model=GPTConfig(), train=TrainConfig(num_steps=1, global_batch_size=GLOBAL_BATCH))
-    sizes = valid_sizes(job, ParallelLayout(dp=MAX_TRAIN_DEVICES), args.min_train, MAX_TRAIN_DEVICES)
+    sizes = valid_sizes(job, ParallelLayout(dp=MAX_TRAIN_DEVICES), args.min_train, _max_ranks(args))
     # Capacity is the saturated throughput; see the module docstring for the thresholds.
     change_s = max(10.0, args.hour_s)
     policy = LendingPolicy(lend_above=args.busy_cap, target_utilization=args.busy_cap - 0.01,
                            reclaim_below=min(0.3, args.busy_cap / 2), cooldown_s=change_s,
-                           breach_cooldown_s=change_s, breach_min_utilization=0.2)
+                           breach_cooldown_s=change_s, breach_min_utilization=0.2,
+                           harvest_below=args.harvest_below if args.harvest_share > 0 else None)
     return ArbiterConfig(slo_p99_s=args.slo_p99_s, replica_capacity=capacity,
                          capacity_from_reports=args.capacity_from == "reports",
-                         min_train_devices=args.min_train, train_sizes=sizes, poll_interval_s=1.0, load_window_s=4.0,
-                         lend_latency_s=15.0, trend_window_s=3 * args.hour_s, policy=policy)
+                         min_train_devices=args.min_train, min_infer_devices=args.min_infer, train_sizes=sizes,
+                         poll_interval_s=1.0, load_window_s=4.0, lend_latency_s=15.0, trend_window_s=3 * args.hour_s,
+                         policy=policy, harvest_share=args.harvest_share or None, shared_capacity=args.shared_capacity)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -257,22 +238,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         trough = args.trough or args.peak_replicas * capacity / PEAK_RATIO
         rates = diurnal_rates(trough=trough, peak_ratio=PEAK_RATIO, seed=args.seed)
         arrivals = arrival_times(rates, args.hour_s, seed=args.seed)
+        _split(job, info, POOL_DEVICES - args.min_infer)
         time.sleep(5.0)  # let the calibration burst leave the load window
         config = _arbiter_config(args, capacity)
         arbiter = start_pool_arbiter("colocate", info, dataclasses.asdict(model), config)
         dynamic = _run_phase(job, info, arrivals, args)
         arbiter_status = ray.get(arbiter.stop.remote())
+        if args.harvest_share > 0:
+            job.harvest(0, share=args.harvest_share, reason="colocate static split")
         _split(job, info, STATIC_SPLIT)
         static = _run_phase(job, info, arrivals, args)
         job.stop()
         shutdown(info)
-    moves = [e for e in arbiter_status["events"] if e["kind"] in ("lend", "reclaim")]
+    moves = [e for e in arbiter_status["events"] if e["kind"] in ("lend", "reclaim", "harvest", "unharvest")]
     dynamic_start = dynamic.pop("started_at")
     static.pop("started_at")
     return {**dynamic, "lends": sum(e["kind"] == "lend" for e in moves),
             "reclaims": sum(e["kind"] == "reclaim" for e in moves),
+            "harvests": sum(e["kind"] == "harvest" for e in moves),
+            "unharvests": sum(e["kind"] == "unharvest" for e in moves),
             "moves": [[round(e["time"] - e["took_s"] - dynamic_start, 1), e["kind"], e["train_devices"],
-                       e["infer_devices"], e["took_s"], e["request_rate"], e.get("forecast_rate")] for e in moves],
+                       e["infer_devices"], e["took_s"], e["request_rate"], e.get("forecast_rate"),
+                       e.get("harvested_devices", 0)] for e in moves],
             "lend_latency_s": round(arbiter_status["lend_latency_s"], 1),
             "arbiter_errors": arbiter_status["errors"], "replica_capacity": round(capacity, 2),
             "trough_rate": round(trough, 2), "slo_p99_s": args.slo_p99_s, "hour_s": args.hour_s,
@@ -288,13 +275,15 @@ def summarize(result: dict[str, Any]) -> str:
     for name, phase in (("lending", result), ("static", result["static"])):
         lines.append(f"{name:10s}{phase['utilization']:12.3f}{phase['slo_attainment']:9.4f}"
                      f"{phase['failed_requests']:8d}{phase['train_steps']:8d}{phase['p99_latency_s'] or 0:8.3f}")
-    lines.append(f"{result['lends']} lends, {result['reclaims']} reclaims; objective p99 <= {result['slo_p99_s']}s; "
-                 f"one replica serves {result['replica_capacity']} req/s, trough {result['trough_rate']} req/s")
+    lines.append(f"{result['lends']} lends, {result['reclaims']} reclaims, {result['harvests']} harvests, "
+                 f"{result['unharvests']} give-backs; objective p99 <= {result['slo_p99_s']}s; "
+                 f"one replica serves {result['replica_capacity']} req/s, trough {result['trough_rate']} req/s; "
+                 f"{result['harvested_device_s']} device-s trained beside replicas")
     hour_s = result["hour_s"]
-    for at, kind, train, infer, took, rate, forecast in result["moves"]:
+    for at, kind, train, infer, took, rate, forecast, harvested in result["moves"]:
         ahead = f", forecast {forecast:.1f}" if forecast is not None else ""
-        lines.append(f"  {at:6.1f}s (hour {at / hour_s:4.1f}) {kind:8s} -> train {train}, infer {infer} in {took:.1f}s"
-                     f" (rate {rate:.1f}{ahead} req/s)")
+        lines.append(f"  {at:6.1f}s (hour {at / hour_s:4.1f}) {kind:9s} -> train {train}, infer {infer} "
+                     f"({harvested} shared) in {took:.1f}s (rate {rate:.1f}{ahead} req/s)")
     bounds = ", ".join(f"{bound:.3f} with replicas at most {cap} busy" for cap, bound in result["utilization_bound"].items())
     lines.append(f"utilization bound for whole-device lending (free moves): {bounds}")
     lines.append(f"load average before {result['load_average']['before']}, after {result['load_average']['after']}")

@@ -211,6 +211,11 @@ def busy_seconds(info: ServeHandleInfo) -> dict[str, float]:
     return ray.get(_registry(info).busy_seconds.remote())
 
 
+def replica_devices(info: ServeHandleInfo) -> dict[str, tuple[str, int]]:
+    """(node id, device index) each replica runs on, as replicas report them (absent on a CPU-only cluster)."""
+    return {replica: tuple(device) for replica, device in ray.get(_registry(info).replica_devices.remote()).items()}
+
+
 def shutdown(info: ServeHandleInfo) -> None:
     """Delete the application and its registry (the Serve proxy and controller stay up)."""
     ray_serve.delete(info.app_name)

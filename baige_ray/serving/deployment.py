@@ -134,7 +134,8 @@ class GPTServer:
             latencies, self._pending_latencies = self._pending_latencies, []
             busy_s, self._pending_busy_s = self._pending_busy_s, 0.0
             newest = await self._registry.report.remote(
-                self._replica, latencies, busy_s, self._ongoing, self._version
+                self._replica, latencies, busy_s, self._ongoing, self._version,
+                device=(self._node, self._devices[0]) if self._devices else None,
             )
             self._metrics.queue_depth(self._ongoing, replica=self._replica)
             if newest != self._version:

@@ -31,6 +31,7 @@ class ServingRegistry:
         self._state_ref: ray.ObjectRef | None = None
         self._ledger = RequestLedger()
         self._loaded_versions: dict[str, int] = {}
+        self._devices: dict[str, tuple[str, int]] = {}
 
     def publish_weights(self, step: int, state_refs: list, model_config: dict) -> int:
         """Hold a private copy of the state in `state_refs[0]`; returns the new weights version."""
@@ -49,8 +50,12 @@ class ServingRegistry:
             raise LookupError("no weights published yet")
         return self._version, self._step, self._model_config, [self._state_ref]
 
-    def report(self, replica: str, latencies: list[float], busy_s: float, ongoing: int, loaded_version: int) -> int:
-        """Account a replica's recent work; answers the newest weights version."""
+    def report(self, replica: str, latencies: list[float], busy_s: float, ongoing: int, loaded_version: int,
+               device: tuple[str, int] | None = None) -> int:
+        """Account a replica's recent work (and the (node id, device index) it runs on, if any);
+        answers the newest weights version."""
+        if device is not None:
+            self._devices[replica] = (str(device[0]), int(device[1]))
         now = time.time()
         self._ledger.record(replica, now, latencies, busy_s, ongoing)
         self._loaded_versions[replica] = loaded_version
@@ -67,6 +72,10 @@ class ServingRegistry:
 
     def busy_seconds(self) -> dict[str, float]:
         return self._ledger.busy_seconds()
+
+    def replica_devices(self) -> dict[str, tuple[str, int]]:
+        """(node id, device index) of each replica that holds a device."""
+        return dict(self._devices)
 
     def requests_served(self) -> int:
         return self._ledger.requests_served()

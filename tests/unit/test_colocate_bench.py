@@ -7,7 +7,8 @@ import statistics
 
 import pytest
 
-from baige_ray.bench.colocate import busy_device_seconds, phase_summary, slo_attainment
+from baige_ray.bench.colocate import phase_summary, slo_attainment
+from baige_ray.bench.colocate_accounting import busy_device_seconds
 from baige_ray.bench.colocate_load import arrival_times, diurnal_rates, request_body
 from baige_ray.bench.cli import BENCHMARK_MODULES, register
 
@@ -97,6 +98,7 @@ def test_the_noisy_peak_needs_one_lend_and_the_trough_none():
     from baige_ray.policies.lending import LendingAction, LendingObservation, decide
 
     args = _default_args()
+    args.harvest_share, args.min_infer = 0.0, 1  # whole-device lending alone
     capacity = 30.0
     config = _arbiter_config(args, capacity)
     assert config.train_sizes == (3, 4, 5, 6, 7)  # 5 with shares of 17, 17, 17, 17, 16 of the 84
@@ -122,12 +124,15 @@ def test_summary_lists_moves_by_simulated_hour():
 
     phase = {"utilization": 0.9, "slo_attainment": 0.99, "failed_requests": 0, "train_steps": 10,
              "p99_latency_s": 0.5, "hourly_slo_attainment": [1.0] * 24}
-    result = {**phase, "lends": 1, "reclaims": 0, "slo_p99_s": 1.0, "replica_capacity": 30.0, "trough_rate": 6.0,
-              "hour_s": 10.0, "moves": [[45.0, "lend", 6, 2, 12.5, 14.2, 19.8]],
+    result = {**phase, "lends": 1, "reclaims": 0, "harvests": 1, "unharvests": 0, "harvested_device_s": 12.0,
+              "slo_p99_s": 1.0, "replica_capacity": 30.0, "trough_rate": 6.0,
+              "hour_s": 10.0, "moves": [[45.0, "lend", 6, 2, 12.5, 14.2, 19.8, 0], [80.0, "harvest", 6, 2, 2.0, 5.0, None, 2]],
               "load_average": {"before": [1.0, 1.0, 1.0], "after": [2.0, 2.0, 2.0]}, "static": phase,
               "utilization_bound": {"0.47": 0.874, "1.0": 0.936}}
     text = summarize(result)
-    assert "(hour  4.5) lend     -> train 6, infer 2 in 12.5s (rate 14.2, forecast 19.8 req/s)" in text
+    assert "(hour  4.5) lend      -> train 6, infer 2 (0 shared) in 12.5s (rate 14.2, forecast 19.8 req/s)" in text
+    assert "(hour  8.0) harvest   -> train 6, infer 2 (2 shared) in 2.0s (rate 5.0 req/s)" in text
+    assert "12.0 device-s trained beside replicas" in text
     assert "load average before [1.0, 1.0, 1.0]" in text
     assert "0.874 with replicas at most 0.47 busy, 0.936 with replicas at most 1.0 busy" in text
 
@@ -145,3 +150,29 @@ def test_whole_device_bound_charges_the_idle_share_of_the_replicas_the_cap_requi
     assert whole_device_bound([9.0], 1.0, busy_cap=0.5, min_train=3) == 1.0
     with pytest.raises(ValueError, match="busy_cap"):
         whole_device_bound([1.0], 1.0, busy_cap=0.0)
+
+
+def test_by_default_the_pool_harvests_both_replicas_at_night_and_gives_them_back_at_noon():
+    from baige_ray.bench.colocate import PEAK_RATIO, POOL_DEVICES, _arbiter_config
+    from baige_ray.policies.lending import LendingAction, LendingObservation, decide
+
+    args = _default_args()
+    capacity = 30.0
+    config = _arbiter_config(args, capacity)
+    assert config.train_sizes == (3, 4, 5, 6, 7, 8) and config.harvest_share == args.harvest_share
+    train = POOL_DEVICES - args.min_infer
+
+    def decision(rate: float, harvested: int):
+        return decide(LendingObservation(
+            request_rate=rate, p99_latency_s=0.2, slo_p99_s=args.slo_p99_s, queue_depth=0, train_devices=train,
+            infer_devices=args.min_infer, min_train_devices=config.min_train_devices, replica_capacity=capacity,
+            seconds_since_change=1000.0, train_sizes=config.train_sizes, harvested_devices=harvested,
+            shared_capacity=config.shared_capacity), config.policy)
+
+    trough = args.peak_replicas * capacity / PEAK_RATIO * 1.1
+    night = decision(trough, 0)
+    assert (night.action, night.num_devices) == (LendingAction.HARVEST, args.min_infer)
+    peak = args.peak_replicas * capacity * 1.1
+    noon = decision(peak, args.min_infer)
+    assert (noon.action, noon.num_devices) == (LendingAction.UNHARVEST, args.min_infer)
+    assert decision(peak, 0).action is LendingAction.HOLD  # two whole replicas carry the peak
