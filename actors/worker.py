@@ -64,9 +64,11 @@ def _device_memory(accelerator: AcceleratorSpec) -> tuple[str, int]:
 class WorkerActor:
     """State of one worker process: its device, its process-group membership, its engine."""
 
-    def __init__(self, *, num_threads: int = 1, probe: DeviceProbe | None = None):
+    def __init__(self, *, num_threads: int = 1, probe: DeviceProbe | None = None, cpu_niceness: int = 0):
         # Many workers share few cores in simulation; one intra-op thread each avoids thrashing.
         torch.set_num_threads(num_threads)
+        if cpu_niceness:
+            os.nice(cpu_niceness)
         self.accelerator = detect_accelerator(probe)
         self.group = ProcessGroupMember(self.accelerator.dist_backend)
         self.engine: Engine | None = None

@@ -29,9 +29,16 @@ class ScalingConfig:
     cpus_per_worker: float = 0.5
     placement_strategy: str = "PACK"
     placement_timeout_s: float = 60.0
+    # OS niceness of the worker processes (0-19). Above 0, whatever shares their hosts (Serve replicas
+    # and the proxy beside a harvest rank, or on a CPU box standing in for separate devices) gets the
+    # CPU first, and training takes what is left.
+    cpu_niceness: int = 0
 
     def __post_init__(self) -> None:
         require_int("ScalingConfig", "num_workers", self.num_workers, minimum=1)
+        require_int("ScalingConfig", "cpu_niceness", self.cpu_niceness, minimum=0)
+        if self.cpu_niceness > 19:
+            raise ValueError(f"ScalingConfig.cpu_niceness={self.cpu_niceness} is invalid: expected 0 to 19")
         require_choice("ScalingConfig", "accelerator", self.accelerator, ACCELERATOR_CHOICES)
         require_number("ScalingConfig", "cpus_per_worker", self.cpus_per_worker, minimum=0)
         require_choice(

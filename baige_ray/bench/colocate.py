@@ -124,6 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--harvest-below", type=float, default=0.35,
                         help="harvest while serving utilization, a shared device counting --shared-capacity, "
                              "stays at or below this")
+    parser.add_argument("--train-niceness", type=int, default=10,
+                        help="OS niceness of the training workers: serving takes the shared cores first, as it "
+                             "would its own devices (0: equal shares)")
     parser.add_argument("--shared-capacity", type=float, default=0.5,
                         help="what a replica serves beside a training rank, as a fraction of its capacity")
 
@@ -170,7 +173,8 @@ def _start(args: argparse.Namespace):
 
     model = br.GPTConfig(seq_len=64, num_layers=2, num_heads=4, hidden=64)
     job = launch(model, train=br.TrainConfig(num_steps=10**7, global_batch_size=GLOBAL_BATCH, warmup_steps=5),
-                 scaling=br.ScalingConfig(num_workers=MAX_TRAIN_DEVICES), run=br.RunConfig(name="colocate"),
+                 scaling=br.ScalingConfig(num_workers=MAX_TRAIN_DEVICES, cpu_niceness=args.train_niceness),
+                 run=br.RunConfig(name="colocate"),
                  elastic=ElasticConfig(min_workers=args.min_train, max_workers=_max_ranks(args)))
     while (status := job.status())["state"] != "running" or status["step"] < 2:
         if status["state"] in ("failed", "finished"):

@@ -61,7 +61,7 @@ class WorkerPool:
                 num_cpus=bundle.get("CPU", 0.0),
                 num_gpus=bundle.get("GPU", 0.0),
                 resources=custom,
-            ).remote()
+            ).remote(cpu_niceness=self.scaling.cpu_niceness)
             worker = Worker(actor=actor, name=name, speed=(speeds or [1.0] * count)[index], share=share)
             worker.ready_ref = actor.device_info.remote()
             started.append(worker)

@@ -96,7 +96,7 @@ class WorkerGroup:
                 num_gpus=bundle.get("GPU", 0.0),
                 resources=custom,
                 scheduling_strategy=self._scheduling_strategy(index),
-            ).remote()
+            ).remote(cpu_niceness=self.scaling.cpu_niceness)
             for index in range(self.scaling.num_workers)
         ]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 import urllib.request
 
@@ -28,13 +29,14 @@ from tests.cluster.test_colocate_cluster import SteadyLoad, free_port
 
 MODEL = br.GPTConfig(seq_len=32, num_layers=1, num_heads=2, hidden=32)
 SHARE = 0.25
+NICENESS = 5  # training yields the host's CPU to the replica beside it
 POOL_GPUS = 8
 
 
 @pytest.fixture(scope="module")
 def job_app_and_reservation(sim_cluster):
     job = launch(MODEL, train=br.TrainConfig(num_steps=100_000, global_batch_size=12, warmup_steps=2),
-                 scaling=br.ScalingConfig(num_workers=3), run=br.RunConfig(name="harvest-test"),
+                 scaling=br.ScalingConfig(num_workers=3, cpu_niceness=NICENESS), run=br.RunConfig(name="harvest-test"),
                  elastic=ElasticConfig(min_workers=3, max_workers=4))
     deadline = time.monotonic() + 120
     while (status := job.status())["state"] != "running" or status["step"] < 5:
@@ -84,6 +86,9 @@ def test_harvest_and_give_back_lose_no_request_and_training_continues(job_app_an
         shared = [(w["node_id"], w["device_index"]) for w in status["workers"] if w["share"] < 1]
         assert shared == [replica_device(info.url)]  # the rank runs on the replica's device
         assert replica_states(info) == {"RUNNING": 1}
+        pids = [w["pid"] for w in status["workers"]]
+        expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + NICENESS)  # Ray's processes inherit ours
+        assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in pids} == {expected}  # the harvest rank's too
         while job.status()["step"] < step_at_harvest + 8:  # trains with the harvest rank
             time.sleep(0.5)
         give_back = arbiter(job, info, capacity=0.5, events=events).tick()  # ~5 req/s reads as overload
