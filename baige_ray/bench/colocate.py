@@ -1,39 +1,55 @@
-"""Train and serve on one 8-device pool: lending by the PoolArbiter against a static half/half split.
+"""Train and serve on one 8-device pool: the PoolArbiter against a static half/half split.
 
-A training job (the reference GPT, elastic between `--min-train` and 7 workers) and a Serve
-application of the same model share the simulated 2-node x 4-GPU cluster; every worker and every
-replica holds one (fake) GPU. The same compressed diurnal load (24 "hours" of `--hour-s` seconds,
-trough to 5x trough and back, Poisson arrivals, seeded noise) is replayed twice over HTTP in one
-run. The load is scaled to what one replica serves: before the replays, one replica is driven to
-saturation (closed loop) while training runs, and the trough is set so the peak is
-`--peak-replicas` times that throughput.
+A training job (the reference GPT, elastic between `--min-train` and 8 ranks) and a Serve
+application of the same model share the simulated 2-node x 4-GPU cluster. The same compressed
+diurnal load is replayed twice over HTTP in one run: 24 "hours" of `--hour-s` seconds, from the
+trough to 5x the trough and back, with Poisson arrivals and seeded noise. The load is scaled to
+what one replica serves: before the replays, one replica is driven to saturation (closed loop)
+while training runs, and the trough is set so that the peak is `--peak-replicas` times that
+throughput.
+
+- `dynamic` (top-level keys): training holds 5 whole devices and serving keeps `--min-infer` 3
+  replicas warm, each on 3/4 of a device (`--harvest-share` 0.25 left free). The PoolArbiter
+  harvests lightly loaded replicas' devices: each gets one training rank beside its replica. As
+  load rises, it gives those devices back first; each give-back is a training regroup of about half
+  a second. Only once none is shared does it lend whole devices, which starts a replica. Training
+  workers run at `--train-niceness` 10, so on this CPU box the replicas and the proxy take the
+  shared cores first, as they would have devices of their own.
+- `static`: training holds 4 devices and serving 4, for the whole day. No harvesting; the
+  niceness is the same.
 
 Why these defaults (measured on the 2-core CI box shared with other work):
-- `--hour-s 12` (about 5 minutes a day, 12-13 minutes for the whole bench): a lend takes 12-35 s
-  here (mostly a new replica process importing torch on shared cores) and a reclaim 11-25 s (a new
-  training worker). With 4 s hours that is 3-9 simulated hours, and no policy can follow a load
-  that moves that much within one change; at 12 s a change costs 1-3 hours, which the lending
-  policy's forecast (the trend of the last 3 hours, one measured lend latency ahead) covers.
-- `--peak-replicas 0.8`: one replica flat out serves the peak only with queueing far past the
-  objective (p99 1.2-2.8 s measured at 1.0x), so the peak needs a lend; two replicas hold it at
-  about 40% of their throughput each. Higher peaks measure the box, not the pool: with one HTTP
-  proxy and every process on 2 shared cores, the whole serving path saturated at 1.3-1.9x one
-  replica's throughput whatever the split (2, 4 or 5 replicas).
-- The policy keeps replicas below about 47% of their saturated throughput (lend above 0.47, size
-  to 0.46, reclaim below 0.3): the calibration is one moment of a box whose load average swings
-  between 20 and 160, and a replica that had served 27 requests/s at calibration completed only
-  9.5/s when the load rose, falling behind at 0.5 of the calibrated capacity. Breaches while the
-  replicas are below 20% of capacity are stalls, not shortages.
+- `--hour-s 12` (about 5 minutes a day, 12-13 minutes for the whole bench):
+  - A lend takes 12-35 s here, mostly a new replica process importing torch on shared cores. A
+    reclaim or a harvest takes 11-25 s, mostly a new training worker starting; training runs meanwhile.
+  - With 4 s hours that is 3-9 simulated hours.
+  - At 12 s hours a change costs 1-3 hours, which the forecast (the trend of the last 3 hours,
+    one measured lend latency ahead) covers.
+- `--peak-replicas 0.8`:
+  - One replica flat out serves the peak only with queueing far past the objective (p99 1.2-2.8 s
+    measured at 1.0x).
+  - Higher peaks measure the box, not the pool: with one HTTP proxy and every process on 2
+    shared cores, the whole serving path saturated at 1.3-1.9x one replica's throughput,
+    whatever the split.
+- Three warm replicas, not fewer:
+  - With two, the peak needed a lend. Each such lend's replica start, CPU-heavy on shared cores,
+    coincided with the breaches: attainment was 0.90 and 0.96 in two runs, breached in hours 10-12.
+  - With three, the peak is met by giving back a shared device, a regroup, and the day needs no
+    lend at all.
+- The policy keeps replicas below about 47% of their saturated throughput: lend above 0.47, size
+  to 0.46, harvest at or below 0.35 with a shared device counted as half a replica. The calibration
+  is one moment of a box whose load average swings widely. Breaches while the replicas are below
+  20% of capacity are stalls, not shortages.
 
-- `dynamic` (top-level keys): training starts on 7 devices, serving on 1, and the PoolArbiter lends
-  and reclaims devices as load and latency move;
-- `static`: training holds 4 devices and serving 4, for the whole day.
+Utilization is busy device-seconds over 8 x wall seconds, and a device counts once, whoever keeps it
+busy (see colocate_accounting.py):
+- Training's devices, whole or shared, are busy while the job is running. The state is sampled
+  4 times a second; pauses to regroup or recover count as idle.
+- A replica's device is busy while the replica computes a batch (the seconds replicas report), unless
+  a running harvest rank already keeps that device busy.
 
-Utilization is busy device-seconds over 8 x wall seconds. A training device is busy while training
-runs on it (job state "running", sampled 4 times a second: pauses to resize or recover count as
-idle); an inference device is busy while its replica computes a batch (the seconds replicas
-report). SLO attainment is the fraction of requests answered within `--slo-p99-s` (client-side,
-failed requests count as misses); failed requests are any non-200 answer or connection error.
+SLO attainment is the fraction of requests answered within `--slo-p99-s`, measured client-side;
+failed requests count as misses. A failed request is any non-200 answer or a connection error.
 """
 
 from __future__ import annotations
@@ -117,7 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity-from", choices=("calibration", "reports"), default="calibration",
                         help="a replica's capacity: the saturated throughput measured before the replays, or "
                              "refined online from the requests replicas serve per busy second")
-    parser.add_argument("--min-infer", type=int, default=2,
+    parser.add_argument("--min-infer", type=int, default=3,
                         help="replicas serving keeps up all day (the lending phase starts with this many)")
     parser.add_argument("--harvest-share", type=float, default=0.25,
                         help="fraction of a lightly loaded replica's device a training rank may use (0: no harvesting)")

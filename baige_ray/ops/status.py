@@ -77,8 +77,9 @@ def _headline(status: dict[str, Any]) -> str:
 
 
 def _plan_line(status: dict[str, Any]) -> str:
-    spares = status.get("num_spares", 0)
+    spares, harvesting = status.get("num_spares", 0), status.get("num_harvest", 0)
     return (f"layout {status.get('layout', '?')} on {status.get('num_workers', 0)} workers"
+            + (f", {harvesting} beside serving replicas" if harvesting else "")
             + (f" (+{spares} spare{'s' if spares != 1 else ''})" if spares else ""))
 
 
@@ -111,7 +112,8 @@ def _node_rows(workers: list[dict[str, Any]]) -> list[str]:
     for node_id, members in sorted(by_node.items(), key=lambda item: min(w["rank"] for w in item[1])):
         members.sort(key=lambda w: w["rank"])
         ip = members[0].get("node_ip") or "?"
-        devices = ",".join(str(w.get("device_index", "?")) for w in members)
+        devices = ",".join(str(w.get("device_index", "?")) + ("(shared)" if w.get("share", 1.0) < 1 else "")
+                           for w in members)
         rows.append(f"{ip} ({_short(node_id)}): {len(members)} worker{'s' if len(members) != 1 else ''}, "
                     f"ranks {compress_ranges([w['rank'] for w in members])}, devices {devices}")
     return rows

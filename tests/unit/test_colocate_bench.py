@@ -152,7 +152,7 @@ def test_whole_device_bound_charges_the_idle_share_of_the_replicas_the_cap_requi
         whole_device_bound([1.0], 1.0, busy_cap=0.0)
 
 
-def test_by_default_the_pool_harvests_both_replicas_at_night_and_gives_them_back_at_noon():
+def test_by_default_three_warm_replicas_are_harvested_at_night_and_one_is_given_back_at_noon():
     from baige_ray.bench.colocate import PEAK_RATIO, POOL_DEVICES, _arbiter_config
     from baige_ray.policies.lending import LendingAction, LendingObservation, decide
 
@@ -160,6 +160,7 @@ def test_by_default_the_pool_harvests_both_replicas_at_night_and_gives_them_back
     capacity = 30.0
     config = _arbiter_config(args, capacity)
     assert config.train_sizes == (3, 4, 5, 6, 7, 8) and config.harvest_share == args.harvest_share
+    assert args.min_infer == 3
     train = POOL_DEVICES - args.min_infer
 
     def decision(rate: float, harvested: int):
@@ -171,8 +172,8 @@ def test_by_default_the_pool_harvests_both_replicas_at_night_and_gives_them_back
 
     trough = args.peak_replicas * capacity / PEAK_RATIO * 1.1
     night = decision(trough, 0)
-    assert (night.action, night.num_devices) == (LendingAction.HARVEST, args.min_infer)
-    peak = args.peak_replicas * capacity * 1.1
-    noon = decision(peak, args.min_infer)
-    assert (noon.action, noon.num_devices) == (LendingAction.UNHARVEST, args.min_infer)
-    assert decision(peak, 0).action is LendingAction.HOLD  # two whole replicas carry the peak
+    assert (night.action, night.num_devices) == (LendingAction.HARVEST, 3)
+    peak = args.peak_replicas * capacity * 1.1  # 26.4 req/s: 0.59 of 3 shared devices (1.5 replicas)
+    noon = decision(peak, 3)
+    assert (noon.action, noon.num_devices) == (LendingAction.UNHARVEST, 1)  # 0.44 of 2 replicas' worth
+    assert decision(peak, 2).action is LendingAction.HOLD  # no whole device is lent

@@ -42,6 +42,14 @@ def test_summary_shows_state_progress_plan_rates_nodes_and_events():
     assert "train_devices=6 infer_devices=2" in lend
 
 
+def test_harvest_ranks_are_marked_on_their_shared_devices():
+    workers = _status()["workers"]
+    workers[-1] = {**workers[-1], "share": 0.25}
+    text = format_status(_status(workers=workers, num_harvest=1, num_spares=0))
+    assert text.splitlines()[1] == "layout dp=3,tp=2 on 6 workers, 1 beside serving replicas"
+    assert "ranks 4-5,7, devices 0,1,3(shared)" in text
+
+
 def test_finished_job_shows_no_time_to_go_and_events_are_limited():
     text = format_status(_status(state="finished", step=300), num_events=2)
     assert "to go" not in text
