@@ -384,7 +384,7 @@ class ElasticController(HarvestMixin, RecoveryMixin):
         if len(self._whole_members()) >= self.target_workers or now - self._last_growth_check < self.elastic.grow_check_interval_s:
             return False
         self._last_growth_check = now
-        if self._growth_target() > len(self.members):
+        if self._growth_target() > len(self._whole_members()):
             return True
         self._last_growth_check = now - self.elastic.grow_check_interval_s + 0.1  # spares starting: look again soon
         return False

@@ -29,9 +29,9 @@ class ScalingConfig:
     cpus_per_worker: float = 0.5
     placement_strategy: str = "PACK"
     placement_timeout_s: float = 60.0
-    # OS niceness of the worker processes (0-19). Above 0, whatever shares their hosts (Serve replicas
-    # and the proxy beside a harvest rank, or on a CPU box standing in for separate devices) gets the
-    # CPU first, and training takes what is left.
+    # Added to the OS niceness Ray gives worker processes (the result capped at 19). Above 0, whatever
+    # shares their hosts (a Serve replica beside a harvest rank, or the replicas and the proxy on a CPU
+    # box standing in for separate devices) gets the CPU first, and training takes what is left.
     cpu_niceness: int = 0
 
     def __post_init__(self) -> None:

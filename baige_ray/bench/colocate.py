@@ -141,7 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="harvest while serving utilization, a shared device counting --shared-capacity, "
                              "stays at or below this")
     parser.add_argument("--train-niceness", type=int, default=10,
-                        help="OS niceness of the training workers: serving takes the shared cores first, as it "
+                        help="added to the OS niceness of the training workers: serving takes the shared cores first, as it "
                              "would its own devices (0: equal shares)")
     parser.add_argument("--shared-capacity", type=float, default=0.5,
                         help="what a replica serves beside a training rank, as a fraction of its capacity")

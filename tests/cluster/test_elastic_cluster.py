@@ -13,6 +13,7 @@ import pytest
 import ray
 import torch
 
+from baige_ray.checkpoint.store import list_checkpoints
 from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.faults import FaultPlan
 from tests.helpers import elastic_mlp_run, final_parameters
@@ -84,11 +85,17 @@ def test_the_controller_resumes_after_its_own_crash(reference, tmp_path):
 
 def test_losing_every_worker_resumes_from_the_last_persisted_checkpoint(reference, tmp_path):
     elastic = ElasticConfig(num_spares=0, persist_every=4, persist_path=tmp_path / "checkpoints")
-    job = elastic_mlp_run("elastic-all-lost", tmp_path, num_steps=15, elastic=elastic)
+    # Every chip emulates a tenth of its speed (a sleep; the arithmetic is the reference's), so the
+    # 15 steps outlast the first asynchronous persist even on a busy host.
+    slow = FaultPlan()
+    for rank in range(4):
+        slow.slow(rank, 0, speed=0.1)
+    job = elastic_mlp_run("elastic-all-lost", tmp_path, num_steps=15, elastic=elastic, faults=slow)
     deadline = time.monotonic() + 120
-    while job.status()["step"] < 9:
-        assert time.monotonic() < deadline, "job never reached step 9"
-        time.sleep(0.05)
+    while not list_checkpoints(tmp_path / "checkpoints"):  # a committed checkpoint to fall back to
+        assert time.monotonic() < deadline, "no checkpoint was persisted"
+        time.sleep(0.02)
+    assert job.status()["step"] < 15, "the job finished before the workers could be lost"
     for worker in ray.util.list_named_actors(all_namespaces=True):
         if worker["name"].startswith("baige-worker:elastic-all-lost:"):
             ray.kill(ray.get_actor(worker["name"], namespace=worker["namespace"]), no_restart=True)

@@ -33,6 +33,14 @@ NICENESS = 5  # training yields the host's CPU to the replica beside it
 POOL_GPUS = 8
 
 
+@ray.remote(num_cpus=0)
+class Probe:
+    """A plain actor: the niceness Ray gives its worker processes."""
+
+    def niceness(self) -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+
 @pytest.fixture(scope="module")
 def job_app_and_reservation(sim_cluster):
     job = launch(MODEL, train=br.TrainConfig(num_steps=100_000, global_batch_size=12, warmup_steps=2),
@@ -50,8 +58,9 @@ def job_app_and_reservation(sim_cluster):
     yield job, info
     remove_placement_group(others)
     shutdown(info)
-    try:
+    try:  # the job must be gone before the next module lists the cluster's jobs
         job.stop()
+        job.wait(timeout_s=120)
     except Exception:  # the test already stopped the job and its controller is gone
         pass
 
@@ -87,7 +96,7 @@ def test_harvest_and_give_back_lose_no_request_and_training_continues(job_app_an
         assert shared == [replica_device(info.url)]  # the rank runs on the replica's device
         assert replica_states(info) == {"RUNNING": 1}
         pids = [w["pid"] for w in status["workers"]]
-        expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + NICENESS)  # Ray's processes inherit ours
+        expected = min(19, ray.get(Probe.remote().niceness.remote()) + NICENESS)  # on top of Ray's own
         assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in pids} == {expected}  # the harvest rank's too
         while job.status()["step"] < step_at_harvest + 8:  # trains with the harvest rank
             time.sleep(0.5)
