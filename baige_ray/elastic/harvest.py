@@ -51,15 +51,9 @@ class HarvestMixin:
         released += incoming[max(0, wanted - len(kept)):]
         before = len(self.members)
         if len(members) != before or released:
-            step, state = self._gather_snapshot(list(enumerate(self.members)), self.layout)
-            try:
-                self._regroup(members, state)
-            except Exception as error:
-                self._resize_done.set()
-                return self._lost_during_regroup(members, error)
-            finally:
-                self.pool.stop(released)  # after the regroup read their snapshots
-            self._resume_at(step, None)
+            failed = self._switch_to(members, released)
+            if failed is not None:
+                return failed
             harvested = len(self._harvest_members())
             self.events.record("harvest", self._harvest_reason or f"{harvested} rank(s) beside replicas",
                                train_devices=len(self._whole_members()), harvested_devices=harvested,

@@ -210,25 +210,33 @@ class RecoveryMixin(StateSourcesMixin):
         whole, harvest = self._whole_members(), self._harvest_members()
         before = len(whole)
         if target != before:
-            step, state = self._gather_snapshot(list(enumerate(self.members)), self.layout)
             released: list[Worker] = []
             if target < before:
                 members, released = WorkerPool.by_locality(whole[:target] + harvest), whole[target:]
             else:
                 extra = self._take_or_start(target - before)
                 members = WorkerPool.by_locality(self.members + (extra or []))
-            try:
-                self._regroup(members, state)
-            except Exception as error:
-                self._resize_done.set()
-                return self._lost_during_regroup(members, error)
-            finally:
-                self.pool.stop(released)  # after the regroup read their snapshots; frees their devices
-            self._resume_at(step, None)
+            failed = self._switch_to(members, released)
+            if failed is not None:
+                return failed
             self.events.record("resize", reason or f"{before} -> {len(members)} workers",
                                train_devices=len(members), infer_devices=0, resume_step=self.step)
         self._resize_done.set()
         return Phase.RUNNING, f"{before} -> {len(self.members)} workers"
+
+    def _switch_to(self, members: list[Worker], released: list[Worker]) -> tuple[Phase, str] | None:
+        """Regroup `members` from the current members' newest snapshot, then stop `released` (after the
+        regroup read their snapshots; it frees their devices). A failure goes to recovery: its phase."""
+        step, state = self._gather_snapshot(list(enumerate(self.members)), self.layout)
+        try:
+            self._regroup(members, state)
+        except Exception as error:
+            self._resize_done.set()
+            return self._lost_during_regroup(members, error)
+        finally:
+            self.pool.stop(released)
+        self._resume_at(step, None)
+        return None
 
     def _resize_planned(self, devices: int) -> tuple[Phase, str]:
         """Hold `devices` devices (workers and idle spares) and let the planner lay out all of them."""

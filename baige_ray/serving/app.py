@@ -11,6 +11,7 @@ in place by `reload_weights`, through the application's ServingRegistry.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,8 @@ from baige_ray.runtime.checkpoint_io import load_model_state
 from baige_ray.serving.deployment import GPTServer
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, get_or_create_registry, registry_name
 from baige_ray.serving.requests import RequestLimits
+
+logger = logging.getLogger(__name__)
 
 DEPLOYMENT_NAME = "GPTServer"
 _BUSY_REPLICA_STATES = ("STARTING", "UPDATING", "RECOVERING", "STOPPING", "PENDING_MIGRATION")
@@ -144,8 +147,20 @@ def serve(
         batch_wait_timeout_s=settings.batch_wait_timeout_s,
     )
     ray_serve.run(application, name=name, route_prefix=settings.route_prefix, external_scaler_enabled=True)
-    url = f"http://{settings.host}:{settings.port}{settings.route_prefix.rstrip('/')}"
+    host, port = _proxy_address(settings.host, settings.port)
+    url = f"http://{host}:{port}{settings.route_prefix.rstrip('/')}"
     return ServeHandleInfo(url=url, app_name=name)
+
+
+def _proxy_address(host: str, port: int) -> tuple[str, int]:
+    """Where the HTTP proxy listens: Serve already running keeps its own host and port, whatever was asked."""
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    config = ray.get(ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE).get_http_config.remote())
+    if (config.host, config.port) != (host, port):
+        logger.warning("Serve was already running on %s:%s; the application is there, not on %s:%s",
+                       config.host, config.port, host, port)
+    return config.host, config.port
 
 
 def replica_states(info: ServeHandleInfo) -> dict[str, int]:

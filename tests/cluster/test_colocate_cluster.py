@@ -117,6 +117,11 @@ def test_lend_and_reclaim_lose_no_request_and_training_continues(job_and_app):
     assert [(e["kind"], e["train_devices"], e["infer_devices"]) for e in events.recent()] == [
         ("lend", 3, 2), ("reclaim", 4, 1)]
 
+    assert_training_continues(job, since_step=step_at_lend)
+
+
+def assert_training_continues(job, since_step: int) -> None:
+    """Train 5 more steps, stop, and check the loss curve went on from where it was (no reset) since `since_step`."""
     resumed_after = job.status()["step"]
     while job.status()["step"] < resumed_after + 5:
         time.sleep(0.5)
@@ -126,6 +131,6 @@ def test_lend_and_reclaim_lose_no_request_and_training_continues(job_and_app):
     assert steps == sorted(steps) and steps[-1] > resumed_after
     first_loss = metrics[0].loss
     assert first_loss == pytest.approx(math.log(256), rel=0.1)
-    later = [m.loss for m in metrics if m.step >= step_at_lend]
-    # No reset: after the lend and the reclaim the loss stays near where it was, well below the start.
+    later = [m.loss for m in metrics if m.step >= since_step]
+    # No reset: after the moves the loss stays near where it was, well below the start.
     assert max(later) < first_loss - 0.5
