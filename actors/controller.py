@@ -23,6 +23,7 @@ from baige_ray.elastic.harvest import HarvestMixin
 from baige_ray.elastic.machine import Phase, StateMachine
 from baige_ray.elastic.planning import ElasticPlanner
 from baige_ray.elastic.recovery import RecoveryMixin
+from baige_ray.elastic.replica_copies import ReplicaCopies
 from baige_ray.elastic.step_log import StepLog
 from baige_ray.elastic.sizing import layout_for, replica_size, valid_sizes
 from baige_ray.elastic.watch import WatchTimes, watch_step
@@ -92,6 +93,8 @@ class ElasticController(HarvestMixin, RecoveryMixin):
         self._stop_requested = False
         self._last_growth_check = 0.0
         self._persister = None
+        self._replica_copies = ReplicaCopies()
+        self._replica_behind = False
         self._failed_step: int | None = None
         self.num_parameters = 0
         self._generation_steps = 0  # steps completed since the last regroup
@@ -143,6 +146,7 @@ class ElasticController(HarvestMixin, RecoveryMixin):
             "elapsed_s": elapsed,
             "recoveries": list(self.recoveries),
             "faults_fired": {kind.value: self.faults.count(kind) for kind in FaultKind},
+            "replica_wait_s": round(self._replica_copies.waited_s, 3),  # training stalled for slow replica copies
         }
 
     @ray.method(concurrency_group="control")
@@ -292,6 +296,7 @@ class ElasticController(HarvestMixin, RecoveryMixin):
     # ----- a step -----
 
     def _dispatch_step(self, step: int) -> list[ray.ObjectRef]:
+        self._await_replicas(step)
         due = self.faults.arm(step)
         timeout = self._deadline() if len(self.step_times) >= WARMUP_STEPS and self._generation_steps > 0 else None
         snapshot = step % self.elastic.snapshot_every == 0

@@ -12,7 +12,6 @@ import collections
 import datetime
 import os
 import socket
-import threading
 import time
 
 import ray
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from baige_ray.accelerator import AcceleratorSpec, DeviceProbe, detect_accelerator
 from baige_ray.api.device import DeviceInfo
 from baige_ray.elastic.faults import Fault, carry_out
+from baige_ray.elastic.replicas import stages_behind
 from baige_ray.elastic.snapshot import HostSnapshotter
 from baige_ray.engines.base import Engine
 from baige_ray.engines.factory import build_engine
@@ -34,7 +34,9 @@ from baige_ray.runtime.train_loop import TrainJob
 # One thread for everything that touches torch.distributed: DTensor keeps thread-local
 # caches that a new generation must clear (see runtime/distributed.py). Heartbeats and
 # snapshot reads run on a separate "control" thread so they answer while a step runs.
-WORKER_THREADS = {"max_concurrency": 1, "concurrency_groups": {"control": 1}}
+# Training on the default thread; heartbeats and snapshot reads on "control"; replica copies on "replica".
+WORKER_THREADS = {"max_concurrency": 1, "concurrency_groups": {"control": 1, "replica": 1}}
+REPLICA_REREAD_PAUSE_S = 0.02  # how often a replica copy re-reads the stages behind the others
 
 
 def _ray_placement() -> tuple[str, str, str, list[str]]:
@@ -77,7 +79,6 @@ class WorkerActor:
         self._collective_timeout_s: float | None = None
         self._failed_generation: int | None = None
         self.replica: tuple[int, CanonicalState] | None = None  # every stage at one step, for a lost node
-        self._replicating: threading.Thread | None = None
         # A restarted controller reads the steps finished while it was down from here.
         self._recent_metrics: collections.deque[dict] = collections.deque(maxlen=16)
 
@@ -226,26 +227,31 @@ class WorkerActor:
             raise RuntimeError("this worker holds no snapshot")
         return latest[1]
 
-    @ray.method(concurrency_group="control")
-    def take_replica(self, holders: dict[int, ray.actor.ActorHandle], timeout_s: float = 60.0) -> bool:
-        """Start copying each stage's newest snapshot (from one holder each) here in the background,
-        so heartbeats keep being answered; False when the previous copy is still under way."""
-        if self._replicating is not None and self._replicating.is_alive():
-            return False
-        self._replicating = threading.Thread(target=self._copy_replica, args=(holders, timeout_s), daemon=True,
-                                             name="replica")
-        self._replicating.start()
-        return True
+    @ray.method(concurrency_group="replica")
+    def copy_replica(self, holders: dict[int, ray.actor.ActorHandle], timeout_s: float = 60.0) -> int | None:
+        """Copy every stage's newest snapshot (from one holder each) here, on a thread of its own so
+        training and heartbeats go on; returns the step of the replica held now (None: none yet).
 
-    def _copy_replica(self, holders: dict[int, ray.actor.ActorHandle], timeout_s: float) -> None:
-        refs = {stage: holder.snapshot_with_step.remote() for stage, holder in holders.items()}
+        Pipeline stages finish a step at different moments, so a first read often finds them a step
+        apart: the stages behind are read again once they catch up (within a step), not mixed."""
+        deadline = time.monotonic() + timeout_s
         try:
-            parts = {stage: ray.get(ref, timeout=timeout_s) for stage, ref in refs.items()}
-        except Exception:  # a holder died or is busy: the next round tries again
-            return
-        steps = {part[0] for part in parts.values() if part is not None}
-        if None not in parts.values() and len(steps) == 1:  # stages a step apart: skip, not mix
-            self.replica = (steps.pop(), merge_states([part[1] for part in parts.values()]))
+            parts = _read_parts(holders, deadline)
+            while parts is not None and (behind := stages_behind({s: part[0] for s, part in parts.items()})):
+                newest = max(part[0] for part in parts.values())
+                steps = _read({stage: holders[stage].snapshot_step.remote() for stage in behind}, deadline)
+                caught_up = {stage: holders[stage] for stage, step in steps.items() if step is not None and step >= newest}
+                if caught_up:
+                    parts = _merge_reads(parts, _read_parts(caught_up, deadline))
+                elif time.monotonic() < deadline:
+                    time.sleep(REPLICA_REREAD_PAUSE_S)
+                else:
+                    parts = None
+        except Exception:  # a holder died or lost its snapshot: the replica held stays, the next copy tries again
+            parts = None
+        if parts is not None:
+            self.replica = (next(iter(parts.values()))[0], merge_states([part[1] for part in parts.values()]))
+        return self.replica[0] if self.replica is not None else None
 
     @ray.method(concurrency_group="control")
     def replica_step(self) -> int | None:
@@ -275,3 +281,17 @@ class WorkerActor:
         if self.group.membership is None:
             raise RuntimeError("this worker has not joined a process group")
         return self.group.membership
+
+
+def _read(refs: dict, deadline: float) -> dict:
+    return {key: ray.get(ref, timeout=max(0.0, deadline - time.monotonic())) for key, ref in refs.items()}
+
+
+def _read_parts(holders: dict[int, ray.actor.ActorHandle], deadline: float) -> dict[int, tuple[int, CanonicalState]] | None:
+    """(step, copy of the newest snapshot) of each holder's stage; None when one holds none."""
+    parts = _read({stage: holder.snapshot_with_step.remote() for stage, holder in holders.items()}, deadline)
+    return None if None in parts.values() else parts
+
+
+def _merge_reads(parts: dict | None, newer: dict | None) -> dict | None:
+    return None if parts is None or newer is None else {**parts, **newer}

@@ -33,3 +33,22 @@ def replica_holders(candidate_nodes: Sequence[str], copies: int = 2) -> list[int
         if len(chosen) == copies:
             break
     return chosen if len(chosen) > 1 else []
+
+
+def stages_behind(step_of_stage: dict[int, int]) -> list[int]:
+    """Stages whose snapshot is older than the newest among them: a replica mixes no steps, so these
+    are read again (they catch up within a step) before the parts are merged."""
+    newest = max(step_of_stage.values(), default=None)
+    return sorted(stage for stage, step in step_of_stage.items() if step < newest)
+
+
+def replica_floor(next_step: int, generation_start: int, snapshot_every: int = 1,
+                  replicate_every: int = 1) -> int | None:
+    """The oldest replica step allowed when `next_step` is dispatched: the snapshot whose copy began at
+    least a full step ago. Steps run one ahead, so a node lost in any step in flight then redoes at most
+    `replicate_every + snapshot_every + 1` steps (3 with both at 1). None: no bound yet (this process-group
+    generation has taken no such snapshot)."""
+    copied_after = next_step - 3  # completed when step next_step - 2 began: one full step ago
+    copied_after -= (copied_after + 1) % replicate_every  # the newest step a copy began after
+    floor = copied_after - copied_after % snapshot_every  # the newest snapshot it could read
+    return floor if floor >= generation_start else None

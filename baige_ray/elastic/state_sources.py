@@ -14,7 +14,7 @@ import ray
 
 from baige_ray.checkpoint.persister import AsyncPersister
 from baige_ray.checkpoint.store import load_latest_good
-from baige_ray.elastic.replicas import exposed_stages, replica_holders
+from baige_ray.elastic.replicas import exposed_stages, replica_floor, replica_holders
 from baige_ray.elastic.workers import Worker
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.state import merge_states
@@ -51,26 +51,37 @@ class StateSourcesMixin:
 
     def _readable_replicas(self, lost: dict[int, str], readable: set[int]) -> list[Worker]:
         gone = {self.members[rank].name for rank in lost if rank not in readable}
-        return [w for w in getattr(self, "_replica_holders", []) if w.name not in gone and w.actor is not None]
+        return [w for w in self._replica_copies.holders if w.name not in gone and w.actor is not None]
 
     def _replicate_if_due(self) -> None:
         """Ask two workers on different nodes to copy every stage's newest snapshot, where a node's loss
-        would otherwise lose a stage (replicas.py). Fire and forget: a worker still copying skips a round."""
+        would otherwise lose a stage (replicas.py). A holder still copying is left to finish."""
         every = self.elastic.replicate_every
         if not every or (self.step + 1) % every:
             return
         nodes = [w.info.node_id for w in self.members]
         stages = [self.layout.coords(rank).pp for rank in range(len(self.members))]
         if not exposed_stages(stages, nodes):
-            self._replica_holders = []
+            self._replica_copies.clear()
             return
         candidates = self.pool.ready(self.spares) + self.members  # idle spares first
-        self._replica_holders = [candidates[i] for i in replica_holders([w.info.node_id for w in candidates])]
+        holders = [candidates[i] for i in replica_holders([w.info.node_id for w in candidates])]
         sources = {}
         for rank, worker in enumerate(self.members):
             sources.setdefault(stages[rank], worker.actor)
-        for holder in self._replica_holders:
-            holder.actor.take_replica.remote(sources)
+        self._replica_copies.start(holders, sources)
+
+    def _await_replicas(self, next_step: int) -> None:
+        """Before `next_step` is dispatched, let replicas that trail by more than a copy catch up."""
+        if not self.elastic.replicate_every or not self._replica_copies.holders:
+            return
+        floor = replica_floor(next_step, self.step - self._generation_steps, self.elastic.snapshot_every,
+                              self.elastic.replicate_every)
+        behind = floor is not None and not self._replica_copies.wait_for(floor, self._deadline())
+        if behind and not self._replica_behind:  # once, not every step until it catches up
+            self.events.record("checkpoint", f"a replica is behind step {floor}: a lost node may redo more steps",
+                               step=next_step)
+        self._replica_behind = behind
 
     def _gather_state(self, holders: list[tuple[int, Worker]], layout: ParallelLayout):
         """(step, merged canonical state) of one snapshot per pipeline stage, fetched here while training

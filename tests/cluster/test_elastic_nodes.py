@@ -159,6 +159,9 @@ def test_a_lost_node_holding_a_whole_pipeline_stage_is_restored_from_a_replica_o
     assert [m.step for m in result.metrics] == list(range(num_steps))
     restored = [e for e in result_events(tmp_path, "elastic-replica") if e["reason"].startswith("restored the replica")]
     assert restored, "the lost stage came from the replica, not from a checkpoint or from step 0"
-    assert result.recoveries[0]["lost_steps"] <= 2  # the replica trails the live snapshot by up to one step
+    print(f"pipeline node loss: {result.recoveries[0]}; {restored[0]['reason']}")
+    # A replica trails by at most one copy, which the controller waits for when copying is slower than a
+    # step (replicas.replica_floor): the failed step, the one before and the one being copied (2 if it landed).
+    assert result.recoveries[0]["lost_steps"] <= 3, (result.recoveries[0], restored)
     reference = pipelined_gpt_run("elastic-replica-reference", tmp_path, num_steps).wait()
     assert [m.loss for m in result.metrics] == [m.loss for m in reference.metrics]

@@ -1,4 +1,4 @@
-from baige_ray.elastic.replicas import exposed_stages, replica_holders
+from baige_ray.elastic.replicas import exposed_stages, replica_floor, replica_holders, stages_behind
 
 
 def test_stages_with_holders_on_two_nodes_are_not_exposed():
@@ -19,3 +19,24 @@ def test_holders_are_on_distinct_nodes_earliest_first():
 def test_no_holders_when_every_candidate_shares_one_node():
     assert replica_holders(["a", "a", "a"]) == []
     assert replica_holders([]) == []
+
+
+def test_stages_behind_the_newest_snapshot_are_read_again():
+    assert stages_behind({0: 7, 1: 8, 2: 8, 3: 7}) == [0, 3]
+    assert stages_behind({0: 8, 1: 8}) == []
+    assert stages_behind({}) == []
+
+
+def test_the_replica_floor_is_the_snapshot_whose_copy_began_a_full_step_ago():
+    # Dispatching step 10 (step 9 runs, 8 just ended): the copy of step 7 has had all of step 8.
+    assert replica_floor(10, generation_start=0) == 7
+    assert replica_floor(10, generation_start=0, replicate_every=2) == 7  # copies after steps 1, 3, 5, 7
+    assert replica_floor(11, generation_start=0, replicate_every=2) == 7
+    assert replica_floor(10, generation_start=0, snapshot_every=3) == 6  # snapshots after steps 0, 3, 6
+    assert replica_floor(12, generation_start=0, snapshot_every=2, replicate_every=3) == 8
+
+
+def test_no_replica_floor_before_this_generation_has_copied_a_snapshot():
+    assert replica_floor(7, generation_start=5) is None
+    assert replica_floor(8, generation_start=5) == 5
+    assert replica_floor(2, generation_start=0) is None

@@ -1,0 +1,81 @@
+"""Replica copies in flight: at most one per holder, and the step each holder's replica is at.
+
+The controller starts a copy after a step; the holder copies on a thread of its own while training
+runs on. A replica that trails by more than a copy would let a lost node cost more steps than
+promised, so before dispatching a step the controller waits for copies that fell behind the floor
+(replicas.replica_floor): training stalls only when copying is slower than a step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import ray
+
+from baige_ray.elastic.workers import Worker
+
+
+@dataclass
+class HolderCopy:
+    worker: Worker
+    in_flight: ray.ObjectRef | None = None
+    step: int | None = None  # the step of the replica the holder reported last
+
+
+class ReplicaCopies:
+    def __init__(self) -> None:
+        self._copies: dict[str, HolderCopy] = {}
+        self._sources: dict[int, ray.actor.ActorHandle] = {}
+        self.waited_s = 0.0
+
+    @property
+    def holders(self) -> list[Worker]:
+        return [copy.worker for copy in self._copies.values()]
+
+    def start(self, holders: list[Worker], sources: dict[int, ray.actor.ActorHandle]) -> None:
+        """Copy the newest snapshot of each stage (one source each) to every holder not still copying."""
+        self._sources = sources
+        self._copies = {w.name: self._copies.get(w.name) or HolderCopy(w) for w in holders}
+        for copy in self._copies.values():
+            copy.worker = next(w for w in holders if w.name == copy.worker.name)
+            if self._collect(copy, timeout_s=0):
+                copy.in_flight = copy.worker.actor.copy_replica.remote(sources)
+
+    def clear(self) -> None:
+        self._copies = {}
+
+    def wait_for(self, floor: int, timeout_s: float) -> bool:
+        """Wait until every holder's replica is at `floor` or newer, starting one more copy where the
+        last ended behind it; False when one is not (its holder or a source is gone, or too slow)."""
+        started = time.monotonic()
+        deadline = started + timeout_s
+        try:
+            return all(self._bring_up(copy, floor, deadline) for copy in self._copies.values())
+        finally:
+            self.waited_s += time.monotonic() - started
+
+    def _bring_up(self, copy: HolderCopy, floor: int, deadline: float) -> bool:
+        for _ in range(2):  # the copy in flight, then one begun now (it reads snapshots newer than floor)
+            if copy.step is not None and copy.step >= floor:
+                return True
+            if copy.in_flight is None:
+                copy.in_flight = copy.worker.actor.copy_replica.remote(self._sources)
+            if not self._collect(copy, timeout_s=max(0.0, deadline - time.monotonic())):
+                return False
+        return copy.step is not None and copy.step >= floor
+
+    @staticmethod
+    def _collect(copy: HolderCopy, timeout_s: float) -> bool:
+        """Record the copy in flight once it has ended; False while it runs."""
+        if copy.in_flight is None:
+            return True
+        ready, _ = ray.wait([copy.in_flight], timeout=timeout_s)
+        if not ready:
+            return False
+        try:
+            copy.step = ray.get(ready[0])
+        except ray.exceptions.RayError:  # the holder is gone: recovery will notice it
+            copy.step = None
+        copy.in_flight = None
+        return True
