@@ -78,6 +78,7 @@ class WorkerActor:
         self.current_step: int | None = None
         self._collective_timeout_s: float | None = None
         self._failed_generation: int | None = None
+        self._abandoned_generation = -1
         self.replica: tuple[int, CanonicalState] | None = None  # every stage at one step, for a lost node
         # A restarted controller reads the steps finished while it was down from here.
         self._recent_metrics: collections.deque[dict] = collections.deque(maxlen=16)
@@ -114,8 +115,14 @@ class WorkerActor:
         self._drop_engine()  # an engine holds the old generation's communicators
         self._collective_timeout_s = None
         STEP_ABORT.clear()  # an abort ends a generation: only a new one clears it
-        self.group.join(membership)
+        self.group.join(membership, abandoned=lambda: self._abandoned_generation >= membership.generation)
         return os.getpid()
+
+    @ray.method(concurrency_group="control")
+    def abandon_generation(self, generation: int) -> None:
+        """The controller gave up `generation` (a member died while regrouping): stop waiting to join it,
+        so the next regroup does not queue behind a rendezvous that can never complete."""
+        self._abandoned_generation = max(self._abandoned_generation, generation)
 
     def leave_group(self) -> None:
         self._drop_engine()
@@ -153,13 +160,15 @@ class WorkerActor:
 
     def rejoin(
         self, membership: GroupMembership, job: TrainJob, layout: ParallelLayout, emulated_speed: float,
-        state_parts: list,
+        state_parts: list, fault: Fault | None = None,
     ) -> dict:
         """Join a new generation, build its engine and load the state, in one round trip from the controller.
 
         `state_parts` are ObjectRefs to canonical parts (one per pipeline stage) that
         other workers' snapshots produced; they travel worker to worker, not through the controller.
         """
+        if fault is not None:
+            carry_out(fault, lambda speed: None)
         self.join_group(membership)
         report = self.build_engine(job, layout, emulated_speed)
         if state_parts:

@@ -1,8 +1,10 @@
 """Fault injection, a first-class test and benchmark utility.
 
-A `FaultPlan` schedules crashes, hangs and slowdowns at (rank, step). The
+A `FaultPlan` schedules crashes, hangs and slowdowns at (rank, step), and crashes
+in the middle of a regroup (a member lost while the others wait for it). The
 controller owns the plan and arms each fault once, on the worker that holds the
-rank when the step first runs, so a replacement re-running that step is healthy.
+rank when the step first runs (or the regroup happens), so a replacement re-running
+that step is healthy.
 Workers carry the fault out in their own process: a crash exits it, a hang stops
 it (SIGSTOP: it answers nothing, like a process wedged in a driver call), a
 slowdown makes its chip emulate a lower speed from then on.
@@ -28,6 +30,7 @@ class Fault:
     rank: int
     step: int
     speed: float = 0.25  # SLOW only: the chip's emulated speed from this step on
+    regrouping: bool = False  # in the first regroup at `step` or later, before the rank joins
 
     def __post_init__(self) -> None:
         if self.rank < 0 or self.step < 0:
@@ -53,11 +56,24 @@ class FaultPlan:
         self.faults.append(Fault(FaultKind.SLOW, rank, step, speed))
         return self
 
+    def crash_while_regrouping(self, rank: int, step: int) -> FaultPlan:
+        """Crash the worker at `rank` in the first regroup at `step` or later (a recovery, a resize),
+        after the others have begun waiting for it to join."""
+        self.faults.append(Fault(FaultKind.CRASH, rank, step, regrouping=True))
+        return self
+
     def arm(self, step: int) -> dict[int, Fault]:
         """Faults due at `step`, by rank; each is handed out once and counted as fired."""
-        due = {fault.rank: fault for fault in self.faults if fault.step == step and fault not in self.fired}
-        self.fired.extend(due.values())
-        return due
+        return self._hand_out([f for f in self.faults if not f.regrouping and f.step == step])
+
+    def arm_regroup(self, step: int) -> dict[int, Fault]:
+        """Faults due in a regroup that resumes at `step`, by rank; each handed out once."""
+        return self._hand_out([f for f in self.faults if f.regrouping and f.step <= step])
+
+    def _hand_out(self, due: list[Fault]) -> dict[int, Fault]:
+        by_rank = {fault.rank: fault for fault in due if fault not in self.fired}
+        self.fired.extend(by_rank.values())
+        return by_rank
 
     def count(self, kind: FaultKind) -> int:
         return sum(1 for fault in self.fired if fault.kind is kind)

@@ -149,6 +149,8 @@ class RecoveryMixin(StateSourcesMixin):
         answered = WorkerPool.responsive(members, timeout_s=2.0)
         dead = {rank: f"lost while regrouping ({type(error).__name__})"
                 for rank, alive in enumerate(answered) if not alive}
+        # The living may wait for the dead to arrive: free them before the next regroup queues behind.
+        WorkerPool.abandon([w for w, alive in zip(members, answered) if alive], self.generation)
         self.members = members
         self._regroup_failures = getattr(self, "_regroup_failures", 0) + 1
         if not dead and self._regroup_failures > MAX_REGROUP_RETRIES:
@@ -311,7 +313,8 @@ class RecoveryMixin(StateSourcesMixin):
         else:
             layout = self.layout_for(len(members))
         self.generation += 1
-        reports = WorkerPool.regroup(members, self.generation, self.job, layout, state_parts or [], CALL_TIMEOUT_S)
+        reports = WorkerPool.regroup(members, self.generation, self.job, layout, state_parts or [], CALL_TIMEOUT_S,
+                                     faults=self.faults.arm_regroup(self.step))
         if arrangement is not None:
             self.planner.commit(arrangement)
             self.spares.extend(arrangement.unused)

@@ -8,6 +8,7 @@ its restarted successor finds them again.
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -119,17 +120,38 @@ class WorkerPool:
         return sorted(workers, key=lambda w: w.info.location)
 
     @staticmethod
-    def regroup(members: list[Worker], generation: int, job, layout, state_parts: list, timeout_s: float) -> list[dict]:
+    def regroup(members: list[Worker], generation: int, job, layout, state_parts: list, timeout_s: float,
+                faults: dict | None = None) -> list[dict]:
         """Join `members`, in rank order, into generation `generation`; each builds its engine and loads the state.
 
-        Returns each rank's engine report (parameter count, corpus fingerprint)."""
+        Returns each rank's engine report (parameter count, corpus fingerprint). Raises as soon as one
+        member fails: the others are still waiting for it, and the caller abandons the generation."""
         first = members[0]
         store = ray.get(first.actor.host_store.remote(first.info.node_ip), timeout=timeout_s)
+        faults = faults or {}
         refs = [
             worker.actor.rejoin.remote(
                 GroupMembership(store=store, rank=rank, world_size=len(members), generation=generation),
-                job, layout, worker.speed, state_parts,
+                job, layout, worker.speed, state_parts, faults.get(rank),
             )
             for rank, worker in enumerate(members)
         ]
-        return ray.get(refs, timeout=timeout_s)
+        return get_failing_fast(refs, timeout_s)
+
+    @staticmethod
+    def abandon(workers: list[Worker], generation: int, timeout_s: float = 2.0) -> None:
+        """Release the workers still waiting to join `generation` (answered on their control threads)."""
+        refs = [worker.actor.abandon_generation.remote(generation) for worker in workers]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
+
+def get_failing_fast(refs: list[ray.ObjectRef], timeout_s: float) -> list:
+    """`ray.get(refs)`, but the first failure raises when it happens, not once every other call ends."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            raise GetTimeoutError(f"{len(pending)} of {len(refs)} calls unanswered after {timeout_s:.0f}s")
+        ray.get(done[0])
+    return ray.get(refs)

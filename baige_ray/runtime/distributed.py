@@ -12,6 +12,8 @@ from __future__ import annotations
 import datetime
 import sys
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,11 +58,14 @@ class ProcessGroupMember:
         self._hosted_address = StoreAddress(host, self._hosted_store.port)
         return self._hosted_address
 
-    def join(self, membership: GroupMembership) -> None:
+    def join(self, membership: GroupMembership, abandoned: Callable[[], bool] = lambda: False) -> None:
+        """Join `membership`'s generation once every member has arrived; `abandoned()` turning true (the
+        controller gave the generation up: a member died before arriving) ends the wait at once."""
         if self.membership is not None:
             self.leave()
         store = self._store_for(membership.store)
         prefixed = dist.PrefixStore(f"baige/generation-{membership.generation}", store)
+        await_arrivals(prefixed, membership.world_size, abandoned, self.timeout.total_seconds())
         dist.init_process_group(
             self.backend,
             store=prefixed,
@@ -81,6 +86,31 @@ class ProcessGroupMember:
         if address == self._hosted_address and self._hosted_store is not None:
             return self._hosted_store
         return dist.TCPStore(address.host, address.port, is_master=False, timeout=self.timeout)
+
+
+class RendezvousAbandoned(RuntimeError):
+    """The controller gave up the generation this worker was joining: a member will never arrive."""
+
+
+def await_arrivals(store: dist.Store, world_size: int, abandoned: Callable[[], bool], timeout_s: float) -> None:
+    """Count this member in and wait, polling, until all `world_size` have arrived.
+
+    init_process_group waits for missing members inside the store client, where nothing can
+    interrupt it for the whole timeout; a survivor stuck there would make the controller's next
+    regroup queue behind it. Arriving here first leaves init_process_group only members that
+    are alive, and this wait ends as soon as the controller abandons the generation.
+    """
+    deadline = time.monotonic() + timeout_s
+    pause = 0.002
+    arrived = store.add("arrived", 1)
+    while arrived < world_size:
+        if abandoned():
+            raise RendezvousAbandoned(f"generation abandoned with {arrived} of {world_size} members arrived")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rendezvous timed out after {timeout_s:.0f}s with {arrived} of {world_size} members")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+        arrived = store.add("arrived", 0)
 
 
 def forget_device_meshes() -> None:

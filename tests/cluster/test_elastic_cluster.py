@@ -49,6 +49,21 @@ def test_a_crash_is_replaced_by_a_spare_and_training_is_bitwise_unchanged(refere
     assert_bitwise_equal(final_parameters(result), reference)
 
 
+def test_a_worker_lost_while_regrouping_does_not_hold_the_others_in_the_rendezvous(reference, tmp_path):
+    """Rank 2 crashes; while the rest wait for everyone to join the replacement group, rank 1 crashes
+    too. The survivors are released at once (not after the 60 s rendezvous timeout) and join again."""
+    faults = FaultPlan().crash(rank=2, step=8).crash_while_regrouping(rank=1, step=1)  # the first after the start
+    job = elastic_mlp_run("elastic-regroup-crash", tmp_path, faults=faults, elastic=ElasticConfig(num_spares=2))
+    result = job.wait()
+    assert [m.step for m in result.metrics] == list(range(15))
+    assert_bitwise_equal(final_parameters(result), reference)
+    events = (next(tmp_path.rglob("elastic-regroup-crash/events.jsonl"))).read_text()
+    assert "lost while regrouping" in events
+    recovery_s = sum(r["recovery_s"] for r in result.recoveries)
+    print(f"a crash, then a crash while regrouping: {recovery_s:.2f}s of recovery in all")
+    assert recovery_s < 30, "the survivors sat out the rendezvous timeout"
+
+
 def test_a_frozen_worker_is_detected_by_heartbeats_and_replaced(reference, tmp_path):
     job = elastic_mlp_run("elastic-hang", tmp_path, faults=FaultPlan().hang(rank=1, step=6))
     result = job.wait()

@@ -51,6 +51,15 @@ def test_a_fault_is_armed_once_even_when_its_step_runs_again():
     assert plan.count(FaultKind.CRASH) == 1 and plan.count(FaultKind.HANG) == 0
 
 
+def test_a_regroup_fault_fires_in_the_first_regroup_at_its_step_or_later_and_only_there():
+    plan = FaultPlan().crash(rank=2, step=3).crash_while_regrouping(rank=1, step=4)
+    assert plan.arm_regroup(0) == {}
+    assert 1 not in plan.arm(4) and 2 in plan.arm(3)
+    armed = plan.arm_regroup(6)
+    assert list(armed) == [1] and armed[1].kind is FaultKind.CRASH
+    assert plan.arm_regroup(7) == {}
+
+
 def test_sizes_keep_whole_replicas_and_an_evenly_split_batch():
     job = TrainJob(model=MLPConfig(), train=TrainConfig(num_steps=1, global_batch_size=24))
     assert valid_sizes(job, ParallelLayout(dp=8), 1, 8) == (1, 2, 3, 4, 6, 8)
