@@ -96,6 +96,7 @@ class ElasticController(HarvestMixin, RecoveryMixin):
         self._replica_copies = ReplicaCopies()
         self._replica_behind = False
         self._failed_step: int | None = None
+        self._failed_step_metrics: list[dict | None] = []  # what the survivors of the failed step reported
         self.num_parameters = 0
         self._generation_steps = 0  # steps completed since the last regroup
         self.job_metrics = JobMetrics(job=self.run_config.name)
@@ -276,7 +277,8 @@ class ElasticController(HarvestMixin, RecoveryMixin):
         if not outcome.ok:
             self._inflight = None  # queued behind a failed step; workers refuse it at once
             self._pending_failure = outcome
-            self._failed_step = self.step if self._failed_step is None else self._failed_step
+            if self._failed_step is None:  # a second failure before the recovery ends keeps the first
+                self._failed_step, self._failed_step_metrics = self.step, outcome.metrics
             self._recovery_started = self._recovery_started or began
             self._last_completion = None
             return Phase.RECOVERING, self._describe_failure(outcome)

@@ -93,9 +93,10 @@ class RecoveryMixin(StateSourcesMixin):
         self._resume_at(step, self._furthest_started_step(survivors, failed_step))
         if getattr(self, "_restarted", False):
             self._recover_history(survivors)
-        if outcome is not None and failed_step is not None and self.step > failed_step:
-            # The lost worker died after finishing the step, before its result arrived.
-            self._record_unreported(outcome.metrics, failed_step)
+        if failed_step is not None and self.step > failed_step:
+            # The lost worker died after finishing the step, before its result arrived (kept from the
+            # failure itself: a regroup that failed since then brings no step results).
+            self._record_unreported(self._failed_step_metrics, failed_step)
         self.events.record("resize" if len(members) != len(survivors) + len(lost) else "recovered", decision.reason,
                            train_devices=len(members), infer_devices=0, resume_step=self.step)
         return Phase.RUNNING, decision.reason
