@@ -33,8 +33,8 @@ from baige_ray.runtime.train_loop import TrainJob
 
 # One thread for everything that touches torch.distributed: DTensor keeps thread-local
 # caches that a new generation must clear (see runtime/distributed.py). Heartbeats and
-# snapshot reads run on a separate "control" thread so they answer while a step runs.
-# Training on the default thread; heartbeats and snapshot reads on "control"; replica copies on "replica".
+# snapshot reads run on a separate "control" thread so they answer while a step runs, and
+# replica copies on a "replica" thread so a slow copy delays neither.
 WORKER_THREADS = {"max_concurrency": 1, "concurrency_groups": {"control": 1, "replica": 1}}
 REPLICA_REREAD_PAUSE_S = 0.02  # how often a replica copy re-reads the stages behind the others
 

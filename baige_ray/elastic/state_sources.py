@@ -72,12 +72,16 @@ class StateSourcesMixin:
         self._replica_copies.start(holders, sources)
 
     def _await_replicas(self, next_step: int) -> None:
-        """Before `next_step` is dispatched, let replicas that trail by more than a copy catch up."""
+        """Before `next_step` is dispatched, let replicas that trail by more than a copy catch up.
+
+        While this waits, the step in flight is not watched: the wait is capped at the heartbeat timeout,
+        so a hang is seen no later than heartbeats alone would see it; a copy later than that is let be."""
         if not self.elastic.replicate_every or not self._replica_copies.holders:
             return
         floor = replica_floor(next_step, self.step - self._generation_steps, self.elastic.snapshot_every,
                               self.elastic.replicate_every)
-        behind = floor is not None and not self._replica_copies.wait_for(floor, self._deadline())
+        wait_s = min(self._deadline(), self.elastic.heartbeat_timeout_s)
+        behind = floor is not None and not self._replica_copies.wait_for(floor, wait_s)
         if behind and not self._replica_behind:  # once, not every step until it catches up
             self.events.record("checkpoint", f"a replica is behind step {floor}: a lost node may redo more steps",
                                step=next_step)
