@@ -252,16 +252,9 @@ class RecoveryMixin(StateSourcesMixin):
         extra = self._take_or_start(devices - len(held)) if devices > len(held) else []
         keep, released = held[:devices], held[devices:]  # members first: they already hold the state
         self.spares = [w for w in self.spares if w not in ready]
-        step, state = self._gather_snapshot(list(enumerate(self.members)), self.layout)
-        candidates = WorkerPool.by_locality(keep + (extra or []))
-        try:
-            self._regroup(candidates, state)
-        except Exception as error:
-            self._resize_done.set()
-            return self._lost_during_regroup(candidates, error)
-        finally:
-            self.pool.stop(released)
-        self._resume_at(step, None)
+        failed = self._switch_to(WorkerPool.by_locality(keep + (extra or [])), released)
+        if failed is not None:
+            return failed
         self.events.record("resize", reason, train_devices=len(self.members), infer_devices=0, resume_step=self.step)
         self._resize_done.set()
         return Phase.RUNNING, f"{before} -> {self.layout.describe()}"

@@ -36,11 +36,12 @@ class ReplicaCopies:
     def start(self, holders: list[Worker], sources: dict[int, ray.actor.ActorHandle]) -> None:
         """Copy the newest snapshot of each stage (one source each) to every holder not still copying."""
         self._sources = sources
-        self._copies = {w.name: self._copies.get(w.name) or HolderCopy(w) for w in holders}
-        for copy in self._copies.values():
-            copy.worker = next(w for w in holders if w.name == copy.worker.name)
+        previous, self._copies = self._copies, {}
+        for worker in holders:
+            copy = self._copies[worker.name] = previous.get(worker.name) or HolderCopy(worker)
+            copy.worker = worker
             if self._collect(copy, timeout_s=0):
-                copy.in_flight = copy.worker.actor.copy_replica.remote(sources)
+                copy.in_flight = worker.actor.copy_replica.remote(sources)
 
     def clear(self) -> None:
         self._copies = {}
