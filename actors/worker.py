@@ -152,7 +152,7 @@ class WorkerActor:
         self.snapshots = HostSnapshotter(self.engine, latest=previous)
         return {
             "num_parameters": sum(p.numel() for p in self.engine.parameters),
-            "corpus": self.engine.corpus.fingerprint if self.engine.corpus else None,
+            "data": self.engine.data.fingerprint if self.engine.data else None,
         }
 
     def train_step(self, step: int) -> dict:

@@ -135,7 +135,7 @@ def _build_engine(args: argparse.Namespace, num_steps: int):
 
     model = GPTConfig(hidden=args.hidden, num_layers=args.num_layers, num_heads=args.num_heads, seq_len=args.seq_len)
     train = TrainConfig(num_steps=num_steps, global_batch_size=args.batch, warmup_steps=1)
-    job = TrainJob(model=model, train=train, corpus=CorpusConfig(max_bytes=2 * 1024 * 1024))
+    job = TrainJob(model=model, train=train, data=CorpusConfig(max_bytes=2 * 1024 * 1024))
     return build_engine(job, ParallelLayout(), device=args.device)
 
 

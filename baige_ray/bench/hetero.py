@@ -190,7 +190,7 @@ def _fit_case(model: Any, train: Any, name: str, layout: Any, speeds: list[float
         model, train=train, layout=layout, emulated_speeds=speeds,
         scaling=ScalingConfig(num_workers=layout.world_size, accelerator="cpu"),
         run=RunConfig(name=f"hetero-{name}", storage_path=storage, show_progress=False),
-        corpus=CorpusConfig(max_bytes=2 * 1024 * 1024),
+        data=CorpusConfig(max_bytes=2 * 1024 * 1024),
     )
     times = [m.step_time_s for m in result.metrics]
     tokens = [m.tokens for m in result.metrics]

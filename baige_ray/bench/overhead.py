@@ -127,7 +127,7 @@ def _run_baige(settings, workers: int, tmp: str) -> list[float]:
                           seed=settings.seed, log_every=1),
         scaling=ScalingConfig(num_workers=workers, accelerator="cpu"),
         run=RunConfig(name="overhead-baige", storage_path=tmp, show_progress=False),
-        corpus=CorpusConfig(max_bytes=settings.corpus_max_bytes),
+        data=CorpusConfig(max_bytes=settings.corpus_max_bytes),
         layout=ParallelLayout(dp=workers),
     )
     return [m.step_time_s for m in result.metrics]

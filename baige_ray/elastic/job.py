@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -21,9 +22,7 @@ from baige_ray.elastic.faults import FaultPlan
 from baige_ray.elastic.sizing import layout_for
 from baige_ray.elastic.workers import NAMESPACE
 from baige_ray.engines.layout import ParallelLayout
-from baige_ray.models.corpus import CorpusConfig
 from baige_ray.models.gpt import GPTConfig
-from baige_ray.models.mlp import MLPConfig
 from baige_ray.elastic.planning import ElasticPlanner
 from baige_ray.runtime.fit import check_execution, check_speeds
 from baige_ray.topology.descriptor import ClusterDescriptor
@@ -110,13 +109,13 @@ def kill_run_actors(run_name: str) -> int:
 
 
 def launch(
-    model: GPTConfig | MLPConfig | None = None,
+    model: Any = None,
     *,
     train: TrainConfig,
     scaling: ScalingConfig | None = None,
     run: RunConfig | None = None,
     elastic: ElasticConfig | None = None,
-    corpus: CorpusConfig | None = None,
+    data: Any = None,
     layout: ParallelLayout | str | None = None,
     emulated_speeds: list[float] | None = None,
     faults: FaultPlan | None = None,
@@ -129,7 +128,7 @@ def launch(
     worker) or "auto": the planner lays out the devices the workers get, and re-plans them
     after every failure and resize (`cluster` is the descriptor when not simulated).
     """
-    job = TrainJob(model=model or GPTConfig(), train=train, corpus=corpus or CorpusConfig())
+    job = TrainJob(model=model or GPTConfig(), train=train, data=data)
     scaling = scaling or ScalingConfig()
     run = run or RunConfig()
     elastic = elastic or ElasticConfig()

@@ -20,7 +20,6 @@ import numpy as np
 
 from baige_ray.api.device import DeviceInfo
 from baige_ray.engines.layout import ParallelLayout
-from baige_ray.models.gpt import GPTConfig
 from baige_ray.planner.plan import PlacementPlan
 from baige_ray.planner.replan import replan
 from baige_ray.runtime.auto_plan import layout_from_plan, plan_job
@@ -77,8 +76,7 @@ class ElasticPlanner:
     """Plans on the live graph; `arrange` proposes, `commit` adopts once the workers regrouped."""
 
     def __init__(self, job: TrainJob, descriptor: ClusterDescriptor | None):
-        if not isinstance(job.model, GPTConfig):
-            raise ValueError(f"layout='auto' is invalid for {type(job.model).__name__}: the planner models GPTs")
+        job.plugin.model_spec(global_batch=job.train.global_batch_size)  # a model the planner cannot price fails here
         self.job = job
         self.descriptor = descriptor
         self.plan: PlacementPlan | None = None

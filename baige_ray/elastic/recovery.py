@@ -18,8 +18,6 @@ from baige_ray.elastic.watch import StepOutcome
 from baige_ray.elastic.workers import NAMESPACE, Worker, WorkerPool
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.state import merge_states
-from baige_ray.models.gpt import GPTConfig
-from baige_ray.runtime.checkpoint_io import save_model_checkpoint
 from baige_ray.policies.failure import FailureAction, FailureObservation, decide_failure
 from baige_ray.policies.scaling import GrowthObservation, grow_to, spares_to_start
 
@@ -333,10 +331,9 @@ class RecoveryMixin(StateSourcesMixin):
         if self.machine.phase is Phase.FINISHED and self.members:
             parts = ray.get([w.actor.export_state.remote() for w in self.members], timeout=CALL_TIMEOUT_S)
             state = merge_states(parts)
-            if isinstance(self.job.model, GPTConfig):
-                result["checkpoint_path"] = save_model_checkpoint(
-                    self.run_config.run_dir / "final", state["model"], model_config=self.job.model, step=self.step
-                )
+            result["checkpoint_path"] = self.job.plugin.save_final(
+                self.run_config.run_dir / "final", state["model"], step=self.step
+            )
             result["final_state"] = ray.put(state)
         if self._persister is not None:
             self._persister.close(timeout=60)

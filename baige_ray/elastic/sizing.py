@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 from baige_ray.engines.layout import ParallelLayout
-from baige_ray.models.gpt import GPTConfig
 from baige_ray.runtime.train_loop import TrainJob
 
 
@@ -15,7 +14,7 @@ def replica_size(layout: ParallelLayout) -> int:
 
 def valid_sizes(job: TrainJob, layout: ParallelLayout, min_workers: int, max_workers: int) -> tuple[int, ...]:
     """Sizes in [min, max] made of whole replicas whose data-parallel degree splits the global batch,
-    evenly or, for pure data parallel GPT jobs, in shares that differ by at most one sequence."""
+    evenly or, for pure data parallel jobs, in shares that differ by at most one sequence."""
     sizes = []
     unit = replica_size(layout)
     for size in range(unit, max_workers + 1, unit):
@@ -54,8 +53,8 @@ def _splits_evenly(job: TrainJob, dp: int) -> bool:
 
 
 def _allows_uneven_shares(job: TrainJob, layout: ParallelLayout, dp: int) -> bool:
-    """Uneven shares are a DDP feature of the GPT engines, counted in whole micro-batches (sequences
+    """Uneven shares are a DDP feature of the shared engines, counted in whole micro-batches (sequences
     without a micro-batch size), at least one per replica."""
     micro = job.train.micro_batch_size or 1
-    return (isinstance(job.model, GPTConfig) and layout.tp == layout.pp == 1 and layout.data_parallel == "ddp"
+    return (job.plugin.supports_uneven_data_parallel and layout.tp == layout.pp == 1 and layout.data_parallel == "ddp"
             and job.train.global_batch_size % micro == 0 and dp <= job.train.global_batch_size // micro)

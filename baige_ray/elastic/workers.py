@@ -124,7 +124,7 @@ class WorkerPool:
                 faults: dict | None = None) -> list[dict]:
         """Join `members`, in rank order, into generation `generation`; each builds its engine and loads the state.
 
-        Returns each rank's engine report (parameter count, corpus fingerprint). Raises as soon as one
+        Returns each rank's engine report (parameter count, data fingerprint). Raises as soon as one
         member fails: the others are still waiting for it, and the caller abandons the generation."""
         first = members[0]
         store = ray.get(first.actor.host_store.remote(first.info.node_ip), timeout=timeout_s)

@@ -11,8 +11,7 @@ from torch import nn
 
 from baige_ray.engines.layout import ParallelLayout, RankCoords
 from baige_ray.engines.state import CanonicalState
-from baige_ray.models.corpus import ByteCorpus, stdlib_corpus
-from baige_ray.models.gpt import GPTConfig
+from baige_ray.models.plugin import SampleSource, stage_ranges
 from baige_ray.runtime.train_loop import TrainJob, learning_rate_at, replica_sample_range
 
 
@@ -107,9 +106,10 @@ class Engine(ABC):
         *,
         device: str = "cpu",
         emulated_speed: float = 1.0,
-        corpus: ByteCorpus | None = None,
+        data: SampleSource | None = None,
     ):
         self.job = job
+        self.plugin = job.plugin
         self.layout = layout
         self.rank = rank
         self.device = torch.device(device)
@@ -117,7 +117,7 @@ class Engine(ABC):
         self.coords: RankCoords = layout.coords(rank)
         self.replica_batches = layout.replica_batches(job.train)
         self.per_replica_batch = self.replica_batches[self.coords.dp]
-        self.corpus = corpus or (stdlib_corpus(job.corpus) if isinstance(job.model, GPTConfig) else None)
+        self.data = data or self.plugin.open_data(job.data)
         self.before_update_hooks: list[Callable[[], None]] = []
         self.emulators: list[SlowChipEmulator] = []
 
@@ -144,7 +144,13 @@ class Engine(ABC):
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         indices = replica_sample_range(step, self.coords.dp, self.replica_batches)
-        return self.corpus.batch(indices, self.job.model.seq_len, self.job.train.seed)
+        return self.data.batch(indices, self.job.train.seed)
+
+    def build_stages(self) -> list[nn.Module]:
+        """The pipeline stages this rank holds (the whole model without pipelining), canonical names kept."""
+        layers = self.layout.layers_per_stage(self.plugin.num_layers)
+        ranges = stage_ranges(layers, self.layout.stage_indices(self.coords.pp))
+        return self.plugin.build_stages(ranges, self.device, self.job.train.seed)
 
     def set_emulated_speed(self, speed: float) -> None:
         """Change how fast this rank's chip appears, e.g. to inject a straggler."""

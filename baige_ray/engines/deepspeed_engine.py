@@ -19,7 +19,6 @@ from torch import nn
 from baige_ray.engines.base import Engine, SlowChipEmulator
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.state import ADAM_KEYS, CanonicalState
-from baige_ray.models.gpt import GPT, language_model_loss
 from baige_ray.runtime.train_loop import TrainJob, build_optimizer
 
 
@@ -43,8 +42,7 @@ class DeepSpeedEngine(Engine):
         # DeepSpeed reads these even when the process group exists; one device per worker process.
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(dist.get_rank()), str(dist.get_world_size())
-        torch.manual_seed(job.train.seed)
-        model = GPT(job.model).to(self.device)
+        (model,) = self.build_stages()  # ZeRO needs no pipeline: one stage holds the whole model
         self.emulators = [SlowChipEmulator(model, self.emulated_speed)]
         self.zero_stage = int(layout.data_parallel.removeprefix("zero"))
         self.engine, _, _, _ = deepspeed.initialize(
@@ -68,7 +66,7 @@ class DeepSpeedEngine(Engine):
         losses = []
         for index in range(num_micro):
             chunk = slice(index * micro, (index + 1) * micro)
-            loss = language_model_loss(self.engine(inputs[chunk].to(self.device)), targets[chunk].to(self.device))
+            loss = self.plugin.loss(self.engine(inputs[chunk].to(self.device)), targets[chunk].to(self.device))
             self.engine.backward(loss)  # DeepSpeed scales by 1 / gradient_accumulation_steps
             if index < num_micro - 1:
                 self.engine.step()  # a micro-step: DeepSpeed only accumulates here

@@ -10,13 +10,11 @@ from baige_ray.runtime.train_loop import TrainJob
 
 
 def engine_class(layout: ParallelLayout, job: TrainJob | None = None) -> type[Engine]:
-    """DeepSpeed for ZeRO stages, the torch-native engine for everything else (imported lazily: both are heavy)."""
-    from baige_ray.models.mlp import MLPConfig
-
-    if job is not None and isinstance(job.model, MLPConfig):
-        from baige_ray.engines.mlp_engine import MLPEngine
-
-        return MLPEngine
+    """The model's own engine if its plug-in has one, else DeepSpeed for ZeRO stages and the torch-native
+    engine for everything else (imported lazily: both are heavy)."""
+    own = job.plugin.engine_class(layout) if job is not None else None
+    if own is not None:
+        return own
     if layout.data_parallel.startswith("zero"):
         from baige_ray.engines.deepspeed_engine import DeepSpeedEngine
 
@@ -27,5 +25,5 @@ def engine_class(layout: ParallelLayout, job: TrainJob | None = None) -> type[En
 
 
 def build_engine(job: TrainJob, layout: ParallelLayout, rank: int = 0, **options: Any) -> Engine:
-    """Options (device, emulated_speed, corpus) go to the engine's constructor."""
+    """Options (device, emulated_speed, data) go to the engine's constructor."""
     return engine_class(layout, job)(job, layout, rank, **options)

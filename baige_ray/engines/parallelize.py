@@ -1,8 +1,8 @@
 """Apply tensor and data parallelism to a stage module, torchtitan style.
 
-TP shards attention and MLP projections with DTensor (q, k, v and up column-wise,
-o and down row-wise: one all-reduce per sub-layer forward, Megatron-LM's
-scheme). DP is DDP, FSDP2 (`fully_shard` per block, then the root) or, when
+TP shards each block by the model plug-in's plan with DTensor (Megatron-LM's scheme:
+attention and MLP input projections column-wise, output projections row-wise, one
+all-reduce per sub-layer forward). DP is DDP, FSDP2 (`fully_shard` per block, then the root) or, when
 DTensor parameters rule DDP out, an explicit all-reduce of gradients over the
 data-parallel group after backward.
 """
@@ -15,36 +15,25 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
-from baige_ray.engines.stages import GPTStage
 from baige_ray.runtime.distributed import all_reduce_abortable
 
-TENSOR_PARALLEL_PLAN = {
-    "attn.q_proj": ColwiseParallel(),
-    "attn.k_proj": ColwiseParallel(),
-    "attn.v_proj": ColwiseParallel(),
-    "attn.o_proj": RowwiseParallel(),
-    "mlp.up": ColwiseParallel(),
-    "mlp.down": RowwiseParallel(),
-}
+
+def apply_tensor_parallel(blocks: list[nn.Module], tp_mesh: DeviceMesh, plan: dict) -> None:
+    """Parallelize each block by the model's plan (DTensor styles keyed by block-relative module name)."""
+    for block in blocks:
+        parallelize_module(block, tp_mesh, plan)
 
 
-def apply_tensor_parallel(stage: GPTStage, tp_mesh: DeviceMesh, num_heads: int) -> None:
-    if num_heads % tp_mesh.size() != 0:
-        raise ValueError(f"tensor parallel degree {tp_mesh.size()} must divide the model's num_heads={num_heads}")
-    for block in stage.blocks.values():
-        parallelize_module(block, tp_mesh, TENSOR_PARALLEL_PLAN)
-
-
-def apply_fsdp(stage: GPTStage, dp_mesh: DeviceMesh) -> None:
-    for block in stage.blocks.values():
+def apply_fsdp(stage: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh) -> None:
+    for block in blocks:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(stage, mesh=dp_mesh)
 
 
-def apply_ddp(stage: GPTStage, dp_group: dist.ProcessGroup, on_accelerator: bool) -> nn.Module:
+def apply_ddp(stage: nn.Module, dp_group: dist.ProcessGroup, on_accelerator: bool) -> nn.Module:
     return DistributedDataParallel(stage, process_group=dp_group, device_ids=[0] if on_accelerator else None)
 
 
@@ -52,14 +41,15 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def all_reduce_gradients(parameters: list[nn.Parameter], dp_group: dist.ProcessGroup) -> None:
-    """Average gradients over the data-parallel group in one flat collective."""
+def all_reduce_gradients(parameters: list[nn.Parameter], group: dist.ProcessGroup, *, average: bool = True) -> None:
+    """Average (or sum) gradients over `group` in one flat collective."""
     grads = [local(p.grad) for p in parameters if p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    all_reduce_abortable(flat, dp_group)
-    flat /= dist.get_world_size(dp_group)
+    all_reduce_abortable(flat, group)
+    if average:
+        flat /= dist.get_world_size(group)
     offset = 0
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))

@@ -22,9 +22,7 @@ from baige_ray.engines import parallelize
 from baige_ray.engines.base import Engine, SlowChipEmulator
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.pipeline_schedule import ScheduleRunAhead1F1B
-from baige_ray.engines.stages import GPTStage, build_stage
 from baige_ray.engines.state import CanonicalState, export_module_state, import_module_state
-from baige_ray.models.gpt import GPT, language_model_loss
 from baige_ray.runtime.train_loop import TrainJob, build_optimizer
 
 
@@ -50,15 +48,22 @@ class TorchEngine(Engine):
         shape = (self.layout.pp, self.layout.dp, self.layout.tp)
         return init_device_mesh(self.device.type, shape, mesh_dim_names=("pp", "dp", "tp"))
 
-    def _build_stages(self) -> list[GPTStage]:
-        torch.manual_seed(self.job.train.seed)  # every rank builds the same full model, then keeps its part
-        model = GPT(self.job.model).to(self.device)
-        layers = self.layout.layers_per_stage(self.job.model.num_layers)
-        stages = [build_stage(model, index, layers) for index in self.layout.stage_indices(self.coords.pp)]
+    def _build_stages(self) -> list[nn.Module]:
+        stages = self.build_stages()
         if self.layout.tp > 1:
+            plan = self.plugin.tensor_parallel_plan(self.layout.tp)
             for stage in stages:
-                parallelize.apply_tensor_parallel(stage, self.mesh["tp"], self.job.model.num_heads)
+                parallelize.apply_tensor_parallel(self.plugin.stage_blocks(stage), self.mesh["tp"], plan)
         return stages
+
+    @property
+    def _tp_replicated_parameters(self) -> list[nn.Parameter]:
+        """Parameters whole on every TP rank whose gradient each rank computes only in part."""
+        names = self.plugin.tensor_parallel_replicated_names()
+        if self.layout.tp == 1 or not names:
+            return []
+        return [param for stage in self.stages for block in self.plugin.stage_blocks(stage)
+                for name, param in block.named_parameters() if name in names]
 
     def _apply_data_parallel(self) -> list[nn.Module]:
         """Modules to call: FSDP2 shards in place, DDP wraps; explicit all-reduce wraps nothing."""
@@ -66,7 +71,7 @@ class TorchEngine(Engine):
             return list(self.stages)
         if self.layout.data_parallel == "fsdp2":
             for stage in self.stages:
-                parallelize.apply_fsdp(stage, self.mesh["dp"])
+                parallelize.apply_fsdp(stage, self.plugin.stage_blocks(stage), self.mesh["dp"])
             return list(self.stages)
         if self.uses_torch_ddp:
             group = self.mesh["dp"].get_group()
@@ -90,9 +95,9 @@ class TorchEngine(Engine):
             for module, index in zip(self._wrapped, self.layout.stage_indices(self.coords.pp))
         ]
         if self.layout.pipeline_schedule == "interleaved-1f1b":
-            return ScheduleInterleaved1F1B(pipeline_stages, num_micro, loss_fn=language_model_loss)
+            return ScheduleInterleaved1F1B(pipeline_stages, num_micro, loss_fn=self.plugin.loss)
         return ScheduleRunAhead1F1B(
-            pipeline_stages[0], num_micro, language_model_loss, run_ahead=self.layout.pipeline_run_ahead
+            pipeline_stages[0], num_micro, self.plugin.loss, run_ahead=self.layout.pipeline_run_ahead
         )
 
     @property
@@ -129,7 +134,7 @@ class TorchEngine(Engine):
         for index in range(num_micro):
             chunk = slice(index * micro, (index + 1) * micro)
             with self._gradient_sync(model, index == num_micro - 1):
-                loss = language_model_loss(model(inputs[chunk]), targets[chunk]) / weight_divisor
+                loss = self.plugin.loss(model(inputs[chunk]), targets[chunk]) / weight_divisor
                 loss.backward()
             loss_sum += loss.item()
         return loss_sum
@@ -142,6 +147,8 @@ class TorchEngine(Engine):
         return contextlib.nullcontext()
 
     def optimizer_step(self) -> None:
+        if replicated := self._tp_replicated_parameters:
+            parallelize.all_reduce_gradients(replicated, self.mesh["tp"].get_group(), average=False)
         if self.explicit_dp_all_reduce:
             parallelize.all_reduce_gradients(self.parameters, self.mesh["dp"].get_group())
         if self.job.train.grad_clip > 0:

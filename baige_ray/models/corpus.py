@@ -112,3 +112,14 @@ class ByteCorpus:
 def stdlib_corpus(config: CorpusConfig | None = None) -> ByteCorpus:
     """The process-wide corpus; workers on one node each build the same bytes once."""
     return ByteCorpus.from_stdlib(config)
+
+
+class CorpusWindows:
+    """The corpus as a sample source of `seq_len`-byte windows (the interface every engine reads)."""
+
+    def __init__(self, corpus: ByteCorpus, seq_len: int):
+        self.corpus, self.seq_len = corpus, seq_len
+        self.fingerprint = corpus.fingerprint
+
+    def batch(self, indices: np.ndarray | range, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.corpus.batch(indices, self.seq_len, seed)

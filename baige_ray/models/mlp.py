@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from baige_ray.api.validation import require_int
+from baige_ray.models.plugin import ModelPlugin, register_model
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -49,3 +50,57 @@ def regression_batch(config: MLPConfig, indices: range, seed: int) -> tuple[torc
 def _sample(seed: int, index: int, size: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed((seed * 1_000_003 + index) % 2**63)
     return torch.randn(size, generator=generator)
+
+
+@register_model(MLPConfig)
+class MLPPlugin(ModelPlugin):
+    """The MLP runs on its own data-parallel SGD engine; it has no blocks to pipeline or tensor-parallelize."""
+
+    config: MLPConfig
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.config.sizes) - 1
+
+    @property
+    def seq_len(self) -> int:
+        return 1
+
+    def engine_class(self, layout):
+        from baige_ray.engines.mlp_engine import MLPEngine
+
+        return MLPEngine
+
+    @property
+    def supports_uneven_data_parallel(self) -> bool:
+        return False
+
+    def build_model(self) -> nn.Module:
+        return MLP(self.config)
+
+    def build_stage(self, model, first_layer, last_layer, *, is_first, is_last) -> nn.Module:
+        raise ValueError("the MLP is not split into pipeline stages: expected pp=1")
+
+    def stage_blocks(self, stage: nn.Module) -> list[nn.Module]:
+        return [stage]
+
+    def tensor_parallel_plan(self, tp: int) -> dict:
+        raise ValueError(f"tensor parallel degree {tp} is invalid for the MLP: expected tp=1")
+
+    def open_data(self, data) -> None:
+        if data is not None:
+            raise ValueError(f"data={data!r} is invalid for the MLP: it trains on its own regression samples")
+        return None
+
+    def model_spec(self, *, global_batch: int, dtype_bytes: int = 2):
+        raise ValueError("layout='auto' is invalid for MLPConfig: the planner models transformers")
+
+    def save_final(self, directory, weights, *, step: int):
+        from baige_ray.runtime.checkpoint_io import save_model_checkpoint
+
+        return save_model_checkpoint(directory, weights, model_config=self.config, step=step)
+
+    def build_inference_model(self, weights: dict[str, torch.Tensor]) -> nn.Module:
+        model = MLP(self.config)
+        model.load_state_dict(weights)
+        return model.eval()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 
 from baige_ray.engines.layout import ParallelLayout
-from baige_ray.planner.model_spec import ModelSpec
 from baige_ray.planner.plan import PlacementPlan, plan
 from baige_ray.runtime.train_loop import TrainJob
 from baige_ray.topology.descriptor import ClusterDescriptor
@@ -37,7 +36,7 @@ def first_devices(graph: ResourceGraph, num_devices: int) -> ResourceGraph:
 
 
 def plan_job(job: TrainJob, graph: ResourceGraph) -> PlacementPlan:
-    spec = ModelSpec.from_gpt_config(job.model, global_batch=job.train.global_batch_size)
+    spec = job.plugin.model_spec(global_batch=job.train.global_batch_size)
     return plan(spec, graph)
 
 

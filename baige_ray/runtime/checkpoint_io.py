@@ -2,8 +2,11 @@
 
 The weights file is written first and renamed into place; the manifest, which
 holds its SHA-256 and size, is written last, so a directory without a valid
-manifest was never committed. Loading verifies the checksum before unpickling
-anything, and unpickles with `weights_only=True` (tensors and plain containers).
+manifest was never committed. Loading verifies the checksum before reading
+anything; safetensors files hold no code, and `.pt` files are unpickled with
+`weights_only=True` (tensors and plain containers). A Hugging Face model's final
+checkpoint is a `save_pretrained`-style directory with the same manifest
+(models/hf/export.py); a Hugging Face directory without one loads as well.
 """
 
 from __future__ import annotations
@@ -11,12 +14,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from baige_ray.api.errors import CheckpointError
 from baige_ray.checkpoint.files import sha256_file, write_atomically
-from baige_ray.models.gpt import GPT, GPTConfig
+from torch import nn
+
+from baige_ray.models.plugin import config_type_named, plugin_for
 
 WEIGHTS_FILE = "model.pt"
 MANIFEST_FILE = "manifest.json"
@@ -24,7 +30,7 @@ FORMAT_VERSION = 1
 
 
 def save_model_checkpoint(
-    directory: Path, state: dict[str, torch.Tensor], *, model_config: GPTConfig, step: int
+    directory: Path, state: dict[str, torch.Tensor], *, model_config: Any, step: int
 ) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -34,6 +40,7 @@ def save_model_checkpoint(
     manifest = {
         "format_version": FORMAT_VERSION,
         "step": step,
+        "model_class": type(model_config).__name__,
         "model_config": dataclasses.asdict(model_config),
         "weights_sha256": sha256_file(weights),
         "weights_bytes": weights.stat().st_size,
@@ -58,7 +65,7 @@ def read_manifest(directory: Path) -> dict:
 def load_model_state(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
     directory = Path(directory)
     manifest = read_manifest(directory)
-    weights = directory / WEIGHTS_FILE
+    weights = directory / manifest.get("weights_file", WEIGHTS_FILE)
     if not weights.is_file():
         raise CheckpointError(f"{weights} is missing")
     size = weights.stat().st_size
@@ -66,12 +73,40 @@ def load_model_state(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
         raise CheckpointError(f"{weights} holds {size} bytes, the manifest says {manifest['weights_bytes']}: truncated")
     if sha256_file(weights) != manifest["weights_sha256"]:
         raise CheckpointError(f"{weights} fails its SHA-256 check: the file is corrupted")
+    if weights.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(weights, device="cpu"), manifest
     return torch.load(weights, map_location="cpu", weights_only=True), manifest
 
 
-def load_model(directory: Path) -> GPT:
-    """The GPT saved in `directory`, verified and ready for inference."""
+def load_checkpoint(directory: Path) -> tuple[int, dict[str, torch.Tensor], Any]:
+    """(step, weights by canonical name, model config) of a final checkpoint or a Hugging Face directory."""
+    from baige_ray.models.hf.export import is_hf_directory
+
+    directory = Path(directory)
+    if is_hf_directory(directory):
+        return _load_hf_directory(directory)
     state, manifest = load_model_state(directory)
-    model = GPT(GPTConfig(**manifest["model_config"]))
-    model.load_state_dict(state)
-    return model.eval()
+    config_type = config_type_named(manifest.get("model_class", "GPTConfig"))
+    return int(manifest["step"]), state, config_type(**manifest["model_config"])
+
+
+def _load_hf_directory(directory: Path) -> tuple[int, dict[str, torch.Tensor], Any]:
+    from baige_ray.models.hf.model import HFModel, weight_files
+
+    if (directory / MANIFEST_FILE).is_file():
+        state, manifest = load_model_state(directory)
+        return int(manifest["step"]), state, HFModel(directory, seq_len=manifest.get("seq_len"))
+    from safetensors.torch import load_file
+
+    state = {}
+    for path in weight_files(directory):
+        state.update(load_file(path, device="cpu"))
+    return -1, state, HFModel(directory)
+
+
+def load_model(directory: Path) -> nn.Module:
+    """The model saved in `directory` (a final checkpoint or a Hugging Face directory), verified, in eval mode."""
+    _, weights, config = load_checkpoint(directory)
+    return plugin_for(config).build_inference_model(weights)

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 
@@ -20,9 +21,7 @@ from baige_ray.api.errors import ClusterError
 from baige_ray.api.result import Result, StepMetrics
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.state import CanonicalState, merge_states
-from baige_ray.models.corpus import CorpusConfig
 from baige_ray.models.gpt import GPTConfig
-from baige_ray.runtime.checkpoint_io import save_model_checkpoint
 from baige_ray.runtime.progress import TrainingProgress
 from baige_ray.runtime.train_loop import TrainJob
 from baige_ray.runtime.worker_group import WorkerGroup
@@ -54,17 +53,20 @@ def reduce_step_metrics(per_rank: list[dict], step_time_s: float) -> StepMetrics
 
 
 def fit(
-    model: GPTConfig | None = None,
+    model: Any = None,
     *,
     train: TrainConfig,
     scaling: ScalingConfig | None = None,
     run: RunConfig | None = None,
-    corpus: CorpusConfig | None = None,
+    data: Any = None,
     layout: ParallelLayout | str = "ddp",
     emulated_speeds: list[float] | None = None,
     cluster: ClusterDescriptor | None = None,
 ) -> Result:
     """Train `model` (the reference GPT by default) and return its metrics and final checkpoint.
+
+    `model` is a registered model config: `HFModel` (a Hugging Face causal LM), `GPTConfig`, ...;
+    `data` what it trains on: a `TokenDataset` for an HFModel, a `CorpusConfig` (default) for the GPT.
 
     `layout` is "ddp" (data parallel over every worker), "auto" (the planner picks
     degrees, engines and placement on the cluster's resource graph, `cluster`
@@ -72,7 +74,7 @@ def fit(
     `ParallelLayout`. `emulated_speeds` (one per rank) makes workers emulate slower
     chips. Connects to RAY_ADDRESS, or starts a local Ray, when no session is open.
     """
-    job = TrainJob(model=model or GPTConfig(), train=train, corpus=corpus or CorpusConfig())
+    job = TrainJob(model=model or GPTConfig(), train=train, data=data)
     scaling = scaling or ScalingConfig()
     run = run or RunConfig()
     if not ray.is_initialized():
@@ -88,7 +90,7 @@ def fit(
         state = merge_states(group.call("export_state"))
     finally:
         group.shutdown()
-    checkpoint = save_model_checkpoint(run.run_dir / "final", state["model"], model_config=job.model, step=train.num_steps)
+    checkpoint = job.plugin.save_final(run.run_dir / "final", state["model"], step=train.num_steps)
     return Result(
         metrics=metrics,
         checkpoint_path=checkpoint,
@@ -136,8 +138,8 @@ def check_execution(
             f"expected {layout.world_size} workers"
         )
     layout.replica_batches(job.train)
-    if isinstance(job.model, GPTConfig):
-        layout.layers_per_stage(job.model.num_layers)
+    job.plugin.check_layout(layout)
+    job.plugin.open_data(job.data)  # a missing or corrupt dataset fails before any actor starts
     return check_speeds(scaling, speeds)
 
 
@@ -166,10 +168,11 @@ def train_on_group(
     end_step = job.train.num_steps if end_step is None else end_step
     group.form_process_group()
     reports = group.call_each("build_engine", [(job, execution.layout, s) for s in execution.emulated_speeds])
-    fingerprints = {report["corpus"] for report in reports}
+    fingerprints = {report["data"] for report in reports}
     if len(fingerprints) != 1:
-        # Nodes with different Python versions read different stdlib sources.
-        raise ClusterError(f"workers built different corpora {sorted(fingerprints)}; use one Python version")
+        # Nodes with different Python versions read different stdlib sources; a dataset changed under a run.
+        raise ClusterError(f"workers read different training data {sorted(fingerprints)}; use one Python "
+                           "version and one dataset on shared storage")
     if initial_state is not None:
         group.call("import_state", ray.put(initial_state))  # one copy in the object store for every rank
     metrics: list[StepMetrics] = []

@@ -13,24 +13,33 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from baige_ray.api.configs import TrainConfig
-from baige_ray.models.corpus import CorpusConfig
-from baige_ray.models.gpt import GPTConfig
-from baige_ray.models.mlp import MLPConfig
+from baige_ray.models.plugin import ModelPlugin, plugin_for
 
 
 @dataclass(kw_only=True, frozen=True)
 class TrainJob:
-    """Everything a worker needs to build its trainer; small and picklable."""
+    """Everything a worker needs to build its trainer; small and picklable.
 
-    model: GPTConfig | MLPConfig
+    `model` is any registered model config (GPTConfig, HFModel, MLPConfig, ...); `data` what its
+    plug-in trains on (a CorpusConfig, a TokenDataset; None for the plug-in's default data)."""
+
+    model: Any
     train: TrainConfig
-    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    data: Any = None
+
+    def __post_init__(self) -> None:
+        plugin_for(self.model)  # an unknown model fails here, on the driver, naming the supported ones
+
+    @property
+    def plugin(self) -> ModelPlugin:
+        return plugin_for(self.model)
 
 
 def learning_rate_at(step: int, config: TrainConfig) -> float:

@@ -18,7 +18,7 @@ TRAIN = TrainConfig(num_steps=3, global_batch_size=16, warmup_steps=1, seed=5)
 @pytest.fixture(scope="module")
 def result(sim_cluster, tmp_path_factory):
     run = RunConfig(name="sim8", storage_path=tmp_path_factory.mktemp("runs"), show_progress=False)
-    return fit(MODEL, train=TRAIN, scaling=ScalingConfig(num_workers=8), run=run, corpus=CORPUS)
+    return fit(MODEL, train=TRAIN, scaling=ScalingConfig(num_workers=8), run=run, data=CORPUS)
 
 
 def test_eight_workers_fill_both_nodes_and_ranks_follow_locality(sim_cluster, result):
@@ -33,17 +33,17 @@ def test_eight_workers_fill_both_nodes_and_ranks_follow_locality(sim_cluster, re
 
 
 def test_eight_way_ddp_matches_one_process(result):
-    expected = reference_losses(TrainJob(model=MODEL, train=TRAIN, corpus=CORPUS))
+    expected = reference_losses(TrainJob(model=MODEL, train=TRAIN, data=CORPUS))
     assert result.losses == pytest.approx(expected, rel=1e-5)
 
 
 def test_auto_layout_runs_the_planners_choice_where_it_placed_it(sim_cluster, tmp_path):
     from baige_ray.runtime.auto_plan import first_devices, layout_from_plan, live_graph, plan_job
 
-    job = TrainJob(model=MODEL, train=TRAIN, corpus=CORPUS)
+    job = TrainJob(model=MODEL, train=TRAIN, data=CORPUS)
     chosen = plan_job(job, first_devices(live_graph(), 8))
     run = RunConfig(name="auto", storage_path=tmp_path, show_progress=False)
-    result = fit(MODEL, train=TRAIN, scaling=ScalingConfig(num_workers=8), run=run, corpus=CORPUS, layout="auto")
+    result = fit(MODEL, train=TRAIN, scaling=ScalingConfig(num_workers=8), run=run, data=CORPUS, layout="auto")
     assert result.layout == layout_from_plan(chosen).describe()
     assert result.num_workers == chosen.num_ranks
     assert result.losses == pytest.approx(reference_losses(job), rel=1e-5)

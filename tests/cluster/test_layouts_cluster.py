@@ -19,7 +19,7 @@ from ..helpers import reference_losses
 JOB = TrainJob(
     model=GPTConfig(seq_len=32, num_layers=4, num_heads=4, hidden=64),
     train=TrainConfig(num_steps=20, global_batch_size=16, warmup_steps=3, seed=11),
-    corpus=CorpusConfig(max_bytes=1 << 20),
+    data=CorpusConfig(max_bytes=1 << 20),
 )
 RUN = RunConfig(show_progress=False)
 LAYOUTS = {

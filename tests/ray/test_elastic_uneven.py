@@ -17,10 +17,10 @@ TRAIN = TrainConfig(num_steps=4, global_batch_size=10, warmup_steps=1, seed=3)  
 
 def test_a_job_started_at_an_uneven_size_matches_the_single_process_losses(local_ray, tmp_path):
     run = RunConfig(name="elastic-uneven", storage_path=tmp_path, show_progress=False)
-    job = launch(MODEL, train=TRAIN, scaling=ScalingConfig(num_workers=3), run=run, corpus=CORPUS,
+    job = launch(MODEL, train=TRAIN, scaling=ScalingConfig(num_workers=3), run=run, data=CORPUS,
                  elastic=ElasticConfig())
     result = job.wait(timeout_s=300)
     assert [m.step for m in result.metrics] == [0, 1, 2, 3]
     assert all(m.tokens == 10 * 32 for m in result.metrics)
-    expected = reference_losses(TrainJob(model=MODEL, train=TRAIN, corpus=CORPUS))
+    expected = reference_losses(TrainJob(model=MODEL, train=TRAIN, data=CORPUS))
     assert [m.loss for m in result.metrics] == pytest.approx(expected, rel=1e-5)

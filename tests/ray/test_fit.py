@@ -15,11 +15,11 @@ TRAIN = TrainConfig(num_steps=4, global_batch_size=8, micro_batch_size=2, warmup
 @pytest.fixture(scope="module")
 def result(local_ray, tmp_path_factory):
     run = RunConfig(name="ddp2", storage_path=tmp_path_factory.mktemp("runs"), show_progress=False)
-    return fit(MODEL, train=TRAIN, scaling=ScalingConfig(num_workers=2), run=run, corpus=CORPUS)
+    return fit(MODEL, train=TRAIN, scaling=ScalingConfig(num_workers=2), run=run, data=CORPUS)
 
 
 def test_ddp_matches_single_process_step_by_step(result):
-    assert result.losses == pytest.approx(reference_losses(TrainJob(model=MODEL, train=TRAIN, corpus=CORPUS)), rel=1e-5)
+    assert result.losses == pytest.approx(reference_losses(TrainJob(model=MODEL, train=TRAIN, data=CORPUS)), rel=1e-5)
 
 
 def test_result_reports_workers_and_throughput(result):
@@ -35,7 +35,7 @@ def test_final_checkpoint_loads_and_generates(result):
 
 def test_uneven_batch_fails_before_any_actor_starts(local_ray):
     with pytest.raises(ValueError, match="global_batch_size=8 .* num_workers=3"):
-        fit(MODEL, train=TRAIN, scaling=ScalingConfig(num_workers=3), corpus=CORPUS)
+        fit(MODEL, train=TRAIN, scaling=ScalingConfig(num_workers=3), data=CORPUS)
 
 
 def test_uneven_data_parallel_shares_match_single_process_step_by_step(local_ray, tmp_path):
@@ -43,7 +43,7 @@ def test_uneven_data_parallel_shares_match_single_process_step_by_step(local_ray
     run = RunConfig(name="ddp-uneven", storage_path=tmp_path, show_progress=False)
     result = fit(
         MODEL, train=TRAIN, layout=ParallelLayout(dp=2, dp_microbatches=(3, 1)), emulated_speeds=[1.0, 0.5],
-        scaling=ScalingConfig(num_workers=2), run=run, corpus=CORPUS,
+        scaling=ScalingConfig(num_workers=2), run=run, data=CORPUS,
     )
-    assert result.losses == pytest.approx(reference_losses(TrainJob(model=MODEL, train=TRAIN, corpus=CORPUS)), rel=1e-5)
+    assert result.losses == pytest.approx(reference_losses(TrainJob(model=MODEL, train=TRAIN, data=CORPUS)), rel=1e-5)
     assert all(m.tokens == 8 * 32 for m in result.metrics)

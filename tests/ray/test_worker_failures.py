@@ -14,7 +14,7 @@ from ..helpers import FailingStepWorker
 TINY_JOB = TrainJob(
     model=GPTConfig(seq_len=16, num_layers=1, num_heads=2, hidden=16),
     train=TrainConfig(num_steps=3, global_batch_size=4),
-    corpus=CorpusConfig(max_bytes=1 << 20),
+    data=CorpusConfig(max_bytes=1 << 20),
 )
 
 

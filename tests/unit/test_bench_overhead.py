@@ -38,7 +38,7 @@ def test_plain_ddp_loop_matches_the_single_process_engine(tmp_path):
     job = TrainJob(
         model=GPTConfig(**TINY),
         train=TrainConfig(num_steps=3, global_batch_size=4),
-        corpus=CorpusConfig(max_bytes=1 << 20),
+        data=CorpusConfig(max_bytes=1 << 20),
     )
     engine = build_engine(job, ParallelLayout(), 0, device="cpu")
     expected = [engine.train_step(step)["loss"] for step in range(3)]

@@ -34,7 +34,7 @@ def job(model=None) -> TrainJob:
     # Wide enough that the planner spreads it over several devices.
     model = model or GPTConfig(num_layers=8, hidden=1024, num_heads=16, seq_len=512)
     return TrainJob(model=model, train=TrainConfig(num_steps=4, global_batch_size=96, micro_batch_size=2),
-                    corpus=CorpusConfig())
+                    data=CorpusConfig())
 
 
 class FixedGraphPlanner(ElasticPlanner):

@@ -1,0 +1,94 @@
+"""The reference GPT as a model plug-in: its pipeline stages, tensor-parallel plan, data and checkpoint.
+
+A stage owns a contiguous range of blocks, plus the embeddings if it is first and the final
+norm and LM head if it is last. Blocks sit in a ModuleDict keyed by their global index, so a
+parameter is called `blocks.7.mlp.up.weight` on whichever rank holds it: state moves between
+layouts by name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from baige_ray.models.corpus import CorpusConfig, CorpusWindows, stdlib_corpus
+from baige_ray.models.gpt import GPT, GPTConfig
+from baige_ray.models.plugin import ModelPlugin, register_model
+
+
+class GPTStage(nn.Module):
+    def __init__(self, model: GPT, first_layer: int, last_layer: int, *, is_first: bool, is_last: bool):
+        super().__init__()
+        self.is_first, self.is_last = is_first, is_last
+        if is_first:
+            self.token_embedding = model.token_embedding
+            self.position_embedding = model.position_embedding
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(first_layer, last_layer)})
+        if is_last:
+            self.final_norm = model.final_norm
+            self.lm_head = model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.token_embedding(x) + self.position_embedding(positions)
+        for block in self.blocks.values():
+            x = block(x)
+        return self.lm_head(self.final_norm(x)) if self.is_last else x
+
+
+@register_model(GPTConfig)
+class GPTPlugin(ModelPlugin):
+    config: GPTConfig
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def seq_len(self) -> int:
+        return self.config.seq_len
+
+    def build_model(self) -> nn.Module:
+        return GPT(self.config)
+
+    def build_stage(self, model: nn.Module, first_layer: int, last_layer: int, *, is_first: bool,
+                    is_last: bool) -> nn.Module:
+        return GPTStage(model, first_layer, last_layer, is_first=is_first, is_last=is_last)
+
+    def stage_blocks(self, stage: nn.Module) -> list[nn.Module]:
+        return list(stage.blocks.values())
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """Megatron-LM's scheme: q, k, v and up column-wise, o and down row-wise (one all-reduce per sub-layer)."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        if self.config.num_heads % tp:
+            raise ValueError(f"tensor parallel degree {tp} must divide the model's num_heads={self.config.num_heads}")
+        column, row = ColwiseParallel, RowwiseParallel
+        return {"attn.q_proj": column(), "attn.k_proj": column(), "attn.v_proj": column(), "attn.o_proj": row(),
+                "mlp.up": column(), "mlp.down": row()}
+
+    def open_data(self, data: Any) -> CorpusWindows:
+        data = CorpusConfig() if data is None else data
+        if not isinstance(data, CorpusConfig):
+            raise ValueError(f"data={data!r} is invalid for the byte-level GPT: expected a CorpusConfig")
+        return CorpusWindows(stdlib_corpus(data), self.config.seq_len)
+
+    def model_spec(self, *, global_batch: int, dtype_bytes: int = 2):
+        from baige_ray.planner.model_spec import ModelSpec
+
+        return ModelSpec.from_gpt_config(self.config, global_batch=global_batch, dtype_bytes=dtype_bytes)
+
+    def save_final(self, directory: Path, weights: dict[str, torch.Tensor], *, step: int) -> Path:
+        from baige_ray.runtime.checkpoint_io import save_model_checkpoint
+
+        return save_model_checkpoint(directory, weights, model_config=self.config, step=step)
+
+    def build_inference_model(self, weights: dict[str, torch.Tensor]) -> nn.Module:
+        model = GPT(self.config)
+        model.load_state_dict(weights)
+        return model.eval()

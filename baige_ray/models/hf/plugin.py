@@ -1,0 +1,154 @@
+"""Hugging Face causal LMs (the Llama family) as a model plug-in.
+
+Built by `transformers` itself (`AutoModelForCausalLM.from_config`), split by the model's own
+pipeline plan (stage.py) and tensor-parallelized by its own `base_model_tp_plan`, translated to
+DTensor styles. Weights from a directory are materialized per rank: the model is built on the meta
+device, each rank keeps its stages and reads only their tensors from the safetensors files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from baige_ray.models.hf.model import HFModel, weight_files
+from baige_ray.models.hf.stage import DecoderStage
+from baige_ray.models.plugin import ModelPlugin, register_model
+
+
+def _parallel_style(kind: str):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}[kind]()
+
+
+@register_model(HFModel)
+class HFPlugin(ModelPlugin):
+    config: HFModel
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.config["num_hidden_layers"])
+
+    @property
+    def seq_len(self) -> int:
+        return self.config.seq_len
+
+    def describe(self) -> str:
+        return f"{self.config.architecture} ({self.config.name})"
+
+    # ---- building ------------------------------------------------------------------------
+
+    def build_model(self) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(self.config.transformers_config(), dtype=torch.float32)
+
+    def build_stage(self, model: nn.Module, first_layer: int, last_layer: int, *, is_first: bool,
+                    is_last: bool) -> nn.Module:
+        if self._tied and not (is_first and is_last):
+            raise ValueError(f"{self.describe()} ties its input and output embeddings (tie_word_embeddings): "
+                             "expected pp=1, the two ends of a pipeline cannot share one weight")
+        return DecoderStage(model, first_layer, last_layer, is_first=is_first, is_last=is_last)
+
+    def check_layout(self, layout) -> None:
+        super().check_layout(layout)
+        if self._tied and layout.pp > 1:
+            raise ValueError(f"ParallelLayout.pp={layout.pp} is invalid for {self.describe()}: it ties its input and "
+                             "output embeddings (tie_word_embeddings), expected pp=1")
+
+    def stage_blocks(self, stage: nn.Module) -> list[nn.Module]:
+        return list(stage.layers.values())
+
+    def build_stages(self, stage_ranges, device: torch.device, seed: int) -> list[nn.Module]:
+        if self.config.path is None:  # fresh weights: every rank draws the same ones from the seed
+            return super().build_stages(stage_ranges, device, seed)
+        with torch.device("meta"):
+            model = self.build_model()
+        stages = [self.build_stage(model, first, last, is_first=is_first, is_last=is_last)
+                  for first, last, is_first, is_last in stage_ranges]
+        for stage in stages:
+            self._materialize(stage, device)
+        return stages
+
+    def _materialize(self, stage: DecoderStage, device: torch.device) -> None:
+        """Allocate the stage on `device` and fill it from the checkpoint; nothing else is read."""
+        from baige_ray.models.hf.weights import read_tensors
+
+        stage.to_empty(device=device)
+        names = [name for name, _ in stage.named_parameters()]
+        tensors = read_tensors(weight_files(self.config.path), names)
+        with torch.no_grad():
+            for name, param in stage.named_parameters():
+                param.copy_(tensors[name])
+        rotary = stage.base.rotary_emb  # its inverse frequencies are buffers computed at construction
+        stage.base.rotary_emb = type(rotary)(config=stage.config).to(device)
+
+    # ---- parallelism ---------------------------------------------------------------------
+
+    @property
+    def _tied(self) -> bool:
+        return bool(self.config.config.get("tie_word_embeddings", False))
+
+    def _block_plan(self) -> dict[str, str]:
+        plan = self.config.transformers_config().base_model_tp_plan or {}
+        return {key.split(".*.", 1)[1]: kind for key, kind in plan.items() if ".*." in key}
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        config = self.config.config
+        sizes = {"num_attention_heads": config["num_attention_heads"],
+                 "num_key_value_heads": config.get("num_key_value_heads") or config["num_attention_heads"],
+                 "intermediate_size": config["intermediate_size"]}
+        for name, size in sizes.items():
+            if size % tp:
+                raise ValueError(f"tensor parallel degree {tp} must divide the model's {name}={size}")
+        plan = self._block_plan()
+        unknown = sorted({kind for kind in plan.values()} - {"colwise", "rowwise", "replicated_with_grad_allreduce"})
+        if unknown:
+            raise ValueError(f"{self.describe()}'s tensor-parallel plan uses {unknown}: expected colwise, rowwise "
+                             "or replicated_with_grad_allreduce")
+        return {name: _parallel_style(kind) for name, kind in plan.items() if kind in ("colwise", "rowwise")}
+
+    def tensor_parallel_replicated_names(self) -> tuple[str, ...]:
+        return tuple(f"{name}.weight" for name, kind in self._block_plan().items()
+                     if kind == "replicated_with_grad_allreduce")
+
+    # ---- training ------------------------------------------------------------------------
+
+    def open_data(self, data: Any):
+        from baige_ray.models.token_dataset import TokenDataset
+
+        if not isinstance(data, TokenDataset):
+            raise ValueError(f"data={data!r} is invalid for {self.describe()}: expected a TokenDataset "
+                             "(br.TokenDataset.build(files, tokenizer=..., seq_len=..., directory=...))")
+        if data.seq_len != self.seq_len:
+            raise ValueError(f"data.seq_len={data.seq_len} is invalid: expected the model's seq_len={self.seq_len}")
+        if data.vocab_size > self.config.vocab_size:
+            raise ValueError(f"data was tokenized with a vocabulary of {data.vocab_size} tokens, more than the "
+                             f"model's vocab_size={self.config.vocab_size}")
+        return data
+
+    def model_spec(self, *, global_batch: int, dtype_bytes: int = 2):
+        from baige_ray.planner.model_spec import ModelSpec
+
+        return ModelSpec.from_hf_config(self.config.config, global_batch=global_batch, seq_len=self.seq_len,
+                                        dtype_bytes=dtype_bytes, name=self.config.name)
+
+    # ---- output --------------------------------------------------------------------------
+
+    def save_final(self, directory: Path, weights: dict[str, torch.Tensor], *, step: int) -> Path:
+        from baige_ray.models.hf.export import save_hf_checkpoint
+
+        return save_hf_checkpoint(directory, weights, self.config, step=step)
+
+    def build_inference_model(self, weights: dict[str, torch.Tensor]) -> nn.Module:
+        model = self.build_model()
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        tied = {"lm_head.weight"} if self._tied else set()
+        if set(missing) - tied or unexpected:
+            raise ValueError(f"weights do not fit {self.describe()}: missing {sorted(set(missing) - tied)[:5]}, "
+                             f"unexpected {sorted(unexpected)[:5]}")
+        return model.eval()

@@ -1,0 +1,81 @@
+"""Pipeline stages of a Hugging Face causal LM that keep its own parameter names.
+
+The module names come from the model's pipeline plan in transformers (`base_model_pp_plan`:
+embedding, decoder layers, final norm; the head's `_pp_plan`), under the base model's prefix, so a
+stage's parameters are called exactly as in the checkpoint (`model.layers.7.mlp.up_proj.weight`):
+state moves between layouts, and into `save_pretrained` directories, by name. Decoder layers sit in a
+ModuleDict keyed by their global index. Every stage holds the rotary embedding (buffers only).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def pipeline_module_names(causal_lm: nn.Module) -> tuple[str, str, str, str, str]:
+    """(base prefix, embedding, layers, final norm, head) from the model's transformers pipeline plan."""
+    config = causal_lm.config
+    plan = list(getattr(config, "base_model_pp_plan", None) or {})
+    head_plan = list(getattr(type(causal_lm), "_pp_plan", None) or {})
+    if len(plan) != 3 or len(head_plan) != 1:
+        raise ValueError(f"{type(causal_lm).__name__} has no transformers pipeline plan of embedding, layers, norm "
+                         f"and head (base_model_pp_plan={plan}, _pp_plan={head_plan})")
+    embedding, layers, norm = plan
+    return causal_lm.base_model_prefix, embedding, layers, norm, head_plan[0]
+
+
+class DecoderStage(nn.Module):
+    """Decoder layers [first, last) plus the embedding (first stage) or the final norm and head (last)."""
+
+    def __init__(self, causal_lm: nn.Module, first_layer: int, last_layer: int, *, is_first: bool, is_last: bool):
+        super().__init__()
+        prefix, embedding, layers, norm, head = pipeline_module_names(causal_lm)
+        base = getattr(causal_lm, prefix)
+        self.config = causal_lm.config
+        self.is_first, self.is_last = is_first, is_last
+        self._names = (prefix, embedding, layers, norm, head)
+        parts = nn.Module()
+        if is_first:
+            parts.add_module(embedding, getattr(base, embedding))
+        parts.add_module(layers, nn.ModuleDict({str(i): getattr(base, layers)[i] for i in range(first_layer, last_layer)}))
+        parts.add_module("rotary_emb", base.rotary_emb)
+        if is_last:
+            parts.add_module(norm, getattr(base, norm))
+        self.add_module(prefix, parts)
+        if is_last:
+            self.add_module(head, getattr(causal_lm, head))
+        self._layer_types = list(getattr(self.config, "layer_types", None) or [])
+
+    @property
+    def base(self) -> nn.Module:
+        return getattr(self, self._names[0])
+
+    @property
+    def layers(self) -> nn.ModuleDict:
+        return getattr(self.base, self._names[2])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, embedding, _, norm, head = self._names
+        hidden = getattr(self.base, embedding)(x) if self.is_first else x
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        position_embeddings = self.base.rotary_emb(hidden, positions)
+        masks = self._masks(hidden, positions)
+        for index, layer in self.layers.items():
+            kind = self._layer_types[int(index)] if self._layer_types else "full_attention"
+            hidden = layer(hidden, attention_mask=masks[kind], position_ids=positions,
+                           position_embeddings=position_embeddings)
+        if not self.is_last:
+            return hidden
+        return getattr(self, head)(getattr(self.base, norm)(hidden))
+
+    def _masks(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
+        """transformers' own causal masks (None where SDPA's is_causal suffices), sliding windows included."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        arguments = {"config": self.config, "inputs_embeds": hidden, "attention_mask": None,
+                     "past_key_values": None, "position_ids": positions}
+        masks = {"full_attention": create_causal_mask(**arguments)}
+        if "sliding_attention" in self._layer_types:
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**arguments)
+        return masks

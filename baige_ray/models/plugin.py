@@ -1,0 +1,193 @@
+"""The model interface: what every layer of the stack needs to know about a model family.
+
+A model is a plug-in, never an `isinstance` branch in the engines, the elastic controller,
+the planner or the server (torchtitan keeps a registry of models in the same spirit, each with
+its own parallelize and pipeline functions). A user-facing model config (`GPTConfig`,
+`HFModel`, ...) is registered with the `ModelPlugin` subclass that knows how to:
+
+- build its parameters for the pipeline stages one rank holds (on the meta device first where
+  the weights come from disk, so a rank materializes only its own stages);
+- carve it into pipeline stages that keep the full model's parameter names (canonical names:
+  state moves between layouts by name), and list each stage's transformer blocks in order;
+- tensor-parallelize one block (a DTensor plan relative to the block);
+- compute the loss, open its default training data, describe itself to the planner (`ModelSpec`);
+- write its final checkpoint, and build an inference model from canonical state.
+
+`plugin_for(config)` finds the plug-in by the config's type; `register_model` adds one.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from baige_ray.engines.base import Engine
+    from baige_ray.engines.layout import ParallelLayout
+    from baige_ray.planner.model_spec import ModelSpec
+
+# Modules whose import registers the built-in plug-ins; looked up lazily so that importing the
+# registry does not import transformers.
+_BUILTIN_PLUGIN_MODULES = ("baige_ray.models.gpt_plugin", "baige_ray.models.mlp", "baige_ray.models.hf.plugin")
+_REGISTRY: dict[type, type[ModelPlugin]] = {}
+
+
+class SampleSource(Protocol):
+    """Training data addressed by global sample index: any rank reads exactly the samples of any step."""
+
+    fingerprint: str
+
+    def batch(self, indices: Sequence[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class ModelPlugin(ABC):
+    """One model family as the stack sees it; `config` is the user's (small, picklable) model config."""
+
+    def __init__(self, config: Any):
+        self.config = config
+
+    # ---- shape ---------------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def num_layers(self) -> int:
+        """Transformer blocks: the units pipeline stages are made of."""
+
+    @property
+    @abstractmethod
+    def seq_len(self) -> int:
+        """Tokens per training sequence."""
+
+    def describe(self) -> str:
+        return type(self.config).__name__
+
+    # ---- building ------------------------------------------------------------------------
+
+    @abstractmethod
+    def build_model(self) -> nn.Module:
+        """The whole model on CPU with its initial weights (the caller seeds torch's generator first)."""
+
+    @abstractmethod
+    def build_stage(self, model: nn.Module, first_layer: int, last_layer: int, *, is_first: bool,
+                    is_last: bool) -> nn.Module:
+        """Blocks [first, last) of `model` (plus embeddings if first, head if last) under their canonical names.
+
+        The stage's forward takes token ids (first stage) or hidden states and returns hidden
+        states, or logits (last stage)."""
+
+    @abstractmethod
+    def stage_blocks(self, stage: nn.Module) -> list[nn.Module]:
+        """The stage's transformer blocks in order (FSDP wraps and TP parallelizes each)."""
+
+    def build_stages(self, stage_ranges: Sequence[tuple[int, int, bool, bool]], device: torch.device,
+                     seed: int) -> list[nn.Module]:
+        """The stages one rank holds, each (first layer, last layer, is first, is last), with weights on `device`.
+
+        By default every rank builds the same full model from `seed`, then keeps its part; a plug-in
+        whose weights come from disk overrides this to materialize only its own stages."""
+        torch.manual_seed(seed)
+        model = self.build_model().to(device)
+        return [self.build_stage(model, first, last, is_first=is_first, is_last=is_last)
+                for first, last, is_first, is_last in stage_ranges]
+
+    # ---- parallelism ---------------------------------------------------------------------
+
+    def engine_class(self, layout: ParallelLayout) -> type[Engine] | None:
+        """An engine of the plug-in's own for `layout`, or None for the shared ones (torch / DeepSpeed)."""
+        return None
+
+    def check_layout(self, layout: ParallelLayout) -> None:
+        """ValueError, on the driver before any actor starts, for a layout this model cannot run."""
+        if layout.pp > 1 or layout.tp > 1:
+            layout.layers_per_stage(self.num_layers)
+        if layout.tp > 1:
+            self.tensor_parallel_plan(layout.tp)
+
+    @property
+    def supports_uneven_data_parallel(self) -> bool:
+        """Whether data-parallel replicas may hold shares of the global batch that differ by a sequence."""
+        return True
+
+    @abstractmethod
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """DTensor parallel styles keyed by module name relative to one block; raises ValueError when
+        the model cannot be split `tp` ways (heads, KV heads or FFN width not divisible)."""
+
+    def tensor_parallel_replicated_names(self) -> tuple[str, ...]:
+        """Block-relative parameter names kept whole on every tensor-parallel rank although each rank
+        computes only part of their gradient (norms applied per head): gradients are summed over TP."""
+        return ()
+
+    # ---- training ------------------------------------------------------------------------
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Next-token cross entropy, the mean over every token of the batch."""
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+    @abstractmethod
+    def open_data(self, data: Any) -> SampleSource | None:
+        """The sample source for `data` (None: the plug-in's default data, if it has one)."""
+
+    @abstractmethod
+    def model_spec(self, *, global_batch: int, dtype_bytes: int = 2) -> ModelSpec:
+        """The model as the planner prices it."""
+
+    # ---- output --------------------------------------------------------------------------
+
+    @abstractmethod
+    def save_final(self, directory: Path, weights: dict[str, torch.Tensor], *, step: int) -> Path:
+        """Write the final checkpoint (canonical weights) under `directory`; returns its path."""
+
+    @abstractmethod
+    def build_inference_model(self, weights: dict[str, torch.Tensor]) -> nn.Module:
+        """A model for serving, in eval mode, with `weights` (canonical names) loaded."""
+
+
+def register_model(config_type: type) -> Callable[[type[ModelPlugin]], type[ModelPlugin]]:
+    """Class decorator: `@register_model(MyConfig) class MyPlugin(ModelPlugin): ...`."""
+
+    def register(plugin_type: type[ModelPlugin]) -> type[ModelPlugin]:
+        _REGISTRY[config_type] = plugin_type
+        return plugin_type
+
+    return register
+
+
+def plugin_for(config: Any) -> ModelPlugin:
+    """The plug-in of `config`'s model family; ValueError naming the supported configs otherwise."""
+    _import_builtin_plugins()
+    for config_type in type(config).__mro__:
+        if config_type in _REGISTRY:
+            return _REGISTRY[config_type](config)
+    supported = sorted(config_type.__name__ for config_type in _REGISTRY)
+    raise ValueError(f"model={config!r} is invalid: expected a model config of a registered family, one of {supported}")
+
+
+def config_type_named(name: str) -> type:
+    """The registered model config class called `name` (how checkpoints name their model)."""
+    _import_builtin_plugins()
+    for config_type in _REGISTRY:
+        if config_type.__name__ == name:
+            return config_type
+    raise ValueError(f"model class {name!r} is not registered: expected one of {sorted(t.__name__ for t in _REGISTRY)}")
+
+
+def _import_builtin_plugins() -> None:
+    for module in _BUILTIN_PLUGIN_MODULES:
+        importlib.import_module(module)
+
+
+def stage_ranges(layers_per_stage: Sequence[int], stage_indices: Sequence[int]) -> list[tuple[int, int, bool, bool]]:
+    """(first layer, last layer, is first, is last) of each stage in `stage_indices`."""
+    ranges = []
+    for index in stage_indices:
+        first = sum(layers_per_stage[:index])
+        ranges.append((first, first + layers_per_stage[index], index == 0, index == len(layers_per_stage) - 1))
+    return ranges

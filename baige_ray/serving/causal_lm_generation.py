@@ -1,0 +1,186 @@
+"""Greedy and sampled generation for Hugging Face causal LMs, batched by prompt length.
+
+Works with any `transformers` causal LM with the Llama-family interface:
+`model(input_ids=..., past_key_values=..., use_cache=...)` returning `.logits` and
+`.past_key_values`.
+
+No padding mask is built, so prompts of different lengths cannot share a forward pass without
+changing each other's results. A batch is split into groups of equal prompt length (as in
+`baige_ray.serving.sampling`); each row samples with its own generator, so a request's tokens do
+not depend on what it was batched with (up to floating-point summation order).
+
+With `use_cache=True` a group runs one prefill forward over its prompts, then one forward per new
+token over only the newest token, reusing the KV cache the model returns (a transformers
+`DynamicCache`). `use_cache=False` re-runs the whole sequence for every token: the reference the
+cached path is tested against.
+
+Prompt plus new tokens must fit the model's positions (`max_context`): a prompt keeps only its last
+`max(1, max_context - max_new_tokens)` tokens (see `fit_prompt`), and when `max_new_tokens` alone
+does not fit, the row stops with "length" once its sequence fills `max_context`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from baige_ray.api.validation import require_int, require_number
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class SamplingParams:
+    """How one request samples: temperature 0 is greedy; otherwise top-k then multinomial."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int | None = 40
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        require_int("SamplingParams", "max_new_tokens", self.max_new_tokens, minimum=1)
+        require_number("SamplingParams", "temperature", self.temperature, minimum=0)
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"SamplingParams.temperature={self.temperature!r} is invalid: expected a finite number")
+        if self.top_k is not None:
+            require_int("SamplingParams", "top_k", self.top_k, minimum=1)
+        if self.seed is not None:
+            require_int("SamplingParams", "seed", self.seed, minimum=0)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Generation:
+    """New tokens of one request; an eos token that stopped it is not included."""
+
+    tokens: list[int]
+    finish_reason: FinishReason
+
+
+def fit_prompt(prompt: Sequence[int], max_new_tokens: int, max_context: int) -> list[int]:
+    """The prompt's tail that leaves room for max_new_tokens within max_context (at least 1 token)."""
+    keep = max(1, max_context - max_new_tokens)
+    return list(prompt[-keep:])
+
+
+def _generator(seed: int | None) -> torch.Generator:
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    scaled = logits / params.temperature
+    if params.top_k is not None and params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    return int(torch.multinomial(F.softmax(scaled, dim=-1), 1, generator=generator))
+
+
+def _forward_options(model: Any, use_cache: bool) -> dict[str, Any]:
+    options: dict[str, Any] = {"use_cache": use_cache}
+    # Only the last position is sampled; without this the prefill materialises
+    # prompt_length x vocab_size logits per row.
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        options["logits_to_keep"] = 1
+    return options
+
+
+def _last_logits(model: Any, input_ids: torch.Tensor, past: Any, options: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+    outputs = model(input_ids=input_ids, past_key_values=past, **options)
+    # Sampling on the CPU makes a seed give the same tokens whichever device holds the model.
+    logits = outputs.logits[:, -1, :].float().cpu()
+    return logits, outputs.past_key_values if options["use_cache"] else None
+
+
+@dataclass(kw_only=True)
+class _Row:
+    params: SamplingParams
+    budget: int
+    generator: torch.Generator
+    tokens: list[int]
+    finish_reason: FinishReason | None = None
+    last_token: int = 0
+
+
+def _advance(row: _Row, logits: torch.Tensor, eos_token_id: int | None) -> None:
+    token = _sample(logits, row.params, row.generator)
+    row.last_token = token
+    if token == eos_token_id:
+        row.finish_reason = "stop"
+        return
+    row.tokens.append(token)
+    if len(row.tokens) >= row.budget:
+        row.finish_reason = "length"
+
+
+def _generate_group(
+    model: Any, prompts: list[list[int]], rows: list[_Row], eos_token_id: int | None, options: dict[str, Any]
+) -> None:
+    """Fill `rows` (whose prompts have the same length) with new tokens until every row has stopped."""
+    device = model.device
+    step_input = torch.tensor(prompts, dtype=torch.long, device=device)
+    past = None
+    while True:
+        logits, past = _last_logits(model, step_input, past, options)
+        for index, row in enumerate(rows):
+            if row.finish_reason is None:
+                _advance(row, logits[index], eos_token_id)
+        if all(row.finish_reason is not None for row in rows):
+            return
+        # Stopped rows keep feeding their last token so the batch keeps its shape; their outputs are ignored.
+        column = torch.tensor([[row.last_token] for row in rows], dtype=torch.long, device=device)
+        step_input = column if options["use_cache"] else torch.cat([step_input, column], dim=1)
+
+
+def _check_inputs(prompts: Sequence[list[int]], requests: Sequence[SamplingParams], max_context: int) -> None:
+    if len(prompts) != len(requests):
+        raise ValueError(f"got {len(prompts)} prompts but {len(requests)} sampling params: expected one per prompt")
+    require_int("generate_batch", "max_context", max_context, minimum=2)
+    empty = [index for index, prompt in enumerate(prompts) if len(prompt) == 0]
+    if empty:
+        raise ValueError(f"prompts {empty} are empty: every prompt needs at least one token")
+
+
+@torch.inference_mode()
+def generate_batch(
+    model: Any,
+    prompts: Sequence[list[int]],
+    requests: Sequence[SamplingParams],
+    *,
+    eos_token_id: int | None,
+    max_context: int,
+    use_cache: bool = True,
+) -> list[Generation]:
+    """New tokens for each prompt, in prompt order; `requests[i]` says how prompt i samples."""
+    _check_inputs(prompts, requests, max_context)
+    model.eval()
+    options = _forward_options(model, use_cache)
+    fitted = [fit_prompt(prompt, params.max_new_tokens, max_context) for prompt, params in zip(prompts, requests)]
+    rows = [
+        _Row(
+            params=params,
+            budget=min(params.max_new_tokens, max_context - len(prompt)),
+            generator=_generator(params.seed),
+            tokens=[],
+        )
+        for prompt, params in zip(fitted, requests)
+    ]
+    groups: dict[int, list[int]] = defaultdict(list)
+    for index, prompt in enumerate(fitted):
+        groups[len(prompt)].append(index)
+    for indices in groups.values():
+        _generate_group(model, [fitted[i] for i in indices], [rows[i] for i in indices], eos_token_id, options)
+    return [Generation(tokens=row.tokens, finish_reason=row.finish_reason) for row in rows]
