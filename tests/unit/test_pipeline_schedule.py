@@ -69,7 +69,7 @@ def _train_both_schedules(rank: int, port: int, results) -> None:
     job = TrainJob(
         model=GPTConfig(num_layers=3, hidden=32, num_heads=2, seq_len=16),
         train=TrainConfig(num_steps=2, global_batch_size=6, micro_batch_size=1, warmup_steps=1, log_every=1),
-        corpus=CorpusConfig(max_bytes=64 * 1024),
+        data=CorpusConfig(max_bytes=64 * 1024),
     )
     outcome = {}
     for run_ahead in (None, 0, 2):  # None: torch's own Schedule1F1B

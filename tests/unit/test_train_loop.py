@@ -14,7 +14,7 @@ CORPUS = CorpusConfig(max_bytes=1 << 20)
 
 def job(**train_overrides) -> TrainJob:
     train = TrainConfig(**{"num_steps": 6, "global_batch_size": 8, "warmup_steps": 2, **train_overrides})
-    return TrainJob(model=TINY, train=train, corpus=CORPUS)
+    return TrainJob(model=TINY, train=train, data=CORPUS)
 
 
 def test_learning_rate_warms_up_then_decays_to_minimum():

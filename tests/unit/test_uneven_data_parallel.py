@@ -20,7 +20,7 @@ def _job() -> TrainJob:
     return TrainJob(
         model=GPTConfig(num_layers=2, hidden=32, num_heads=2, seq_len=16),
         train=TrainConfig(num_steps=NUM_STEPS, global_batch_size=6, micro_batch_size=1, warmup_steps=1, log_every=1),
-        corpus=CorpusConfig(max_bytes=64 * 1024),
+        data=CorpusConfig(max_bytes=64 * 1024),
     )
 
 
@@ -35,7 +35,7 @@ def _unevenly_split_job() -> TrainJob:
     return TrainJob(
         model=GPTConfig(num_layers=2, hidden=32, num_heads=2, seq_len=16),
         train=TrainConfig(num_steps=NUM_STEPS, global_batch_size=5, warmup_steps=1, log_every=1),
-        corpus=CorpusConfig(max_bytes=64 * 1024),
+        data=CorpusConfig(max_bytes=64 * 1024),
     )
 
 

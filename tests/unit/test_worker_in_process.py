@@ -47,7 +47,7 @@ def test_engine_needs_a_group_and_runs_steps(worker):
     job = TrainJob(
         model=GPTConfig(seq_len=16, num_layers=1, num_heads=2, hidden=16),
         train=TrainConfig(num_steps=2, global_batch_size=4),
-        corpus=CorpusConfig(max_bytes=1 << 20),
+        data=CorpusConfig(max_bytes=1 << 20),
     )
     with pytest.raises(RuntimeError, match="not joined"):
         worker.build_engine(job, ParallelLayout())
