@@ -36,9 +36,10 @@ logger = logging.getLogger(__name__)
 class TrainingJob:
     """A running elastic job. Every method is a call to its controller actor."""
 
-    def __init__(self, controller: ray.actor.ActorHandle, name: str):
+    def __init__(self, controller: ray.actor.ActorHandle, name: str, model: Any = None):
         self.controller = controller
         self.name = name
+        self.model = model  # the model config it trains (serve(job) serves it)
         self._run_ref = controller.run.remote()
 
     def status(self) -> dict:
@@ -160,4 +161,4 @@ def launch(
         max_restarts=CONTROLLER_RESTARTS,
         max_task_retries=CONTROLLER_RESTARTS,
     ).remote(job, scaling, run, elastic, layout, speeds=list(speeds), faults=faults, planner=planner, **options)
-    return TrainingJob(controller, run.name)
+    return TrainingJob(controller, run.name, job.model)

@@ -92,3 +92,8 @@ class GPTPlugin(ModelPlugin):
         model = GPT(self.config)
         model.load_state_dict(weights)
         return model.eval()
+
+    def build_text_generator(self, weights: dict[str, torch.Tensor]):
+        from baige_ray.serving.generators import ByteGPTGenerator
+
+        return ByteGPTGenerator(self.build_inference_model(weights))

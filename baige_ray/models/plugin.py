@@ -149,6 +149,10 @@ class ModelPlugin(ABC):
     def build_inference_model(self, weights: dict[str, torch.Tensor]) -> nn.Module:
         """A model for serving, in eval mode, with `weights` (canonical names) loaded."""
 
+    def build_text_generator(self, weights: dict[str, torch.Tensor]) -> Any:
+        """What a serving replica runs (a `baige_ray.serving.generators.TextGenerator`)."""
+        raise ValueError(f"{self.describe()} cannot be served: it does not generate text")
+
 
 def register_model(config_type: type) -> Callable[[type[ModelPlugin]], type[ModelPlugin]]:
     """Class decorator: `@register_model(MyConfig) class MyPlugin(ModelPlugin): ...`."""

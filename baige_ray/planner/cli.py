@@ -1,4 +1,7 @@
-"""`baige-ray plan MODEL.yaml --cluster clusters/X.yaml [--json]`: choose a parallel layout and explain it."""
+"""`baige-ray plan MODEL --cluster clusters/X.yaml [--json]`: choose a parallel layout and explain it.
+
+MODEL is a planner YAML (examples/models/*.yaml) or a Hugging Face config.json / model directory
+(examples/models/*.json); a config.json carries no batch or sequence length, so those come from flags."""
 
 from __future__ import annotations
 
@@ -8,11 +11,19 @@ import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from baige_ray.planner.model_spec import DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN_CAP
+
     parser = subparsers.add_parser("plan", help="plan DP/TP/PP/EP, ZeRO, micro-batches and rank placement")
-    parser.add_argument("model", help="model YAML (examples/models/*.yaml)")
+    parser.add_argument("model", help="model YAML (examples/models/*.yaml), or a Hugging Face config.json or "
+                                      "model directory holding one (examples/models/*.json)")
     parser.add_argument("--cluster", required=True, help="hardware descriptor YAML (clusters/*.yaml)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON line")
     parser.add_argument("--top-k", type=int, default=5, help="alternatives to show with why they lost")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help=f"sequences per step, for a config.json only (default {DEFAULT_GLOBAL_BATCH})")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per sequence, for a config.json only (default: its max_position_embeddings, "
+                             f"or {DEFAULT_SEQ_LEN_CAP} when that is larger)")
     parser.set_defaults(func=run)
 
 
@@ -24,9 +35,10 @@ def run(args: argparse.Namespace) -> int:
     from baige_ray.topology.descriptor import load_descriptor
     from baige_ray.topology.graph import ResourceGraph
 
+    model = load_model_spec(args.model, global_batch=args.global_batch, seq_len=args.seq_len)
     graph = ResourceGraph.from_descriptor(load_descriptor(args.cluster))
     try:
-        chosen = plan(load_model_spec(args.model), graph, PlanOptions(top_k=args.top_k))
+        chosen = plan(model, graph, PlanOptions(top_k=args.top_k))
     except InfeasiblePlanError as error:
         print(f"baige-ray plan: {error}", file=sys.stderr)
         return 2

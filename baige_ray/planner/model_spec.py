@@ -4,25 +4,45 @@ Parameter and FLOP counts follow the decoder-only transformer of Megatron-LM
 (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
 Clusters Using Megatron-LM", Appendix: 12*l*h^2 parameters for a dense model
 with FFN = 4h), generalized to any FFN width, grouped-query attention (fewer
-KV heads) and mixture-of-experts MLPs. Biases are left out (< 0.1% of weights).
+KV heads), mixture-of-experts MLPs and the Llama family (SwiGLU MLP, RoPE,
+RMSNorm, tied embeddings, a head_dim of its own). Biases are left out (< 0.1%
+of weights).
+
+Norms: with `rms_norm` (Llama family) the count is exact: one weight vector per
+norm, two norms per layer plus the final one. The LayerNorm default keeps the
+Megatron count (weight and bias of the two per-layer norms, no final norm) so
+specs written before price the same.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
 from baige_ray.api.validation import require_choice, require_int
 
 DTYPE_BYTES = (1, 2, 4)
+DEFAULT_GLOBAL_BATCH = 1024  # sequences, for Hugging Face configs that carry no batch
+DEFAULT_SEQ_LEN_CAP = 4096  # load_model_spec's seq_len for a config.json whose context is longer
+
+# Hugging Face model_types of SwiGLU + RoPE + RMSNorm decoders, the family from_hf_config can price.
+HF_LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+HF_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclass(kw_only=True, frozen=True)
 class ModelSpec:
-    """A decoder-only transformer to plan. `num_experts=0` means a dense MLP in every layer."""
+    """A decoder-only transformer to plan. `num_experts=0` means a dense MLP in every layer.
+
+    `gated_mlp`: SwiGLU (gate, up, down matrices) instead of up, down. `learned_positions`: a position
+    embedding table of seq_len rows (off for RoPE). `tied_embeddings`: the LM head reuses the token
+    embedding (no parameters of its own; its FLOPs stay). `head_dim`: Q/O are hidden x num_heads*head_dim
+    and K/V hidden x kv_heads*head_dim; None means hidden / num_heads. `rms_norm`: RMSNorm (weight only).
+    """
 
     name: str = "model"
     num_layers: int
@@ -30,6 +50,7 @@ class ModelSpec:
     ffn_hidden: int
     num_heads: int
     num_kv_heads: int | None = None
+    head_dim: int | None = None
     seq_len: int
     vocab_size: int
     global_batch: int
@@ -37,26 +58,37 @@ class ModelSpec:
     num_experts: int = 0
     top_k: int = 1
     expert_ffn_hidden: int | None = None
+    gated_mlp: bool = False
+    learned_positions: bool = True
+    tied_embeddings: bool = False
+    rms_norm: bool = False
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden", "ffn_hidden", "num_heads", "seq_len", "vocab_size", "global_batch"):
             require_int("ModelSpec", field, getattr(self, field), minimum=1)
         require_choice("ModelSpec", "dtype_bytes", self.dtype_bytes, DTYPE_BYTES)
         require_int("ModelSpec", "num_experts", self.num_experts, minimum=0)
-        if self.hidden % self.num_heads:
-            raise ValueError(f"ModelSpec.hidden={self.hidden} is invalid: expected a multiple of "
-                             f"num_heads={self.num_heads}")
-        kv = self.kv_heads
-        require_int("ModelSpec", "num_kv_heads", kv, minimum=1)
-        if self.num_heads % kv:
-            raise ValueError(f"ModelSpec.num_kv_heads={kv} is invalid: expected a divisor of "
-                             f"num_heads={self.num_heads}")
+        for field in ("gated_mlp", "learned_positions", "tied_embeddings", "rms_norm"):
+            _require_bool(field, getattr(self, field))
+        self._validate_heads()
         if self.num_experts:
             require_int("ModelSpec", "top_k", self.top_k, minimum=1)
             if self.top_k > self.num_experts:
                 raise ValueError(f"ModelSpec.top_k={self.top_k} is invalid: expected <= "
                                  f"num_experts={self.num_experts}")
             require_int("ModelSpec", "expert_ffn_hidden", self.expert_ffn, minimum=1)
+
+    def _validate_heads(self) -> None:
+        if self.head_dim is not None:
+            require_int("ModelSpec", "head_dim", self.head_dim, minimum=1)
+        elif self.hidden % self.num_heads:
+            raise ValueError(f"ModelSpec.hidden={self.hidden} is invalid: expected a multiple of "
+                             f"num_heads={self.num_heads} (or set head_dim)")
+        kv = self.kv_heads
+        require_int("ModelSpec", "num_kv_heads", kv, minimum=1)
+        if self.num_heads % kv:
+            raise ValueError(f"ModelSpec.num_kv_heads={kv} is invalid: expected a divisor of "
+                             f"num_heads={self.num_heads}")
 
     # ---- shapes ---------------------------------------------------------------------------
 
@@ -65,8 +97,16 @@ class ModelSpec:
         return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
 
     @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden // self.num_heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_size
+
+    @property
     def kv_dim(self) -> int:
-        return self.kv_heads * (self.hidden // self.num_heads)
+        return self.kv_heads * self.head_size
 
     @property
     def expert_ffn(self) -> int:
@@ -76,35 +116,44 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.gated_mlp else 2
+
     # ---- parameters -----------------------------------------------------------------------
 
     @property
     def attention_params(self) -> int:
-        """Q and O are h x h; K and V are h x kv_dim (grouped-query attention shrinks them)."""
-        return 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_dim
+        """Q and O are h x q_dim; K and V are h x kv_dim (grouped-query attention shrinks them)."""
+        return 2 * self.hidden * self.q_dim + 2 * self.hidden * self.kv_dim
+
+    @property
+    def norm_params_per_layer(self) -> int:
+        return (2 if self.rms_norm else 4) * self.hidden
 
     @property
     def dense_layer_params(self) -> int:
         """Per layer, replicated across expert-parallel ranks: attention, norms, router or dense MLP."""
-        norms = 4 * self.hidden
+        shared = self.attention_params + self.norm_params_per_layer
         if self.is_moe:
-            return self.attention_params + norms + self.hidden * self.num_experts
-        return self.attention_params + norms + 2 * self.hidden * self.ffn_hidden
+            return shared + self.hidden * self.num_experts
+        return shared + self.mlp_matrices * self.hidden * self.ffn_hidden
 
     @property
     def expert_layer_params(self) -> int:
         """Per layer, all experts together (sharded across expert-parallel ranks)."""
-        return self.num_experts * 2 * self.hidden * self.expert_ffn if self.is_moe else 0
+        return self.num_experts * self.mlp_matrices * self.hidden * self.expert_ffn if self.is_moe else 0
 
     @property
     def embedding_params(self) -> int:
-        """Token + learned position embedding (first stage)."""
-        return (self.vocab_size + self.seq_len) * self.hidden
+        """Token embedding, plus the learned position embedding when there is one (first stage)."""
+        return (self.vocab_size + (self.seq_len if self.learned_positions else 0)) * self.hidden
 
     @property
     def output_params(self) -> int:
-        """Untied LM head (last stage), as in the reference GPT."""
-        return self.vocab_size * self.hidden
+        """Final norm (RMSNorm models only, see the module doc) and LM head unless tied (last stage)."""
+        head = 0 if self.tied_embeddings else self.vocab_size * self.hidden
+        return head + (self.hidden if self.rms_norm else 0)
 
     @property
     def num_params(self) -> int:
@@ -116,17 +165,18 @@ class ModelSpec:
     @property
     def layer_flops_per_token(self) -> float:
         """Forward FLOPs per token per layer: 2 per weight of the GEMMs a token passes through, plus
-        4*s*h for Q.K^T and attention.V (Narayanan et al. 2021, eq. 3: 24bsh^2 + 4bs^2h per layer).
+        4*s*q_dim for Q.K^T and attention.V (Narayanan et al. 2021, eq. 3: 24bsh^2 + 4bs^2h per layer).
         An MoE token visits top_k experts and the router."""
+        mlp = self.mlp_matrices * self.hidden
         matmul = self.attention_params
-        matmul += (self.hidden * self.num_experts + self.top_k * 2 * self.hidden * self.expert_ffn
-                   if self.is_moe else 2 * self.hidden * self.ffn_hidden)
-        return 2.0 * matmul + 4.0 * self.seq_len * self.hidden
+        matmul += (self.hidden * self.num_experts + self.top_k * mlp * self.expert_ffn
+                   if self.is_moe else mlp * self.ffn_hidden)
+        return 2.0 * matmul + self.attention_core_flops_per_token
 
     @property
     def attention_core_flops_per_token(self) -> float:
         """The part selective recomputation redoes (Korthikanti et al. 2022, sec. 5): QK^T, softmax, AV."""
-        return 4.0 * self.seq_len * self.hidden
+        return 4.0 * self.seq_len * self.q_dim
 
     @property
     def logits_flops_per_token(self) -> float:
@@ -148,6 +198,93 @@ class ModelSpec:
                    num_heads=config.num_heads, seq_len=config.seq_len, vocab_size=config.vocab_size,
                    global_batch=global_batch, dtype_bytes=dtype_bytes)
 
+    @classmethod
+    def from_hf_config(cls, config: dict, *, global_batch: int, seq_len: int | None = None,
+                       dtype_bytes: int | None = None, name: str | None = None) -> ModelSpec:
+        """The spec of a Hugging Face `config.json` of the Llama family (HF_LLAMA_FAMILY); `seq_len`
+        defaults to max_position_embeddings, `dtype_bytes` to the config's (torch_)dtype, `name` to the
+        first of its architectures. Not counted: Qwen2-MoE's shared expert (its params and FLOPs are
+        missing from the plan), Qwen2's Q/K/V biases and Qwen3's Q/K norms (< 0.1% of weights)."""
+        hf = _HFConfig.of(config, name)
+        heads, hidden = hf.required_int("num_attention_heads"), hf.required_int("hidden_size")
+        head_dim = hf.optional_int("head_dim")
+        experts = hf.experts()
+        return cls(
+            name=hf.model, num_layers=hf.required_int("num_hidden_layers"), hidden=hidden,
+            ffn_hidden=hf.required_int("intermediate_size"), num_heads=heads,
+            num_kv_heads=hf.optional_int("num_key_value_heads") or heads,
+            head_dim=head_dim if head_dim is not None and head_dim * heads != hidden else None,
+            seq_len=seq_len if seq_len is not None else hf.required_int("max_position_embeddings"),
+            vocab_size=hf.required_int("vocab_size"), global_batch=global_batch,
+            dtype_bytes=dtype_bytes if dtype_bytes is not None else hf.dtype_bytes(), **experts,
+            gated_mlp=True, learned_positions=False, rms_norm=True, tied_embeddings=hf.tied_embeddings())
+
+
+def _require_bool(field: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"ModelSpec.{field}={value!r} is invalid: expected True or False")
+
+
+@dataclass(kw_only=True, frozen=True)
+class _HFConfig:
+    """A Hugging Face config dict with reads that name the key and the model when they fail."""
+
+    data: dict
+    model: str
+
+    @classmethod
+    def of(cls, config: Any, name: str | None) -> _HFConfig:
+        if not isinstance(config, dict):
+            raise ValueError(f"Hugging Face config={config!r:.80} is invalid: expected a mapping")
+        architectures = config.get("architectures") or []
+        model = name or (architectures[0] if isinstance(architectures, list) and architectures else None)
+        hf = cls(data=config, model=str(model or config.get("model_type") or "config"))
+        model_type = hf.data.get("model_type")
+        if model_type not in HF_LLAMA_FAMILY:
+            hf.fail("model_type", model_type, "one of " + ", ".join(HF_LLAMA_FAMILY))
+        return hf
+
+    def fail(self, key: str, value: Any, allowed: str) -> NoReturn:
+        raise ValueError(f"Hugging Face config of {self.model}: {key}={value!r} is invalid: expected {allowed}")
+
+    def required_int(self, key: str) -> int:
+        if key not in self.data:
+            raise ValueError(f"Hugging Face config of {self.model} lacks the required key {key!r}")
+        value = self.optional_int(key)
+        if value is None:
+            self.fail(key, None, "an integer >= 1")
+        return value
+
+    def optional_int(self, key: str, *, minimum: int = 1) -> int | None:
+        value = self.data.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+            self.fail(key, value, f"an integer >= {minimum}")
+        return value
+
+    def dtype_bytes(self) -> int:
+        key = "torch_dtype" if "torch_dtype" in self.data else "dtype"
+        value = self.data.get(key) or "bfloat16"
+        if value not in HF_DTYPE_BYTES:
+            self.fail(key, value, "one of " + ", ".join(HF_DTYPE_BYTES))
+        return HF_DTYPE_BYTES[value]
+
+    def tied_embeddings(self) -> bool:
+        value = self.data.get("tie_word_embeddings", False)  # the Llama family's class default
+        if not isinstance(value, bool):
+            self.fail("tie_word_embeddings", value, "true or false")
+        return value
+
+    def experts(self) -> dict[str, Any]:
+        """Mixtral names its experts num_local_experts and sizes them by intermediate_size;
+        Qwen-MoE says num_experts and moe_intermediate_size."""
+        key = "num_local_experts" if "num_local_experts" in self.data else "num_experts"
+        num_experts = self.optional_int(key, minimum=0) or 0
+        if not num_experts:
+            return {}
+        ffn_key = "moe_intermediate_size" if "moe_intermediate_size" in self.data else "intermediate_size"
+        return {"num_experts": num_experts, "top_k": self.required_int("num_experts_per_tok"),
+                "expert_ffn_hidden": self.required_int(ffn_key)}
+
 
 def model_spec_from_dict(data: Any, *, default_name: str = "model") -> ModelSpec:
     if not isinstance(data, dict):
@@ -165,8 +302,41 @@ def model_spec_from_dict(data: Any, *, default_name: str = "model") -> ModelSpec
         raise ValueError(f"model spec is incomplete: {error}") from None
 
 
-def load_model_spec(path: str | Path) -> ModelSpec:
+def load_model_spec(path: str | Path, *, global_batch: int | None = None, seq_len: int | None = None) -> ModelSpec:
+    """A planner YAML, or a Hugging Face config.json (a file, or a model directory holding one).
+
+    `global_batch` (sequences, default DEFAULT_GLOBAL_BATCH) and `seq_len` (default: max_position_embeddings
+    capped at DEFAULT_SEQ_LEN_CAP) apply to config.json only; a YAML carries its own."""
     path = Path(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model path={str(path)!r} is invalid: a directory must hold a Hugging Face "
+                             f"config.json")
+        path = path / "config.json"
     if not path.is_file():
-        raise ValueError(f"model spec path={str(path)!r} is invalid: expected an existing YAML file")
+        raise ValueError(f"model spec path={str(path)!r} is invalid: expected an existing YAML file, "
+                         f"Hugging Face config.json or model directory")
+    if path.suffix == ".json":
+        return _load_hf_config(path, global_batch=global_batch, seq_len=seq_len)
+    for field, value in (("global_batch", global_batch), ("seq_len", seq_len)):
+        if value is not None:
+            raise ValueError(f"{field}={value!r} is invalid for the model YAML {str(path)!r}: expected it "
+                             f"in the YAML (the override is for Hugging Face config.json only)")
     return model_spec_from_dict(yaml.safe_load(path.read_text()), default_name=path.stem)
+
+
+def _load_hf_config(path: Path, *, global_batch: int | None, seq_len: int | None) -> ModelSpec:
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"model config {str(path)!r} is invalid: not JSON ({error})") from None
+    # A model directory's config.json is named after its directory.
+    name = path.parent.name if path.name == "config.json" else path.stem
+    if seq_len is None and isinstance(config, dict):
+        context = config.get("max_position_embeddings")
+        seq_len = min(context, DEFAULT_SEQ_LEN_CAP) if isinstance(context, int) and context > 0 else None
+    global_batch = DEFAULT_GLOBAL_BATCH if global_batch is None else global_batch
+    try:
+        return ModelSpec.from_hf_config(config, global_batch=global_batch, seq_len=seq_len, name=name)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None

@@ -1,6 +1,7 @@
-"""`serve()`: host the reference GPT on Ray Serve, and the calls that resize and refresh it in place.
+"""`serve()`: host a model on Ray Serve, and the calls that resize and refresh it in place.
 
-The application runs one deployment (`GPTServer`) behind Serve's HTTP proxy on the head node, bound
+The model is any plug-in that generates text: a Hugging Face causal LM (`HFModel`) or the
+reference GPT. The application runs one deployment (`ModelServer`) behind Serve's HTTP proxy on the head node, bound
 to 127.0.0.1 unless told otherwise. It is deployed with Serve's external scaler enabled, so its
 replica count can change without a redeploy: `scale_replicas` sets the target through the Serve
 controller (the call the dashboard's REST scale endpoint makes), and existing replicas keep running.
@@ -22,14 +23,16 @@ from ray import serve as ray_serve
 
 from baige_ray.api.validation import require_int, require_number
 from baige_ray.models.gpt import GPTConfig
-from baige_ray.runtime.checkpoint_io import load_model_state
-from baige_ray.serving.deployment import GPTServer
+from baige_ray.models.plugin import plugin_for
+from baige_ray.runtime.checkpoint_io import load_checkpoint
+from baige_ray.serving.deployment import ModelServer
+from baige_ray.serving.openai_api import CompletionLimits
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, get_or_create_registry, registry_name
 from baige_ray.serving.requests import RequestLimits
 
 logger = logging.getLogger(__name__)
 
-DEPLOYMENT_NAME = "GPTServer"
+DEPLOYMENT_NAME = "ModelServer"
 _BUSY_REPLICA_STATES = ("STARTING", "UPDATING", "RECOVERING", "STOPPING", "PENDING_MIGRATION")
 
 
@@ -72,31 +75,40 @@ def default_actor_options(device_share: float = 1.0) -> dict:
     return {"num_cpus": 0.5}
 
 
-def _resolve_source(source: Any, model_config: GPTConfig | dict | None) -> tuple[int, ray.ObjectRef, dict]:
-    """(step, state ref, model config) from a checkpoint path, an ObjectRef or (step, ObjectRef)."""
+def _model_config(model_config: Any) -> Any:
+    """A registered model config; a dict is the reference GPT's fields (what earlier callers pass)."""
+    config = GPTConfig(**model_config) if isinstance(model_config, dict) else model_config
+    plugin_for(config)  # an unknown model fails here, naming the supported ones
+    return config
+
+
+def _resolve_source(source: Any, model_config: Any) -> tuple[int, ray.ObjectRef, Any]:
+    """(step, state ref, model config) from a checkpoint or Hugging Face directory, a running training
+    job, an ObjectRef or (step, ObjectRef)."""
     if isinstance(source, (str, Path)):
-        state, manifest = load_model_state(Path(source))  # checksum-verified, weights_only
-        return int(manifest["step"]), ray.put(state), dict(manifest["model_config"])
+        step, state, config = load_checkpoint(Path(source))  # checksum-verified; safetensors or weights_only
+        return step, ray.put(state), config
+    if hasattr(source, "latest_model_state") and hasattr(source, "model"):  # a TrainingJob: its newest snapshot
+        model_config = source.model if model_config is None else model_config
+        source = source.latest_model_state()
     step = -1
     if isinstance(source, tuple) and len(source) == 2:
         step, source = source
     if not isinstance(source, ray.ObjectRef):
         raise ValueError(
-            f"source={source!r} is invalid: expected a checkpoint directory, a ray.ObjectRef to a state dict, "
-            "or (step, ObjectRef) from job.latest_model_state()"
+            f"source={source!r} is invalid: expected a checkpoint or Hugging Face directory, a TrainingJob, "
+            "a ray.ObjectRef to a state dict, or (step, ObjectRef) from job.latest_model_state()"
         )
     if model_config is None:
         raise ValueError("model_config is required when source is an in-memory state (ObjectRef)")
-    config = dataclasses.asdict(model_config) if isinstance(model_config, GPTConfig) else dict(model_config)
-    GPTConfig(**config)  # validates before any replica tries
-    return int(step), source, config
+    return int(step), source, _model_config(model_config)
 
 
 def serve(
     source: Any,
     *,
-    model_config: GPTConfig | dict | None = None,
-    name: str = "gpt",
+    model_config: Any = None,
+    name: str = "model",
     route_prefix: str = "/",
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -108,12 +120,15 @@ def serve(
     max_ongoing_requests: int = 32,
     max_queued_requests: int = 256,
     limits: RequestLimits | None = None,
+    completion_limits: CompletionLimits | None = None,
 ) -> ServeHandleInfo:
-    """Serve the GPT in `source` as application `name`; returns once every replica answers.
+    """Serve the model in `source` as application `name`; returns once every replica answers.
 
-    `source` is a checkpoint directory (verified, weights-only load) or an in-memory state: a
-    ray.ObjectRef to {param name: tensor} (or the (step, ref) pair `job.latest_model_state()`
-    returns) with `model_config`. A replica holds at most `max_ongoing_requests`; beyond that up to
+    `source` is a final checkpoint or a Hugging Face model directory (verified; safetensors or a
+    weights-only load), a running `TrainingJob` (its newest in-memory snapshot, no disk), or an
+    in-memory state: a ray.ObjectRef to {param name: tensor} (or the (step, ref) pair
+    `job.latest_model_state()` returns) with `model_config` (an `HFModel`, a `GPTConfig`, ...).
+    Routes: POST /generate, POST /v1/completions (OpenAI's shapes; `model` is the app `name`), GET /health. A replica holds at most `max_ongoing_requests`; beyond that up to
     `max_queued_requests` wait at the proxy and the rest are answered 503. `limits` bounds what one
     request may ask for (prompt length, max_new_tokens, temperature). With `device_share` < 1 each
     replica holds that much of its device, so training can harvest the rest (`job.harvest`).
@@ -129,7 +144,7 @@ def serve(
     registry = get_or_create_registry(name)
     ray.get(registry.publish_weights.remote(step, [state_ref], config))
     ray_serve.start(proxy_location="HeadOnly", http_options={"host": settings.host, "port": settings.port})
-    deployment = ray_serve.deployment(GPTServer).options(
+    deployment = ray_serve.deployment(ModelServer).options(
         name=DEPLOYMENT_NAME,
         num_replicas=settings.num_replicas,
         ray_actor_options=settings.ray_actor_options or default_actor_options(settings.device_share),
@@ -145,6 +160,7 @@ def serve(
         limits=dataclasses.asdict(limits),
         max_batch_size=settings.max_batch_size,
         batch_wait_timeout_s=settings.batch_wait_timeout_s,
+        completion_limits=dataclasses.asdict(completion_limits or CompletionLimits()),
     )
     ray_serve.run(application, name=name, route_prefix=settings.route_prefix, external_scaler_enabled=True)
     host, port = _proxy_address(settings.host, settings.port)
@@ -196,7 +212,7 @@ def scale_replicas(info: ServeHandleInfo, num_replicas: int, *, timeout_s: float
 
 
 def reload_weights(
-    info: ServeHandleInfo, source: Any, *, model_config: GPTConfig | dict | None = None, timeout_s: float = 60.0,
+    info: ServeHandleInfo, source: Any, *, model_config: Any = None, timeout_s: float = 60.0,
     wait: bool = True,
 ) -> int:
     """Swap every replica's weights in place (no restart); returns the new weights version.

@@ -27,23 +27,23 @@ class ServingRegistry:
     def __init__(self) -> None:
         self._version = 0
         self._step = -1
-        self._model_config: dict = {}
+        self._model_config = None
         self._state_ref: ray.ObjectRef | None = None
         self._ledger = RequestLedger()
         self._loaded_versions: dict[str, int] = {}
         self._devices: dict[str, tuple[str, int]] = {}
 
-    def publish_weights(self, step: int, state_refs: list, model_config: dict) -> int:
+    def publish_weights(self, step: int, state_refs: list, model_config) -> int:
         """Hold a private copy of the state in `state_refs[0]`; returns the new weights version."""
         state = ray.get(state_refs[0])
         if not isinstance(state, dict) or not state:
             raise ValueError(f"the published state is {type(state).__name__}, expected a non-empty dict of tensors")
         self._state_ref = ray.put(state)
-        self._step, self._model_config = step, dict(model_config)
+        self._step, self._model_config = step, model_config
         self._version += 1
         return self._version
 
-    def weights(self) -> tuple[int, int, dict, list]:
+    def weights(self) -> tuple[int, int, object, list]:
         """(version, step, model config, [ref]) of the newest weights; the ref is wrapped so it
         travels unresolved."""
         if self._state_ref is None:

@@ -152,3 +152,9 @@ class HFPlugin(ModelPlugin):
             raise ValueError(f"weights do not fit {self.describe()}: missing {sorted(set(missing) - tied)[:5]}, "
                              f"unexpected {sorted(unexpected)[:5]}")
         return model.eval()
+
+    def build_text_generator(self, weights: dict[str, torch.Tensor]):
+        from baige_ray.serving.generators import CausalLMGenerator
+
+        tokenizer = self.config.load_tokenizer()  # serving needs one: a ValueError names the model otherwise
+        return CausalLMGenerator(self.build_inference_model(weights), tokenizer, max_context=self.config.max_positions)
