@@ -14,6 +14,10 @@ from baige_ray.api import (
 from baige_ray.api.device import DeviceInfo
 from baige_ray.models.corpus import CorpusConfig
 from baige_ray.models.gpt import GPTConfig
+from baige_ray.models.hf import HFModel
+from baige_ray.models.plugin import ModelPlugin, register_model
+from baige_ray.models.token_dataset import TokenDataset
+from baige_ray.models.tokenizer import load_tokenizer, train_bpe_tokenizer
 from baige_ray.runtime.checkpoint_io import load_model
 from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.faults import FaultPlan
@@ -35,11 +39,14 @@ __all__ = [
     "ElasticConfig",
     "FaultPlan",
     "GPTConfig",
+    "HFModel",
+    "ModelPlugin",
     "Result",
     "RunConfig",
     "ScalingConfig",
     "ServeHandleInfo",
     "StepMetrics",
+    "TokenDataset",
     "TrainConfig",
     "TrainingJob",
     "WorkerError",
@@ -47,6 +54,9 @@ __all__ = [
     "launch",
     "load_descriptor",
     "load_model",
+    "load_tokenizer",
     "open_cluster",
+    "register_model",
     "serve",
+    "train_bpe_tokenizer",
 ]

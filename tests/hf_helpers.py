@@ -1,0 +1,96 @@
+"""Tiny Hugging Face models, tokenizers and datasets built from local files, and the plain-PyTorch reference.
+
+Nothing is downloaded: a byte-level BPE tokenizer is trained on a few standard-library sources,
+a Llama-architecture model is built from a config and saved with `save_pretrained`, and the
+dataset is tokenized from the same sources. The reference trains the `transformers` model itself
+in one process: same batches, same optimizer, schedule and clipping, no baige-ray engine.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE_FILES = ("json/decoder.py", "json/encoder.py", "textwrap.py", "string.py", "shlex.py", "fnmatch.py")
+VOCAB_SIZE = 384
+SEQ_LEN = 32
+
+
+@dataclass(frozen=True)
+class TinyHF:
+    model_dir: Path
+    tokenizer_dir: Path
+    dataset_dir: Path
+    text_files: tuple[Path, ...]
+
+
+def text_files(directory: Path) -> list[Path]:
+    """A few standard-library sources copied as plain-text documents."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    directory.mkdir(parents=True, exist_ok=True)
+    files = []
+    for name in SOURCE_FILES:
+        target = directory / (name.replace("/", "_") + ".txt")
+        target.write_text((root / name).read_text())
+        files.append(target)
+    return files
+
+
+def llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    values = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+def build_tiny_hf(root: Path, *, seed: int = 0, **config_overrides) -> TinyHF:
+    """A saved Llama-architecture model with its own tokenizer, and a TokenDataset of SEQ_LEN sequences."""
+    from transformers import AutoModelForCausalLM
+
+    from baige_ray.models.token_dataset import TokenDataset
+    from baige_ray.models.tokenizer import load_tokenizer, train_bpe_tokenizer
+
+    root = Path(root)
+    files = text_files(root / "text")
+    tokenizer_dir = train_bpe_tokenizer(files, root / "tokenizer", vocab_size=VOCAB_SIZE)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    config = llama_config(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                          **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    dataset = TokenDataset.build(files, tokenizer=tokenizer_dir, seq_len=SEQ_LEN, directory=root / "data")
+    return TinyHF(root / "model", Path(tokenizer_dir), Path(dataset.directory), tuple(files))
+
+
+def plain_transformers_losses(model_dir: Path, dataset, train, num_steps: int | None = None) -> list[float]:
+    """Losses of the `transformers` model trained by a plain PyTorch loop over the whole global batch."""
+    from transformers import AutoModelForCausalLM
+
+    from baige_ray.runtime.train_loop import build_optimizer, learning_rate_at
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    optimizer = build_optimizer(model, train)
+    losses = []
+    for step in range(num_steps or train.num_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate_at(step, train)
+        batch = range(step * train.global_batch_size, (step + 1) * train.global_batch_size)
+        inputs, targets = dataset.batch(batch, train.seed)
+        logits = model(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss.backward()
+        if train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses

@@ -1,0 +1,71 @@
+"""A Hugging Face Llama-architecture model trains under every layout exactly as `transformers` does alone.
+
+One group of 4 worker actors runs DP4, FSDP2 x4, DeepSpeed ZeRO-3 x4, DP2xTP2 and PP2xTP2 in turn
+(each a new process-group generation in the same processes); every step's loss must equal that of
+the same `transformers` model trained by a plain PyTorch loop over the same batches.
+"""
+
+import pytest
+
+from baige_ray import RunConfig, ScalingConfig, TrainConfig
+from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.state import merge_states
+from baige_ray.models.hf import HFModel
+from baige_ray.models.token_dataset import TokenDataset
+from baige_ray.runtime.fit import ExecutionPlan, train_on_group
+from baige_ray.runtime.train_loop import TrainJob
+from baige_ray.runtime.worker_group import WorkerGroup
+
+from ..hf_helpers import SEQ_LEN, build_tiny_hf, plain_transformers_losses
+
+TRAIN = TrainConfig(num_steps=20, global_batch_size=8, warmup_steps=3, seed=5)
+RUN = RunConfig(show_progress=False)
+LAYOUTS = {
+    "DP4": ParallelLayout(dp=4),
+    "FSDP2 x4": ParallelLayout(dp=4, data_parallel="fsdp2"),
+    "ZeRO-3 x4 (DeepSpeed)": ParallelLayout(dp=4, data_parallel="zero3"),
+    "DP2xTP2": ParallelLayout(dp=2, tp=2),
+    "PP2xTP2": ParallelLayout(pp=2, tp=2),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_hf(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def job(tiny):
+    return TrainJob(model=HFModel(tiny.model_dir, seq_len=SEQ_LEN), train=TRAIN, data=TokenDataset.open(tiny.dataset_dir))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, job):
+    return plain_transformers_losses(tiny.model_dir, job.data, TRAIN)
+
+
+@pytest.fixture(scope="module")
+def group(local_ray):
+    workers = WorkerGroup(ScalingConfig(num_workers=4), timeout_s=240)
+    yield workers
+    workers.shutdown()
+
+
+def execution(layout: ParallelLayout) -> ExecutionPlan:
+    return ExecutionPlan(layout=layout, emulated_speeds=(1.0,) * layout.world_size)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_plain_transformers_training(group, job, reference, name):
+    losses = [m.loss for m in train_on_group(group, job, execution(LAYOUTS[name]), RUN)]
+    assert losses == pytest.approx(reference, rel=1e-4)
+
+
+def test_state_moves_from_a_pipeline_layout_to_zero3(group, job, reference):
+    half = TRAIN.num_steps // 2
+    train_on_group(group, job, execution(LAYOUTS["PP2xTP2"]), RUN, end_step=half)
+    state = merge_states(group.call("export_state"))
+    assert "model.layers.3.mlp.gate_proj.weight" in state["model"]  # the checkpoint's own names
+    resumed = train_on_group(group, job, execution(LAYOUTS["ZeRO-3 x4 (DeepSpeed)"]), RUN, start_step=half,
+                             initial_state=state)
+    assert [m.loss for m in resumed] == pytest.approx(reference[half:], rel=1e-4)
