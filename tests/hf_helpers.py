@@ -94,3 +94,23 @@ def plain_transformers_losses(model_dir: Path, dataset, train, num_steps: int | 
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses
+
+
+def elastic_hf_run(name: str, storage_path, tiny: TinyHF, *, num_workers: int, num_steps: int, elastic,
+                   global_batch_size: int = 24, learning_rate: float = 3e-3, faults=None):
+    """The tiny Llama as an elastic job (constant learning rate, pure data parallel); returns the TrainingJob."""
+    from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
+    from baige_ray.elastic.job import launch
+    from baige_ray.models.hf import HFModel
+    from baige_ray.models.token_dataset import TokenDataset
+
+    return launch(
+        HFModel(tiny.model_dir, seq_len=SEQ_LEN),
+        data=TokenDataset.open(tiny.dataset_dir),
+        train=TrainConfig(num_steps=num_steps, global_batch_size=global_batch_size, warmup_steps=0,
+                          learning_rate=learning_rate, min_learning_rate=learning_rate),
+        scaling=ScalingConfig(num_workers=num_workers, placement_timeout_s=240),
+        run=RunConfig(name=name, storage_path=storage_path, show_progress=False),
+        elastic=elastic,
+        faults=faults,
+    )
