@@ -1,0 +1,89 @@
+"""A trained Hugging Face model leaves as a directory `transformers` loads, and is served over HTTP.
+
+The tiny Llama trains as an elastic job; its final checkpoint is a Hugging Face directory whose
+logits equal the trained state's, and `serve()` hosts it (with its tokenizer and a KV cache) behind
+the OpenAI-compatible /v1/completions route beside /generate.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from baige_ray.elastic.config import ElasticConfig
+from baige_ray.models.plugin import plugin_for
+from baige_ray.serving import reload_weights, serve, shutdown
+from baige_ray.serving.requests import GenerateRequest
+from tests.hf_helpers import build_tiny_hf, elastic_hf_run
+from tests.ray.test_serving import call, free_port
+
+
+@pytest.fixture(scope="module")
+def trained(local_ray, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny-llama-export")
+    tiny = build_tiny_hf(root)
+    job = elastic_hf_run("hf-export", root / "runs", tiny, num_workers=2, num_steps=6,
+                         elastic=ElasticConfig(num_spares=0), global_batch_size=8)
+    return job.model, job.wait()
+
+
+@pytest.fixture(scope="module")
+def app(trained):
+    _, result = trained
+    info = serve(result.checkpoint_path, name="tiny-llama", port=free_port())
+    yield info
+    shutdown(info)
+    from ray import serve as ray_serve
+
+    ray_serve.shutdown()
+
+
+def test_the_final_checkpoint_loads_in_transformers_with_the_trained_logits(trained):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, result = trained
+    trained_state = ray.get(result.final_state)["model"]
+    ours = plugin_for(model).build_inference_model(trained_state)
+    loaded = AutoModelForCausalLM.from_pretrained(result.checkpoint_path).eval()
+    assert AutoTokenizer.from_pretrained(result.checkpoint_path).decode([5, 6]) == model.load_tokenizer().decode([5, 6])
+    batch = torch.randint(0, model.vocab_size, (3, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=batch).logits, ours(input_ids=batch).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_v1_completions_answers_in_openai_shape_with_the_kv_cached_greedy_tokens(trained, app):
+    model, result = trained
+    status, reply = call(f"{app.url}/v1/completions",
+                         {"model": "tiny-llama", "prompt": "def parse(", "max_tokens": 12, "temperature": 0})
+    assert status == 200, reply
+    assert reply["object"] == "text_completion" and reply["model"] == "tiny-llama"
+    (choice,) = reply["choices"]
+    assert choice["finish_reason"] in ("stop", "length")
+    assert reply["usage"]["completion_tokens"] <= 12
+    generator = plugin_for(model).build_text_generator(ray.get(result.final_state)["model"])
+    (expected,) = generator.generate([GenerateRequest(prompt="def parse(", max_new_tokens=12, temperature=0.0)])
+    assert choice["text"] == expected.text
+    status, generated = call(f"{app.url}/generate", {"prompt": "def parse(", "max_new_tokens": 12, "temperature": 0})
+    assert (status, generated["text"]) == (200, expected.text)
+
+
+@pytest.mark.parametrize(("body", "status"), [
+    (b"{not json", 400),
+    ({"prompt": 3}, 422),
+    ({"prompt": "x", "max_tokens": 10**9}, 422),
+    ({"prompt": "x", "model": "some-other-model"}, 404),
+    ({"prompt": "x", "stream": True}, 422),
+])
+def test_malformed_completions_get_a_4xx_with_a_reason(app, body, status):
+    code, reply = call(f"{app.url}/v1/completions", body)
+    assert code == status and reply["error"]["message"], reply
+
+
+def test_weights_from_memory_replace_the_served_checkpoint_in_place(trained, app):
+    model, result = trained
+    state = ray.get(result.final_state)["model"]
+    zeroed = {name: torch.zeros_like(tensor) if name == "lm_head.weight" else tensor for name, tensor in state.items()}
+    reload_weights(app, (99, ray.put(zeroed)), model_config=model)
+    status, reply = call(f"{app.url}/generate", {"prompt": "abc", "max_new_tokens": 3, "temperature": 0})
+    assert status == 200 and reply["step"] == 99
