@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install test test-unit demo clean
+.PHONY: install test test-unit demo demo-gpt clean
 
 install: $(VENV)/.installed
 
@@ -31,6 +31,9 @@ test-unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 demo: install
+	$(PY) examples/train_llama.py
+
+demo-gpt: install
 	$(PY) examples/train_gpt.py
 
 clean:

@@ -1,6 +1,7 @@
 """Step time of `fit` (DDP, 4 workers) against plain torchrun DDP and Ray Train V2, same model and batch.
 
-All three train the reference GPT with the same global batch, seed, optimizer, schedule
+All three train the same model (the reference GPT, or with `--model llama-tiny` a Llama-architecture
+`transformers` model with a locally trained tokenizer and TokenDataset, models/hf/tiny.py) with the same global batch, seed, optimizer, schedule
 and gradient clipping, on gloo, one intra-op thread per process, one after another on
 this machine in one run:
 
@@ -25,6 +26,8 @@ from baige_ray.bench.measure import steady_median
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--model", choices=["gpt", "llama-tiny"], default="gpt",
+                        help="the reference GPT (sized by the flags below) or a tiny Hugging Face Llama")
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--num-heads", type=int, default=4)
@@ -39,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
     import time
+    from pathlib import Path
 
     from baige_ray.bench.measure import bench_ray
     from baige_ray.bench.torchrun_ddp import DDPSettings
@@ -54,6 +58,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     systems: dict[str, dict[str, Any]] = {}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="baige-bench-overhead-") as tmp:
+        if args.model == "llama-tiny":
+            settings = _llama_tiny_settings(settings, Path(tmp), args.seq_len)
         # torchrun runs outside Ray; the two Ray systems share one local Ray session.
         for name in [name for name in args.systems if name == "torchrun"]:
             system_started = time.perf_counter()
@@ -69,10 +75,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "baige" in systems and other in systems:
             result[f"vs_{other}"] = round(systems["baige"]["step_s"] / systems[other]["step_s"], 4)
     result.update(
-        workers=args.workers, model=settings.model, global_batch_size=settings.global_batch_size,
+        workers=args.workers, model=args.model if args.model != "gpt" else settings.model, global_batch_size=settings.global_batch_size,
         steps=args.steps, warmup=args.warmup, systems=systems, bench_s=round(time.perf_counter() - started, 1),
     )
     return result
+
+
+def _llama_tiny_settings(settings, directory, seq_len: int):
+    import dataclasses
+
+    from baige_ray.models.hf.tiny import make_llama_tiny
+
+    model, dataset = make_llama_tiny(directory / "llama-tiny", seq_len=seq_len)
+    return dataclasses.replace(settings, model={}, hf_model_dir=str(model.path), dataset_dir=str(dataset.directory))
 
 
 def _summary(times: list[float], warmup: int, started: float) -> dict[str, Any]:
@@ -121,13 +136,21 @@ def _run_baige(settings, workers: int, tmp: str) -> list[float]:
     from baige_ray.models.gpt import GPTConfig
     from baige_ray.runtime.fit import fit
 
+    if settings.hf_model_dir is not None:
+        from baige_ray.models.hf import HFModel
+        from baige_ray.models.token_dataset import TokenDataset
+
+        dataset = TokenDataset.open(settings.dataset_dir)
+        model, data = HFModel(settings.hf_model_dir, seq_len=dataset.seq_len), dataset
+    else:
+        model, data = GPTConfig(**settings.model), CorpusConfig(max_bytes=settings.corpus_max_bytes)
     result = fit(
-        GPTConfig(**settings.model),
+        model,
         train=TrainConfig(num_steps=settings.num_steps, global_batch_size=settings.global_batch_size,
                           seed=settings.seed, log_every=1),
         scaling=ScalingConfig(num_workers=workers, accelerator="cpu"),
         run=RunConfig(name="overhead-baige", storage_path=tmp, show_progress=False),
-        data=CorpusConfig(max_bytes=settings.corpus_max_bytes),
+        data=data,
         layout=ParallelLayout(dp=workers),
     )
     return [m.step_time_s for m in result.metrics]

@@ -1,11 +1,13 @@
-"""Plain PyTorch DDP training of the reference GPT: the baseline of `baige-ray bench overhead`.
+"""Plain PyTorch DDP training of the reference GPT or a `transformers` model: the baseline of `bench overhead`.
 
 Run under torchrun (`python -m torch.distributed.run --nproc_per_node 4 -m
 baige_ray.bench.torchrun_ddp --settings JSON --out FILE`); rank 0 writes its step
 times as JSON to FILE. `train_ddp` is also the Ray Train V2 loop body, so the two
 baselines run the very same code. The mathematics match `fit` with a DDP layout:
-same GPT and seed, same corpus samples per rank, AdamW from `build_optimizer`,
-the same learning-rate schedule and gradient clipping.
+same model and seed, same samples per rank, AdamW from `build_optimizer`,
+the same learning-rate schedule and gradient clipping. With `hf_model_dir` the model is
+`AutoModelForCausalLM.from_pretrained(hf_model_dir)` and the samples come from the
+TokenDataset in `dataset_dir`, as a user of plain PyTorch would train it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class DDPSettings:
     seed: int = 0
     num_threads: int = 1
     corpus_max_bytes: int = 2 * 1024 * 1024
+    hf_model_dir: str | None = None  # a Hugging Face model instead of the GPT of `model`
+    dataset_dir: str | None = None  # its TokenDataset
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -49,26 +53,25 @@ def train_ddp(settings: DDPSettings, on_step: Callable[[int, float, float], None
     from torch.nn.parallel import DistributedDataParallel
 
     from baige_ray.api.configs import TrainConfig
-    from baige_ray.models.corpus import CorpusConfig, stdlib_corpus
-    from baige_ray.models.gpt import GPT, GPTConfig, language_model_loss
+    from baige_ray.models.gpt import language_model_loss
     from baige_ray.runtime.train_loop import build_optimizer, learning_rate_at, sample_range
 
     torch.set_num_threads(settings.num_threads)
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = GPTConfig(**settings.model)
     train = TrainConfig(num_steps=settings.num_steps, global_batch_size=settings.global_batch_size, seed=settings.seed)
     train.per_worker_batch(world)
-    corpus = stdlib_corpus(CorpusConfig(max_bytes=settings.corpus_max_bytes))
     torch.manual_seed(settings.seed)
-    model = DistributedDataParallel(GPT(config))
+    module, data = _model_and_data(settings)
+    model = DistributedDataParallel(module)
     optimizer = build_optimizer(model.module, train)
     times: list[float] = []
     last = time.perf_counter()
     for step in range(settings.num_steps):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(step, train)
-        inputs, targets = corpus.batch(sample_range(step, rank, world, train.global_batch_size), config.seq_len, train.seed)
-        loss = language_model_loss(model(inputs), targets)
+        inputs, targets = data.batch(sample_range(step, rank, world, train.global_batch_size), train.seed)
+        outputs = model(inputs)
+        loss = language_model_loss(getattr(outputs, "logits", outputs), targets)
         loss.backward()
         if train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
@@ -81,6 +84,24 @@ def train_ddp(settings: DDPSettings, on_step: Callable[[int, float, float], None
         times.append(now - last)
         last = now
     return times
+
+
+def _model_and_data(settings: DDPSettings):
+    """The model to train (seeded by the caller) and its index-addressed samples."""
+    if settings.hf_model_dir is not None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from baige_ray.models.token_dataset import TokenDataset
+
+        model = AutoModelForCausalLM.from_pretrained(settings.hf_model_dir, dtype=torch.float32,
+                                                     attn_implementation="sdpa")
+        return model, TokenDataset.open(settings.dataset_dir)
+    from baige_ray.models.corpus import CorpusConfig, CorpusWindows, stdlib_corpus
+    from baige_ray.models.gpt import GPT, GPTConfig
+
+    config = GPTConfig(**settings.model)
+    return GPT(config), CorpusWindows(stdlib_corpus(CorpusConfig(max_bytes=settings.corpus_max_bytes)), config.seq_len)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -176,10 +176,17 @@ def train_on_group(
     if initial_state is not None:
         group.call("import_state", ray.put(initial_state))  # one copy in the object store for every rank
     metrics: list[StepMetrics] = []
+    # The next step is queued on every worker before this one's metrics are awaited, so a worker starts it
+    # the moment it finishes (actors run one call at a time): the driver's round trip leaves the step time.
+    in_flight = group.submit("train_step", start_step) if start_step < end_step else []
+    last_finished = time.perf_counter()
     with TrainingProgress(end_step - start_step, enabled=run.show_progress) as progress:
         for step in range(start_step, end_step):
-            step_started = time.perf_counter()
-            step_metrics = reduce_step_metrics(group.call("train_step", step), time.perf_counter() - step_started)
+            queued = group.submit("train_step", step + 1) if step + 1 < end_step else []
+            per_rank = group.collect(in_flight, "train_step")
+            finished = time.perf_counter()
+            step_metrics = reduce_step_metrics(per_rank, finished - last_finished)
+            in_flight, last_finished = queued, finished
             if step % job.train.log_every == 0 or step == job.train.num_steps - 1:
                 metrics.append(step_metrics)
             progress.update(step_metrics)

@@ -135,6 +135,13 @@ class WorkerGroup:
         """Call `method(*args)` on every worker at once and wait for all of them."""
         return self._get([getattr(worker, method).remote(*args) for worker in self.workers], method)
 
+    def submit(self, method: str, *args: Any) -> list:
+        """Start `method(*args)` on every worker; `collect` waits for the results."""
+        return [getattr(worker, method).remote(*args) for worker in self.workers]
+
+    def collect(self, refs: list, method: str) -> list[Any]:
+        return self._get(refs, method)
+
     def call_each(self, method: str, per_rank_args: Sequence[Any]) -> list[Any]:
         """Call `method` on every worker with its own arguments (a tuple spreads into several)."""
         refs = [
