@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 
 from baige_ray.api.validation import require_int, require_number
+from baige_ray.serving.sampling import sample_token, seeded_generator
 
 FinishReason = Literal["stop", "length"]
 
@@ -70,25 +70,6 @@ def fit_prompt(prompt: Sequence[int], max_new_tokens: int, max_context: int) -> 
     return list(prompt[-keep:])
 
 
-def _generator(seed: int | None) -> torch.Generator:
-    generator = torch.Generator()
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
-
-
-def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    if params.temperature == 0:
-        return int(torch.argmax(logits))
-    scaled = logits / params.temperature
-    if params.top_k is not None and params.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    return int(torch.multinomial(F.softmax(scaled, dim=-1), 1, generator=generator))
-
-
 def _forward_options(model: Any, use_cache: bool) -> dict[str, Any]:
     options: dict[str, Any] = {"use_cache": use_cache}
     # Only the last position is sampled; without this the prefill materialises
@@ -116,7 +97,7 @@ class _Row:
 
 
 def _advance(row: _Row, logits: torch.Tensor, eos_token_id: int | None) -> None:
-    token = _sample(logits, row.params, row.generator)
+    token = sample_token(logits, row.params.temperature, row.generator, row.params.top_k)
     row.last_token = token
     if token == eos_token_id:
         row.finish_reason = "stop"
@@ -173,7 +154,7 @@ def generate_batch(
         _Row(
             params=params,
             budget=min(params.max_new_tokens, max_context - len(prompt)),
-            generator=_generator(params.seed),
+            generator=seeded_generator(params.seed),
             tokens=[],
         )
         for prompt, params in zip(fitted, requests)

@@ -9,13 +9,12 @@ status; `error_body` turns it into OpenAI's error shape.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from baige_ray.api.validation import require_int, require_number
-from baige_ray.serving.requests import RequestError
+from baige_ray.serving.requests import RequestError, decode_json_object, is_int, is_number
 
 _FIELDS = (
     "model",
@@ -67,29 +66,6 @@ class CompletionRequest:
     stop: tuple[str, ...] = ()
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _decode_json(body: bytes, limits: CompletionLimits) -> dict:
-    if len(body) > limits.max_body_bytes:
-        raise RequestError(413, f"the body holds {len(body)} bytes, more than the limit of {limits.max_body_bytes}")
-    try:
-        # Decoded explicitly: json.loads(bytes) would also guess UTF-16 and UTF-32.
-        payload = json.loads(body.decode("utf-8"))
-    except UnicodeDecodeError as error:
-        raise RequestError(400, f"the body is not valid UTF-8: {error}") from None
-    except json.JSONDecodeError as error:
-        raise RequestError(400, f"the body is not valid JSON: {error}") from None
-    if not isinstance(payload, dict):
-        raise RequestError(400, f"the body must be a JSON object, got {type(payload).__name__}")
-    return payload
-
-
 def _check_fields(payload: dict) -> None:
     unknown = sorted(set(payload) - set(_FIELDS))
     if unknown:
@@ -126,7 +102,7 @@ def _max_tokens(payload: dict, limits: CompletionLimits) -> int:
     if value is None:
         # OpenAI's default, unless the server's limit is lower.
         return min(DEFAULT_MAX_TOKENS, limits.max_tokens)
-    if not _is_int(value):
+    if not is_int(value):
         raise RequestError(422, f"'max_tokens' must be an integer, got {value!r}")
     if not 1 <= value <= limits.max_tokens:
         raise RequestError(422, f"'max_tokens'={value} is out of range: expected 1 to {limits.max_tokens}")
@@ -137,7 +113,7 @@ def _temperature(payload: dict, limits: CompletionLimits) -> float:
     value = payload.get("temperature")
     if value is None:
         return min(DEFAULT_TEMPERATURE, limits.max_temperature)
-    if not _is_number(value) or not math.isfinite(value):
+    if not is_number(value) or not math.isfinite(value):
         raise RequestError(422, f"'temperature' must be a finite number, got {value!r}")
     if not 0 <= value <= limits.max_temperature:
         raise RequestError(422, f"'temperature'={value} is out of range: expected 0 to {limits.max_temperature}")
@@ -146,7 +122,7 @@ def _temperature(payload: dict, limits: CompletionLimits) -> float:
 
 def _seed(payload: dict) -> int | None:
     value = payload.get("seed")
-    if value is not None and (not _is_int(value) or not 0 <= value < 2**63):
+    if value is not None and (not is_int(value) or not 0 <= value < 2**63):
         raise RequestError(422, f"'seed' must be an integer in [0, 2**63), got {value!r}")
     return value
 
@@ -187,7 +163,7 @@ def _check_unsupported(payload: dict) -> None:
 
 def parse_completion_request(body: bytes, limits: CompletionLimits, *, model_name: str) -> CompletionRequest:
     """The validated completion request in `body`, or a RequestError naming what is wrong."""
-    payload = _decode_json(body, limits)
+    payload = decode_json_object(body, limits.max_body_bytes)
     _check_fields(payload)
     _check_model(payload, model_name)
     prompt = _prompt(payload, limits)

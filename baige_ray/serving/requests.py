@@ -58,20 +58,24 @@ class GenerateRequest:
     seed: int | None = None
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _decode_json(body: bytes, limits: RequestLimits) -> dict:
-    if len(body) > limits.max_body_bytes:
-        raise RequestError(413, f"the body holds {len(body)} bytes, more than the limit of {limits.max_body_bytes}")
+def decode_json_object(body: bytes, max_body_bytes: int) -> dict:
+    """The JSON object in a UTF-8 body of at most `max_body_bytes`, or a RequestError saying what is wrong."""
+    if len(body) > max_body_bytes:
+        raise RequestError(413, f"the body holds {len(body)} bytes, more than the limit of {max_body_bytes}")
     try:
-        payload = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        # Decoded explicitly: json.loads(bytes) would also guess UTF-16 and UTF-32.
+        payload = json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise RequestError(400, f"the body is not valid UTF-8: {error}") from None
+    except json.JSONDecodeError as error:
         raise RequestError(400, f"the body is not valid JSON: {error}") from None
     if not isinstance(payload, dict):
         raise RequestError(400, f"the body must be a JSON object, got {type(payload).__name__}")
@@ -93,7 +97,7 @@ def _prompt(payload: dict, limits: RequestLimits) -> str:
 
 def _max_new_tokens(payload: dict, limits: RequestLimits) -> int:
     value = payload.get("max_new_tokens", limits.default_new_tokens)
-    if not _is_int(value):
+    if not is_int(value):
         raise RequestError(422, f"'max_new_tokens' must be an integer, got {value!r}")
     if not 1 <= value <= limits.max_new_tokens:
         raise RequestError(422, f"'max_new_tokens'={value} is out of range: expected 1 to {limits.max_new_tokens}")
@@ -102,7 +106,7 @@ def _max_new_tokens(payload: dict, limits: RequestLimits) -> int:
 
 def _temperature(payload: dict, limits: RequestLimits) -> float:
     value = payload.get("temperature", limits.default_temperature)
-    if not _is_number(value) or value != value:  # value != value: NaN
+    if not is_number(value) or value != value:  # value != value: NaN
         raise RequestError(422, f"'temperature' must be a number, got {value!r}")
     if not 0 <= value <= limits.max_temperature:
         raise RequestError(422, f"'temperature'={value} is out of range: expected 0 to {limits.max_temperature}")
@@ -113,14 +117,14 @@ def _seed(payload: dict) -> int | None:
     value = payload.get("seed")
     if value is None:
         return None
-    if not _is_int(value) or not 0 <= value < 2**63:
+    if not is_int(value) or not 0 <= value < 2**63:
         raise RequestError(422, f"'seed' must be an integer in [0, 2**63), got {value!r}")
     return value
 
 
 def parse_generate_request(body: bytes, limits: RequestLimits) -> GenerateRequest:
     """The validated request in `body`, or a RequestError naming what is wrong."""
-    payload = _decode_json(body, limits)
+    payload = decode_json_object(body, limits.max_body_bytes)
     unknown = sorted(set(payload) - set(_FIELDS))
     if unknown:
         raise RequestError(422, f"unknown fields {unknown}: expected only {list(_FIELDS)}")

@@ -30,7 +30,7 @@ def decode_tokens(tokens: Sequence[int]) -> str:
     return bytes(tokens).decode("utf-8", errors="replace")
 
 
-def _generator(seed: int | None) -> torch.Generator:
+def seeded_generator(seed: int | None) -> torch.Generator:
     generator = torch.Generator()
     if seed is None:
         generator.seed()
@@ -39,12 +39,15 @@ def _generator(seed: int | None) -> torch.Generator:
     return generator
 
 
-def _sample_row(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+def sample_token(logits: torch.Tensor, temperature: float, generator: torch.Generator,
+                 top_k: int | None = TOP_K) -> int:
+    """Argmax at temperature 0; otherwise a draw from the top-k of softmax(logits / temperature)."""
     if temperature == 0:
         return int(torch.argmax(logits))
     scaled = logits / temperature
-    kth = torch.topk(scaled, min(TOP_K, scaled.shape[-1])).values[-1]
-    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_k is not None and top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     return int(torch.multinomial(F.softmax(scaled, dim=-1), 1, generator=generator))
 
 
@@ -52,7 +55,7 @@ def _sample_row(logits: torch.Tensor, temperature: float, generator: torch.Gener
 def _generate_group(model: GPT, prompts: list[list[int]], requests: list[GenerateRequest]) -> list[list[int]]:
     """New tokens for rows whose prompts have the same length."""
     tokens = torch.tensor(prompts, dtype=torch.long)
-    generators = [_generator(request.seed) for request in requests]
+    generators = [seeded_generator(request.seed) for request in requests]
     longest = max(request.max_new_tokens for request in requests)
     new_tokens: list[list[int]] = [[] for _ in requests]
     for position in range(longest):
@@ -60,7 +63,7 @@ def _generate_group(model: GPT, prompts: list[list[int]], requests: list[Generat
         logits = model(window)[:, -1, :].float()
         next_column = []
         for row, request in enumerate(requests):
-            token = _sample_row(logits[row], request.temperature, generators[row])
+            token = sample_token(logits[row], request.temperature, generators[row])
             if position < request.max_new_tokens:
                 new_tokens[row].append(token)
             next_column.append(token)

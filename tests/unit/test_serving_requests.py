@@ -35,7 +35,7 @@ def test_integer_temperature_and_zero_are_accepted():
     ("body", "status", "words"),
     [
         (b"not json", 400, "not valid JSON"),
-        (b"\xff\xfe", 400, "not valid JSON"),
+        (b"\xff\xfe", 400, "not valid UTF-8"),
         (b"[1, 2]", 400, "JSON object"),
         (b'"text"', 400, "JSON object"),
         (b"x" * 2000, 413, "limit"),
