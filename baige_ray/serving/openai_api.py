@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from baige_ray.api.validation import require_int, require_number
-from baige_ray.serving.requests import RequestError, decode_json_object, is_int, is_number
+from baige_ray.serving.requests import (
+    RequestError, check_prompt, check_token_count, decode_json_object, is_number, seed_of,
+)
 
 _FIELDS = (
     "model",
@@ -88,13 +90,7 @@ def _prompt(payload: dict, limits: CompletionLimits) -> str:
                 422, "'prompt' as a list must hold exactly one string: batches and token ids are not supported"
             )
         prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise RequestError(422, f"'prompt' must be a string, got {type(prompt).__name__}")
-    if not prompt:
-        raise RequestError(422, "'prompt' must not be empty")
-    if len(prompt) > limits.max_prompt_chars:
-        raise RequestError(422, f"'prompt' holds {len(prompt)} characters, more than {limits.max_prompt_chars}")
-    return prompt
+    return check_prompt(prompt, limits.max_prompt_chars)
 
 
 def _max_tokens(payload: dict, limits: CompletionLimits) -> int:
@@ -102,11 +98,7 @@ def _max_tokens(payload: dict, limits: CompletionLimits) -> int:
     if value is None:
         # OpenAI's default, unless the server's limit is lower.
         return min(DEFAULT_MAX_TOKENS, limits.max_tokens)
-    if not is_int(value):
-        raise RequestError(422, f"'max_tokens' must be an integer, got {value!r}")
-    if not 1 <= value <= limits.max_tokens:
-        raise RequestError(422, f"'max_tokens'={value} is out of range: expected 1 to {limits.max_tokens}")
-    return value
+    return check_token_count("max_tokens", value, limits.max_tokens)
 
 
 def _temperature(payload: dict, limits: CompletionLimits) -> float:
@@ -118,13 +110,6 @@ def _temperature(payload: dict, limits: CompletionLimits) -> float:
     if not 0 <= value <= limits.max_temperature:
         raise RequestError(422, f"'temperature'={value} is out of range: expected 0 to {limits.max_temperature}")
     return float(value)
-
-
-def _seed(payload: dict) -> int | None:
-    value = payload.get("seed")
-    if value is not None and (not is_int(value) or not 0 <= value < 2**63):
-        raise RequestError(422, f"'seed' must be an integer in [0, 2**63), got {value!r}")
-    return value
 
 
 def _stop(payload: dict) -> tuple[str, ...]:
@@ -172,7 +157,7 @@ def parse_completion_request(body: bytes, limits: CompletionLimits, *, model_nam
         prompt=prompt,
         max_tokens=_max_tokens(payload, limits),
         temperature=_temperature(payload, limits),
-        seed=_seed(payload),
+        seed=seed_of(payload),
         stop=_stop(payload),
     )
 

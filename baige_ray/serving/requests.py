@@ -85,23 +85,39 @@ def decode_json_object(body: bytes, max_body_bytes: int) -> dict:
 def _prompt(payload: dict, limits: RequestLimits) -> str:
     if "prompt" not in payload:
         raise RequestError(422, "'prompt' is required: a non-empty string")
-    prompt = payload["prompt"]
+    return check_prompt(payload["prompt"], limits.max_prompt_chars)
+
+
+def check_prompt(prompt: Any, max_chars: int) -> str:
+    """A non-empty string of at most `max_chars` characters, or a 422 saying what it is instead."""
     if not isinstance(prompt, str):
         raise RequestError(422, f"'prompt' must be a string, got {type(prompt).__name__}")
     if not prompt:
         raise RequestError(422, "'prompt' must not be empty")
-    if len(prompt) > limits.max_prompt_chars:
-        raise RequestError(422, f"'prompt' holds {len(prompt)} characters, more than {limits.max_prompt_chars}")
+    if len(prompt) > max_chars:
+        raise RequestError(422, f"'prompt' holds {len(prompt)} characters, more than {max_chars}")
     return prompt
 
 
-def _max_new_tokens(payload: dict, limits: RequestLimits) -> int:
-    value = payload.get("max_new_tokens", limits.default_new_tokens)
+def check_token_count(name: str, value: Any, maximum: int) -> int:
+    """An integer in [1, maximum] (how many tokens to generate), or a 422 naming the field."""
     if not is_int(value):
-        raise RequestError(422, f"'max_new_tokens' must be an integer, got {value!r}")
-    if not 1 <= value <= limits.max_new_tokens:
-        raise RequestError(422, f"'max_new_tokens'={value} is out of range: expected 1 to {limits.max_new_tokens}")
+        raise RequestError(422, f"'{name}' must be an integer, got {value!r}")
+    if not 1 <= value <= maximum:
+        raise RequestError(422, f"'{name}'={value} is out of range: expected 1 to {maximum}")
     return value
+
+
+def seed_of(payload: dict) -> int | None:
+    value = payload.get("seed")
+    if value is not None and (not is_int(value) or not 0 <= value < 2**63):
+        raise RequestError(422, f"'seed' must be an integer in [0, 2**63), got {value!r}")
+    return value
+
+
+def _max_new_tokens(payload: dict, limits: RequestLimits) -> int:
+    return check_token_count("max_new_tokens", payload.get("max_new_tokens", limits.default_new_tokens),
+                             limits.max_new_tokens)
 
 
 def _temperature(payload: dict, limits: RequestLimits) -> float:
@@ -111,15 +127,6 @@ def _temperature(payload: dict, limits: RequestLimits) -> float:
     if not 0 <= value <= limits.max_temperature:
         raise RequestError(422, f"'temperature'={value} is out of range: expected 0 to {limits.max_temperature}")
     return float(value)
-
-
-def _seed(payload: dict) -> int | None:
-    value = payload.get("seed")
-    if value is None:
-        return None
-    if not is_int(value) or not 0 <= value < 2**63:
-        raise RequestError(422, f"'seed' must be an integer in [0, 2**63), got {value!r}")
-    return value
 
 
 def parse_generate_request(body: bytes, limits: RequestLimits) -> GenerateRequest:
@@ -132,5 +139,5 @@ def parse_generate_request(body: bytes, limits: RequestLimits) -> GenerateReques
         prompt=_prompt(payload, limits),
         max_new_tokens=_max_new_tokens(payload, limits),
         temperature=_temperature(payload, limits),
-        seed=_seed(payload),
+        seed=seed_of(payload),
     )
