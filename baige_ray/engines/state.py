@@ -1,8 +1,9 @@
 """Engine state in one canonical, layout-independent form.
 
 Canonical state: {"model": {name: full tensor}, "optimizer": {name: {"step",
-"exp_avg", "exp_avg_sq"}}}: full (unsharded) CPU tensors keyed by the reference
-GPT's parameter names, whatever the DP/TP/PP layout that produced them. Export
+"exp_avg", "exp_avg_sq"}}}: full (unsharded) CPU tensors keyed by the model's own
+parameter names (a Hugging Face model's are its checkpoint's), whatever the DP/TP/PP layout
+that produced them. Export
 is collective over sharded tensors (every rank calls it); import needs no
 communication: each rank cuts its own shard from the full tensor.
 """
