@@ -280,7 +280,7 @@ class JobTrainingSide:
 class ServeServingSide:
     """The serving side: a `serve()` application scaled and refreshed in place."""
 
-    def __init__(self, info: Any, model_config: dict):
+    def __init__(self, info: Any, model_config: Any):
         self.info, self.model_config = info, model_config
 
     def num_replicas(self) -> int:
@@ -309,7 +309,7 @@ class ServeServingSide:
 class PoolArbiter:
     """Ray actor running an ArbiterLoop on a thread; create it with `start_pool_arbiter`."""
 
-    def __init__(self, job_name: str, serve_info: Any, model_config: dict, config: ArbiterConfig):
+    def __init__(self, job_name: str, serve_info: Any, model_config: Any, config: ArbiterConfig):
         from baige_ray.ops.metrics import JobMetrics
 
         self._loop = ArbiterLoop(JobTrainingSide(job_name), ServeServingSide(serve_info, model_config), config)
@@ -340,7 +340,7 @@ class PoolArbiter:
         return self.status()
 
 
-def start_pool_arbiter(job_name: str, serve_info: Any, model_config: dict, config: ArbiterConfig):
+def start_pool_arbiter(job_name: str, serve_info: Any, model_config: Any, config: ArbiterConfig):
     """The PoolArbiter actor for a launched job and a served application (it starts polling at once)."""
     import ray
 

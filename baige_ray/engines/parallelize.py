@@ -34,7 +34,12 @@ def apply_fsdp(stage: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh) -
 
 
 def apply_ddp(stage: nn.Module, dp_group: dist.ProcessGroup, on_accelerator: bool) -> nn.Module:
-    return DistributedDataParallel(stage, process_group=dp_group, device_ids=[0] if on_accelerator else None)
+    # DDP re-buckets gradients by their backward order after a new wrapper's first step, so a group
+    # re-formed mid-run would reduce its first step in a different bucket layout (elements fall into
+    # other ring chunks: 1-ulp differences) than the uninterrupted run. find_unused_parameters keeps
+    # the construction-time layout for good: recovery stays bitwise, for one graph walk per step.
+    return DistributedDataParallel(stage, process_group=dp_group, device_ids=[0] if on_accelerator else None,
+                                   find_unused_parameters=True)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,13 @@
 """Lend a device from training to serving and take it back, under steady request load.
 
-No request may fail across the lend and the reclaim, the lent replica must start with the current
-weights, and training's loss curve must continue where it was (no reset to the first steps' loss).
+The model is the tiny Llama of tests/hf_helpers.py (a `transformers` model with its own tokenizer and
+TokenDataset); the byte GPT goes through the same path in test_harvest_cluster.py. No request may fail
+across the lend and the reclaim, the lent replica must start with the current weights, and training's
+loss curve must continue where it was (no reset to the first steps' loss).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import socket
@@ -24,8 +25,7 @@ from baige_ray.elastic.job import launch
 from baige_ray.ops.events import EventLog
 from baige_ray.policies.lending import LendingAction, LendingPolicy
 from baige_ray.serving import replica_states, serve, shutdown
-
-MODEL = br.GPTConfig(seq_len=32, num_layers=1, num_heads=2, hidden=32)
+from tests.hf_helpers import SEQ_LEN, VOCAB_SIZE, build_tiny_hf
 
 
 def free_port() -> int:
@@ -71,26 +71,29 @@ def health_steps(url: str, tries: int = 6) -> set[int]:
     return {json.loads(urllib.request.urlopen(url + "/health", timeout=30).read())["step"] for _ in range(tries)}
 
 
-def loop_with_capacity(job, info, capacity: float, events: EventLog) -> ArbiterLoop:
+def loop_with_capacity(job, info, model, capacity: float, events: EventLog) -> ArbiterLoop:
     """An arbiter loop whose capacity estimate is fixed, so the steady load reads as high or low."""
     config = ArbiterConfig(slo_p99_s=30.0, replica_capacity=capacity, capacity_from_reports=False,
                            min_train_devices=3, train_sizes=(3, 4), load_window_s=3.0,
                            policy=LendingPolicy(cooldown_s=0.0, breach_cooldown_s=0.0))
-    return ArbiterLoop(JobTrainingSide(job.name), ServeServingSide(info, dataclasses.asdict(MODEL)), config,
+    return ArbiterLoop(JobTrainingSide(job.name), ServeServingSide(info, model), config,
                        events=events)
 
 
 @pytest.fixture(scope="module")
-def job_and_app(sim_cluster):
-    job = launch(MODEL, train=br.TrainConfig(num_steps=100_000, global_batch_size=12, warmup_steps=2),
+def job_and_app(sim_cluster, tmp_path_factory):
+    tiny = build_tiny_hf(tmp_path_factory.mktemp("tiny-llama-colocate"), num_hidden_layers=2)
+    model = br.HFModel(tiny.model_dir, seq_len=SEQ_LEN)
+    job = launch(model, data=br.TokenDataset.open(tiny.dataset_dir),
+                 train=br.TrainConfig(num_steps=100_000, global_batch_size=12, warmup_steps=2),
                  scaling=br.ScalingConfig(num_workers=4), run=br.RunConfig(name="colocate-test"),
                  elastic=ElasticConfig(min_workers=3, max_workers=4))
     deadline = time.monotonic() + 120
     while (status := job.status())["state"] != "running" or status["step"] < 5:
         assert time.monotonic() < deadline, f"training did not start: {status['state']}"
         time.sleep(0.5)
-    info = serve(job.latest_model_state(), model_config=MODEL, name="colocate-test", port=free_port())
-    yield job, info
+    info = serve(job.latest_model_state(), model_config=model, name="colocate-test", port=free_port())
+    yield job, info, model
     shutdown(info)
     try:
         job.stop()
@@ -99,17 +102,17 @@ def job_and_app(sim_cluster):
 
 
 def test_lend_and_reclaim_lose_no_request_and_training_continues(job_and_app):
-    job, info = job_and_app
+    job, info, model = job_and_app
     events = EventLog(None)
     with SteadyLoad(info.url + "/generate") as load:
         time.sleep(4)  # a load window of requests before deciding
         step_at_lend = job.status()["step"]
-        lend = loop_with_capacity(job, info, capacity=0.5, events=events).tick()  # ~5 req/s reads as overload
+        lend = loop_with_capacity(job, info, model, capacity=0.5, events=events).tick()  # ~5 req/s reads as overload
         assert (lend.action, lend.num_devices) == (LendingAction.LEND, 1)
         assert replica_states(info) == {"RUNNING": 2} and job.status()["num_workers"] == 3
         assert min(health_steps(info.url)) >= step_at_lend  # the lent replica serves current weights
         time.sleep(3)
-        reclaim = loop_with_capacity(job, info, capacity=1000.0, events=events).tick()
+        reclaim = loop_with_capacity(job, info, model, capacity=1000.0, events=events).tick()
         assert (reclaim.action, reclaim.num_devices) == (LendingAction.RECLAIM, 1)
         assert replica_states(info) == {"RUNNING": 1} and job.status()["num_workers"] == 4
         time.sleep(2)
@@ -130,7 +133,7 @@ def assert_training_continues(job, since_step: int) -> None:
     steps = [m.step for m in metrics]
     assert steps == sorted(steps) and steps[-1] > resumed_after
     first_loss = metrics[0].loss
-    assert first_loss == pytest.approx(math.log(256), rel=0.1)
+    assert first_loss == pytest.approx(math.log(VOCAB_SIZE), rel=0.1)
     later = [m.loss for m in metrics if m.step >= since_step]
     # No reset: after the moves the loss stays near where it was, well below the start.
     assert max(later) < first_loss - 0.5
