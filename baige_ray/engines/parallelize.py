@@ -80,12 +80,11 @@ def global_grad_norm(parameters: list[nn.Parameter], pp_group: dist.ProcessGroup
     once per sharded mesh dimension (not once per parameter), counted once where
     replicated, then summed over pipeline stages.
     """
-    by_pattern: dict[tuple, torch.Tensor] = {}
+    grads_by_pattern: dict[tuple, list[torch.Tensor]] = {}
     for param in parameters:
         if param.grad is not None:
-            key = _sharded_mesh_dims(param.grad)
-            square = local(param.grad).detach().double().pow(2).sum().cpu()
-            by_pattern[key] = by_pattern.get(key, torch.zeros((), dtype=torch.float64)) + square
+            grads_by_pattern.setdefault(_sharded_mesh_dims(param.grad), []).append(local(param.grad).detach())
+    by_pattern = {key: _sum_of_squares(grads) for key, grads in grads_by_pattern.items()}
     total = torch.zeros((), dtype=torch.float64)
     # the same order on every rank, so the collectives pair up
     for (mesh, dims), square in sorted(by_pattern.items(), key=lambda item: (item[0][1], _dim_names(item[0][0]))):
@@ -97,12 +96,19 @@ def global_grad_norm(parameters: list[nn.Parameter], pp_group: dist.ProcessGroup
     return float(total.sqrt())
 
 
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squared entries in float64 (reduced per tensor in float64, no float64 copies made)."""
+    norms = torch.stack([torch.linalg.vector_norm(grad, dtype=torch.float64) for grad in grads])
+    return norms.square().sum().cpu()
+
+
 def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None) -> float:
     """Scale gradients so their global norm is at most `max_norm`; returns the norm before clipping."""
     total = global_grad_norm(parameters, pp_group)
     coefficient = min(1.0, max_norm / (total + 1e-6))
     if coefficient < 1.0:
-        for param in parameters:
-            if param.grad is not None:
-                param.grad.mul_(coefficient)
+        grads = [param.grad for param in parameters if param.grad is not None]
+        for same_kind in ([g for g in grads if isinstance(g, DTensor)], [g for g in grads if not isinstance(g, DTensor)]):
+            if same_kind:  # one fused kernel per kind: DTensor dispatches foreach ops only on DTensor lists
+                torch._foreach_mul_(same_kind, coefficient)
     return total

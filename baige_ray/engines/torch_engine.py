@@ -36,6 +36,7 @@ class TorchEngine(Engine):
         self._modules = nn.ModuleList(self.stages)  # one namespace for state and optimizer
         self.optimizer = build_optimizer(self._modules, job.train)
         self.schedule = self._build_schedule() if layout.pp > 1 else None
+        self._tp_replicated_parameters = self._find_tp_replicated_parameters()
 
     def _build_mesh(self) -> DeviceMesh | None:
         if self.layout.world_size == 1:
@@ -56,8 +57,7 @@ class TorchEngine(Engine):
                 parallelize.apply_tensor_parallel(self.plugin.stage_blocks(stage), self.mesh["tp"], plan)
         return stages
 
-    @property
-    def _tp_replicated_parameters(self) -> list[nn.Parameter]:
+    def _find_tp_replicated_parameters(self) -> list[nn.Parameter]:
         """Parameters whole on every TP rank whose gradient each rank computes only in part."""
         names = self.plugin.tensor_parallel_replicated_names()
         if self.layout.tp == 1 or not names:
