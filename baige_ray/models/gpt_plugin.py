@@ -94,6 +94,7 @@ class GPTPlugin(ModelPlugin):
         return model.eval()
 
     def build_text_generator(self, weights: dict[str, torch.Tensor]):
-        from baige_ray.serving.generators import ByteGPTGenerator
+        from baige_ray.serving.decoders import GPTDecoder
+        from baige_ray.serving.generators import ByteCodec, TextGenerator
 
-        return ByteGPTGenerator(self.build_inference_model(weights))
+        return TextGenerator(GPTDecoder(self.build_inference_model(weights)), ByteCodec())

@@ -51,8 +51,7 @@ class ServeOptions:
     num_replicas: int = 1
     ray_actor_options: dict | None = None
     device_share: float = 1.0  # of a device per replica; < 1 leaves room for a training rank beside it
-    max_batch_size: int = 8
-    batch_wait_timeout_s: float = 0.01
+    max_batch_size: int = 32  # sequences one replica decodes together (continuous batching)
     max_ongoing_requests: int = 32
     max_queued_requests: int = 256
 
@@ -62,7 +61,6 @@ class ServeOptions:
         require_int("ServeOptions", "port", self.port, minimum=1)
         for name in ("num_replicas", "max_batch_size", "max_ongoing_requests", "max_queued_requests"):
             require_int("ServeOptions", name, getattr(self, name), minimum=1)
-        require_number("ServeOptions", "batch_wait_timeout_s", self.batch_wait_timeout_s, minimum=0)
         require_number("ServeOptions", "device_share", self.device_share, minimum=0, exclusive_minimum=True, maximum=1)
 
 
@@ -115,8 +113,7 @@ def serve(
     num_replicas: int = 1,
     ray_actor_options: dict | None = None,
     device_share: float = 1.0,
-    max_batch_size: int = 8,
-    batch_wait_timeout_s: float = 0.01,
+    max_batch_size: int = 32,
     max_ongoing_requests: int = 32,
     max_queued_requests: int = 256,
     limits: RequestLimits | None = None,
@@ -128,15 +125,18 @@ def serve(
     weights-only load), a running `TrainingJob` (its newest in-memory snapshot, no disk), or an
     in-memory state: a ray.ObjectRef to {param name: tensor} (or the (step, ref) pair
     `job.latest_model_state()` returns) with `model_config` (an `HFModel`, a `GPTConfig`, ...).
-    Routes: POST /generate, POST /v1/completions (OpenAI's shapes; `model` is the app `name`), GET /health. A replica holds at most `max_ongoing_requests`; beyond that up to
-    `max_queued_requests` wait at the proxy and the rest are answered 503. `limits` bounds what one
+    Routes: POST /generate, POST /v1/completions and /v1/chat/completions (OpenAI's shapes, streamed
+    as server-sent events with "stream": true; `model` is the app `name`), GET /v1/models, GET /health.
+    A replica decodes up to `max_batch_size` sequences together, requests joining and leaving at every
+    token; it holds at most `max_ongoing_requests`; beyond that up to `max_queued_requests` wait at
+    the proxy and the rest are answered 503. `limits` bounds what one
     request may ask for (prompt length, max_new_tokens, temperature). With `device_share` < 1 each
     replica holds that much of its device, so training can harvest the rest (`job.harvest`).
     """
     settings = ServeOptions(
         route_prefix=route_prefix, host=host, port=port, num_replicas=num_replicas,
         ray_actor_options=ray_actor_options, device_share=device_share, max_batch_size=max_batch_size,
-        batch_wait_timeout_s=batch_wait_timeout_s, max_ongoing_requests=max_ongoing_requests,
+        max_ongoing_requests=max_ongoing_requests,
         max_queued_requests=max_queued_requests,
     )
     limits = limits or RequestLimits()
@@ -158,8 +158,7 @@ def serve(
     application = deployment.bind(
         app_name=name,
         limits=dataclasses.asdict(limits),
-        max_batch_size=settings.max_batch_size,
-        batch_wait_timeout_s=settings.batch_wait_timeout_s,
+        engine_limits={"max_batch_size": settings.max_batch_size, "max_waiting": settings.max_ongoing_requests},
         completion_limits=dataclasses.asdict(completion_limits or CompletionLimits()),
     )
     ray_serve.run(application, name=name, route_prefix=settings.route_prefix, external_scaler_enabled=True)

@@ -1,71 +1,74 @@
 """The Ray Serve deployment that hosts a model (any plug-in that generates text) behind an HTTP JSON API.
 
 Routes (under the application's route prefix):
-  POST generate        {"prompt": str, "max_new_tokens": int, "temperature": float, "seed": int}
-                       -> {"text": str, "tokens": int, "latency_s": float, "step": int}
-  POST v1/completions  OpenAI's completions request and response shapes (serving/openai_api.py)
-  GET  health          -> {"status": "ok", "step": int, "replica": str, "node_id": str, "devices": [int]}
+  POST generate             {"prompt": str, "max_new_tokens": int, "temperature": float, "seed": int}
+                            -> {"text": str, "tokens": int, "latency_s": float, "step": int}
+  POST v1/completions       OpenAI's completions shapes (serving/openai_api.py), "stream": true for SSE
+  POST v1/chat/completions  OpenAI's chat shapes (serving/openai_chat.py), "stream": true for SSE
+  GET  v1/models            the one model served (the application's name)
+  GET  health               -> {"status": "ok", "step": int, "replica": str, "node_id": str, "devices": [int]}
 
-Requests are batched by `@serve.batch`; the forward passes run on a worker thread so the replica's
-event loop keeps accepting, queueing and health-checking while a batch computes. Weights come from
-the application's ServingRegistry: the newest version when the replica starts, and any newer one the
-registry names in answer to the replica's periodic report. A new model is built aside and replaces
-the old one in one assignment, so a batch in flight finishes on the weights it started with.
-The model's plug-in turns canonical weights into a `TextGenerator` (tokenizer, KV cache), so the
-server knows nothing of model families.
+Every request joins the replica's continuous batch (serving/engine.py) on the engine's thread, so
+the event loop keeps accepting, streaming and health-checking while the batch computes. A request
+the engine has no room to queue is answered 503 with Retry-After; a malformed one 4xx with a reason.
+Weights come from the application's ServingRegistry: the newest version when the replica starts, and
+any newer one the registry names in answer to the replica's periodic report. New weights get a new
+engine built aside; requests already in the old one finish on the weights they started with.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 import ray
 import torch
 from ray import serve
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from baige_ray.models.plugin import plugin_for
 from baige_ray.ops.metrics import ServingMetrics
+from baige_ray.serving.causal_lm_generation import SamplingParams
+from baige_ray.serving.engine import EngineFull, EngineLimits
+from baige_ray.serving.engine_runner import EngineRunner
 from baige_ray.serving.generators import TextGenerator, TextOutput
 from baige_ray.serving.openai_api import (
-    CompletionLimits, apply_stop, completion_response, error_body, parse_completion_request,
+    CompletionLimits, completion_chunk, completion_response, error_body, models_response,
+    parse_completion_request, server_sent_event, usage_chunk,
 )
+from baige_ray.serving.openai_chat import chat_chunk, chat_response, parse_chat_request
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, registry_name
 from baige_ray.serving.requests import GenerateRequest, RequestError, RequestLimits, parse_generate_request
 
 REPORT_INTERVAL_S = 0.5
 WARMUP_TOKENS = 4
-
-
-def _error(status: int, reason: str) -> JSONResponse:
-    return JSONResponse({"error": reason}, status_code=status)
+RETRY_AFTER_S = 1
+ROUTES = {"generate": "POST", "v1/completions": "POST", "v1/chat/completions": "POST", "v1/models": "GET",
+          "health": "GET"}
 
 
 class ModelServer:
-    async def __init__(self, *, app_name: str, limits: dict, max_batch_size: int, batch_wait_timeout_s: float,
-                       completion_limits: dict | None = None):
+    async def __init__(self, *, app_name: str, limits: dict, engine_limits: dict, completion_limits: dict | None = None):
         torch.set_num_threads(1)  # replicas share few cores with training workers
         self._limits = RequestLimits(**limits)
+        self._engine_limits = EngineLimits(**engine_limits)
         self._completion_limits = CompletionLimits(**(completion_limits or {}))
         self._app_name = app_name
+        self._created = int(time.time())
         self._registry = ray.get_actor(registry_name(app_name), namespace=REGISTRY_NAMESPACE)
         self._replica = serve.get_replica_context().replica_id.unique_id
         self._node = ray.get_runtime_context().get_node_id()
         self._devices = [int(index) for index in ray.get_gpu_ids()]  # the (possibly shared) devices it holds
         self._metrics = ServingMetrics(app=app_name)
-        self._generator: TextGenerator | None = None
-        self._model_name = app_name
+        self._runner: EngineRunner | None = None
         self._version, self._step = 0, -1
         self._ongoing = 0
         self._pending_latencies: list[float] = []
-        self._pending_busy_s = 0.0
         self._reporter: asyncio.Task | None = None
-        self._warmup_size = max_batch_size
-        self._generate_batch.set_max_batch_size(max_batch_size)
-        self._generate_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
         await self._load_newest_weights()
         self._ensure_reporter()
 
@@ -74,9 +77,12 @@ class ModelServer:
         if version == self._version:
             return
         state = await state_ref
-        warmup_size = self._warmup_size if self._generator is None else 0  # a swap runs in an already warm process
+        warmup_size = self._engine_limits.max_batch_size if self._runner is None else 0  # a swap runs warm
         generator = await asyncio.to_thread(self._build_generator, model_config, state, warmup_size)
-        self._generator, self._version, self._step = generator, version, step
+        previous, self._runner = self._runner, EngineRunner(generator, self._engine_limits)
+        self._version, self._step = version, step
+        if previous is not None:
+            previous.retire()
 
     @staticmethod
     def _build_generator(model_config, state: dict, warmup_size: int) -> TextGenerator:
@@ -88,23 +94,35 @@ class ModelServer:
             generator.generate([warmup] * warmup_size)
         return generator
 
-    async def __call__(self, request: Request) -> JSONResponse:
+    # -- routing -------------------------------------------------------------------------------
+    async def __call__(self, request: Request) -> Response:
         self._ensure_reporter()
         route = self._route(request)
+        if route not in ROUTES:
+            expected = ", ".join(f"{method} {path}" for path, method in ROUTES.items())
+            return _error(404, f"no route {route!r}: expected one of {expected}", openai=route.startswith("v1/"))
+        if request.method != ROUTES[route]:
+            return _error(405, f"{request.method} is not allowed on {route}: use {ROUTES[route]}",
+                          openai=route.startswith("v1/"))
         if route == "health":
-            if request.method != "GET":
-                return _error(405, f"{request.method} is not allowed on health: use GET")
             return JSONResponse({"status": "ok", "step": self._step, "replica": self._replica,
                                  "node_id": self._node, "devices": self._devices})
-        if route == "generate":
-            if request.method != "POST":
-                return _error(405, f"{request.method} is not allowed on generate: use POST")
-            return await self._handle_generate(request)
-        if route == "v1/completions":
-            if request.method != "POST":
-                return JSONResponse(error_body(405, f"{request.method} is not allowed: use POST"), status_code=405)
-            return await self._handle_completion(request)
-        return _error(404, f"no route {route!r}: expected 'generate' or 'v1/completions' (POST), or 'health' (GET)")
+        if route == "v1/models":
+            return JSONResponse(models_response(self._app_name, self._created))
+        handler = {"generate": self._handle_generate, "v1/completions": self._handle_completion,
+                   "v1/chat/completions": self._handle_chat}[route]
+        started = time.perf_counter()
+        try:
+            return await handler(request, started)
+        except RequestError as error:
+            self._metrics.request(latency_s=time.perf_counter() - started, ok=False, replica=self._replica,
+                                  node=self._node)
+            return _error(error.status, error.reason, openai=route != "generate")
+        except EngineFull as error:
+            self._metrics.request(latency_s=time.perf_counter() - started, ok=False, replica=self._replica,
+                                  node=self._node)
+            return _error(503, f"the replica is overloaded ({error}); retry after {RETRY_AFTER_S} s",
+                          openai=route != "generate", headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @staticmethod
     def _route(request: Request) -> str:
@@ -114,43 +132,84 @@ class ModelServer:
             path = path[len(root) :]
         return path.strip("/")
 
-    async def _handle_generate(self, request: Request) -> JSONResponse:
-        started = time.perf_counter()
-        try:
-            parsed = parse_generate_request(await request.body(), self._limits)
-        except RequestError as error:
-            self._metrics.request(latency_s=time.perf_counter() - started, ok=False, replica=self._replica, node=self._node)
-            return _error(error.status, error.reason)
-        output, step = await self._generate_one(parsed)
-        latency = self._account(started)
-        return JSONResponse({"text": output.text, "tokens": output.completion_tokens, "latency_s": latency,
-                             "step": step})
+    # -- handlers ------------------------------------------------------------------------------
+    async def _handle_generate(self, request: Request, started: float) -> Response:
+        parsed = parse_generate_request(await request.body(), self._limits)
+        runner, step = self._require_runner(), self._step
+        prompt = runner.generator.encode(parsed.prompt)
+        params = SamplingParams(max_new_tokens=parsed.max_new_tokens, temperature=parsed.temperature,
+                                seed=parsed.seed)
+        output = await self._complete(runner, prompt, params, ())
+        return JSONResponse({"text": output.text, "tokens": output.completion_tokens,
+                             "latency_s": self._account(started), "step": step})
 
-    async def _handle_completion(self, request: Request) -> JSONResponse:
-        started = time.perf_counter()
-        try:
-            parsed = parse_completion_request(await request.body(), self._completion_limits,
-                                              model_name=self._model_name)
-        except RequestError as error:
-            self._metrics.request(latency_s=time.perf_counter() - started, ok=False, replica=self._replica, node=self._node)
-            return JSONResponse(error_body(error.status, error.reason), status_code=error.status)
-        generate = GenerateRequest(prompt=parsed.prompt, max_new_tokens=parsed.max_tokens,
-                                   temperature=parsed.temperature, seed=parsed.seed)
-        output, _ = await self._generate_one(generate)
-        text, stopped = apply_stop(output.text, parsed.stop)
-        self._account(started)
-        return JSONResponse(completion_response(
-            request_id=f"cmpl-{uuid.uuid4().hex}", model_name=self._model_name, created=int(time.time()), text=text,
-            finish_reason="stop" if stopped else output.finish_reason, prompt_tokens=output.prompt_tokens,
-            completion_tokens=output.completion_tokens,
-        ))
+    async def _handle_completion(self, request: Request, started: float) -> Response:
+        parsed = parse_completion_request(await request.body(), self._completion_limits, model_name=self._app_name)
+        runner = self._require_runner()
+        prompt = runner.generator.encode(parsed.prompt)
+        return await self._respond(runner, prompt, parsed, started, chat=False)
 
-    async def _generate_one(self, request: GenerateRequest) -> tuple[TextOutput, int]:
+    async def _handle_chat(self, request: Request, started: float) -> Response:
+        parsed = parse_chat_request(await request.body(), self._completion_limits, model_name=self._app_name)
+        runner = self._require_runner()
+        prompt = runner.generator.codec.chat_tokens(parsed.messages)
+        return await self._respond(runner, prompt, parsed, started, chat=True)
+
+    async def _respond(self, runner: EngineRunner, prompt: list[int], parsed, started: float, *, chat: bool) -> Response:
+        params = SamplingParams(max_new_tokens=parsed.max_tokens, temperature=parsed.temperature, seed=parsed.seed)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        shape = dict(request_id=request_id, model_name=self._app_name, created=int(time.time()))
+        if not parsed.stream:
+            output = await self._complete(runner, prompt, params, parsed.stop)
+            self._account(started)
+            respond = chat_response if chat else completion_response
+            return JSONResponse(respond(**shape, text=output.text, finish_reason=output.finish_reason,
+                                        prompt_tokens=output.prompt_tokens, completion_tokens=output.completion_tokens))
+        pieces = runner.text(prompt, params, parsed.stop)
+        first = await anext(pieces)  # submits the request: a full engine raises EngineFull here, before any byte is sent
+        events = self._stream_events(first, pieces, shape, chat, parsed.include_usage, started)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _stream_events(self, first: str | TextOutput, pieces: AsyncIterator[str | TextOutput], shape: dict,
+                             chat: bool, include_usage: bool, started: float) -> AsyncIterator[bytes]:
         self._ongoing += 1
         try:
-            return await self._generate_batch(request)
+            if chat:
+                yield server_sent_event(chat_chunk(**shape, delta={"role": "assistant", "content": ""},
+                                                   finish_reason=None))
+            piece = first
+            while not isinstance(piece, TextOutput):
+                yield server_sent_event(chat_chunk(**shape, delta={"content": piece}, finish_reason=None) if chat
+                                        else completion_chunk(**shape, text=piece, finish_reason=None))
+                piece = await anext(pieces)
+            yield server_sent_event(chat_chunk(**shape, delta={}, finish_reason=piece.finish_reason) if chat
+                                    else completion_chunk(**shape, text="", finish_reason=piece.finish_reason))
+            if include_usage:
+                yield server_sent_event(usage_chunk(
+                    **shape, object_name="chat.completion.chunk" if chat else "text_completion",
+                    prompt_tokens=piece.prompt_tokens, completion_tokens=piece.completion_tokens))
+            yield server_sent_event("[DONE]")
+            self._account(started)
         finally:
             self._ongoing -= 1
+            await pieces.aclose()  # a client gone mid-stream: its request leaves the batch
+
+    async def _complete(self, runner: EngineRunner, prompt: list[int], params: SamplingParams,
+                        stop: tuple[str, ...]) -> TextOutput:
+        self._ongoing += 1
+        try:
+            async with contextlib.aclosing(runner.text(prompt, params, stop)) as pieces:  # closing cancels it
+                async for piece in pieces:
+                    if isinstance(piece, TextOutput):
+                        return piece
+            raise RuntimeError("the engine ended a request without its output")
+        finally:
+            self._ongoing -= 1
+
+    def _require_runner(self) -> EngineRunner:
+        if self._runner is None:
+            raise EngineFull("the model is still loading")
+        return self._runner
 
     def _account(self, started: float) -> float:
         latency = time.perf_counter() - started
@@ -158,14 +217,7 @@ class ModelServer:
         self._metrics.request(latency_s=latency, replica=self._replica, node=self._node)
         return latency
 
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
-    async def _generate_batch(self, requests: list[GenerateRequest]) -> list[tuple[TextOutput, int]]:
-        generator, step = self._generator, self._step
-        started = time.perf_counter()
-        outputs = await asyncio.to_thread(generator.generate, requests)
-        self._pending_busy_s += time.perf_counter() - started
-        return [(output, step) for output in outputs]
-
+    # -- reports to the registry ---------------------------------------------------------------
     def _ensure_reporter(self) -> None:
         if self._reporter is None or self._reporter.done():
             self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
@@ -173,7 +225,9 @@ class ModelServer:
     async def _report_forever(self) -> None:
         while True:
             latencies, self._pending_latencies = self._pending_latencies, []
-            busy_s, self._pending_busy_s = self._pending_busy_s, 0.0
+            busy_s = 0.0
+            if self._runner is not None:
+                busy_s, self._runner.busy_s = self._runner.busy_s, 0.0
             newest = await self._registry.report.remote(
                 self._replica, latencies, busy_s, self._ongoing, self._version,
                 device=(self._node, self._devices[0]) if self._devices else None,
@@ -182,3 +236,8 @@ class ModelServer:
             if newest != self._version:
                 await self._load_newest_weights()
             await asyncio.sleep(REPORT_INTERVAL_S)
+
+
+def _error(status: int, reason: str, *, openai: bool, headers: dict | None = None) -> JSONResponse:
+    body = error_body(status, reason) if openai else {"error": reason}
+    return JSONResponse(body, status_code=status, headers=headers)

@@ -1,19 +1,19 @@
 """Text in, text out: what a serving replica runs, whatever the model family.
 
-A model plug-in builds its `TextGenerator` from canonical weights (`build_text_generator`): the
-byte-level GPT encodes prompts as UTF-8 bytes and samples without a cache (serving/sampling.py);
-a Hugging Face causal LM uses its tokenizer and generates with a KV cache
-(serving/causal_lm_generation.py). The server only sees `generate(requests) -> outputs`.
+A model plug-in builds its `TextGenerator` from canonical weights (`build_text_generator`): a
+`KVDecoder` (serving/decoders.py) that the continuous-batching engine drives, and a `TextCodec`
+between text and token ids. The byte-level GPT's codec is UTF-8 bytes; a Hugging Face causal LM's
+is its tokenizer. The server only sees text, token ids and events.
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from torch import nn
-
+from baige_ray.serving.decoders import KVDecoder
 from baige_ray.serving.requests import GenerateRequest
 
 
@@ -22,49 +22,126 @@ class TextOutput:
     text: str
     prompt_tokens: int
     completion_tokens: int
-    finish_reason: str  # "stop" (end of text) or "length" (max_new_tokens reached)
+    finish_reason: str  # "stop" (end of text or a stop string) or "length" (the token budget ran out)
 
 
-class TextGenerator(Protocol):
-    def generate(self, requests: Sequence[GenerateRequest]) -> list[TextOutput]: ...
+class TextCodec(Protocol):
+    eos_token_id: int | None
+
+    def encode(self, prompt: str) -> list[int]: ...
+
+    def decoder(self) -> IncrementalDecoder: ...
+
+    def chat_tokens(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
+        """The prompt for (role, content) messages, ready for the assistant's answer."""
 
 
-class ByteGPTGenerator:
-    """The reference GPT: prompts are UTF-8 bytes, the last seq_len of them fit its window."""
+class IncrementalDecoder(Protocol):
+    def push(self, token: int) -> str:
+        """The text this token completes (empty while a character is still partial)."""
 
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def generate(self, requests: Sequence[GenerateRequest]) -> list[TextOutput]:
-        from baige_ray.serving.sampling import decode_tokens, encode_prompt, generate_batch
-
-        outputs = generate_batch(self.model, requests)
-        seq_len = self.model.config.seq_len
-        return [TextOutput(decode_tokens(tokens), len(encode_prompt(request.prompt, seq_len)), len(tokens), "length")
-                for request, tokens in zip(requests, outputs)]
+    def flush(self) -> str:
+        """Whatever is left once the request ended (partial characters as U+FFFD)."""
 
 
-class CausalLMGenerator:
-    """A Hugging Face causal LM with its tokenizer; KV-cached generation that stops at end of text."""
+class ByteCodec:
+    """The reference GPT's: tokens are the prompt's UTF-8 bytes; no end-of-text token."""
 
-    def __init__(self, model: nn.Module, tokenizer, *, max_context: int):
-        self.model, self.tokenizer, self.max_context = model, tokenizer, max_context
+    eos_token_id = None
 
-    def generate(self, requests: Sequence[GenerateRequest]) -> list[TextOutput]:
-        from baige_ray.serving.causal_lm_generation import SamplingParams, fit_prompt, generate_batch
+    def encode(self, prompt: str) -> list[int]:
+        return list(prompt.encode("utf-8"))
 
-        prompts = [self._encode(request.prompt) for request in requests]
-        params = [SamplingParams(max_new_tokens=request.max_new_tokens, temperature=request.temperature,
-                                 seed=request.seed) for request in requests]
-        generations = generate_batch(self.model, prompts, params, eos_token_id=self.tokenizer.eos_token_id,
-                                     max_context=self.max_context)
-        outputs = []
-        for prompt, request, generation in zip(prompts, requests, generations):
-            used = fit_prompt(prompt, request.max_new_tokens, self.max_context)
-            text = self.tokenizer.decode(generation.tokens, skip_special_tokens=True)
-            outputs.append(TextOutput(text, len(used), len(generation.tokens), generation.finish_reason))
-        return outputs
+    def decoder(self) -> IncrementalDecoder:
+        return _ByteDecoder()
 
-    def _encode(self, prompt: str) -> list[int]:
+    def chat_tokens(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
+        from baige_ray.serving.openai_chat import plain_chat_prompt
+
+        return self.encode(plain_chat_prompt(messages))
+
+
+class _ByteDecoder:
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token: int) -> str:
+        return self._utf8.decode(bytes([token]))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+class TokenizerCodec:
+    """A Hugging Face tokenizer (special tokens added as the model was trained, skipped in output)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+
+    def encode(self, prompt: str) -> list[int]:
         ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         return ids or [self.tokenizer.bos_token_id or self.tokenizer.eos_token_id or 0]
+
+    def decoder(self) -> IncrementalDecoder:
+        return _TokenizerDecoder(self.tokenizer)
+
+    def chat_tokens(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
+        from baige_ray.serving.openai_chat import plain_chat_prompt
+
+        if not getattr(self.tokenizer, "chat_template", None):  # e.g. a base model's tokenizer
+            return self.encode(plain_chat_prompt(messages))
+        conversation = [{"role": role, "content": content} for role, content in messages]
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        # The template writes the special tokens it wants (BOS included): none are added again.
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] or self.encode(text)
+
+
+class _TokenizerDecoder:
+    """Decodes the whole output each time and hands on what is new: byte-level BPE tokens may end
+    mid-character (the decode then ends in U+FFFD), and merges may change earlier characters' spacing."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self._tokens, self._sent = tokenizer, [], ""
+
+    def push(self, token: int) -> str:
+        self._tokens.append(token)
+        text = self._tokenizer.decode(self._tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd") or not text.startswith(self._sent):
+            return ""
+        delta, self._sent = text[len(self._sent):], text
+        return delta
+
+    def flush(self) -> str:
+        text = self._tokenizer.decode(self._tokens, skip_special_tokens=True)
+        delta = text[len(self._sent):] if text.startswith(self._sent) else ""
+        self._sent = text
+        return delta
+
+
+@dataclass(frozen=True)
+class TextGenerator:
+    decoder: KVDecoder
+    codec: TextCodec
+
+    def encode(self, prompt: str) -> list[int]:
+        """The prompt's tokens (only their tail is used when they and the new tokens exceed the context)."""
+        return self.codec.encode(prompt)
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[TextOutput]:
+        """Complete requests on the calling thread, batched continuously (tests, scripts, warm-up)."""
+        from baige_ray.serving.causal_lm_generation import SamplingParams, fit_prompt
+        from baige_ray.serving.engine import ContinuousBatchingEngine, EngineLimits, generate_all
+
+        engine = ContinuousBatchingEngine(self.decoder, eos_token_id=self.codec.eos_token_id,
+                                          limits=EngineLimits(max_waiting=max(1, len(requests))))
+        prompts = [self.encode(request.prompt) for request in requests]
+        params = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, seed=r.seed)
+                  for r in requests]
+        outputs = []
+        for prompt, request, generation in zip(prompts, requests, generate_all(engine, prompts, params)):
+            decoder = self.codec.decoder()
+            text = "".join(decoder.push(token) for token in generation.tokens) + decoder.flush()
+            used = fit_prompt(prompt, request.max_new_tokens, self.decoder.max_context)
+            outputs.append(TextOutput(text, len(used), len(generation.tokens), generation.finish_reason))
+        return outputs

@@ -1,14 +1,16 @@
-"""OpenAI-compatible `/v1/completions`: parse a request body and shape responses, without Ray or torch.
+"""OpenAI-compatible `/v1/completions` and `/v1/models`: parse request bodies and shape responses
+(whole, or streamed as server-sent events), without Ray or torch. Chat is in openai_chat.py.
 
 The server accepts every field OpenAI's client may send, but only at values it can honour:
-features it does not implement (streaming, several choices, nucleus sampling, penalties, logprobs,
-echo) are refused with a 422 that says so rather than silently ignored. An explicit JSON null
+features it does not implement (several choices, nucleus sampling, penalties, logprobs, echo)
+are refused with a 422 that says so rather than silently ignored. An explicit JSON null
 means "the default", as it does for OpenAI. Every refusal is a `RequestError` carrying the HTTP
 status; `error_body` turns it into OpenAI's error shape.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +28,7 @@ _FIELDS = (
     "top_p",
     "n",
     "stream",
+    "stream_options",
     "stop",
     "seed",
     "user",
@@ -66,6 +69,8 @@ class CompletionRequest:
     temperature: float
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the token counts
 
 
 def _check_fields(payload: dict) -> None:
@@ -93,12 +98,12 @@ def _prompt(payload: dict, limits: CompletionLimits) -> str:
     return check_prompt(prompt, limits.max_prompt_chars)
 
 
-def _max_tokens(payload: dict, limits: CompletionLimits) -> int:
-    value = payload.get("max_tokens")
+def _max_tokens(payload: dict, limits: CompletionLimits, field: str = "max_tokens") -> int:
+    value = payload.get(field)
     if value is None:
         # OpenAI's default, unless the server's limit is lower.
         return min(DEFAULT_MAX_TOKENS, limits.max_tokens)
-    return check_token_count("max_tokens", value, limits.max_tokens)
+    return check_token_count(field, value, limits.max_tokens)
 
 
 def _temperature(payload: dict, limits: CompletionLimits) -> float:
@@ -136,7 +141,6 @@ def _require_default(payload: dict, field: str, allowed: tuple[Any, ...], reason
 def _check_unsupported(payload: dict) -> None:
     _require_default(payload, "top_p", (1, 1.0), "top_p is not supported; omit it or send 1")
     _require_default(payload, "n", (1,), "only one choice per request is supported; omit 'n' or send 1")
-    _require_default(payload, "stream", (False,), "streaming is not supported by this server yet; send stream=false")
     _require_default(payload, "echo", (False,), "echo is not supported; omit it or send false")
     _require_default(payload, "logprobs", (False,), "logprobs are not supported; omit them or send null")
     for penalty in ("presence_penalty", "frequency_penalty"):
@@ -146,6 +150,23 @@ def _check_unsupported(payload: dict) -> None:
         raise RequestError(422, f"'user' must be a string, got {type(user).__name__}")
 
 
+def _stream(payload: dict) -> tuple[bool, bool]:
+    """(stream, include_usage) from 'stream' and 'stream_options'."""
+    stream, options = payload.get("stream"), payload.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise RequestError(422, f"'stream' must be true or false, got {stream!r}")
+    if options is None:
+        return bool(stream), False
+    if not stream:
+        raise RequestError(422, "'stream_options' is only allowed with stream=true")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise RequestError(422, f"'stream_options' must be an object with only 'include_usage', got {options!r}")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise RequestError(422, f"'stream_options.include_usage' must be true or false, got {include_usage!r}")
+    return True, include_usage
+
+
 def parse_completion_request(body: bytes, limits: CompletionLimits, *, model_name: str) -> CompletionRequest:
     """The validated completion request in `body`, or a RequestError naming what is wrong."""
     payload = decode_json_object(body, limits.max_body_bytes)
@@ -153,12 +174,15 @@ def parse_completion_request(body: bytes, limits: CompletionLimits, *, model_nam
     _check_model(payload, model_name)
     prompt = _prompt(payload, limits)
     _check_unsupported(payload)
+    stream, include_usage = _stream(payload)
     return CompletionRequest(
         prompt=prompt,
         max_tokens=_max_tokens(payload, limits),
         temperature=_temperature(payload, limits),
         seed=seed_of(payload),
         stop=_stop(payload),
+        stream=stream,
+        include_usage=include_usage,
     )
 
 
@@ -168,6 +192,61 @@ def apply_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
     if not cuts:
         return text, False
     return text[: min(cuts)], True
+
+
+class StopScanner:
+    """Cuts streamed text at the first stop string, holding back a tail that may be a stop's beginning."""
+
+    def __init__(self, stop: tuple[str, ...]):
+        self.stop, self.text, self.sent, self.stopped = stop, "", 0, False
+        self._hold = max((len(s) for s in stop), default=1) - 1
+
+    def push(self, delta: str) -> str:
+        """The text now safe to send; after a stop string appeared (`stopped`), nothing more."""
+        if self.stopped:
+            return ""
+        self.text += delta
+        cut, self.stopped = apply_stop(self.text, self.stop)
+        end = len(cut) if self.stopped else max(self.sent, len(self.text) - self._hold)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def flush(self) -> str:
+        """What is held back, once the output has ended without a stop string."""
+        if self.stopped:
+            return ""
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_chunk(*, request_id: str, model_name: str, created: int, text: str,
+                     finish_reason: str | None) -> dict:
+    """One server-sent event of a streamed completion."""
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model_name,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+
+
+def usage_chunk(*, request_id: str, model_name: str, created: int, object_name: str, prompt_tokens: int,
+                completion_tokens: int) -> dict:
+    """The last event when stream_options.include_usage is set: no choices, the token counts."""
+    return {"id": request_id, "object": object_name, "created": created, "model": model_name, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def server_sent_event(data: dict | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+def models_response(model_name: str, created: int) -> dict:
+    """`GET /v1/models`: the one model this application serves."""
+    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                         "owned_by": "baige-ray"}]}
 
 
 def completion_response(
@@ -189,11 +268,7 @@ def completion_response(
         "created": created,
         "model": model_name,
         "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
+        "usage": usage(prompt_tokens, completion_tokens),
     }
 
 

@@ -1,11 +1,14 @@
 """A trained Hugging Face model leaves as a directory `transformers` loads, and is served over HTTP.
 
 The tiny Llama trains as an elastic job; its final checkpoint is a Hugging Face directory whose
-logits equal the trained state's, and `serve()` hosts it (with its tokenizer and a KV cache) behind
-the OpenAI-compatible /v1/completions route beside /generate.
+logits equal the trained state's, and `serve()` hosts it (with its tokenizer, a KV cache and
+continuous batching) behind the OpenAI-compatible routes, whole and streamed, beside /generate.
 """
 
 from __future__ import annotations
+
+import json
+import urllib.request
 
 import pytest
 import ray
@@ -73,11 +76,55 @@ def test_v1_completions_answers_in_openai_shape_with_the_kv_cached_greedy_tokens
     ({"prompt": 3}, 422),
     ({"prompt": "x", "max_tokens": 10**9}, 422),
     ({"prompt": "x", "model": "some-other-model"}, 404),
-    ({"prompt": "x", "stream": True}, 422),
+    ({"prompt": "x", "stream": "yes"}, 422),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, 422),
 ])
 def test_malformed_completions_get_a_4xx_with_a_reason(app, body, status):
     code, reply = call(f"{app.url}/v1/completions", body)
     assert code == status and reply["error"]["message"], reply
+
+
+def server_sent_events(url: str, body: dict) -> list:
+    """The `data:` payloads of a streamed response, JSON-decoded ("[DONE]" kept as is)."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        lines = response.read().decode().split("\n\n")
+    payloads = [line.removeprefix("data: ") for line in lines if line]
+    return [payload if payload == "[DONE]" else json.loads(payload) for payload in payloads]
+
+
+def test_a_streamed_completion_sends_the_same_text_as_the_whole_one(app):
+    body = {"model": "tiny-llama", "prompt": "def parse(", "max_tokens": 12, "temperature": 0}
+    whole = call(f"{app.url}/v1/completions", body)[1]
+    events = server_sent_events(f"{app.url}/v1/completions",
+                                {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]" and events[-2]["usage"] == whole["usage"]
+    chunks = events[:-2]
+    assert len(chunks) > 2 and all(chunk["object"] == "text_completion" for chunk in chunks)
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == whole["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+
+
+def test_chat_completions_whole_and_streamed(app):
+    body = {"model": "tiny-llama", "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f("}]}
+    status, whole = call(f"{app.url}/v1/chat/completions", body)
+    assert status == 200 and whole["object"] == "chat.completion", whole
+    message = whole["choices"][0]["message"]
+    assert message["role"] == "assistant" and whole["usage"]["completion_tokens"] >= 1
+    events = server_sent_events(f"{app.url}/v1/chat/completions", {**body, "stream": True})
+    assert events[-1] == "[DONE]" and events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    chunks = events[1:-1]
+    assert all(chunk["object"] == "chat.completion.chunk" for chunk in chunks)
+    assert "".join(chunk["choices"][0]["delta"].get("content", "") for chunk in chunks) == message["content"]
+    status, reply = call(f"{app.url}/v1/chat/completions", {**body, "messages": [{"role": "robot", "content": "x"}]})
+    assert status == 422 and "role" in reply["error"]["message"]
+
+
+def test_v1_models_lists_the_served_model(app):
+    status, reply = call(f"{app.url}/v1/models")
+    assert status == 200 and [model["id"] for model in reply["data"]] == ["tiny-llama"]
 
 
 def test_weights_from_memory_replace_the_served_checkpoint_in_place(trained, app):

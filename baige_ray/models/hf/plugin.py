@@ -154,7 +154,9 @@ class HFPlugin(ModelPlugin):
         return model.eval()
 
     def build_text_generator(self, weights: dict[str, torch.Tensor]):
-        from baige_ray.serving.generators import CausalLMGenerator
+        from baige_ray.serving.decoders import HFDecoder
+        from baige_ray.serving.generators import TextGenerator, TokenizerCodec
 
         tokenizer = self.config.load_tokenizer()  # serving needs one: a ValueError names the model otherwise
-        return CausalLMGenerator(self.build_inference_model(weights), tokenizer, max_context=self.config.max_positions)
+        decoder = HFDecoder(self.build_inference_model(weights), max_context=self.config.max_positions)
+        return TextGenerator(decoder, TokenizerCodec(tokenizer))
