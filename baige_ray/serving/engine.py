@@ -127,9 +127,10 @@ class ContinuousBatchingEngine:
         """Admit what fits, then decode one token for every running row; False when there was nothing to do."""
         self._drop_cancelled()
         admitted = self._admit()
-        if self._running:
+        decoding = bool(self._running)
+        if decoding:
             self._decode()
-        return bool(admitted or self._running)
+        return bool(admitted or decoding)
 
     def _drop_cancelled(self) -> None:
         with self._work:

@@ -1,0 +1,136 @@
+"""The continuous-batching engine: same tokens as unbatched generation without a cache, rows joining
+and leaving at any step, cancellation and a bounded queue. A tiny Llama (transformers) and the
+reference GPT, both built from configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baige_ray.models.gpt import GPT, GPTConfig
+from baige_ray.serving.causal_lm_generation import SamplingParams, generate_batch
+from baige_ray.serving.decoders import GPTDecoder, HFDecoder
+from baige_ray.serving.engine import ContinuousBatchingEngine, EngineFull, EngineLimits, TokenEvent, generate_all
+from baige_ray.serving.requests import GenerateRequest
+from baige_ray.serving.sampling import generate_batch as sampler_generate_batch
+from tests.hf_helpers import VOCAB_SIZE, llama_config
+
+PROMPT_LENGTHS = (3, 17, 1, 9, 30, 5, 12, 2)
+NEW_TOKENS = (20, 7, 33, 12, 25, 40, 3, 18)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(llama_config(), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB_SIZE, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def greedy(max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+
+
+def uncached_one_by_one(model, prompts, params, eos_token_id=None):
+    return [generate_batch(model, [prompt], [p], eos_token_id=eos_token_id, max_context=128, use_cache=False)[0]
+            for prompt, p in zip(prompts, params)]
+
+
+@pytest.mark.parametrize("max_batch_size", [1, 3, 8])
+def test_greedy_tokens_equal_uncached_unbatched_generation_for_mixed_prompt_lengths(llama, prompts, max_batch_size):
+    params = [greedy(n) for n in NEW_TOKENS]
+    engine = ContinuousBatchingEngine(HFDecoder(llama, 128), eos_token_id=None,
+                                      limits=EngineLimits(max_batch_size=max_batch_size))
+    assert generate_all(engine, prompts, params) == uncached_one_by_one(llama, prompts, params)
+
+
+def test_requests_joining_a_running_batch_mid_generation_get_the_same_tokens(llama, prompts):
+    params = [greedy(n) for n in NEW_TOKENS]
+    expected = uncached_one_by_one(llama, prompts, params)
+    engine = ContinuousBatchingEngine(HFDecoder(llama, 128), eos_token_id=None, limits=EngineLimits(max_batch_size=4))
+    tokens: dict[int, list[int]] = {index: [] for index in range(len(prompts))}
+
+    def sink(index):
+        return lambda event: tokens[index].append(event.token) if event.token is not None else None
+
+    for index in range(len(prompts)):  # one new request every 3 steps, while the earlier ones run
+        engine.submit(prompts[index], params[index], sink(index))
+        for _ in range(3):
+            engine.step()
+    while engine.step():
+        pass
+    assert [tokens[index] for index in range(len(prompts))] == [generation.tokens for generation in expected]
+
+
+def test_end_of_text_stops_a_row_and_frees_its_slot(llama, prompts):
+    params = [greedy(30) for _ in prompts]
+    plain = uncached_one_by_one(llama, prompts, params)
+    eos = plain[0].tokens[4]  # make a token the first request samples early the end of text
+    expected = uncached_one_by_one(llama, prompts, params, eos_token_id=eos)
+    engine = ContinuousBatchingEngine(HFDecoder(llama, 128), eos_token_id=eos, limits=EngineLimits(max_batch_size=2))
+    got = generate_all(engine, prompts, params)
+    assert got == expected and got[0].finish_reason == "stop" and len(got[0].tokens) < 30
+
+
+def test_sampled_tokens_depend_on_the_seed_not_on_the_batch(llama, prompts):
+    params = [SamplingParams(max_new_tokens=10, temperature=0.9, seed=index) for index in range(len(prompts))]
+    alone = [generate_all(ContinuousBatchingEngine(HFDecoder(llama, 128), eos_token_id=None), [p], [s])[0]
+             for p, s in zip(prompts, params)]
+    together = generate_all(ContinuousBatchingEngine(HFDecoder(llama, 128), eos_token_id=None), prompts, params)
+    assert together == alone
+
+
+def test_the_reference_gpt_with_a_cache_matches_todays_sampler():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=64, num_layers=2, num_heads=2, hidden=32)).eval()
+    texts, new_tokens = ["def ", "import os\n", "x", "class Foo(object):\n    "], (10, 30, 5, 20)
+    requests = [GenerateRequest(prompt=t, max_new_tokens=n, temperature=0.0) for t, n in zip(texts, new_tokens)]
+    expected = [sampler_generate_batch(model, [request])[0] for request in requests]
+    engine = ContinuousBatchingEngine(GPTDecoder(model), eos_token_id=None, limits=EngineLimits(max_batch_size=2))
+    got = generate_all(engine, [list(t.encode()) for t in texts], [greedy(n) for n in new_tokens])
+    assert [generation.tokens for generation in got] == expected
+
+
+def test_prompt_and_new_tokens_are_bounded_by_the_context(llama):
+    engine = ContinuousBatchingEngine(HFDecoder(llama, 16), eos_token_id=None)
+    (generation,) = generate_all(engine, [list(range(1, 40))], [greedy(10)])
+    assert len(generation.tokens) == 10 and generation.finish_reason == "length"  # the prompt kept its last 6
+
+
+def test_a_cancelled_request_leaves_the_batch_and_gets_no_more_events(llama, prompts):
+    engine = ContinuousBatchingEngine(HFDecoder(llama, 128), eos_token_id=None)
+    events: list[TokenEvent] = []
+    first = engine.submit(prompts[0], greedy(50), events.append)
+    other: list[TokenEvent] = []
+    engine.submit(prompts[1], greedy(5), other.append)
+    engine.step()
+    engine.step()
+    engine.cancel(first)
+    count = len(events)
+    while engine.step():
+        pass
+    assert len(events) == count and engine.num_running == 0
+    assert [event.finish_reason for event in other if event.token is None] == ["length"]
+
+
+def test_a_full_queue_refuses_new_requests(llama, prompts):
+    engine = ContinuousBatchingEngine(HFDecoder(llama, 128), eos_token_id=None,
+                                      limits=EngineLimits(max_batch_size=1, max_waiting=2))
+    for prompt in prompts[:2]:
+        engine.submit(prompt, greedy(3), lambda event: None)
+    with pytest.raises(EngineFull, match="already waiting"):
+        engine.submit(prompts[2], greedy(3), lambda event: None)
+    with pytest.raises(ValueError, match="empty"):
+        ContinuousBatchingEngine(HFDecoder(llama, 128), eos_token_id=None).submit([], greedy(3), lambda e: None)
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_batch_size", 0), ("max_waiting", -1)])
+def test_engine_limits_name_the_invalid_field(field, value):
+    with pytest.raises(ValueError, match=f"EngineLimits.{field}"):
+        EngineLimits(**{field: value})
