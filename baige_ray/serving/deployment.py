@@ -42,7 +42,9 @@ from baige_ray.serving.openai_api import (
 )
 from baige_ray.serving.openai_chat import chat_chunk, chat_response, parse_chat_request
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, registry_name
-from baige_ray.serving.requests import GenerateRequest, RequestError, RequestLimits, parse_generate_request
+from baige_ray.serving.requests import (
+    GenerateRequest, RequestError, RequestLimits, parse_generate_request, read_body,
+)
 
 REPORT_INTERVAL_S = 0.5
 WARMUP_TOKENS = 4
@@ -134,7 +136,7 @@ class ModelServer:
 
     # -- handlers ------------------------------------------------------------------------------
     async def _handle_generate(self, request: Request, started: float) -> Response:
-        parsed = parse_generate_request(await request.body(), self._limits)
+        parsed = parse_generate_request(await read_body(request, self._limits.max_body_bytes), self._limits)
         runner, step = self._require_runner(), self._step
         prompt = runner.generator.encode(parsed.prompt)
         params = SamplingParams(max_new_tokens=parsed.max_new_tokens, temperature=parsed.temperature,
@@ -144,13 +146,15 @@ class ModelServer:
                              "latency_s": self._account(started), "step": step})
 
     async def _handle_completion(self, request: Request, started: float) -> Response:
-        parsed = parse_completion_request(await request.body(), self._completion_limits, model_name=self._app_name)
+        body = await read_body(request, self._completion_limits.max_body_bytes)
+        parsed = parse_completion_request(body, self._completion_limits, model_name=self._app_name)
         runner = self._require_runner()
         prompt = runner.generator.encode(parsed.prompt)
         return await self._respond(runner, prompt, parsed, started, chat=False)
 
     async def _handle_chat(self, request: Request, started: float) -> Response:
-        parsed = parse_chat_request(await request.body(), self._completion_limits, model_name=self._app_name)
+        body = await read_body(request, self._completion_limits.max_body_bytes)
+        parsed = parse_chat_request(body, self._completion_limits, model_name=self._app_name)
         runner = self._require_runner()
         prompt = runner.generator.codec.chat_tokens(parsed.messages)
         return await self._respond(runner, prompt, parsed, started, chat=True)

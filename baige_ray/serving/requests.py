@@ -77,9 +77,26 @@ def decode_json_object(body: bytes, max_body_bytes: int) -> dict:
         raise RequestError(400, f"the body is not valid UTF-8: {error}") from None
     except json.JSONDecodeError as error:
         raise RequestError(400, f"the body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise RequestError(400, "the body's JSON is nested too deeply") from None
     if not isinstance(payload, dict):
         raise RequestError(400, f"the body must be a JSON object, got {type(payload).__name__}")
     return payload
+
+
+async def read_body(request, max_body_bytes: int) -> bytes:
+    """A Starlette request's body, refused with a 413 as soon as it is known to exceed the limit
+    (from Content-Length, or while streaming in), so an oversized body is never held whole."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        raise RequestError(413, f"the body holds {declared} bytes, more than the limit of {max_body_bytes}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body_bytes:
+            raise RequestError(413, f"the body holds more than the limit of {max_body_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _prompt(payload: dict, limits: RequestLimits) -> str:
