@@ -16,6 +16,7 @@ BENCHMARK_MODULES: dict[str, str] = {
     "overhead": "baige_ray.bench.overhead",
     "checkpoint": "baige_ray.bench.checkpoint",
     "recovery": "baige_ray.bench.recovery",
+    "serve": "baige_ray.bench.serve",
 }
 
 

@@ -73,8 +73,12 @@ def _generate_group(model: GPT, prompts: list[list[int]], requests: list[Generat
 
 def generate_batch(model: GPT, requests: Sequence[GenerateRequest]) -> list[list[int]]:
     """New tokens for each request, in request order."""
+    return generate_from_tokens(model, [encode_prompt(r.prompt, model.config.seq_len) for r in requests], requests)
+
+
+def generate_from_tokens(model: GPT, prompts: Sequence[list[int]], requests: Sequence[GenerateRequest]) -> list[list[int]]:
+    """New tokens for prompts given as byte tokens (`requests` give the sampling settings; their prompts are unused)."""
     model.eval()
-    prompts = [encode_prompt(request.prompt, model.config.seq_len) for request in requests]
     groups: dict[int, list[int]] = defaultdict(list)
     for index, prompt in enumerate(prompts):
         groups[len(prompt)].append(index)
