@@ -19,9 +19,11 @@ and is left out. vLLM is not in this comparison yet (see the issue's note).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,10 +108,8 @@ def _run_engine(generator, prompts, streams: int, seconds: float, new_tokens: in
 
     engine = ContinuousBatchingEngine(generator.decoder, eos_token_id=None,
                                       limits=EngineLimits(max_batch_size=max(32, streams)))
-    stop_engine = threading.Event()
-
-    def loop() -> None:
-        while not stop_engine.is_set():
+    def loop(stop: threading.Event) -> None:
+        while not stop.is_set():
             if not engine.step():
                 engine.wait_for_work(0.01)
 
@@ -126,23 +126,17 @@ def _run_engine(generator, prompts, streams: int, seconds: float, new_tokens: in
         record.tokens += len(times)
         record.requests += 1
 
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    try:
+    with _background(loop):
         return _drive(one, streams, seconds)
-    finally:
-        stop_engine.set()
-        thread.join()
 
 
 def _run_sampler(sample, prompts, streams: int, seconds: float, new_tokens: int) -> _Record:
     from baige_ray.serving.causal_lm_generation import SamplingParams
 
     inbox: queue.Queue = queue.Queue()
-    stop_batcher = threading.Event()
 
-    def batcher() -> None:  # @serve.batch: the first request waits up to 10 ms for up to 7 more
-        while not stop_batcher.is_set():
+    def batcher(stop: threading.Event) -> None:  # @serve.batch: the first request waits up to 10 ms for up to 7 more
+        while not stop.is_set():
             try:
                 batch = [inbox.get(timeout=0.05)]
             except queue.Empty:
@@ -167,12 +161,20 @@ def _run_sampler(sample, prompts, streams: int, seconds: float, new_tokens: int)
         record.tokens += new_tokens
         record.requests += 1
 
-    thread = threading.Thread(target=batcher, daemon=True)
+    with _background(batcher):
+        return _drive(one, streams, seconds)
+
+
+@contextlib.contextmanager
+def _background(work: Callable[[threading.Event], None]) -> Iterator[None]:
+    """Run `work(stop)` on a thread for the duration of the block; set `stop` and join after."""
+    stop = threading.Event()
+    thread = threading.Thread(target=work, args=(stop,), daemon=True)
     thread.start()
     try:
-        return _drive(one, streams, seconds)
+        yield
     finally:
-        stop_batcher.set()
+        stop.set()
         thread.join()
 
 

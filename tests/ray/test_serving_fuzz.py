@@ -8,7 +8,6 @@ import http.client
 import json
 import random
 import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
@@ -19,6 +18,7 @@ import torch
 
 from baige_ray.models.gpt import GPT, GPTConfig
 from baige_ray.serving import serve, shutdown
+from tests.cluster.test_colocate_cluster import SteadyLoad as ColocateSteadyLoad
 from tests.ray.test_serving import free_port
 
 CONFIG = GPTConfig(seq_len=32, num_layers=1, num_heads=2, hidden=32)
@@ -97,31 +97,19 @@ def vanish_mid_body(base: str) -> None:
         raw.sendall(f"POST {parts.path}/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n".encode() + b'{"pro')
 
 
-class SteadyLoad:
-    """Well-formed requests, whole and streamed, one after another on a thread; keeps every status."""
+class SteadyLoad(ColocateSteadyLoad):
+    """Well-formed requests, whole and streamed, one every 50 ms on a thread; keeps every status."""
+
+    BODIES = (("/generate", {"prompt": "def ", "max_new_tokens": 4}),
+              ("/v1/completions", {"prompt": "import", "max_tokens": 4, "stream": True}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}))
 
     def __init__(self, base: str):
-        self.base, self.statuses = base, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        super().__init__(base, interval_s=0.05)
 
-    def _run(self) -> None:
-        bodies = [("/generate", {"prompt": "def ", "max_new_tokens": 4}),
-                  ("/v1/completions", {"prompt": "import", "max_tokens": 4, "stream": True}),
-                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})]
-        index = 0
-        while not self._stop.wait(0.05):
-            route, body = bodies[index % len(bodies)]
-            self.statuses.append(send(self.base, "POST", route, json.dumps(body).encode()))
-            index += 1
-
-    def __enter__(self) -> SteadyLoad:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join()
+    def _one(self, index: int) -> int:
+        route, body = self.BODIES[index % len(self.BODIES)]
+        return send(self.url, "POST", route, json.dumps(body).encode())
 
 
 def test_fuzzed_requests_get_4xx_never_5xx_and_the_replica_stays_up(app):
