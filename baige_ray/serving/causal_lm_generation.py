@@ -70,7 +70,7 @@ def fit_prompt(prompt: Sequence[int], max_new_tokens: int, max_context: int) -> 
     return list(prompt[-keep:])
 
 
-def _forward_options(model: Any, use_cache: bool) -> dict[str, Any]:
+def forward_options(model: Any, use_cache: bool) -> dict[str, Any]:
     options: dict[str, Any] = {"use_cache": use_cache}
     # Only the last position is sampled; without this the prefill materialises
     # prompt_length x vocab_size logits per row.
@@ -148,7 +148,7 @@ def generate_batch(
     """New tokens for each prompt, in prompt order; `requests[i]` says how prompt i samples."""
     _check_inputs(prompts, requests, max_context)
     model.eval()
-    options = _forward_options(model, use_cache)
+    options = forward_options(model, use_cache)
     fitted = [fit_prompt(prompt, params.max_new_tokens, max_context) for prompt, params in zip(prompts, requests)]
     rows = [
         _Row(

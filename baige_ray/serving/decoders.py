@@ -10,7 +10,6 @@ GPT's blocks with a cache (its training forward has none).
 
 from __future__ import annotations
 
-import inspect
 from typing import Protocol
 
 import torch
@@ -29,11 +28,10 @@ class KVDecoder(Protocol):
 
 class HFDecoder:
     def __init__(self, model: nn.Module, max_context: int):
+        from baige_ray.serving.causal_lm_generation import forward_options
+
         self.model, self.max_context = model.eval(), max_context
-        self._options = {"use_cache": True}
-        # Only the last position is sampled: without this a prefill makes prompt_length x vocab logits.
-        if "logits_to_keep" in inspect.signature(model.forward).parameters:
-            self._options["logits_to_keep"] = 1
+        self._options = forward_options(model, use_cache=True)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,

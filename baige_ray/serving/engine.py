@@ -20,7 +20,7 @@ import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -68,16 +68,11 @@ class EngineLimits:
         require_int("EngineLimits", "max_waiting", self.max_waiting, minimum=0)
 
 
-@dataclass
-class _Queue:
-    waiting: deque = field(default_factory=deque)
-    cancelled: set = field(default_factory=set)
-
-
 class ContinuousBatchingEngine:
     def __init__(self, decoder: KVDecoder, *, eos_token_id: int | None, limits: EngineLimits = EngineLimits()):
         self.decoder, self.eos_token_id, self.limits = decoder, eos_token_id, limits
-        self._queue = _Queue()
+        self._waiting: deque[_Request] = deque()
+        self._cancelled: set[int] = set()
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._ids = itertools.count()
@@ -96,21 +91,21 @@ class ContinuousBatchingEngine:
             generator=seeded_generator(params.seed),
         )
         with self._work:
-            if len(self._queue.waiting) >= self.limits.max_waiting:
-                raise EngineFull(f"{len(self._queue.waiting)} requests are already waiting for a slot")
-            self._queue.waiting.append(request)
+            if len(self._waiting) >= self.limits.max_waiting:
+                raise EngineFull(f"{len(self._waiting)} requests are already waiting for a slot")
+            self._waiting.append(request)
             self._work.notify()
         return request.id
 
     def cancel(self, request_id: int) -> None:
         """Stop a request (its client went away); it gets no further events."""
         with self._work:
-            self._queue.cancelled.add(request_id)
+            self._cancelled.add(request_id)
             self._work.notify()
 
     @property
     def num_waiting(self) -> int:
-        return len(self._queue.waiting)
+        return len(self._waiting)
 
     @property
     def max_context(self) -> int:
@@ -124,7 +119,7 @@ class ContinuousBatchingEngine:
     def wait_for_work(self, timeout_s: float) -> None:
         """Sleep until a request arrives (or `timeout_s` passes) when nothing is queued or running."""
         with self._work:
-            if not self._queue.waiting and not self._running:
+            if not self._waiting and not self._running:
                 self._work.wait(timeout_s)
 
     def step(self) -> bool:
@@ -138,9 +133,9 @@ class ContinuousBatchingEngine:
 
     def _drop_cancelled(self) -> None:
         with self._work:
-            cancelled, self._queue.cancelled = self._queue.cancelled, set()
+            cancelled, self._cancelled = self._cancelled, set()
             if cancelled:
-                self._queue.waiting = deque(r for r in self._queue.waiting if r.id not in cancelled)
+                self._waiting = deque(r for r in self._waiting if r.id not in cancelled)
         if cancelled and any(r.id in cancelled for r in self._running):
             self._keep_rows([i for i, r in enumerate(self._running) if r.id not in cancelled])
 
@@ -148,9 +143,9 @@ class ContinuousBatchingEngine:
         admitted = 0
         while len(self._running) < self.limits.max_batch_size:
             with self._work:
-                if not self._queue.waiting:
+                if not self._waiting:
                     break
-                request = self._queue.waiting.popleft()
+                request = self._waiting.popleft()
             admitted += 1
             self._prefill(request)
         return admitted
