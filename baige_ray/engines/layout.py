@@ -2,7 +2,10 @@
 
 Ranks are laid out row-major over (pp, dp, tp): tensor-parallel peers are
 consecutive ranks, so a rank -> device mapping that puts consecutive ranks in
-one NVSwitch island keeps TP traffic inside it.
+one NVSwitch island keeps TP traffic inside it. Expert parallelism carves each
+data-parallel group into blocks of `ep` consecutive replicas (dp index =
+expert-data-parallel index x ep + expert-parallel index): an expert group sits
+on neighbouring devices, inside a node first, as the planner maps it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class ParallelLayout:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # experts sharded over groups of `ep` data-parallel replicas; divides dp
     data_parallel: str = "ddp"
     num_microbatches: int | None = None
     pipeline_schedule: str = "1f1b"
@@ -48,7 +52,7 @@ class ParallelLayout:
     dp_microbatches: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp"):
+        for name in ("dp", "tp", "pp", "ep"):
             require_int("ParallelLayout", name, getattr(self, name), minimum=1)
         require_choice("ParallelLayout", "data_parallel", self.data_parallel, DATA_PARALLEL_KINDS)
         require_choice("ParallelLayout", "pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
@@ -60,9 +64,21 @@ class ParallelLayout:
                 f"ParallelLayout.data_parallel={self.data_parallel!r} is invalid with tp={self.tp}, pp={self.pp}: "
                 "expected 'ddp' or 'fsdp2' when tensor or pipeline parallelism is used"
             )
+        self._check_expert_parallel()
         self._check_stage_tuple("stage_layers", self.stage_layers, int)
         self._check_stage_tuple("stage_speeds", self.stage_speeds, float)
         self._check_dp_microbatches()
+
+    def _check_expert_parallel(self) -> None:
+        if self.ep == 1:
+            return
+        if self.dp % self.ep:
+            raise ValueError(f"ParallelLayout.ep={self.ep} is invalid: expected a divisor of dp={self.dp}")
+        if self.data_parallel != "ddp":
+            raise ValueError(
+                f"ParallelLayout.ep={self.ep} is invalid with data_parallel={self.data_parallel!r}: expected 'ddp' "
+                "(expert parallelism with FSDP2 or ZeRO is not implemented yet)"
+            )
 
     def _check_dp_microbatches(self) -> None:
         if self.dp_microbatches is None:
@@ -74,10 +90,11 @@ class ParallelLayout:
             )
         for count in self.dp_microbatches:
             require_int("ParallelLayout", "dp_microbatches", count, minimum=1)
-        if self.tp > 1 or self.pp > 1 or self.data_parallel != "ddp":
+        if self.tp > 1 or self.pp > 1 or self.ep > 1 or self.data_parallel != "ddp":
             raise ValueError(
                 f"ParallelLayout.dp_microbatches={self.dp_microbatches!r} is invalid with tp={self.tp}, "
-                f"pp={self.pp}, data_parallel={self.data_parallel!r}: expected pure data parallel by 'ddp'"
+                f"pp={self.pp}, ep={self.ep}, data_parallel={self.data_parallel!r}: expected pure data parallel "
+                "by 'ddp'"
             )
 
     def _check_stage_tuple(self, name: str, values: tuple | None, kind: type) -> None:
@@ -152,15 +169,17 @@ class ParallelLayout:
         return tuple(pp_rank + round_ * self.pp for round_ in range(self.stages_per_rank))
 
     def describe(self) -> str:
-        parts = [f"{name.upper()}{getattr(self, name)}" for name in ("dp", "tp", "pp") if getattr(self, name) > 1]
+        parts = [f"{name.upper()}{getattr(self, name)}" for name in ("dp", "ep", "tp", "pp")
+                 if getattr(self, name) > 1]
         return "x".join(parts or ["single"]) + f" ({self.data_parallel})"
 
 
-_LAYOUT_KEYS = {"dp": int, "tp": int, "pp": int, "engine": str, "micro": int, "schedule": str, "ahead": int}
+_LAYOUT_KEYS = {"dp": int, "tp": int, "pp": int, "ep": int, "engine": str, "micro": int, "schedule": str, "ahead": int}
 
 
 def parse_layout(text: str) -> ParallelLayout | str:
-    """'ddp', 'auto', or degrees such as 'dp=2,tp=2,pp=2,engine=fsdp2,micro=4,schedule=interleaved-1f1b,ahead=1'."""
+    """'ddp', 'auto', or degrees such as 'dp=2,tp=2,pp=2,engine=fsdp2,micro=4,schedule=interleaved-1f1b,ahead=1'
+    (and ep=2 for expert parallelism)."""
     if text in ("ddp", "auto"):
         return text
     fields = {}

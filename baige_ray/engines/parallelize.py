@@ -27,6 +27,12 @@ def apply_tensor_parallel(blocks: list[nn.Module], tp_mesh: DeviceMesh, plan: di
         parallelize_module(block, tp_mesh, plan)
 
 
+def apply_expert_parallel(expert_modules: list[nn.Module], ep_mesh: DeviceMesh) -> None:
+    """Shard each expert layer's experts by expert index over `ep_mesh` (see models/moe.py)."""
+    for module in expert_modules:
+        module.enable_expert_parallel(ep_mesh)
+
+
 def apply_fsdp(stage: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh) -> None:
     for block in blocks:
         fully_shard(block, mesh=dp_mesh)
@@ -46,15 +52,19 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def all_reduce_gradients(parameters: list[nn.Parameter], group: dist.ProcessGroup, *, average: bool = True) -> None:
-    """Average (or sum) gradients over `group` in one flat collective."""
+def all_reduce_gradients(parameters: list[nn.Parameter], group: dist.ProcessGroup | None, *,
+                         divide_by: int | None = None) -> None:
+    """Sum gradients over `group` (None: this rank alone) in one flat collective, then divide them by
+    `divide_by` (default: the group's size, an average)."""
     grads = [local(p.grad) for p in parameters if p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    all_reduce_abortable(flat, group)
-    if average:
-        flat /= dist.get_world_size(group)
+    if group is not None:
+        all_reduce_abortable(flat, group)
+    divisor = divide_by if divide_by is not None else (dist.get_world_size(group) if group is not None else 1)
+    if divisor != 1:
+        flat /= divisor
     offset = 0
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))

@@ -1,10 +1,11 @@
-"""The torch-native engine: any DP x TP x PP layout from one device mesh.
+"""The torch-native engine: any DP x EP x TP x PP layout from one device mesh.
 
-DP by DDP, FSDP2 or an explicit gradient all-reduce; TP by DTensor;
+DP by DDP, FSDP2 or an explicit gradient all-reduce; TP by DTensor; EP by sharding each
+expert layer's experts over the expert-parallel group (models/moe.py moves the tokens);
 PP by torch.distributed.pipelining (1F1B with upstream stages running ahead, see
 pipeline_schedule.py, or interleaved 1F1B).
-The mesh's dimensions (pp, dp, tp) follow the layout's row-major rank order,
-so its groups are exactly the plan's groups.
+The mesh's dimensions (pp, dp, tp) follow the layout's row-major rank order, with dp
+split into (edp, ep) under expert parallelism, so its groups are exactly the plan's groups.
 """
 
 from __future__ import annotations
@@ -17,19 +18,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
 
 from baige_ray.engines import parallelize
 from baige_ray.engines.base import Engine, SlowChipEmulator
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.pipeline_schedule import ScheduleRunAhead1F1B
 from baige_ray.engines.state import CanonicalState, export_module_state, import_module_state
+from baige_ray.models.aux_loss import auxiliary_losses
 from baige_ray.runtime.train_loop import TrainJob, build_optimizer
 
 
 class TorchEngine(Engine):
     def __init__(self, job: TrainJob, layout: ParallelLayout, rank: int = 0, **options: Any):
         super().__init__(job, layout, rank, **options)
-        self.mesh = self._build_mesh()
+        self.meshes = self._build_meshes()
         self.stages = self._build_stages()
         self.emulators = [SlowChipEmulator(stage, self.emulated_speed) for stage in self.stages]
         self._wrapped = self._apply_data_parallel()
@@ -37,25 +40,45 @@ class TorchEngine(Engine):
         self.optimizer = build_optimizer(self._modules, job.train)
         self.schedule = self._build_schedule() if layout.pp > 1 else None
         self._tp_replicated_parameters = self._find_tp_replicated_parameters()
+        self._expert_parameters = self._find_expert_parameters()
 
-    def _build_mesh(self) -> DeviceMesh | None:
+    def _build_meshes(self) -> dict[str, DeviceMesh]:
+        """One-dimensional meshes by name: pp, dp, tp, and with expert parallelism ep and edp (the
+        replicas holding the same experts); empty on a single rank."""
         if self.layout.world_size == 1:
-            return None
+            return {}
         if dist.get_world_size() != self.layout.world_size:
             raise ValueError(
                 f"layout {self.layout.describe()} needs {self.layout.world_size} ranks; "
                 f"the process group has {dist.get_world_size()}"
             )
-        shape = (self.layout.pp, self.layout.dp, self.layout.tp)
-        return init_device_mesh(self.device.type, shape, mesh_dim_names=("pp", "dp", "tp"))
+        layout = self.layout
+        if layout.ep == 1:
+            mesh = init_device_mesh(self.device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+            return {name: mesh[name] for name in ("pp", "dp", "tp")}
+        mesh = init_device_mesh(self.device.type, (layout.pp, layout.dp // layout.ep, layout.ep, layout.tp),
+                                mesh_dim_names=("pp", "edp", "ep", "tp"))
+        meshes = {name: mesh[name] for name in ("pp", "edp", "ep", "tp")}
+        meshes["dp"] = mesh["edp", "ep"]._flatten("dp")
+        return meshes
 
     def _build_stages(self) -> list[nn.Module]:
         stages = self.build_stages()
         if self.layout.tp > 1:
             plan = self.plugin.tensor_parallel_plan(self.layout.tp)
             for stage in stages:
-                parallelize.apply_tensor_parallel(self.plugin.stage_blocks(stage), self.mesh["tp"], plan)
+                parallelize.apply_tensor_parallel(self.plugin.stage_blocks(stage), self.meshes["tp"], plan)
+        if self.layout.ep > 1:
+            for stage in stages:
+                parallelize.apply_expert_parallel(self.plugin.expert_modules(stage), self.meshes["ep"])
         return stages
+
+    def _find_expert_parameters(self) -> set[int]:
+        """ids of the parameters sharded by expert index: their gradients are reduced over edp, not dp."""
+        if self.layout.ep == 1:
+            return set()
+        return {id(param) for stage in self.stages for module in self.plugin.expert_modules(stage)
+                for param in module.parameters() if isinstance(param, DTensor)}
 
     def _find_tp_replicated_parameters(self) -> list[nn.Parameter]:
         """Parameters whole on every TP rank whose gradient each rank computes only in part."""
@@ -71,25 +94,25 @@ class TorchEngine(Engine):
             return list(self.stages)
         if self.layout.data_parallel == "fsdp2":
             for stage in self.stages:
-                parallelize.apply_fsdp(stage, self.plugin.stage_blocks(stage), self.mesh["dp"])
+                parallelize.apply_fsdp(stage, self.plugin.stage_blocks(stage), self.meshes["dp"])
             return list(self.stages)
         if self.uses_torch_ddp:
-            group = self.mesh["dp"].get_group()
+            group = self.meshes["dp"].get_group()
             return [parallelize.apply_ddp(s, group, self.device.type != "cpu") for s in self.stages]
         return list(self.stages)
 
     @property
     def uses_torch_ddp(self) -> bool:
-        # DDP cannot hold DTensor parameters; with TP the gradients are all-reduced explicitly.
-        return self.layout.dp > 1 and self.layout.data_parallel == "ddp" and self.layout.tp == 1
+        # DDP cannot hold DTensor parameters; with TP or EP the gradients are all-reduced explicitly.
+        return self.layout.dp > 1 and self.layout.data_parallel == "ddp" and not self.explicit_dp_all_reduce
 
     @property
     def explicit_dp_all_reduce(self) -> bool:
-        return self.layout.dp > 1 and self.layout.data_parallel == "ddp" and self.layout.tp > 1
+        return self.layout.dp > 1 and self.layout.data_parallel == "ddp" and (self.layout.tp > 1 or self.layout.ep > 1)
 
     def _build_schedule(self):
         num_micro = self.layout.microbatches(self.per_replica_batch)
-        pp_group = self.mesh["pp"].get_group()
+        pp_group = self.meshes["pp"].get_group()
         pipeline_stages = [
             PipelineStage(module, index, self.layout.num_stages, self.device, group=pp_group)
             for module, index in zip(self._wrapped, self.layout.stage_indices(self.coords.pp))
@@ -120,8 +143,26 @@ class TorchEngine(Engine):
         losses: list[torch.Tensor] = []
         args = (inputs,) if holds_first else ()
         kwargs = {"target": targets, "losses": losses} if holds_last else {}
-        self.schedule.step(*args, **kwargs)
-        return float(torch.stack(losses).detach().mean()) if holds_last else None
+        num_micro = self.layout.microbatches(self.per_replica_batch)
+        with auxiliary_losses(weight=1.0) as aux:  # the schedule divides all gradients by the micro-batch count
+            hooks = [stage.register_forward_pre_hook(lambda *_: aux.start_forward()) for stage in self.stages]
+            try:
+                self.schedule.step(*args, **kwargs)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+        # Only the step's own forwards: torch's first step also runs each stage once on uninitialized
+        # inputs to infer shapes, and that forward's auxiliary loss is meaningless.
+        aux_mean = self._pipeline_auxiliary_loss(aux.total_of_last(num_micro * len(self.stages)) / num_micro)
+        return float(torch.stack(losses).detach().mean()) + aux_mean if holds_last else None
+
+    def _pipeline_auxiliary_loss(self, local_mean: float) -> float:
+        """Every stage's layers add their auxiliary losses; the sum reaches the last stage, which reports it."""
+        if not self.plugin.has_auxiliary_loss:
+            return 0.0
+        total = torch.tensor(local_mean, dtype=torch.float64)
+        dist.all_reduce(total, group=self.meshes["pp"].get_group())
+        return float(total)
 
     def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         (model,) = self._wrapped
@@ -131,13 +172,14 @@ class TorchEngine(Engine):
         # the batch mean even when replicas on faster chips train more micro-batches (= 1 / num_micro if even).
         weight_divisor = self.job.train.global_batch_size / micro / self.layout.dp
         loss_sum = 0.0
-        for index in range(num_micro):
-            chunk = slice(index * micro, (index + 1) * micro)
-            with self._gradient_sync(model, index == num_micro - 1):
-                loss = self.plugin.loss(model(inputs[chunk]), targets[chunk]) / weight_divisor
-                loss.backward()
-            loss_sum += loss.item()
-        return loss_sum
+        with auxiliary_losses(weight=1.0 / weight_divisor) as aux:
+            for index in range(num_micro):
+                chunk = slice(index * micro, (index + 1) * micro)
+                with self._gradient_sync(model, index == num_micro - 1):
+                    loss = self.plugin.loss(model(inputs[chunk]), targets[chunk]) / weight_divisor
+                    loss.backward()
+                loss_sum += loss.item()
+        return loss_sum + aux.total / weight_divisor
 
     def _gradient_sync(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
         if isinstance(model, nn.parallel.DistributedDataParallel) and not sync:
@@ -148,14 +190,24 @@ class TorchEngine(Engine):
 
     def optimizer_step(self) -> None:
         if replicated := self._tp_replicated_parameters:
-            parallelize.all_reduce_gradients(replicated, self.mesh["tp"].get_group(), average=False)
+            parallelize.all_reduce_gradients(replicated, self.meshes["tp"].get_group(), divide_by=1)
         if self.explicit_dp_all_reduce:
-            parallelize.all_reduce_gradients(self.parameters, self.mesh["dp"].get_group())
+            self._all_reduce_data_parallel_gradients()
         if self.job.train.grad_clip > 0:
-            pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
+            pp_group = self.meshes["pp"].get_group() if self.layout.pp > 1 else None
             parallelize.clip_grad_norm(self.parameters, self.job.train.grad_clip, pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _all_reduce_data_parallel_gradients(self) -> None:
+        """Average dense gradients over dp. An expert's gradient already sums what its expert group's
+        replicas sent it, so it is summed over the replicas holding the same experts (edp) and divided by dp."""
+        dense = [p for p in self.parameters if id(p) not in self._expert_parameters]
+        parallelize.all_reduce_gradients(dense, self.meshes["dp"].get_group())
+        if self._expert_parameters:
+            experts = [p for p in self.parameters if id(p) in self._expert_parameters]
+            edp_group = self.meshes["edp"].get_group() if self.layout.dp > self.layout.ep else None
+            parallelize.all_reduce_gradients(experts, edp_group, divide_by=self.layout.dp)
 
     def export_state(self) -> CanonicalState:
         state = export_module_state(self.module, self.optimizer)
@@ -167,7 +219,8 @@ class TorchEngine(Engine):
     @property
     def snapshot_is_local(self) -> bool:
         # Without DTensor parameters every rank holds its stages' full tensors.
-        return self.layout.tp == 1 and not (self.layout.dp > 1 and self.layout.data_parallel == "fsdp2")
+        return self.layout.tp == 1 and self.layout.ep == 1 and not (
+            self.layout.dp > 1 and self.layout.data_parallel == "fsdp2")
 
     def snapshot_state(self, into: CanonicalState | None = None) -> CanonicalState:
         # Every rank keeps its stages' full state (gathered when sharded), so any survivor can restore them.

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baige_ray.api.validation import require_int, require_number
+from baige_ray.models.moe import MoEConfig, MoELayer
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -25,6 +26,7 @@ class GPTConfig:
     hidden: int = 128
     ffn_hidden: int | None = None
     dropout: float = 0.0
+    moe: MoEConfig | None = None  # routed experts in place of the dense MLP (after moe.num_dense_layers blocks)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "hidden"):
@@ -36,6 +38,13 @@ class GPTConfig:
                 f"GPTConfig.hidden={self.hidden!r} is invalid: expected a multiple of num_heads={self.num_heads}"
             )
         require_number("GPTConfig", "dropout", self.dropout, minimum=0, maximum=1)
+        if isinstance(self.moe, dict):  # as a checkpoint's JSON manifest holds it
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            raise ValueError(f"GPTConfig.moe={self.moe!r} is invalid: expected a MoEConfig or None")
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe is not None and index >= self.moe.num_dense_layers
 
     @property
     def mlp_hidden(self) -> int:
@@ -80,12 +89,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, index: int):
         super().__init__()
         self.attn_norm = nn.LayerNorm(config.hidden)
         self.attn = CausalSelfAttention(config)
         self.mlp_norm = nn.LayerNorm(config.hidden)
-        self.mlp = MLP(config)
+        if config.is_moe_layer(index):
+            self.mlp = MoELayer(config.hidden, config.mlp_hidden, config.moe, num_layers=config.num_layers)
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -98,7 +110,7 @@ class GPT(nn.Module):
         self.config = config
         self.token_embedding = nn.Embedding(config.vocab_size, config.hidden)
         self.position_embedding = nn.Embedding(config.seq_len, config.hidden)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(Block(config, index) for index in range(config.num_layers))
         self.final_norm = nn.LayerNorm(config.hidden)
         self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
         self.apply(self._init_weights)

@@ -16,6 +16,7 @@ from torch import nn
 
 from baige_ray.models.corpus import CorpusConfig, CorpusWindows, stdlib_corpus
 from baige_ray.models.gpt import GPT, GPTConfig
+from baige_ray.models.moe import MoELayer
 from baige_ray.models.plugin import ModelPlugin, register_model
 
 
@@ -63,14 +64,30 @@ class GPTPlugin(ModelPlugin):
         return list(stage.blocks.values())
 
     def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
-        """Megatron-LM's scheme: q, k, v and up column-wise, o and down row-wise (one all-reduce per sub-layer)."""
+        """Megatron-LM's scheme: q, k, v and up column-wise, o and down row-wise (one all-reduce per sub-layer).
+
+        An MoE model's MLPs stay whole on every TP rank: its experts are split by expert parallelism."""
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
         if self.config.num_heads % tp:
             raise ValueError(f"tensor parallel degree {tp} must divide the model's num_heads={self.config.num_heads}")
         column, row = ColwiseParallel, RowwiseParallel
-        return {"attn.q_proj": column(), "attn.k_proj": column(), "attn.v_proj": column(), "attn.o_proj": row(),
-                "mlp.up": column(), "mlp.down": row()}
+        plan = {"attn.q_proj": column(), "attn.k_proj": column(), "attn.v_proj": column(), "attn.o_proj": row()}
+        if self.config.moe is None:
+            plan.update({"mlp.up": column(), "mlp.down": row()})
+        return plan
+
+    def check_expert_parallel(self, ep: int) -> None:
+        if self.config.moe is None:
+            raise ValueError(f"ParallelLayout.ep={ep} is invalid: GPTConfig.moe is None (the model has no experts)")
+        self.config.moe.check_expert_parallel(ep)
+
+    def expert_modules(self, stage: nn.Module) -> list[nn.Module]:
+        return [block.mlp for block in stage.blocks.values() if isinstance(block.mlp, MoELayer)]
+
+    @property
+    def has_auxiliary_loss(self) -> bool:
+        return self.config.moe is not None and self.config.moe.aux_loss_coef > 0
 
     def open_data(self, data: Any) -> CorpusWindows:
         data = CorpusConfig() if data is None else data

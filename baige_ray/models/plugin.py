@@ -109,6 +109,8 @@ class ModelPlugin(ABC):
             layout.layers_per_stage(self.num_layers)
         if layout.tp > 1:
             self.tensor_parallel_plan(layout.tp)
+        if layout.ep > 1:
+            self.check_expert_parallel(layout.ep)
 
     @property
     def supports_uneven_data_parallel(self) -> bool:
@@ -124,6 +126,20 @@ class ModelPlugin(ABC):
         """Block-relative parameter names kept whole on every tensor-parallel rank although each rank
         computes only part of their gradient (norms applied per head): gradients are summed over TP."""
         return ()
+
+    def check_expert_parallel(self, ep: int) -> None:
+        """ValueError naming the field when the model's experts cannot be split `ep` ways."""
+        raise ValueError(f"ParallelLayout.ep={ep} is invalid for {self.describe()}: the model has no experts")
+
+    def expert_modules(self, stage: nn.Module) -> list[nn.Module]:
+        """The stage's expert layers: each has `enable_expert_parallel(ep_mesh)`, which keeps the rank's
+        experts as a DTensor slice by expert index and routes tokens over the mesh's group."""
+        return []
+
+    @property
+    def has_auxiliary_loss(self) -> bool:
+        """Whether forwards attach auxiliary losses (models/aux_loss.py) the reported loss must include."""
+        return False
 
     # ---- training ------------------------------------------------------------------------
 

@@ -76,7 +76,7 @@ def _train_both_schedules(rank: int, port: int, results) -> None:
         layout = ParallelLayout(pp=2, num_microbatches=6, stage_layers=(1, 2), pipeline_run_ahead=run_ahead or 0)
         engine = build_engine(job, layout, rank, emulated_speed=0.5 if rank == 0 else 1.0)
         if run_ahead is None:
-            stage = PipelineStage(engine.stages[0], rank, 2, engine.device, group=engine.mesh["pp"].get_group())
+            stage = PipelineStage(engine.stages[0], rank, 2, engine.device, group=engine.meshes["pp"].get_group())
             engine.schedule = Schedule1F1B(stage, 6, loss_fn=language_model_loss)
         losses = [engine.train_step(step)["loss"] for step in range(2)]
         outcome[run_ahead] = (losses, [p.detach().clone() for p in engine.parameters])

@@ -1,0 +1,239 @@
+"""A top-k routed mixture-of-experts MLP with expert parallelism.
+
+Router: a linear map to one logit per expert, softmax in float32, the top k experts per token,
+their probabilities renormalized to sum to 1 (Mixtral's gating). No capacity limit: every token
+reaches all k of its experts, whatever the load.
+
+Load balancing: DeepSeek-V3's sequence-wise auxiliary loss, coef x mean over sequences of
+sum_e f_e P_e, with f_e the share of the sequence's routed slots that went to expert e (x E / k)
+and P_e the mean router probability of e over the sequence. Being a mean over sequences, it
+decomposes over any split of the batch, so data- and expert-parallel runs optimize exactly the
+objective of one process holding the whole batch.
+
+Experts are grouped tensors indexed by expert (`experts.up`: E x hidden x ffn, `experts.down`:
+E x ffn x hidden), which is their canonical form. Expert parallelism shards them by expert index
+(a DTensor `Shard(0)` over the expert-parallel mesh: snapshots gather and restores re-cut them
+for any EP degree) and moves tokens to their experts' ranks and back with two uneven
+`all_to_all_single`s per layer forward (two more in backward). Optional shared experts are a
+dense MLP every token passes through beside the routed ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from baige_ray.api.validation import require_int, require_number
+from baige_ray.models.aux_loss import attach_auxiliary_loss
+
+
+@dataclass(kw_only=True, frozen=True)
+class MoEConfig:
+    """Experts of each MoE layer; `num_dense_layers` first blocks keep a dense MLP (DeepSeek-V3 style)."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    expert_ffn_hidden: int | None = None  # None: as wide as the model's dense MLP
+    num_shared_experts: int = 0
+    aux_loss_coef: float = 0.01
+    num_dense_layers: int = 0
+
+    def __post_init__(self) -> None:
+        require_int("MoEConfig", "num_experts", self.num_experts, minimum=1)
+        require_int("MoEConfig", "top_k", self.top_k, minimum=1)
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"MoEConfig.top_k={self.top_k} is invalid: expected at most num_experts={self.num_experts}"
+            )
+        if self.expert_ffn_hidden is not None:
+            require_int("MoEConfig", "expert_ffn_hidden", self.expert_ffn_hidden, minimum=1)
+        require_int("MoEConfig", "num_shared_experts", self.num_shared_experts, minimum=0)
+        require_number("MoEConfig", "aux_loss_coef", self.aux_loss_coef, minimum=0)
+        require_int("MoEConfig", "num_dense_layers", self.num_dense_layers, minimum=0)
+
+    def check_expert_parallel(self, ep: int) -> None:
+        if self.num_experts % ep:
+            raise ValueError(
+                f"ParallelLayout.ep={ep} is invalid: expected a divisor of MoEConfig.num_experts={self.num_experts}"
+            )
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Each token's top-k experts (T x k) and their gate weights (T x k), and the router's probabilities."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    probabilities: torch.Tensor  # T x E, float32
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> Routing:
+        probabilities = F.softmax(self.gate(tokens).float(), dim=-1)
+        weights, experts = torch.topk(probabilities, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return Routing(experts=experts, weights=weights.to(tokens.dtype), probabilities=probabilities)
+
+
+def sequence_balance_loss(routing: Routing, batch: int, num_experts: int, coef: float) -> torch.Tensor:
+    """coef x mean over sequences of sum_e f_e P_e (f_e scaled so a uniform router scores 1)."""
+    probabilities = routing.probabilities.view(batch, -1, num_experts)
+    experts = routing.experts.view(batch, -1)
+    counts = torch.zeros(batch, num_experts, device=experts.device).scatter_add_(
+        1, experts, torch.ones_like(experts, dtype=torch.float32))
+    share = counts * num_experts / experts.shape[1]
+    return coef * (share * probabilities.mean(dim=1)).sum(dim=-1).mean()
+
+
+class GroupedExperts(nn.Module):
+    """E two-layer GELU MLPs held as two tensors indexed by expert; a rank may hold a contiguous slice."""
+
+    def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, *, residual_std: float):
+        super().__init__()
+        self.num_experts = num_experts
+        self.up = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden).normal_(std=0.02))
+        self.down = nn.Parameter(torch.empty(num_experts, ffn_hidden, hidden).normal_(std=residual_std))
+
+    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows of `tokens` grouped by local expert, `counts[e]` rows for the e-th expert held here."""
+        up, down = _local(self.up), _local(self.down)
+        # Empty chunks too: the output must stay in the autograd graph when no token came, or this rank
+        # would skip the backward all-to-all its expert-parallel peers wait in.
+        return torch.cat([F.gelu(chunk @ up[e]) @ down[e] for e, chunk in enumerate(tokens.split(counts))])
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class MoELayer(nn.Module):
+    """Router, routed experts and optional shared experts; `enable_expert_parallel` shards the experts."""
+
+    def __init__(self, hidden: int, dense_ffn_hidden: int, config: MoEConfig, *, num_layers: int):
+        super().__init__()
+        self.config = config
+        ffn = config.expert_ffn_hidden or dense_ffn_hidden
+        self.router = TopKRouter(hidden, config.num_experts, config.top_k)
+        self.experts = GroupedExperts(hidden, ffn, config.num_experts,
+                                      residual_std=0.02 / math.sqrt(2 * num_layers))
+        self.shared = (SharedExperts(hidden, ffn * config.num_shared_experts) if config.num_shared_experts else None)
+        self.expert_group: dist.ProcessGroup | None = None
+        self.last_expert_counts: torch.Tensor | None = None  # tokens per expert in the last forward (this rank's)
+
+    @property
+    def num_experts(self) -> int:
+        return self.config.num_experts
+
+    def enable_expert_parallel(self, ep_mesh: DeviceMesh) -> None:
+        """Keep only this rank's experts (a DTensor slice by expert index); route tokens over `ep_mesh`."""
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        self.config.check_expert_parallel(ep_mesh.size())
+        for name in ("up", "down"):
+            full = getattr(self.experts, name)
+            sharded = distribute_tensor(full.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+            setattr(self.experts, name, nn.Parameter(sharded))
+        self.expert_group = ep_mesh.get_group()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        tokens = x.reshape(-1, hidden)
+        routing = self.router(tokens)
+        routed = self._routed_experts(tokens, routing)
+        out = routed if self.shared is None else routed + self.shared(tokens)
+        out = out.view(batch, seq, hidden)
+        if torch.is_grad_enabled() and self.config.aux_loss_coef > 0:
+            loss = sequence_balance_loss(routing, batch, self.num_experts, self.config.aux_loss_coef)
+            out = attach_auxiliary_loss(out, loss)
+        return out
+
+    def _routed_experts(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Each token's gate-weighted sum of its k experts' outputs."""
+        flat_experts = routing.experts.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)  # slots grouped by expert, token order kept
+        token_of_slot = order // self.config.top_k
+        counts = torch.bincount(flat_experts, minlength=self.num_experts)
+        self.last_expert_counts = counts.detach()
+        slots = tokens[token_of_slot]
+        if self.expert_group is None:
+            expert_out = self.experts(slots, counts.tolist())
+        else:
+            expert_out = exchange_with_experts(slots, counts, self.experts, self.expert_group)
+        weighted = expert_out * routing.weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(tokens).index_add_(0, token_of_slot, weighted)
+
+
+class SharedExperts(nn.Module):
+    def __init__(self, hidden: int, ffn_hidden: int):
+        super().__init__()
+        self.up = nn.Linear(hidden, ffn_hidden, bias=False)
+        self.down = nn.Linear(ffn_hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+def exchange_with_experts(slots: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts,
+                          group: dist.ProcessGroup) -> torch.Tensor:
+    """Send each slot (grouped by global expert) to its expert's rank, run the experts there, bring results back.
+
+    Splits are uneven: rank r sends `counts` of its experts' slots to the expert's owner, and first
+    learns through a small all-to-all how many slots each peer sends it per local expert.
+    """
+    ranks = dist.get_world_size(group)
+    local_experts = experts.num_experts // ranks
+    received_counts = torch.empty_like(counts)
+    dist.all_to_all_single(received_counts, counts, group=group)
+    received_counts = received_counts.view(ranks, local_experts)  # [source rank, local expert]
+    send_splits = counts.view(ranks, local_experts).sum(dim=1).tolist()
+    receive_splits = received_counts.sum(dim=1).tolist()
+    received = all_to_all(slots, receive_splits, send_splits, group)
+    # Received rows come source-major; the experts want them expert-major.
+    expert_of_row = torch.arange(local_experts, device=slots.device).repeat(ranks).repeat_interleave(
+        received_counts.reshape(-1))
+    by_expert = torch.argsort(expert_of_row, stable=True)
+    outputs = experts(received[by_expert], received_counts.sum(dim=0).tolist())
+    source_major = outputs[inverse_permutation(by_expert)]
+    return all_to_all(source_major, send_splits, receive_splits, group)
+
+
+def inverse_permutation(permutation: torch.Tensor) -> torch.Tensor:
+    inverse = torch.empty_like(permutation)
+    inverse[permutation] = torch.arange(len(permutation), device=permutation.device)
+    return inverse
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of `tensor` split by `input_splits` to the group's ranks; the backward sends gradients back."""
+
+    @staticmethod
+    def forward(ctx, tensor, output_splits, input_splits, group):
+        ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
+        output = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
+        dist.all_to_all_single(output, tensor.contiguous(), output_splits, input_splits, group=group)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_input = grad_output.new_empty((sum(ctx.input_splits), *grad_output.shape[1:]))
+        dist.all_to_all_single(grad_input, grad_output.contiguous(), ctx.input_splits, ctx.output_splits,
+                               group=ctx.group)
+        return grad_input, None, None, None
+
+
+def all_to_all(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int],
+               group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable uneven all-to-all of rows (dim 0)."""
+    return _AllToAll.apply(tensor, output_splits, input_splits, group)
