@@ -193,10 +193,14 @@ class ModelSpec:
     @classmethod
     def from_gpt_config(cls, config: Any, *, global_batch: int, dtype_bytes: int = 2,
                         name: str = "gpt") -> ModelSpec:
-        """The spec of the reference `baige_ray.models.gpt.GPTConfig` (dense, full multi-head attention)."""
+        """The spec of the reference `baige_ray.models.gpt.GPTConfig` (full multi-head attention; with
+        `moe`, routed experts priced in every layer: its leading dense layers and shared experts are not)."""
+        moe = config.moe
+        experts = {} if moe is None else {"num_experts": moe.num_experts, "top_k": moe.top_k,
+                                          "expert_ffn_hidden": moe.expert_ffn_hidden or config.mlp_hidden}
         return cls(name=name, num_layers=config.num_layers, hidden=config.hidden, ffn_hidden=config.mlp_hidden,
                    num_heads=config.num_heads, seq_len=config.seq_len, vocab_size=config.vocab_size,
-                   global_batch=global_batch, dtype_bytes=dtype_bytes)
+                   global_batch=global_batch, dtype_bytes=dtype_bytes, **experts)
 
     @classmethod
     def from_hf_config(cls, config: dict, *, global_batch: int, seq_len: int | None = None,

@@ -21,6 +21,9 @@ class PlanOptions:
     max_efficiency: float = CostConstants.max_efficiency
     machine_balance: float = CostConstants.machine_balance
     replan_tolerance: float = 0.05  # replan keeps ranks in place if within 5% of a fresh plan
+    # Whether ZeRO may shard the dense state beside EP > 1; baige-ray's engines run EP with plain
+    # data parallelism only, so plans for them (runtime/auto_plan.py) turn this off.
+    expert_parallel_with_zero: bool = True
     constants: CostConstants = field(init=False)
 
     def __post_init__(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from baige_ray.engines.layout import ParallelLayout
+from baige_ray.planner.options import PlanOptions
 from baige_ray.planner.plan import PlacementPlan, plan
 from baige_ray.runtime.train_loop import TrainJob
 from baige_ray.topology.descriptor import ClusterDescriptor
@@ -37,7 +38,7 @@ def first_devices(graph: ResourceGraph, num_devices: int) -> ResourceGraph:
 
 def plan_job(job: TrainJob, graph: ResourceGraph) -> PlacementPlan:
     spec = job.plugin.model_spec(global_batch=job.train.global_batch_size)
-    return plan(spec, graph)
+    return plan(spec, graph, PlanOptions(expert_parallel_with_zero=False))
 
 
 def layout_from_plan(placement: PlacementPlan) -> ParallelLayout:
@@ -50,6 +51,7 @@ def layout_from_plan(placement: PlacementPlan) -> ParallelLayout:
         dp=placement.dp,
         tp=placement.tp,
         pp=placement.pp,
+        ep=placement.ep,
         data_parallel=data_parallel,
         num_microbatches=placement.num_micro_batches if placement.pp > 1 else None,
         stage_layers=tuple(placement.stage_layers) if placement.pp > 1 else None,
