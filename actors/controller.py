@@ -56,6 +56,7 @@ class ElasticController(HarvestMixin, RecoveryMixin):
     ):
         self.job, self.scaling, self.run_config, self.elastic = job, scaling, run, elastic
         self.layout = layout
+        self.requested_layout = layout  # resizes derive from it: an EP degree cut by a shrink comes back on growth
         self.faults = faults or FaultPlan()
         self.speeds = list(speeds or [1.0] * scaling.num_workers)
         self.machine = StateMachine()
@@ -410,4 +411,4 @@ class ElasticController(HarvestMixin, RecoveryMixin):
         return lost or f"{len(outcome.failed)} rank(s) failed their step"
 
     def layout_for(self, num_workers: int) -> ParallelLayout:
-        return layout_for(self.layout, num_workers, self.job)
+        return layout_for(self.requested_layout, num_workers, self.job)

@@ -32,10 +32,25 @@ def layout_for(layout: ParallelLayout, num_workers: int, job: TrainJob | None = 
     if num_workers % unit:
         raise ValueError(f"num_workers={num_workers} is invalid: expected a multiple of tp x pp = {unit}")
     dp = num_workers // unit
-    shares = None
     if job is not None and not _splits_evenly(job, dp) and _allows_uneven_shares(job, layout, dp):
         shares = even_shares(job.train.global_batch_size // (job.train.micro_batch_size or 1), dp)
-    return dataclasses.replace(layout, dp=dp, dp_microbatches=shares)
+        return dataclasses.replace(layout, dp=dp, dp_microbatches=shares)
+    return dataclasses.replace(layout, dp=dp, ep=expert_parallel_for(layout.ep, dp, job), dp_microbatches=None)
+
+
+def expert_parallel_for(preferred: int, dp: int, job: TrainJob | None) -> int:
+    """The largest EP degree up to `preferred` that divides `dp` and the model's expert count: a resize
+    keeps the experts as sharded as the new data-parallel degree allows."""
+    for ep in range(min(preferred, dp), 1, -1):
+        if dp % ep:
+            continue
+        try:
+            if job is not None:
+                job.plugin.check_expert_parallel(ep)
+        except ValueError:
+            continue
+        return ep
+    return 1
 
 
 def even_shares(total: int, parts: int) -> tuple[int, ...]:
@@ -54,7 +69,9 @@ def _splits_evenly(job: TrainJob, dp: int) -> bool:
 
 def _allows_uneven_shares(job: TrainJob, layout: ParallelLayout, dp: int) -> bool:
     """Uneven shares are a DDP feature of the shared engines, counted in whole micro-batches (sequences
-    without a micro-batch size), at least one per replica."""
+    without a micro-batch size), at least one per replica. Not with expert parallelism: a size that
+    needs them would replicate every expert on every rank, which the job's memory may not hold."""
     micro = job.train.micro_batch_size or 1
-    return (job.plugin.supports_uneven_data_parallel and layout.tp == layout.pp == 1 and layout.data_parallel == "ddp"
+    return (job.plugin.supports_uneven_data_parallel and layout.tp == layout.pp == 1 and layout.ep == 1
+            and layout.data_parallel == "ddp"
             and job.train.global_batch_size % micro == 0 and dp <= job.train.global_batch_size // micro)

