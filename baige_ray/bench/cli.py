@@ -17,6 +17,7 @@ BENCHMARK_MODULES: dict[str, str] = {
     "checkpoint": "baige_ray.bench.checkpoint",
     "recovery": "baige_ray.bench.recovery",
     "serve": "baige_ray.bench.serve",
+    "moe": "baige_ray.bench.moe",
 }
 
 

@@ -120,6 +120,7 @@ class Engine(ABC):
         self.data = data or self.plugin.open_data(job.data)
         self.before_update_hooks: list[Callable[[], None]] = []
         self.emulators: list[SlowChipEmulator] = []
+        self.expert_layers: list[nn.Module] = []  # the MoE layers this rank holds (set by engines that run them)
 
     def train_step(self, step: int) -> dict:
         for emulator in self.emulators:
@@ -134,13 +135,23 @@ class Engine(ABC):
             hook()
         self.optimizer_step()
         counts_tokens = self.coords.tp == 0 and self.coords.pp == 0  # one rank per data-parallel replica
-        return {
+        metrics = {
             "step": step,
             "loss": loss,
             "learning_rate": learning_rate,
             "tokens": inputs.numel() if counts_tokens else 0,
             "compute_s": compute_s,
         }
+        if self.expert_layers:
+            metrics.update(self.take_expert_traffic())
+        return metrics
+
+    def take_expert_traffic(self) -> dict:
+        """This step's routed slots per expert of each MoE layer held here (tensor-parallel peers see the
+        same tokens, so only TP rank 0 counts them) and the seconds spent in expert all-to-alls."""
+        counts, seconds = zip(*(layer.traffic.take() for layer in self.expert_layers))
+        per_layer = [c.tolist() if c is not None and self.coords.tp == 0 else [] for c in counts]
+        return {"expert_tokens": per_layer, "all_to_all_s": sum(seconds)}
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         indices = replica_sample_range(step, self.coords.dp, self.replica_batches)

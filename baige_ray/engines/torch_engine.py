@@ -34,6 +34,7 @@ class TorchEngine(Engine):
         super().__init__(job, layout, rank, **options)
         self.meshes = self._build_meshes()
         self.stages = self._build_stages()
+        self.expert_layers = [layer for stage in self.stages for layer in self.plugin.expert_modules(stage)]
         self.emulators = [SlowChipEmulator(stage, self.emulated_speed) for stage in self.stages]
         self._wrapped = self._apply_data_parallel()
         self._modules = nn.ModuleList(self.stages)  # one namespace for state and optimizer

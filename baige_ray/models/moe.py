@@ -21,6 +21,7 @@ dense MLP every token passes through beside the routed ones.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,24 @@ class MoEConfig:
             raise ValueError(
                 f"ParallelLayout.ep={ep} is invalid: expected a divisor of MoEConfig.num_experts={self.num_experts}"
             )
+
+
+class ExpertTraffic:
+    """What one MoE layer routed on this rank since the last `take`: slots per expert (this rank's
+    tokens, before dispatch) and seconds spent in its all-to-alls, forward and backward."""
+
+    def __init__(self) -> None:
+        self.tokens_per_expert: torch.Tensor | None = None
+        self.all_to_all_s = 0.0
+
+    def count(self, counts: torch.Tensor) -> None:
+        counts = counts.detach()
+        self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
+
+    def take(self) -> tuple[torch.Tensor | None, float]:
+        taken = (self.tokens_per_expert, self.all_to_all_s)
+        self.tokens_per_expert, self.all_to_all_s = None, 0.0
+        return taken
 
 
 @dataclass(frozen=True)
@@ -130,7 +149,7 @@ class MoELayer(nn.Module):
                                       residual_std=0.02 / math.sqrt(2 * num_layers))
         self.shared = (SharedExperts(hidden, ffn * config.num_shared_experts) if config.num_shared_experts else None)
         self.expert_group: dist.ProcessGroup | None = None
-        self.last_expert_counts: torch.Tensor | None = None  # tokens per expert in the last forward (this rank's)
+        self.traffic = ExpertTraffic()
 
     @property
     def num_experts(self) -> int:
@@ -165,12 +184,12 @@ class MoELayer(nn.Module):
         order = torch.argsort(flat_experts, stable=True)  # slots grouped by expert, token order kept
         token_of_slot = order // self.config.top_k
         counts = torch.bincount(flat_experts, minlength=self.num_experts)
-        self.last_expert_counts = counts.detach()
+        self.traffic.count(counts)
         slots = tokens[token_of_slot]
         if self.expert_group is None:
             expert_out = self.experts(slots, counts.tolist())
         else:
-            expert_out = exchange_with_experts(slots, counts, self.experts, self.expert_group)
+            expert_out = exchange_with_experts(slots, counts, self.experts, self.expert_group, self.traffic)
         weighted = expert_out * routing.weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(tokens).index_add_(0, token_of_slot, weighted)
 
@@ -186,7 +205,7 @@ class SharedExperts(nn.Module):
 
 
 def exchange_with_experts(slots: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts,
-                          group: dist.ProcessGroup) -> torch.Tensor:
+                          group: dist.ProcessGroup, traffic: ExpertTraffic) -> torch.Tensor:
     """Send each slot (grouped by global expert) to its expert's rank, run the experts there, bring results back.
 
     Splits are uneven: rank r sends `counts` of its experts' slots to the expert's owner, and first
@@ -195,18 +214,20 @@ def exchange_with_experts(slots: torch.Tensor, counts: torch.Tensor, experts: Gr
     ranks = dist.get_world_size(group)
     local_experts = experts.num_experts // ranks
     received_counts = torch.empty_like(counts)
+    started = time.perf_counter()
     dist.all_to_all_single(received_counts, counts, group=group)
+    traffic.all_to_all_s += time.perf_counter() - started
     received_counts = received_counts.view(ranks, local_experts)  # [source rank, local expert]
     send_splits = counts.view(ranks, local_experts).sum(dim=1).tolist()
     receive_splits = received_counts.sum(dim=1).tolist()
-    received = all_to_all(slots, receive_splits, send_splits, group)
+    received = all_to_all(slots, receive_splits, send_splits, group, traffic)
     # Received rows come source-major; the experts want them expert-major.
     expert_of_row = torch.arange(local_experts, device=slots.device).repeat(ranks).repeat_interleave(
         received_counts.reshape(-1))
     by_expert = torch.argsort(expert_of_row, stable=True)
     outputs = experts(received[by_expert], received_counts.sum(dim=0).tolist())
     source_major = outputs[inverse_permutation(by_expert)]
-    return all_to_all(source_major, send_splits, receive_splits, group)
+    return all_to_all(source_major, send_splits, receive_splits, group, traffic)
 
 
 def inverse_permutation(permutation: torch.Tensor) -> torch.Tensor:
@@ -219,21 +240,26 @@ class _AllToAll(torch.autograd.Function):
     """Rows of `tensor` split by `input_splits` to the group's ranks; the backward sends gradients back."""
 
     @staticmethod
-    def forward(ctx, tensor, output_splits, input_splits, group):
-        ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
-        output = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
-        dist.all_to_all_single(output, tensor.contiguous(), output_splits, input_splits, group=group)
-        return output
+    def forward(ctx, tensor, output_splits, input_splits, group, traffic):
+        ctx.output_splits, ctx.input_splits, ctx.group, ctx.traffic = output_splits, input_splits, group, traffic
+        return _timed_all_to_all(tensor, output_splits, input_splits, group, traffic)
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_input = grad_output.new_empty((sum(ctx.input_splits), *grad_output.shape[1:]))
-        dist.all_to_all_single(grad_input, grad_output.contiguous(), ctx.input_splits, ctx.output_splits,
-                               group=ctx.group)
-        return grad_input, None, None, None
+        grad_input = _timed_all_to_all(grad_output, ctx.input_splits, ctx.output_splits, ctx.group, ctx.traffic)
+        return grad_input, None, None, None, None
+
+
+def _timed_all_to_all(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                      group: dist.ProcessGroup, traffic: ExpertTraffic) -> torch.Tensor:
+    output = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
+    started = time.perf_counter()
+    dist.all_to_all_single(output, tensor.contiguous(), output_splits, input_splits, group=group)
+    traffic.all_to_all_s += time.perf_counter() - started
+    return output
 
 
 def all_to_all(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int],
-               group: dist.ProcessGroup) -> torch.Tensor:
-    """Differentiable uneven all-to-all of rows (dim 0)."""
-    return _AllToAll.apply(tensor, output_splits, input_splits, group)
+               group: dist.ProcessGroup, traffic: ExpertTraffic) -> torch.Tensor:
+    """Differentiable uneven all-to-all of rows (dim 0), its time added to `traffic`."""
+    return _AllToAll.apply(tensor, output_splits, input_splits, group, traffic)
