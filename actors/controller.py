@@ -30,6 +30,7 @@ from baige_ray.elastic.watch import WatchTimes, watch_step
 from baige_ray.elastic.workers import Worker, WorkerPool
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.ops.events import EventLog
+from baige_ray.ops.expert_load import expert_load, imbalance
 from baige_ray.ops.metrics import JobMetrics, estimate_mfu
 from baige_ray.runtime.train_loop import TrainJob
 from baige_ray.runtime.worker_group import choose_device_resource
@@ -76,6 +77,7 @@ class ElasticController(HarvestMixin, RecoveryMixin):
         self.generation = -1
         self.step = 0
         self.step_log: StepLog | None = None  # opened in _plan: fresh, or read back after a restart
+        self.expert_load: list[list[int]] = []  # MoE jobs: the last step's slots per expert of each layer
         self.step_times: list[float] = []
         self.compute_history: list[tuple[float, ...]] = []
         self.recoveries: list[dict] = []
@@ -149,6 +151,7 @@ class ElasticController(HarvestMixin, RecoveryMixin):
             "recoveries": list(self.recoveries),
             "faults_fired": {kind.value: self.faults.count(kind) for kind in FaultKind},
             "replica_wait_s": round(self._replica_copies.waited_s, 3),  # training stalled for slow replica copies
+            "expert_load": self.expert_load,  # the last step's slots per expert of each MoE layer
         }
 
     @ray.method(concurrency_group="control")
@@ -321,7 +324,8 @@ class ElasticController(HarvestMixin, RecoveryMixin):
 
     def _record_step(self, per_rank: list[dict], seconds: float) -> None:
         losses = [m["loss"] for m in per_rank if m["loss"] is not None]
-        self.step_log.append({
+        experts = self._record_expert_load(per_rank) if "expert_tokens" in per_rank[0] else {}
+        self.step_log.append({**experts,
             "step": self.step,
             "loss": sum(losses) / len(losses),
             "learning_rate": per_rank[0]["learning_rate"],
@@ -337,6 +341,13 @@ class ElasticController(HarvestMixin, RecoveryMixin):
         self.compute_history = (self.compute_history + [tuple(m["compute_s"] for m in per_rank)])[-50:]
         if self._recovery_started is not None:
             self._finish_recovery(time.monotonic() - self._recovery_started)
+
+    def _record_expert_load(self, per_rank: list[dict]) -> dict:
+        """Keep and export the step's expert load; returns the step log's fields for it."""
+        stages = [self.layout.coords(rank).pp for rank in range(len(per_rank))]
+        self.expert_load = expert_load([m["expert_tokens"] for m in per_rank], stages)
+        self.job_metrics.expert_imbalance(imbalance(self.expert_load))
+        return {"expert_imbalance": round(imbalance(self.expert_load), 4)}
 
     def _record_unreported(self, per_rank: list[dict | None], step: int) -> None:
         """A step that finished everywhere but whose result died with a lost worker: keep the survivors' view."""

@@ -102,13 +102,9 @@ def summarize_ranks(ranks: list[list[dict]], job, warmup: int) -> dict:
 
 def step_imbalance(per_rank_layers: list[list[list[int]]]) -> float:
     """max / mean slots per expert, summed over the ranks that counted them, for the worst layer."""
-    counted = [layers for layers in per_rank_layers if layers and layers[0]]
-    worst = 1.0
-    for layer in range(len(counted[0])):
-        totals = [sum(rank[layer][e] for rank in counted) for e in range(len(counted[0][layer]))]
-        mean = sum(totals) / len(totals)
-        worst = max(worst, max(totals) / mean if mean else 1.0)
-    return worst
+    from baige_ray.ops.expert_load import expert_load, imbalance
+
+    return imbalance(expert_load(per_rank_layers, [0] * len(per_rank_layers)))  # no pipeline: one stage
 
 
 def _rank_main(rank: int, world: int, port: int, job, layout, warmup: int, results) -> None:

@@ -103,6 +103,11 @@ class JobMetrics:
         _metric("gauge", "workers", "Worker actors training", JOB_TAGS).set(num_workers, tags=tags)
         _metric("counter", "steps", "Training steps completed", JOB_TAGS).inc(1, tags=tags)
 
+    def expert_imbalance(self, ratio: float) -> None:
+        """max / mean routed tokens per expert in the last step's worst MoE layer."""
+        _metric("gauge", "expert_imbalance", "Routed tokens per expert, max over mean, worst MoE layer of the step",
+                JOB_TAGS).set(ratio, tags=self._job_tags())
+
     def worker_step(self, *, node: str, worker: int | str, device: int | str, step_time_s: float) -> None:
         """One worker's time for a step: the per-device view that exposes stragglers."""
         _require_seconds("JobMetrics.worker_step", "step_time_s", step_time_s)

@@ -54,12 +54,23 @@ def format_status(status: dict[str, Any], *, num_events: int = 10) -> str:
     lines = [_headline(status), _plan_line(status), _rate_line(status)]
     if status.get("recoveries"):
         lines.append(_recovery_line(status["recoveries"]))
+    if status.get("expert_load"):
+        lines.append(_expert_line(status["expert_load"]))
     lines.append("workers per node:")
     lines += [f"  {row}" for row in _node_rows(status.get("workers", []))] or ["  (none)"]
     events = status.get("events", [])[-num_events:]
     lines.append(f"recent events ({len(events)} of {len(status.get('events', []))}):")
     lines += [f"  {format_event(event)}" for event in events] or ["  (none)"]
     return "\n".join(lines)
+
+
+def _expert_line(load: list[list[int]]) -> str:
+    """The last step's expert load: imbalance of the worst MoE layer and its per-expert slots."""
+    from baige_ray.ops.expert_load import imbalance
+
+    worst = max(load, key=lambda counts: imbalance([counts]))
+    return (f"experts: imbalance {imbalance(load):.2f} (max/mean routed tokens, worst of {len(load)} MoE layers); "
+            f"that layer's tokens per expert: {worst}")
 
 
 def format_event(event: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ agree with one process that never failed.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -55,6 +56,9 @@ def test_a_crash_that_halves_the_expert_parallel_degree_re_shards_the_experts_an
     whole = [index for index, m in enumerate(result.metrics) if not math.isnan(m.step_time_s)]
     assert len(whole) >= TRAIN.num_steps - 1
     assert [result.metrics[i].loss for i in whole] == pytest.approx([expected[i] for i in whole], rel=1e-5)
+    logged = [json.loads(line) for line in next(tmp_path.rglob("elastic-moe/steps.jsonl")).read_text().splitlines()]
+    assert all(record["expert_imbalance"] >= 1.0 for record in logged if "step_time_s" in record
+               and not math.isnan(record["step_time_s"])), logged[-1]
     final, expected_final = ray.get(result.final_state)["model"], reference.export_state()["model"]
     assert final.keys() == expected_final.keys()
     for name, tensor in expected_final.items():

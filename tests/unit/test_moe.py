@@ -143,3 +143,17 @@ def test_a_resize_keeps_the_experts_as_sharded_as_the_new_data_parallel_degree_a
     assert valid_sizes(job, requested, 1, 8) == (1, 2, 3, 4, 6, 8)
     assert valid_sizes(TrainJob(model=job.model, train=TrainConfig(num_steps=1, global_batch_size=20)),
                        requested, 1, 8) == (1, 2, 4, 5)
+
+
+def test_expert_load_sums_ranks_of_one_stage_and_keeps_stages_apart():
+    from baige_ray.ops.expert_load import expert_load, imbalance
+    from baige_ray.ops.status import format_status
+
+    per_rank = [[[3, 1]], [[1, 3]], [[4, 0]], []]  # stage 0: ranks 0-1; stage 1: rank 2 (rank 3 a TP peer)
+    load = expert_load(per_rank, [0, 0, 1, 1])
+    assert load == [[4, 4], [4, 0]]
+    assert imbalance(load) == 2.0
+    assert imbalance([]) == 1.0
+    text = format_status({"name": "moe", "expert_load": load})
+    assert "experts: imbalance 2.00 (max/mean routed tokens, worst of 2 MoE layers)" in text
+    assert "[4, 0]" in text
