@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from baige_ray.models.gpt import GPT, GPTConfig
+from baige_ray.models.moe import MoEConfig
 from baige_ray.serving.causal_lm_generation import SamplingParams, generate_batch
 from baige_ray.serving.decoders import GPTDecoder, HFDecoder
 from baige_ray.serving.engine import ContinuousBatchingEngine, EngineFull, EngineLimits, TokenEvent, generate_all
@@ -86,9 +87,11 @@ def test_sampled_tokens_depend_on_the_seed_not_on_the_batch(llama, prompts):
     assert together == alone
 
 
-def test_the_reference_gpt_with_a_cache_matches_todays_sampler():
+@pytest.mark.parametrize("moe", [None, MoEConfig(num_experts=4, top_k=2)], ids=["dense", "moe"])
+def test_the_reference_gpt_with_a_cache_matches_todays_sampler(moe):
+    """Dense, and with routed experts: routing is per token, so batching and padding change nothing."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(seq_len=64, num_layers=2, num_heads=2, hidden=32)).eval()
+    model = GPT(GPTConfig(seq_len=64, num_layers=2, num_heads=2, hidden=32, moe=moe)).eval()
     texts, new_tokens = ["def ", "import os\n", "x", "class Foo(object):\n    "], (10, 30, 5, 20)
     requests = [GenerateRequest(prompt=t, max_new_tokens=n, temperature=0.0) for t, n in zip(texts, new_tokens)]
     expected = [sampler_generate_batch(model, [request])[0] for request in requests]
