@@ -159,7 +159,7 @@ class Engine(ABC):
 
     def build_stages(self) -> list[nn.Module]:
         """The pipeline stages this rank holds (the whole model without pipelining), canonical names kept."""
-        layers = self.layout.layers_per_stage(self.plugin.num_layers)
+        layers = self.plugin.layers_per_stage(self.layout)
         ranges = stage_ranges(layers, self.layout.stage_indices(self.coords.pp))
         return self.plugin.build_stages(ranges, self.device, self.job.train.seed)
 

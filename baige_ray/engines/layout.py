@@ -174,6 +174,33 @@ class ParallelLayout:
         return "x".join(parts or ["single"]) + f" ({self.data_parallel})"
 
 
+def balanced_stage_layers(layer_costs: tuple[float, ...], num_stages: int) -> tuple[int, ...]:
+    """Contiguous blocks of layers, one per stage, at least one each, minimizing the costliest stage
+    (e.g. dense layers cheaper than MoE ones: a stage of dense layers takes more of them)."""
+    n = len(layer_costs)
+    if n < num_stages:
+        raise ValueError(f"{n} layers cannot fill {num_stages} pipeline stages")
+    prefix = [0.0]
+    for cost in layer_costs:
+        prefix.append(prefix[-1] + cost)
+    # best[s][i]: the smallest possible costliest stage when the first i layers fill s stages
+    best = [[float("inf")] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for stages in range(1, num_stages + 1):
+        for end in range(stages, n - (num_stages - stages) + 1):
+            for start in range(stages - 1, end):
+                worst = max(best[stages - 1][start], prefix[end] - prefix[start])
+                if worst < best[stages][end]:
+                    best[stages][end], cut[stages][end] = worst, start
+    sizes, end = [], n
+    for stages in range(num_stages, 0, -1):
+        start = cut[stages][end]
+        sizes.append(end - start)
+        end = start
+    return tuple(reversed(sizes))
+
+
 _LAYOUT_KEYS = {"dp": int, "tp": int, "pp": int, "ep": int, "engine": str, "micro": int, "schedule": str, "ahead": int}
 
 

@@ -77,6 +77,22 @@ class GPTPlugin(ModelPlugin):
             plan.update({"mlp.up": column(), "mlp.down": row()})
         return plan
 
+    def layer_costs(self) -> tuple[float, ...]:
+        """Forward FLOPs per token of each block: attention (projections and scores), then the dense
+        MLP or the router plus top-k routed and shared experts."""
+        c = self.config
+        attention = 2 * 4 * c.hidden * c.hidden + 2 * 2 * c.seq_len * c.hidden
+        dense = 2 * 2 * c.hidden * c.mlp_hidden
+        costs = []
+        for index in range(c.num_layers):
+            if c.is_moe_layer(index):
+                expert = 2 * 2 * c.hidden * (c.moe.expert_ffn_hidden or c.mlp_hidden)
+                costs.append(attention + 2 * c.hidden * c.moe.num_experts
+                             + (c.moe.top_k + c.moe.num_shared_experts) * expert)
+            else:
+                costs.append(attention + dense)
+        return tuple(float(cost) for cost in costs)
+
     def check_expert_parallel(self, ep: int) -> None:
         if self.config.moe is None:
             raise ValueError(f"ParallelLayout.ep={ep} is invalid: GPTConfig.moe is None (the model has no experts)")

@@ -103,10 +103,24 @@ class ModelPlugin(ABC):
         """An engine of the plug-in's own for `layout`, or None for the shared ones (torch / DeepSpeed)."""
         return None
 
+    def layer_costs(self) -> tuple[float, ...]:
+        """Relative forward cost of each transformer block; equal unless blocks differ (dense and MoE)."""
+        return (1.0,) * self.num_layers
+
+    def layers_per_stage(self, layout: ParallelLayout) -> tuple[int, ...]:
+        """Blocks of each pipeline stage: the layout's own split if it has one, else split by cost
+        where blocks differ, else as evenly as possible."""
+        from baige_ray.engines.layout import balanced_stage_layers
+
+        costs = self.layer_costs()
+        if layout.stage_layers is not None or len(set(costs)) <= 1:
+            return layout.layers_per_stage(self.num_layers)
+        return balanced_stage_layers(costs, layout.num_stages)
+
     def check_layout(self, layout: ParallelLayout) -> None:
         """ValueError, on the driver before any actor starts, for a layout this model cannot run."""
         if layout.pp > 1 or layout.tp > 1:
-            layout.layers_per_stage(self.num_layers)
+            self.layers_per_stage(layout)
         if layout.tp > 1:
             self.tensor_parallel_plan(layout.tp)
         if layout.ep > 1:

@@ -63,3 +63,13 @@ def test_experts_reshard_in_memory_from_ep4_to_ep2(group, reference):
     resumed = train_on_group(group, JOB, execution(ParallelLayout(dp=4, ep=2)), RUN, start_step=half,
                              initial_state=state)
     assert [m.loss for m in resumed] == pytest.approx(reference[half:], rel=1e-4)
+
+
+def test_a_pipeline_over_dense_and_moe_layers_splits_them_by_cost_and_matches_one_process(group):
+    model = GPTConfig(seq_len=16, hidden=32, num_layers=4, num_heads=4,
+                      moe=MoEConfig(num_experts=4, top_k=4, expert_ffn_hidden=256, num_dense_layers=2))
+    job = TrainJob(model=model, train=TrainConfig(num_steps=6, global_batch_size=8, micro_batch_size=2, seed=3))
+    layout = ParallelLayout(pp=2, dp=2, ep=2)
+    assert job.plugin.layers_per_stage(layout) == (3, 1)  # one MoE layer costs more than two dense ones
+    losses = [m.loss for m in train_on_group(group, job, execution(layout), RUN)]
+    assert losses == pytest.approx(reference_losses(job), rel=1e-4)

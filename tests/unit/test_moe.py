@@ -157,3 +157,24 @@ def test_expert_load_sums_ranks_of_one_stage_and_keeps_stages_apart():
     text = format_status({"name": "moe", "expert_load": load})
     assert "experts: imbalance 2.00 (max/mean routed tokens, worst of 2 MoE layers)" in text
     assert "[4, 0]" in text
+
+
+def test_pipeline_stages_split_by_cost_when_dense_and_moe_layers_differ():
+    from baige_ray.engines.layout import balanced_stage_layers
+
+    assert balanced_stage_layers((1.0, 1.0, 3.0, 3.0), 2) == (3, 1)
+    assert balanced_stage_layers((1.0,) * 4, 2) == (2, 2)
+    costs = (5.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+    split = balanced_stage_layers(costs, 3)
+    assert split[0] == 1 and sum(split) == 6 and min(split) >= 1
+    assert max(sum(costs[sum(split[:i]):sum(split[:i + 1])]) for i in range(3)) == 5.0
+    with pytest.raises(ValueError, match="3 layers cannot fill 4 pipeline stages"):
+        balanced_stage_layers((1.0,) * 3, 4)
+    mixed = plugin_for(GPTConfig(seq_len=16, hidden=32, num_layers=6,
+                                 moe=MoEConfig(num_experts=8, top_k=4, num_dense_layers=3)))
+    costs = mixed.layer_costs()
+    assert costs[0] == costs[2] < costs[3] == costs[5]
+    assert mixed.layers_per_stage(ParallelLayout(pp=2)) == (4, 2)  # the dense half takes one MoE layer more
+    assert mixed.layers_per_stage(ParallelLayout(pp=2, stage_layers=(3, 3))) == (3, 3)  # the user's split wins
+    dense = plugin_for(GPTConfig(seq_len=16, hidden=32, num_layers=5))
+    assert dense.layers_per_stage(ParallelLayout(pp=2)) == (3, 2)  # equal blocks: the even split, as before
