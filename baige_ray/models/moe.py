@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,8 @@ class MoEConfig:
     num_shared_experts: int = 0
     aux_loss_coef: float = 0.01
     num_dense_layers: int = 0
+    # Under expert parallelism, compute the shared experts while the tokens travel to their routed experts.
+    overlap_shared_experts: bool = True
 
     def __post_init__(self) -> None:
         require_int("MoEConfig", "num_experts", self.num_experts, minimum=1)
@@ -170,28 +174,35 @@ class MoELayer(nn.Module):
         batch, seq, hidden = x.shape
         tokens = x.reshape(-1, hidden)
         routing = self.router(tokens)
-        routed = self._routed_experts(tokens, routing)
-        out = routed if self.shared is None else routed + self.shared(tokens)
-        out = out.view(batch, seq, hidden)
+        shared = (lambda: self.shared(tokens)) if self.shared is not None else None
+        overlap = shared if self.expert_group is not None and self.config.overlap_shared_experts else None
+        routed, shared_out = self._routed_experts(tokens, routing, alongside_dispatch=overlap)
+        if shared is not None:
+            routed = routed + (shared_out if overlap is not None else shared())
+        out = routed.view(batch, seq, hidden)
         if torch.is_grad_enabled() and self.config.aux_loss_coef > 0:
             loss = sequence_balance_loss(routing, batch, self.num_experts, self.config.aux_loss_coef)
             out = attach_auxiliary_loss(out, loss)
         return out
 
-    def _routed_experts(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Each token's gate-weighted sum of its k experts' outputs."""
+    def _routed_experts(self, tokens: torch.Tensor, routing: Routing, *,
+                        alongside_dispatch: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
+        """Each token's gate-weighted sum of its k experts' outputs, and what `alongside_dispatch`
+        returned, run while the tokens travel to their experts' ranks."""
         flat_experts = routing.experts.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)  # slots grouped by expert, token order kept
         token_of_slot = order // self.config.top_k
         counts = torch.bincount(flat_experts, minlength=self.num_experts)
         self.traffic.count(counts)
         slots = tokens[token_of_slot]
+        alongside = None
         if self.expert_group is None:
             expert_out = self.experts(slots, counts.tolist())
         else:
-            expert_out = exchange_with_experts(slots, counts, self.experts, self.expert_group, self.traffic)
+            expert_out, alongside = exchange_with_experts(slots, counts, self.experts, self.expert_group, self.traffic,
+                                                          alongside_dispatch)
         weighted = expert_out * routing.weights.reshape(-1)[order].unsqueeze(-1)
-        return torch.zeros_like(tokens).index_add_(0, token_of_slot, weighted)
+        return torch.zeros_like(tokens).index_add_(0, token_of_slot, weighted), alongside
 
 
 class SharedExperts(nn.Module):
@@ -205,8 +216,10 @@ class SharedExperts(nn.Module):
 
 
 def exchange_with_experts(slots: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts,
-                          group: dist.ProcessGroup, traffic: ExpertTraffic) -> torch.Tensor:
-    """Send each slot (grouped by global expert) to its expert's rank, run the experts there, bring results back.
+                          group: dist.ProcessGroup, traffic: ExpertTraffic,
+                          alongside_dispatch: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
+    """Send each slot (grouped by global expert) to its expert's rank, run the experts there, bring results back;
+    `alongside_dispatch` (e.g. the shared experts) runs while the slots are on their way.
 
     Splits are uneven: rank r sends `counts` of its experts' slots to the expert's owner, and first
     learns through a small all-to-all how many slots each peer sends it per local expert.
@@ -220,14 +233,20 @@ def exchange_with_experts(slots: torch.Tensor, counts: torch.Tensor, experts: Gr
     received_counts = received_counts.view(ranks, local_experts)  # [source rank, local expert]
     send_splits = counts.view(ranks, local_experts).sum(dim=1).tolist()
     receive_splits = received_counts.sum(dim=1).tolist()
-    received = all_to_all(slots, receive_splits, send_splits, group, traffic)
+    if alongside_dispatch is None:
+        received, alongside = all_to_all(slots, receive_splits, send_splits, group, traffic), None
+    else:
+        pending: list[dist.Work] = []
+        in_flight = _AllToAllStart.apply(slots, receive_splits, send_splits, group, traffic, pending)
+        alongside = alongside_dispatch()
+        received = _AllToAllWait.apply(in_flight, pending, traffic)
     # Received rows come source-major; the experts want them expert-major.
     expert_of_row = torch.arange(local_experts, device=slots.device).repeat(ranks).repeat_interleave(
         received_counts.reshape(-1))
     by_expert = torch.argsort(expert_of_row, stable=True)
     outputs = experts(received[by_expert], received_counts.sum(dim=0).tolist())
     source_major = outputs[inverse_permutation(by_expert)]
-    return all_to_all(source_major, send_splits, receive_splits, group, traffic)
+    return all_to_all(source_major, send_splits, receive_splits, group, traffic), alongside
 
 
 def inverse_permutation(permutation: torch.Tensor) -> torch.Tensor:
@@ -248,6 +267,36 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad_output):
         grad_input = _timed_all_to_all(grad_output, ctx.input_splits, ctx.output_splits, ctx.group, ctx.traffic)
         return grad_input, None, None, None, None
+
+
+class _AllToAllStart(torch.autograd.Function):
+    """`_AllToAll`'s forward issued without waiting: `pending` receives the work `_AllToAllWait` waits for."""
+
+    @staticmethod
+    def forward(ctx, tensor, output_splits, input_splits, group, traffic, pending):
+        ctx.output_splits, ctx.input_splits, ctx.group, ctx.traffic = output_splits, input_splits, group, traffic
+        output = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
+        pending.append(dist.all_to_all_single(output, tensor.contiguous(), output_splits, input_splits, group=group,
+                                              async_op=True))
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_input = _timed_all_to_all(grad_output, ctx.input_splits, ctx.output_splits, ctx.group, ctx.traffic)
+        return grad_input, None, None, None, None, None
+
+
+class _AllToAllWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, in_flight, pending, traffic):
+        started = time.perf_counter()
+        pending.pop().wait()
+        traffic.all_to_all_s += time.perf_counter() - started  # only the part not hidden behind other work
+        return in_flight.view_as(in_flight)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, None, None
 
 
 def _timed_all_to_all(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int],
