@@ -106,10 +106,10 @@ class VLLMEngine:
                 self._lock.wait(timeout_s)
 
     def step(self) -> bool:
-        # vLLM's CPU attention plans its work for OpenMP's thread count and checks the kernel runs with
-        # the same; a thread that has not yet run a torch op still has OpenMP's default (every core), not
-        # torch.set_num_threads', until its first parallel op sets it mid-step (a fatal check, 2 vs. 1).
-        # get_num_threads applies torch's setting to this thread first.
+        # vLLM's CPU attention plans its split for OpenMP's thread count, then checks that the kernel
+        # sees the same. On a thread that has run no torch op yet, OpenMP still has its default (all
+        # cores) until the step's first parallel op applies torch.set_num_threads', and the check fails
+        # ("thread_num == thread_num (2 vs. 1)"). get_num_threads applies torch's setting first.
         torch.get_num_threads()
         self._take_new_and_cancelled()
         if not self._engine.has_unfinished_requests():
@@ -164,6 +164,7 @@ def _build_engine(settings: VLLMSettings, limits: EngineLimits, *, load_format: 
         model=settings.model_dir, tokenizer=settings.model_dir, dtype=settings.dtype, seed=settings.seed,
         max_model_len=settings.max_context, max_num_seqs=limits.max_batch_size, enforce_eager=True,
         load_format=load_format, trust_remote_code=False, enable_prefix_caching=False,
+        disable_log_stats=True,  # the replica reports its own metrics; vLLM's would cost every step
     )
     return LLMEngine.from_engine_args(arguments)
 
