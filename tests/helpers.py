@@ -8,6 +8,23 @@ from baige_ray.engines.layout import ParallelLayout
 from baige_ray.runtime.train_loop import TrainJob
 
 
+def at_full_speed(layout: ParallelLayout):
+    """The execution plan of `layout` with every chip at its own speed (no emulated slow chips)."""
+    from baige_ray.runtime.fit import ExecutionPlan
+
+    return ExecutionPlan(layout=layout, emulated_speeds=(1.0,) * layout.world_size)
+
+
+def worker_group(num_workers: int):
+    """A fixture body: `num_workers` worker actors, shut down after the module's tests."""
+    from baige_ray.api.configs import ScalingConfig
+    from baige_ray.runtime.worker_group import WorkerGroup
+
+    workers = WorkerGroup(ScalingConfig(num_workers=num_workers), timeout_s=240)
+    yield workers
+    workers.shutdown()
+
+
 def reference_losses(job: TrainJob, num_steps: int | None = None) -> list[float]:
     """Losses of one process holding the whole model and the whole global batch."""
     engine = build_engine(job, ParallelLayout())

@@ -6,15 +6,14 @@ generation in the same processes, which is also how elastic re-planning reuses w
 
 import pytest
 
-from baige_ray import GPTConfig, RunConfig, ScalingConfig, TrainConfig
+from baige_ray import GPTConfig, RunConfig, TrainConfig
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.state import merge_states
 from baige_ray.models.corpus import CorpusConfig
-from baige_ray.runtime.fit import ExecutionPlan, train_on_group
+from baige_ray.runtime.fit import train_on_group
 from baige_ray.runtime.train_loop import TrainJob
-from baige_ray.runtime.worker_group import WorkerGroup
 
-from ..helpers import reference_losses
+from ..helpers import at_full_speed, reference_losses, worker_group
 
 JOB = TrainJob(
     model=GPTConfig(seq_len=32, num_layers=4, num_heads=4, hidden=64),
@@ -31,15 +30,9 @@ LAYOUTS = {
 }
 
 
-def execution(layout: ParallelLayout) -> ExecutionPlan:
-    return ExecutionPlan(layout=layout, emulated_speeds=(1.0,) * layout.world_size)
-
-
 @pytest.fixture(scope="module")
 def group(sim_cluster):
-    workers = WorkerGroup(ScalingConfig(num_workers=8), timeout_s=240)
-    yield workers
-    workers.shutdown()
+    yield from worker_group(8)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +42,7 @@ def reference():
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process_step_by_step(group, reference, name):
-    losses = [m.loss for m in train_on_group(group, JOB, execution(LAYOUTS[name]), RUN)]
+    losses = [m.loss for m in train_on_group(group, JOB, at_full_speed(LAYOUTS[name]), RUN)]
     assert losses == pytest.approx(reference, rel=1e-3)
 
 
@@ -58,8 +51,8 @@ def test_layout_matches_single_process_step_by_step(group, reference, name):
 )
 def test_state_moves_between_layouts_without_changing_training(group, reference, source, target):
     half = JOB.train.num_steps // 2
-    train_on_group(group, JOB, execution(LAYOUTS[source]), RUN, end_step=half)
+    train_on_group(group, JOB, at_full_speed(LAYOUTS[source]), RUN, end_step=half)
     state = merge_states(group.call("export_state"))
-    resumed = train_on_group(group, JOB, execution(LAYOUTS[target]), RUN, start_step=half, initial_state=state)
+    resumed = train_on_group(group, JOB, at_full_speed(LAYOUTS[target]), RUN, start_step=half, initial_state=state)
     assert [m.step for m in resumed] == list(range(half, JOB.train.num_steps))
     assert [m.loss for m in resumed] == pytest.approx(reference[half:], rel=1e-5)

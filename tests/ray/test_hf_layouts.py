@@ -7,15 +7,15 @@ the same `transformers` model trained by a plain PyTorch loop over the same batc
 
 import pytest
 
-from baige_ray import RunConfig, ScalingConfig, TrainConfig
+from baige_ray import RunConfig, TrainConfig
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.state import merge_states
 from baige_ray.models.hf import HFModel
 from baige_ray.models.token_dataset import TokenDataset
-from baige_ray.runtime.fit import ExecutionPlan, train_on_group
+from baige_ray.runtime.fit import train_on_group
 from baige_ray.runtime.train_loop import TrainJob
-from baige_ray.runtime.worker_group import WorkerGroup
 
+from ..helpers import at_full_speed, worker_group
 from ..hf_helpers import SEQ_LEN, build_tiny_hf, plain_transformers_losses
 
 TRAIN = TrainConfig(num_steps=20, global_batch_size=8, warmup_steps=3, seed=5)
@@ -46,26 +46,20 @@ def reference(tiny, job):
 
 @pytest.fixture(scope="module")
 def group(local_ray):
-    workers = WorkerGroup(ScalingConfig(num_workers=4), timeout_s=240)
-    yield workers
-    workers.shutdown()
-
-
-def execution(layout: ParallelLayout) -> ExecutionPlan:
-    return ExecutionPlan(layout=layout, emulated_speeds=(1.0,) * layout.world_size)
+    yield from worker_group(4)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_plain_transformers_training(group, job, reference, name):
-    losses = [m.loss for m in train_on_group(group, job, execution(LAYOUTS[name]), RUN)]
+    losses = [m.loss for m in train_on_group(group, job, at_full_speed(LAYOUTS[name]), RUN)]
     assert losses == pytest.approx(reference, rel=1e-4)
 
 
 def test_state_moves_from_a_pipeline_layout_to_zero3(group, job, reference):
     half = TRAIN.num_steps // 2
-    train_on_group(group, job, execution(LAYOUTS["PP2xTP2"]), RUN, end_step=half)
+    train_on_group(group, job, at_full_speed(LAYOUTS["PP2xTP2"]), RUN, end_step=half)
     state = merge_states(group.call("export_state"))
     assert "model.layers.3.mlp.gate_proj.weight" in state["model"]  # the checkpoint's own names
-    resumed = train_on_group(group, job, execution(LAYOUTS["ZeRO-3 x4 (DeepSpeed)"]), RUN, start_step=half,
+    resumed = train_on_group(group, job, at_full_speed(LAYOUTS["ZeRO-3 x4 (DeepSpeed)"]), RUN, start_step=half,
                              initial_state=state)
     assert [m.loss for m in resumed] == pytest.approx(reference[half:], rel=1e-4)

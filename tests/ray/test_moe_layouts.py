@@ -8,16 +8,15 @@ over their own group, so only summation order differs from the reference.
 
 import pytest
 
-from baige_ray import RunConfig, ScalingConfig, TrainConfig
+from baige_ray import RunConfig, TrainConfig
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.state import merge_states
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.models.moe import MoEConfig
-from baige_ray.runtime.fit import ExecutionPlan, train_on_group
+from baige_ray.runtime.fit import train_on_group
 from baige_ray.runtime.train_loop import TrainJob
-from baige_ray.runtime.worker_group import WorkerGroup
 
-from ..helpers import reference_losses
+from ..helpers import at_full_speed, reference_losses, worker_group
 
 MODEL = GPTConfig(seq_len=16, hidden=32, num_layers=2, num_heads=4,
                   moe=MoEConfig(num_experts=4, top_k=2, num_shared_experts=1, aux_loss_coef=0.05))
@@ -39,28 +38,22 @@ def reference():
 
 @pytest.fixture(scope="module")
 def group(local_ray):
-    workers = WorkerGroup(ScalingConfig(num_workers=4), timeout_s=240)
-    yield workers
-    workers.shutdown()
-
-
-def execution(layout: ParallelLayout) -> ExecutionPlan:
-    return ExecutionPlan(layout=layout, emulated_speeds=(1.0,) * layout.world_size)
+    yield from worker_group(4)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_expert_parallel_layout_matches_one_process(group, reference, name):
-    losses = [m.loss for m in train_on_group(group, JOB, execution(LAYOUTS[name]), RUN)]
+    losses = [m.loss for m in train_on_group(group, JOB, at_full_speed(LAYOUTS[name]), RUN)]
     assert losses == pytest.approx(reference, rel=1e-4)
 
 
 def test_experts_reshard_in_memory_from_ep4_to_ep2(group, reference):
     half = TRAIN.num_steps // 2
-    train_on_group(group, JOB, execution(LAYOUTS["DP4xEP4"]), RUN, end_step=half)
+    train_on_group(group, JOB, at_full_speed(LAYOUTS["DP4xEP4"]), RUN, end_step=half)
     state = merge_states(group.call("export_state"))
     assert state["model"]["blocks.1.mlp.experts.up"].shape == (4, 32, 128)  # canonical: every expert, by index
     assert state["optimizer"]["blocks.1.mlp.experts.up"]["exp_avg"].shape == (4, 32, 128)
-    resumed = train_on_group(group, JOB, execution(ParallelLayout(dp=4, ep=2)), RUN, start_step=half,
+    resumed = train_on_group(group, JOB, at_full_speed(ParallelLayout(dp=4, ep=2)), RUN, start_step=half,
                              initial_state=state)
     assert [m.loss for m in resumed] == pytest.approx(reference[half:], rel=1e-4)
 
@@ -71,5 +64,5 @@ def test_a_pipeline_over_dense_and_moe_layers_splits_them_by_cost_and_matches_on
     job = TrainJob(model=model, train=TrainConfig(num_steps=6, global_batch_size=8, micro_batch_size=2, seed=3))
     layout = ParallelLayout(pp=2, dp=2, ep=2)
     assert job.plugin.layers_per_stage(layout) == (3, 1)  # one MoE layer costs more than two dense ones
-    losses = [m.loss for m in train_on_group(group, job, execution(layout), RUN)]
+    losses = [m.loss for m in train_on_group(group, job, at_full_speed(layout), RUN)]
     assert losses == pytest.approx(reference_losses(job), rel=1e-4)
