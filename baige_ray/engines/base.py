@@ -149,9 +149,14 @@ class Engine(ABC):
     def take_expert_traffic(self) -> dict:
         """This step's routed slots per expert of each MoE layer held here (tensor-parallel peers see the
         same tokens, so only TP rank 0 counts them) and the seconds spent in expert all-to-alls."""
-        counts, seconds = zip(*(layer.traffic.take() for layer in self.expert_layers))
+        counts, seconds = zip(*(layer.traffic.take(self.forwards_per_step) for layer in self.expert_layers))
         per_layer = [c.tolist() if c is not None and self.coords.tp == 0 else [] for c in counts]
         return {"expert_tokens": per_layer, "all_to_all_s": sum(seconds)}
+
+    @property
+    def forwards_per_step(self) -> int | None:
+        """Forwards of each layer a step runs, where a step may run extra ones to discard; None: all count."""
+        return None
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         indices = replica_sample_range(step, self.coords.dp, self.replica_batches)

@@ -19,6 +19,7 @@ from torch import nn
 from baige_ray.engines.base import Engine, SlowChipEmulator
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.state import ADAM_KEYS, CanonicalState
+from baige_ray.models.aux_loss import auxiliary_losses
 from baige_ray.runtime.train_loop import TrainJob, build_optimizer
 
 
@@ -44,6 +45,7 @@ class DeepSpeedEngine(Engine):
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(dist.get_rank()), str(dist.get_world_size())
         (model,) = self.build_stages()  # ZeRO needs no pipeline: one stage holds the whole model
         self.emulators = [SlowChipEmulator(model, self.emulated_speed)]
+        self.expert_layers = self.plugin.expert_modules(model)
         self.zero_stage = int(layout.data_parallel.removeprefix("zero"))
         self.engine, _, _, _ = deepspeed.initialize(
             model=model,
@@ -64,14 +66,16 @@ class DeepSpeedEngine(Engine):
         micro = self.job.train.micro_batch_size or self.per_replica_batch
         num_micro = self.per_replica_batch // micro
         losses = []
-        for index in range(num_micro):
-            chunk = slice(index * micro, (index + 1) * micro)
-            loss = self.plugin.loss(self.engine(inputs[chunk].to(self.device)), targets[chunk].to(self.device))
-            self.engine.backward(loss)  # DeepSpeed scales by 1 / gradient_accumulation_steps
-            if index < num_micro - 1:
-                self.engine.step()  # a micro-step: DeepSpeed only accumulates here
-            losses.append(loss.item())
-        return sum(losses) / num_micro
+        # DeepSpeed scales the loss by 1 / gradient_accumulation_steps; auxiliary losses get the same weight.
+        with auxiliary_losses(weight=1.0 / num_micro) as aux:
+            for index in range(num_micro):
+                chunk = slice(index * micro, (index + 1) * micro)
+                loss = self.plugin.loss(self.engine(inputs[chunk].to(self.device)), targets[chunk].to(self.device))
+                self.engine.backward(loss)
+                if index < num_micro - 1:
+                    self.engine.step()  # a micro-step: DeepSpeed only accumulates here
+                losses.append(loss.item())
+        return (sum(losses) + aux.total) / num_micro
 
     def optimizer_step(self) -> None:
         self.engine.step()  # the accumulation boundary: reduce, clip, update

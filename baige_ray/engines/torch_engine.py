@@ -25,7 +25,7 @@ from baige_ray.engines.base import Engine, SlowChipEmulator
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.pipeline_schedule import ScheduleRunAhead1F1B
 from baige_ray.engines.state import CanonicalState, export_module_state, import_module_state
-from baige_ray.models.aux_loss import auxiliary_losses
+from baige_ray.models.aux_loss import auxiliary_losses, mark_forward
 from baige_ray.runtime.train_loop import TrainJob, build_optimizer
 
 
@@ -78,8 +78,7 @@ class TorchEngine(Engine):
         """ids of the parameters sharded by expert index: their gradients are reduced over edp, not dp."""
         if self.layout.ep == 1:
             return set()
-        return {id(param) for stage in self.stages for module in self.plugin.expert_modules(stage)
-                for param in module.parameters() if isinstance(param, DTensor)}
+        return {id(param) for layer in self.expert_layers for param in layer.parameters() if isinstance(param, DTensor)}
 
     def _find_tp_replicated_parameters(self) -> list[nn.Parameter]:
         """Parameters whole on every TP rank whose gradient each rank computes only in part."""
@@ -114,6 +113,10 @@ class TorchEngine(Engine):
     def _build_schedule(self):
         num_micro = self.layout.microbatches(self.per_replica_batch)
         pp_group = self.meshes["pp"].get_group()
+        # torch's first step also runs each stage once on uninitialized inputs to infer shapes: marking
+        # every forward lets the step count only its own micro-batches' auxiliary losses and expert load.
+        for stage in self.stages:
+            stage.register_forward_pre_hook(lambda *_: mark_forward())
         pipeline_stages = [
             PipelineStage(module, index, self.layout.num_stages, self.device, group=pp_group)
             for module, index in zip(self._wrapped, self.layout.stage_indices(self.coords.pp))
@@ -146,16 +149,15 @@ class TorchEngine(Engine):
         kwargs = {"target": targets, "losses": losses} if holds_last else {}
         num_micro = self.layout.microbatches(self.per_replica_batch)
         with auxiliary_losses(weight=1.0) as aux:  # the schedule divides all gradients by the micro-batch count
-            hooks = [stage.register_forward_pre_hook(lambda *_: aux.start_forward()) for stage in self.stages]
-            try:
-                self.schedule.step(*args, **kwargs)
-            finally:
-                for hook in hooks:
-                    hook.remove()
-        # Only the step's own forwards: torch's first step also runs each stage once on uninitialized
-        # inputs to infer shapes, and that forward's auxiliary loss is meaningless.
+            self.schedule.step(*args, **kwargs)
+        # Only the step's own forwards (see _build_schedule).
         aux_mean = self._pipeline_auxiliary_loss(aux.total_of_last(num_micro * len(self.stages)) / num_micro)
         return float(torch.stack(losses).detach().mean()) + aux_mean if holds_last else None
+
+    @property
+    def forwards_per_step(self) -> int | None:
+        # A pipeline's first step adds a shape-inference forward: count the micro-batches' only.
+        return self.layout.microbatches(self.per_replica_batch) if self.schedule is not None else None
 
     def _pipeline_auxiliary_loss(self, local_mean: float) -> float:
         """Every stage's layers add their auxiliary losses; the sum reaches the last stage, which reports it."""

@@ -57,6 +57,13 @@ def auxiliary_losses(weight: float = 1.0) -> Iterator[AuxiliaryLosses]:
         _active.reset(token)
 
 
+def mark_forward() -> None:
+    """Start a new forward pass in the active collector, if any (engines call it from a forward pre-hook)."""
+    collector = _active.get()
+    if collector is not None:
+        collector.start_forward()
+
+
 class _AttachLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, loss: torch.Tensor, weight: float) -> torch.Tensor:

@@ -73,20 +73,21 @@ class MoEConfig:
 
 
 class ExpertTraffic:
-    """What one MoE layer routed on this rank since the last `take`: slots per expert (this rank's
-    tokens, before dispatch) and seconds spent in its all-to-alls, forward and backward."""
+    """What one MoE layer routed on this rank since the last `take`: slots per expert of each forward
+    (this rank's tokens, before dispatch) and seconds spent waiting in its all-to-alls."""
 
     def __init__(self) -> None:
-        self.tokens_per_expert: torch.Tensor | None = None
+        self.forward_counts: list[torch.Tensor] = []
         self.all_to_all_s = 0.0
 
     def count(self, counts: torch.Tensor) -> None:
-        counts = counts.detach()
-        self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
+        self.forward_counts.append(counts.detach())
 
-    def take(self) -> tuple[torch.Tensor | None, float]:
-        taken = (self.tokens_per_expert, self.all_to_all_s)
-        self.tokens_per_expert, self.all_to_all_s = None, 0.0
+    def take(self, last_forwards: int | None = None) -> tuple[torch.Tensor | None, float]:
+        """(slots per expert summed over the last `last_forwards` forwards, None: all; seconds), and reset."""
+        counted = self.forward_counts[-last_forwards:] if last_forwards else self.forward_counts
+        taken = (torch.stack(counted).sum(dim=0) if counted else None, self.all_to_all_s)
+        self.forward_counts, self.all_to_all_s = [], 0.0
         return taken
 
 
@@ -235,20 +236,15 @@ def exchange_with_experts(slots: torch.Tensor, counts: torch.Tensor, experts: Gr
     received_counts = received_counts.view(ranks, local_experts)  # [source rank, local expert]
     send_splits = counts.view(ranks, local_experts).sum(dim=1).tolist()
     receive_splits = received_counts.sum(dim=1).tolist()
-    if alongside_dispatch is None:
-        received, alongside = all_to_all(slots, receive_splits, send_splits, group, traffic), None
-    else:
-        pending: list[dist.Work] = []
-        in_flight = _AllToAllStart.apply(slots, receive_splits, send_splits, group, traffic, pending)
-        alongside = alongside_dispatch()
-        received = _AllToAllWait.apply(in_flight, pending, traffic)
+    received, alongside = all_to_all(slots, receive_splits, send_splits, group, traffic, alongside_dispatch)
     # Received rows come source-major; the experts want them expert-major.
     expert_of_row = torch.arange(local_experts, device=slots.device).repeat(ranks).repeat_interleave(
         received_counts.reshape(-1))
     by_expert = torch.argsort(expert_of_row, stable=True)
     outputs = experts(received[by_expert], received_counts.sum(dim=0).tolist())
     source_major = outputs[inverse_permutation(by_expert)]
-    return all_to_all(source_major, send_splits, receive_splits, group, traffic), alongside
+    combined, _ = all_to_all(source_major, send_splits, receive_splits, group, traffic)
+    return combined, alongside
 
 
 def inverse_permutation(permutation: torch.Tensor) -> torch.Tensor:
@@ -257,22 +253,9 @@ def inverse_permutation(permutation: torch.Tensor) -> torch.Tensor:
     return inverse
 
 
-class _AllToAll(torch.autograd.Function):
-    """Rows of `tensor` split by `input_splits` to the group's ranks; the backward sends gradients back."""
-
-    @staticmethod
-    def forward(ctx, tensor, output_splits, input_splits, group, traffic):
-        ctx.output_splits, ctx.input_splits, ctx.group, ctx.traffic = output_splits, input_splits, group, traffic
-        return _timed_all_to_all(tensor, output_splits, input_splits, group, traffic)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        grad_input = _timed_all_to_all(grad_output, ctx.input_splits, ctx.output_splits, ctx.group, ctx.traffic)
-        return grad_input, None, None, None, None
-
-
 class _AllToAllStart(torch.autograd.Function):
-    """`_AllToAll`'s forward issued without waiting: `pending` receives the work `_AllToAllWait` waits for."""
+    """Rows of `tensor` split by `input_splits` to the group's ranks, issued without waiting: `pending`
+    receives the work `_AllToAllWait` waits for. The backward sends the gradients back."""
 
     @staticmethod
     def forward(ctx, tensor, output_splits, input_splits, group, traffic, pending):
@@ -284,7 +267,11 @@ class _AllToAllStart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_input = _timed_all_to_all(grad_output, ctx.input_splits, ctx.output_splits, ctx.group, ctx.traffic)
+        grad_input = grad_output.new_empty((sum(ctx.input_splits), *grad_output.shape[1:]))
+        started = time.perf_counter()
+        dist.all_to_all_single(grad_input, grad_output.contiguous(), ctx.input_splits, ctx.output_splits,
+                               group=ctx.group)
+        ctx.traffic.all_to_all_s += time.perf_counter() - started
         return grad_input, None, None, None, None, None
 
 
@@ -301,16 +288,11 @@ class _AllToAllWait(torch.autograd.Function):
         return grad_output, None, None
 
 
-def _timed_all_to_all(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                      group: dist.ProcessGroup, traffic: ExpertTraffic) -> torch.Tensor:
-    output = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
-    started = time.perf_counter()
-    dist.all_to_all_single(output, tensor.contiguous(), output_splits, input_splits, group=group)
-    traffic.all_to_all_s += time.perf_counter() - started
-    return output
-
-
-def all_to_all(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int],
-               group: dist.ProcessGroup, traffic: ExpertTraffic) -> torch.Tensor:
-    """Differentiable uneven all-to-all of rows (dim 0), its time added to `traffic`."""
-    return _AllToAll.apply(tensor, output_splits, input_splits, group, traffic)
+def all_to_all(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup,
+               traffic: ExpertTraffic, alongside: Callable[[], Any] | None = None) -> tuple[torch.Tensor, Any]:
+    """Differentiable uneven all-to-all of rows (dim 0), its waiting time added to `traffic`; `alongside`
+    runs while the rows are in flight. Returns (rows received, what `alongside` returned)."""
+    pending: list[dist.Work] = []
+    in_flight = _AllToAllStart.apply(tensor, output_splits, input_splits, group, traffic, pending)
+    result = alongside() if alongside is not None else None
+    return _AllToAllWait.apply(in_flight, pending, traffic), result

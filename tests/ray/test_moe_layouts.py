@@ -26,6 +26,7 @@ JOB = TrainJob(model=MODEL, train=TRAIN)
 RUN = RunConfig(show_progress=False)
 LAYOUTS = {
     "DP4 (experts replicated)": ParallelLayout(dp=4),
+    "ZeRO-2 x4 (DeepSpeed, experts replicated)": ParallelLayout(dp=4, data_parallel="zero2"),
     "DP4xEP4": ParallelLayout(dp=4, ep=4),
     "DP2xEP2xTP2": ParallelLayout(dp=2, ep=2, tp=2),
     "PP2xDP2xEP2": ParallelLayout(pp=2, dp=2, ep=2),

@@ -178,3 +178,18 @@ def test_pipeline_stages_split_by_cost_when_dense_and_moe_layers_differ():
     assert mixed.layers_per_stage(ParallelLayout(pp=2, stage_layers=(3, 3))) == (3, 3)  # the user's split wins
     dense = plugin_for(GPTConfig(seq_len=16, hidden=32, num_layers=5))
     assert dense.layers_per_stage(ParallelLayout(pp=2)) == (3, 2)  # equal blocks: the even split, as before
+
+
+def test_expert_traffic_can_count_only_a_steps_last_forwards():
+    """A pipeline's first step runs a shape-inference forward first; the engine counts the micro-batches' only."""
+    from baige_ray.models.moe import ExpertTraffic
+
+    traffic = ExpertTraffic()
+    for counts in ([9, 9], [1, 2], [3, 4]):
+        traffic.count(torch.tensor(counts))
+    traffic.all_to_all_s = 0.5
+    counts, seconds = traffic.take(last_forwards=2)
+    assert counts.tolist() == [4, 6] and seconds == 0.5
+    assert traffic.take() == (None, 0.0)  # taking resets
+    traffic.count(torch.tensor([1, 1]))
+    assert traffic.take()[0].tolist() == [1, 1]
