@@ -5,8 +5,9 @@ Each level runs `streams` client threads for `--seconds`, each sending one reque
 
 - `builtin`: the continuous-batching engine with its KV cache (serving/engine.py) on its own thread,
   as a replica runs it; tokens are timed as they stream out;
-- `vllm` (`--model llama-tiny`, vLLM installed): vLLM's engine in this process (serving/vllm_engine.py)
-  on the same weights, stepped and timed exactly like `builtin`;
+- `vllm` (vLLM installed): vLLM's engine in this process (serving/vllm_engine.py) on the same weights,
+  loaded from the model's Hugging Face directory (the reference GPT as GPT-2), stepped and timed
+  exactly like `builtin`;
 - `sampler`: what replicas ran before it: requests grouped as `@serve.batch` did (up to 8, 10 ms
   wait), then generated together; the reference GPT re-runs its window for every token
   (serving/sampling.py), a Hugging Face model runs the length-grouped cached loop
@@ -46,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=6.0, help="measured time per level and engine")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
-                        help="vllm runs with --model llama-tiny only; elsewhere the result says why it did not")
+                        help="vllm runs where vLLM is installed; elsewhere the result says why it did not")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -282,19 +283,21 @@ def _describe(error: Exception) -> str:
     return f"{type(error).__name__}: {error}".strip()
 
 
-def _start_vllm(setup: _Setup, args: argparse.Namespace, max_batch_size: int) -> _VLLM:
+def _start_vllm(setup: _Setup, args: argparse.Namespace, max_batch_size: int, tmp: str) -> _VLLM:
     import os
 
     from baige_ray.bench import serve_vllm
+    from baige_ray.models.plugin import plugin_for
 
     if "vllm" not in args.systems:
         return _VLLM()
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # before vLLM's import: stdout is the result's
-    reason = serve_vllm.unavailable_reason(args.model)
+    reason = serve_vllm.unavailable_reason()
     if reason is not None:
         return _VLLM(skipped=reason)
     try:
-        engine = serve_vllm.build_engine(setup.model.path, setup.weights, max_batch_size=max_batch_size,
+        directory = plugin_for(setup.model).save_hf_directory(Path(tmp) / "served", setup.weights, step=0)
+        engine = serve_vllm.build_engine(setup.model, directory, max_batch_size=max_batch_size,
                                          max_context=setup.generator.decoder.max_context)
         _run_engine(engine, setup.prompts, 2, 1.0, args.new_tokens)  # warm up
     except Exception as error:  # vLLM's failures belong in the result beside the other systems' figures
@@ -328,7 +331,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _run_engine(builtin, setup.prompts, 2, 1.0, args.new_tokens)
         if "sampler" in args.systems:
             _run_sampler(setup.sample, setup.prompts, 2, 1.0, args.new_tokens)
-        vllm = _start_vllm(setup, args, max_batch_size)
+        vllm = _start_vllm(setup, args, max_batch_size, tmp)
         levels: dict[str, dict[str, Any]] = {}
         for streams in args.streams:
             row: dict[str, Any] = {}

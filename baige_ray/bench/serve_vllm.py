@@ -3,8 +3,9 @@
 Handoff is the time a running vLLM engine takes to serve training's next state:
 
 - in memory: `VLLMEngine.load_weights` (vLLM's `reload_weights`), what a replica runs between two steps;
-- from disk: the project's Hugging Face export writes the state as a checkpoint (models/hf/export.py),
-  then a new engine loads that directory the way vLLM loads any model. A real restart also starts a
+- from disk: the model's plug-in writes the state as a Hugging Face directory (`save_hf_directory`:
+  models/hf/export.py, or GPT-2's form for the reference GPT), then a new engine loads that directory
+  the way vLLM loads any model. A real restart also starts a
   process and imports vLLM; neither is counted, so `restart_s` is a lower bound.
 
 Both paths end holding the same state; their greedy tokens are compared as a check that each served it.
@@ -23,11 +24,8 @@ CHECK_PROMPTS = 4
 CHECK_TOKENS = 8
 
 
-def unavailable_reason(model_name: str) -> str | None:
-    """Why vLLM cannot join the comparison for `--model model_name`, or None when it can."""
-    if model_name != "llama-tiny":
-        return (f"--model {model_name} is the reference GPT, which vLLM does not implement; "
-                "vLLM serves Hugging Face models (--model llama-tiny)")
+def unavailable_reason() -> str | None:
+    """Why vLLM cannot join the comparison, or None when it can."""
     from baige_ray.serving.vllm_engine import vllm_available
 
     if not vllm_available():
@@ -35,13 +33,15 @@ def unavailable_reason(model_name: str) -> str | None:
     return None
 
 
-def build_engine(model_dir: str | Path, weights: dict | None, *, max_context: int, max_batch_size: int):
-    """A VLLMEngine on `weights` (None: the directory's own files); no eos stop, like the built-in engine here."""
+def build_engine(model, directory: Path, *, max_context: int, max_batch_size: int):
+    """A VLLMEngine on the Hugging Face directory `directory` of `model` (config, tokenizer, weights);
+    no eos stop, like the built-in engine here."""
+    from baige_ray.models.plugin import plugin_for
     from baige_ray.serving.engine import EngineLimits
     from baige_ray.serving.vllm_engine import VLLMEngine, VLLMSettings
 
-    return VLLMEngine(VLLMSettings(model_dir=str(model_dir), max_context=max_context), weights, eos_token_id=None,
-                      limits=EngineLimits(max_batch_size=max_batch_size))
+    return VLLMEngine(VLLMSettings(model_dir=str(directory), max_context=max_context), None, eos_token_id=None,
+                      limits=EngineLimits(max_batch_size=max_batch_size), served_weights=plugin_for(model).vllm_weights)
 
 
 def measure_handoff(engine, model, directory: Path, prompts: Sequence[list[int]], *,
@@ -49,11 +49,11 @@ def measure_handoff(engine, model, directory: Path, prompts: Sequence[list[int]]
     """Push a new state into `engine` in memory, then restart from a checkpoint of it. Closes `engine`."""
     import torch
 
-    from baige_ray.models.hf.export import WEIGHTS_FILE, save_hf_checkpoint
     from baige_ray.models.plugin import plugin_for
 
+    plugin = plugin_for(model)
     torch.manual_seed(1)
-    state = plugin_for(model).build_model().state_dict()  # training's next state: the same names, new values
+    state = plugin.build_model().state_dict()  # training's next state: the same names, new values
     reloads = []
     for _ in range(HANDOFF_RELOADS):
         started = time.perf_counter()
@@ -62,16 +62,16 @@ def measure_handoff(engine, model, directory: Path, prompts: Sequence[list[int]]
     in_place = greedy_tokens(engine, prompts[:CHECK_PROMPTS])
     engine.close()  # a restart replaces the engine; vLLM's process-wide state holds one at a time
     started = time.perf_counter()
-    checkpoint = save_hf_checkpoint(directory, state, model, step=1)
+    checkpoint = plugin.save_hf_directory(directory, state, step=1)
     written = time.perf_counter()
-    restarted = build_engine(checkpoint, None, max_context=engine.max_context, max_batch_size=max_batch_size)
+    restarted = build_engine(model, checkpoint, max_context=engine.max_context, max_batch_size=max_batch_size)
     loaded = time.perf_counter()
     try:
         from_disk = greedy_tokens(restarted, prompts[:CHECK_PROMPTS])
     finally:
         restarted.close()
     return handoff_summary(reloads, written - started, loaded - written,
-                           checkpoint_bytes=(checkpoint / WEIGHTS_FILE).stat().st_size,
+                           checkpoint_bytes=sum(path.stat().st_size for path in checkpoint.glob("*.safetensors")),
                            same_tokens=in_place == from_disk)
 
 

@@ -131,3 +131,32 @@ class GPTPlugin(ModelPlugin):
         from baige_ray.serving.generators import ByteCodec, TextGenerator
 
         return TextGenerator(GPTDecoder(self.build_inference_model(weights)), ByteCodec())
+
+    def build_vllm_engine(self, weights: dict[str, torch.Tensor], limits):
+        """vLLM runs the GPT as the GPT-2 model it is (models/gpt_hf.py), with a byte-level tokenizer."""
+        import tempfile
+
+        from baige_ray.models.gpt_hf import check_gpt2_compatible, write_gpt2_directory
+        from baige_ray.serving.generators import ByteCodec
+        from baige_ray.serving.vllm_engine import VLLMEngine, VLLMSettings
+
+        check_gpt2_compatible(self.config)
+        codec = ByteCodec()
+        # vLLM reads the directory's config and tokenizer once, while it builds the engine; the weights
+        # come from memory.
+        with tempfile.TemporaryDirectory(prefix="baige-gpt2-") as directory:
+            write_gpt2_directory(Path(directory), self.config)
+            settings = VLLMSettings(model_dir=directory, max_context=self.config.seq_len)
+            engine = VLLMEngine(settings, weights, eos_token_id=codec.eos_token_id, limits=limits,
+                                served_weights=self.vllm_weights)
+        return engine, codec
+
+    def vllm_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from baige_ray.models.gpt_hf import to_gpt2_weights
+
+        return to_gpt2_weights(weights, self.config)
+
+    def save_hf_directory(self, directory: Path, weights: dict[str, torch.Tensor], *, step: int) -> Path:
+        from baige_ray.models.gpt_hf import write_gpt2_directory
+
+        return write_gpt2_directory(directory, self.config, weights)

@@ -187,6 +187,15 @@ class ModelPlugin(ABC):
         """(a `serving.vllm_engine.VLLMEngine` holding `weights`, its `TextCodec`), for serve(engine="vllm")."""
         raise ValueError(f"{self.describe()} has no vLLM implementation: serve it with engine='builtin'")
 
+    def vllm_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Canonical weights under the names and layout of the model class vLLM runs for this model."""
+        return weights
+
+    def save_hf_directory(self, directory: Path, weights: dict[str, torch.Tensor], *, step: int) -> Path:
+        """The model as a Hugging Face directory (config.json, safetensors, tokenizer) that
+        transformers' `from_pretrained` and vLLM load; returns its path."""
+        raise ValueError(f"{self.describe()} has no Hugging Face form")
+
 
 def register_model(config_type: type) -> Callable[[type[ModelPlugin]], type[ModelPlugin]]:
     """Class decorator: `@register_model(MyConfig) class MyPlugin(ModelPlugin): ...`."""

