@@ -49,8 +49,21 @@ def llama_config(**overrides):
     return LlamaConfig(**values)
 
 
-def build_tiny_hf(root: Path, *, seed: int = 0, **config_overrides) -> TinyHF:
-    """A saved Llama-architecture model with its own tokenizer, and a TokenDataset of SEQ_LEN sequences."""
+def mixtral_config(**overrides):
+    """A tiny Mixtral: 4 experts, top-2, transformers' load-balancing loss on (coefficient 0.05)."""
+    from transformers import MixtralConfig
+
+    values = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+                  num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.05,
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    values.update(overrides)
+    return MixtralConfig(**values)
+
+
+def build_tiny_hf(root: Path, *, seed: int = 0, family=llama_config, **config_overrides) -> TinyHF:
+    """A saved model (`family` makes its config: Llama architecture by default) with its own tokenizer,
+    and a TokenDataset of SEQ_LEN sequences."""
     from transformers import AutoModelForCausalLM
 
     from baige_ray.models.token_dataset import TokenDataset
@@ -60,8 +73,7 @@ def build_tiny_hf(root: Path, *, seed: int = 0, **config_overrides) -> TinyHF:
     files = text_files(root / "text")
     tokenizer_dir = train_bpe_tokenizer(files, root / "tokenizer", vocab_size=VOCAB_SIZE)
     tokenizer = load_tokenizer(tokenizer_dir)
-    config = llama_config(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                          **config_overrides)
+    config = family(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(root / "model")
@@ -71,7 +83,10 @@ def build_tiny_hf(root: Path, *, seed: int = 0, **config_overrides) -> TinyHF:
 
 
 def plain_transformers_losses(model_dir: Path, dataset, train, num_steps: int | None = None) -> list[float]:
-    """Losses of the `transformers` model trained by a plain PyTorch loop over the whole global batch."""
+    """Losses of the `transformers` model trained by a plain PyTorch loop over the global batch, in
+    micro-batches of `train.micro_batch_size` (default: all of it) whose gradients accumulate. A
+    mixture-of-experts model adds its load-balancing loss per micro-batch, as transformers' forward
+    adds it to each batch it sees."""
     from transformers import AutoModelForCausalLM
 
     from baige_ray.runtime.train_loop import build_optimizer, learning_rate_at
@@ -85,14 +100,22 @@ def plain_transformers_losses(model_dir: Path, dataset, train, num_steps: int | 
             group["lr"] = learning_rate_at(step, train)
         batch = range(step * train.global_batch_size, (step + 1) * train.global_batch_size)
         inputs, targets = dataset.batch(batch, train.seed)
-        logits = model(input_ids=inputs).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        loss.backward()
+        micro = train.micro_batch_size or train.global_batch_size
+        loss = 0.0
+        for start in range(0, train.global_batch_size, micro):
+            output = model(input_ids=inputs[start : start + micro])
+            logits = output.logits
+            micro_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                           targets[start : start + micro].reshape(-1))
+            if getattr(output, "aux_loss", None) is not None:
+                micro_loss = micro_loss + model.config.router_aux_loss_coef * output.aux_loss
+            (micro_loss * micro / train.global_batch_size).backward()
+            loss += micro_loss.item() * micro / train.global_batch_size
         if train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(loss)
     return losses
 
 

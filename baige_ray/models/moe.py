@@ -191,22 +191,36 @@ class MoELayer(nn.Module):
 
     def _routed_experts(self, tokens: torch.Tensor, routing: Routing, *,
                         alongside_dispatch: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
-        """Each token's gate-weighted sum of its k experts' outputs, and what `alongside_dispatch`
-        returned, run while the tokens travel to their experts' ranks."""
-        flat_experts = routing.experts.reshape(-1)
-        order = torch.argsort(flat_experts, stable=True)  # slots grouped by expert, token order kept
-        token_of_slot = order // self.config.top_k
-        counts = torch.bincount(flat_experts, minlength=self.num_experts)
-        self.traffic.count(counts)
-        slots = tokens[token_of_slot]
-        alongside = None
-        if self.expert_group is None:
-            expert_out = self.experts(slots, counts.tolist())
-        else:
-            expert_out, alongside = exchange_with_experts(slots, counts, self.experts, self.expert_group, self.traffic,
-                                                          alongside_dispatch)
-        weighted = expert_out * routing.weights.reshape(-1)[order].unsqueeze(-1)
-        return torch.zeros_like(tokens).index_add_(0, token_of_slot, weighted), alongside
+        return route_to_experts(tokens, routing.experts, routing.weights, self.experts, num_experts=self.num_experts,
+                                group=self.expert_group, traffic=self.traffic, alongside_dispatch=alongside_dispatch)
+
+
+LocalExperts = Callable[[torch.Tensor, list[int]], torch.Tensor]
+"""Runs the experts held here on rows grouped by local expert, `counts[e]` rows for the e-th."""
+
+
+def route_to_experts(tokens: torch.Tensor, expert_index: torch.Tensor, gate_weights: torch.Tensor,
+                     local_experts: LocalExperts, *, num_experts: int, group: dist.ProcessGroup | None,
+                     traffic: ExpertTraffic,
+                     alongside_dispatch: Callable[[], Any] | None = None) -> tuple[torch.Tensor, Any]:
+    """Each token's gate-weighted sum of its k experts' outputs (`expert_index`, `gate_weights`: T x k),
+    and what `alongside_dispatch` returned, run while the tokens travel to their experts' ranks.
+    Without a group every expert is held here."""
+    top_k = expert_index.shape[-1]
+    flat_experts = expert_index.reshape(-1)
+    order = torch.argsort(flat_experts, stable=True)  # slots grouped by expert, token order kept
+    token_of_slot = order // top_k
+    counts = torch.bincount(flat_experts, minlength=num_experts)
+    traffic.count(counts)
+    slots = tokens[token_of_slot]
+    alongside = None
+    if group is None:
+        expert_out = local_experts(slots, counts.tolist())
+    else:
+        expert_out, alongside = exchange_with_experts(slots, counts, local_experts, num_experts, group, traffic,
+                                                      alongside_dispatch)
+    weighted = expert_out * gate_weights.reshape(-1)[order].unsqueeze(-1).to(expert_out.dtype)
+    return torch.zeros_like(tokens).index_add_(0, token_of_slot, weighted.to(tokens.dtype)), alongside
 
 
 class SharedExperts(nn.Module):
@@ -219,7 +233,7 @@ class SharedExperts(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
-def exchange_with_experts(slots: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts,
+def exchange_with_experts(slots: torch.Tensor, counts: torch.Tensor, experts: LocalExperts, num_experts: int,
                           group: dist.ProcessGroup, traffic: ExpertTraffic,
                           alongside_dispatch: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
     """Send each slot (grouped by global expert) to its expert's rank, run the experts there, bring results back;
@@ -229,7 +243,7 @@ def exchange_with_experts(slots: torch.Tensor, counts: torch.Tensor, experts: Gr
     learns through a small all-to-all how many slots each peer sends it per local expert.
     """
     ranks = dist.get_world_size(group)
-    local_experts = experts.num_experts // ranks
+    local_experts = num_experts // ranks
     received_counts = torch.empty_like(counts)
     started = time.perf_counter()
     dist.all_to_all_single(received_counts, counts, group=group)

@@ -127,6 +127,11 @@ class ModelPlugin(ABC):
             self.check_expert_parallel(layout.ep)
 
     @property
+    def max_pipeline_stages(self) -> int | None:
+        """The most pipeline stages the model can be split into (None: one per block)."""
+        return None
+
+    @property
     def supports_uneven_data_parallel(self) -> bool:
         """Whether data-parallel replicas may hold shares of the global batch that differ by a sequence."""
         return True

@@ -24,11 +24,14 @@ class PlanOptions:
     # Whether ZeRO may shard the dense state beside EP > 1; baige-ray's engines run EP with plain
     # data parallelism only, so plans for them (runtime/auto_plan.py) turn this off.
     expert_parallel_with_zero: bool = True
+    max_pp: int | None = None  # the most pipeline stages the model can run in (None: one per layer)
     constants: CostConstants = field(init=False)
 
     def __post_init__(self) -> None:
         require_int("PlanOptions", "top_k", self.top_k, minimum=0)
         require_int("PlanOptions", "max_micro_batch", self.max_micro_batch, minimum=1)
+        if self.max_pp is not None:
+            require_int("PlanOptions", "max_pp", self.max_pp, minimum=1)
         for name, values, allowed in (("zero_stages", self.zero_stages, (0, 1, 2, 3)),
                                       ("recompute", self.recompute, RECOMPUTE), ("mappings", self.mappings, MAPPINGS)):
             object.__setattr__(self, name, tuple(values))

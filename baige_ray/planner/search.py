@@ -136,8 +136,8 @@ def tensor_degrees(model: ModelSpec, hardware: Hardware) -> list[int]:
             if model.num_heads % t == 0 and model.kv_heads % t == 0]
 
 
-def pipeline_degrees(model: ModelSpec, hardware: Hardware, num_slots: int) -> list[int]:
-    top = min(model.num_layers, num_slots)
+def pipeline_degrees(model: ModelSpec, hardware: Hardware, num_slots: int, max_pp: int | None = None) -> list[int]:
+    top = min(model.num_layers, num_slots, max_pp or model.num_layers)
     return [p for p in range(1, top + 1) if hardware.mixed_chips or model.num_layers % p == 0]
 
 
@@ -150,7 +150,7 @@ def enumerate_layouts(model: ModelSpec, options: PlanOptions, hardware: Hardware
             slots = hardware.slots(tp, major)
             if major == "rail" and _rail_major_is_node_major(hardware, tp):
                 continue
-            for pp in pipeline_degrees(model, hardware, len(slots)):
+            for pp in pipeline_degrees(model, hardware, len(slots), options.max_pp):
                 for dp in batch_divisors:
                     if dp * pp > len(slots):
                         break

@@ -55,3 +55,13 @@ def test_too_few_devices_is_infeasible():
     model = ModelSpec(num_layers=2, hidden=64, ffn_hidden=256, num_heads=4, seq_len=8, vocab_size=16, global_batch=4)
     with pytest.raises(InfeasiblePlanError):
         plan(model, graph.without_devices(graph.device_ids))
+
+
+def test_max_pp_keeps_every_candidate_within_that_many_stages():
+    model = load_model_spec(REPO_ROOT / "examples" / "models" / "gpt-small.yaml")
+    free = plan(model, _sim())
+    assert max(a.pp for a in (free, *free.alternatives)) > 1  # the search uses pipelines when allowed
+    single = plan(model, _sim(), PlanOptions(max_pp=1))
+    assert {a.pp for a in (single, *single.alternatives)} == {1}
+    with pytest.raises(ValueError, match="PlanOptions.max_pp"):
+        PlanOptions(max_pp=0)

@@ -1,7 +1,8 @@
 """Write a trained HFModel as a Hugging Face directory that `from_pretrained` loads, committed by a manifest.
 
-config.json (transformers' own writer), model.safetensors (canonical names are the model's own
-names), the tokenizer's files, then baige's manifest.json with the weights' SHA-256, written last:
+config.json (transformers' own writer), model.safetensors (in transformers' own checkpoint layout:
+canonical names are the model's own, with MoE experts written one by one as `save_pretrained`
+writes them), the tokenizer's files, then baige's manifest.json with the weights' SHA-256, written last:
 a directory without a valid manifest was never committed.
 """
 
@@ -27,7 +28,7 @@ def save_hf_checkpoint(directory: Path, weights: dict[str, torch.Tensor], model:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / MANIFEST_FILE).unlink(missing_ok=True)
     tensors = {name: tensor.detach().to("cpu", torch.float32).contiguous() for name, tensor in weights.items()}
-    payload = save(tensors, metadata={"format": "pt"})
+    payload = save(checkpoint_layout(model, tensors), metadata={"format": "pt"})
     write_atomically(directory / WEIGHTS_FILE, lambda handle: handle.write(payload))
     config = model.transformers_config()
     config.architectures = [model.architecture]
@@ -45,6 +46,17 @@ def save_hf_checkpoint(directory: Path, weights: dict[str, torch.Tensor], model:
     }
     write_json_atomically(directory / MANIFEST_FILE, manifest)
     return directory
+
+
+def checkpoint_layout(model: HFModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors under the names and layout transformers' `save_pretrained` writes: the model's
+    own, except for mixture-of-experts models, whose checkpoints hold experts one by one."""
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        module = AutoModelForCausalLM.from_config(model.transformers_config())
+    return {name: tensor.contiguous() for name, tensor in revert_weight_conversion(module, tensors).items()}
 
 
 def is_hf_directory(directory: Path) -> bool:

@@ -14,13 +14,17 @@ from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# The Llama family (RMSNorm, RoPE, grouped-query attention, SwiGLU): one decoder-layer interface,
-# embed_tokens / layers / norm / rotary_emb under `model`, and `lm_head`.
+# The Llama family (RMSNorm, RoPE, grouped-query attention, SwiGLU) and its mixture-of-experts
+# variants (models/hf/moe.py): one decoder-layer interface, embed_tokens / layers / norm /
+# rotary_emb under `model`, and `lm_head`.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 DEFAULT_MAX_SEQ_LEN = 2048
 SAFETENSORS_INDEX = "model.safetensors.index.json"

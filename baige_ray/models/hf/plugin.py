@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from baige_ray.models.hf.model import HFModel, weight_files
+from baige_ray.models.hf.moe import RouterBalanceLoss, install_routed_experts, moe_shape, router_loss_coef
 from baige_ray.models.hf.stage import DecoderStage
 from baige_ray.models.plugin import ModelPlugin, register_model
 
@@ -52,13 +53,48 @@ class HFPlugin(ModelPlugin):
         if self._tied and not (is_first and is_last):
             raise ValueError(f"{self.describe()} ties its input and output embeddings (tie_word_embeddings): "
                              "expected pp=1, the two ends of a pipeline cannot share one weight")
-        return DecoderStage(model, first_layer, last_layer, is_first=is_first, is_last=is_last)
+        stage = DecoderStage(model, first_layer, last_layer, is_first=is_first, is_last=is_last)
+        if self._experts is not None:
+            install_routed_experts(list(stage.layers.values()))
+            if self.has_auxiliary_loss:
+                num_experts, top_k = self._experts
+                stage.router_loss = RouterBalanceLoss(type(model), list(stage.layers.values()), num_experts=num_experts,
+                                                      top_k=top_k, coef=router_loss_coef(self.config.config))
+        return stage
 
     def check_layout(self, layout) -> None:
         super().check_layout(layout)
         if self._tied and layout.pp > 1:
             raise ValueError(f"ParallelLayout.pp={layout.pp} is invalid for {self.describe()}: it ties its input and "
                              "output embeddings (tie_word_embeddings), expected pp=1")
+        if self.has_auxiliary_loss and layout.pp > 1:
+            raise ValueError(f"ParallelLayout.pp={layout.pp} is invalid for {self.describe()}: its load-balancing loss "
+                             "(output_router_logits) is one mean over every layer's routing, which pipeline stages "
+                             "cannot split; expected pp=1, or output_router_logits=False")
+
+    @property
+    def max_pipeline_stages(self) -> int | None:
+        return 1 if self._tied or self.has_auxiliary_loss else None
+
+    # ---- experts -------------------------------------------------------------------------
+
+    @property
+    def _experts(self) -> tuple[int, int] | None:
+        return moe_shape(self.config.config, self.config.architecture)
+
+    def check_expert_parallel(self, ep: int) -> None:
+        if self._experts is None:
+            raise ValueError(f"ParallelLayout.ep={ep} is invalid for {self.describe()}: the model has no experts")
+        if self._experts[0] % ep:
+            raise ValueError(f"ParallelLayout.ep={ep} is invalid: expected a divisor of the model's "
+                             f"{self._experts[0]} experts")
+
+    def expert_modules(self, stage: nn.Module) -> list[nn.Module]:
+        return install_routed_experts(list(stage.layers.values())) if self._experts is not None else []
+
+    @property
+    def has_auxiliary_loss(self) -> bool:
+        return self._experts is not None and router_loss_coef(self.config.config) > 0
 
     def stage_blocks(self, stage: nn.Module) -> list[nn.Module]:
         return list(stage.layers.values())
@@ -66,6 +102,12 @@ class HFPlugin(ModelPlugin):
     def build_stages(self, stage_ranges, device: torch.device, seed: int) -> list[nn.Module]:
         if self.config.path is None:  # fresh weights: every rank draws the same ones from the seed
             return super().build_stages(stage_ranges, device, seed)
+        if self._experts is not None:
+            # Checkpoints store experts one by one (experts.3.w1.weight); transformers' loader fuses them
+            # into the model's tensors. It reads the whole checkpoint on each rank.
+            model = self._load_pretrained().to(device)
+            return [self.build_stage(model, first, last, is_first=is_first, is_last=is_last)
+                    for first, last, is_first, is_last in stage_ranges]
         with torch.device("meta"):
             model = self.build_model()
         stages = [self.build_stage(model, first, last, is_first=is_first, is_last=is_last)
@@ -87,6 +129,12 @@ class HFPlugin(ModelPlugin):
         rotary = stage.base.rotary_emb  # its inverse frequencies are buffers computed at construction
         stage.base.rotary_emb = type(rotary)(config=stage.config).to(device)
 
+    def _load_pretrained(self) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.config.path, config=self.config.transformers_config(),
+                                                    dtype=torch.float32, trust_remote_code=False)
+
     # ---- parallelism ---------------------------------------------------------------------
 
     @property
@@ -94,14 +142,20 @@ class HFPlugin(ModelPlugin):
         return bool(self.config.config.get("tie_word_embeddings", False))
 
     def _block_plan(self) -> dict[str, str]:
+        """transformers' plan per decoder layer; an MoE model's MLPs stay whole on every tensor-parallel
+        rank (expert parallelism splits its experts)."""
         plan = self.config.transformers_config().base_model_tp_plan or {}
-        return {key.split(".*.", 1)[1]: kind for key, kind in plan.items() if ".*." in key}
+        block = {key.split(".*.", 1)[1]: kind for key, kind in plan.items() if ".*." in key}
+        if self._experts is not None:
+            block = {name: kind for name, kind in block.items() if not name.startswith("mlp.")}
+        return block
 
     def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
         config = self.config.config
         sizes = {"num_attention_heads": config["num_attention_heads"],
-                 "num_key_value_heads": config.get("num_key_value_heads") or config["num_attention_heads"],
-                 "intermediate_size": config["intermediate_size"]}
+                 "num_key_value_heads": config.get("num_key_value_heads") or config["num_attention_heads"]}
+        if self._experts is None:  # MoE MLPs are not split by tensor parallelism
+            sizes["intermediate_size"] = config["intermediate_size"]
         for name, size in sizes.items():
             if size % tp:
                 raise ValueError(f"tensor parallel degree {tp} must divide the model's {name}={size}")

@@ -46,6 +46,7 @@ class DecoderStage(nn.Module):
         if is_last:
             self.add_module(head, getattr(causal_lm, head))
         self._layer_types = list(getattr(self.config, "layer_types", None) or [])
+        self.router_loss = None  # a RouterBalanceLoss (moe.py) when the model adds its router's load-balancing loss
 
     @property
     def base(self) -> nn.Module:
@@ -67,7 +68,8 @@ class DecoderStage(nn.Module):
                            position_embeddings=position_embeddings)
         if not self.is_last:
             return hidden
-        return getattr(self, head)(getattr(self.base, norm)(hidden))
+        logits = getattr(self, head)(getattr(self.base, norm)(hidden))
+        return self.router_loss.attach(logits) if self.router_loss is not None else logits
 
     def _masks(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
         """transformers' own causal masks (None where SDPA's is_causal suffices), sliding windows included."""

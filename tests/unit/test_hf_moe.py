@@ -1,0 +1,92 @@
+"""Mixture-of-experts Hugging Face models in baige-ray's stages: the same logits and router loss as transformers."""
+
+import pytest
+import torch
+
+from baige_ray.engines.layout import ParallelLayout
+from baige_ray.models.aux_loss import auxiliary_losses
+from baige_ray.models.hf import HFModel
+from baige_ray.models.hf.export import save_hf_checkpoint
+from baige_ray.models.hf.moe import RoutedExperts
+from baige_ray.models.plugin import plugin_for
+
+SHAPE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=64, tie_word_embeddings=False, output_router_logits=True)
+
+
+def mixtral():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**SHAPE, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+                         router_aux_loss_coef=0.05)
+
+
+def qwen3_moe():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**SHAPE, intermediate_size=96, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                          router_aux_loss_coef=0.05, norm_topk_prob=True, head_dim=16)
+
+
+def qwen2_moe():
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(**SHAPE, intermediate_size=96, moe_intermediate_size=48, shared_expert_intermediate_size=64,
+                          num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.05)
+
+
+def whole_stage(model: HFModel):
+    torch.manual_seed(0)
+    return plugin_for(model).build_stages([(0, model.config["num_hidden_layers"], True, True)], torch.device("cpu"),
+                                          seed=0)[0]
+
+
+@pytest.mark.parametrize("family", [mixtral, qwen3_moe, qwen2_moe])
+def test_stage_computes_transformers_logits_and_router_loss(family):
+    from transformers import AutoModelForCausalLM
+
+    model = HFModel.from_config(family(), seq_len=32)
+    stage = whole_stage(model)
+    assert all(isinstance(layer.mlp.experts, RoutedExperts) for layer in stage.layers.values())
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(model.transformers_config(), dtype=torch.float32)
+    tokens = torch.randint(0, 128, (3, 32))
+    expected = reference(tokens, output_router_logits=True)
+    with auxiliary_losses() as aux:
+        logits = stage(tokens)
+    torch.testing.assert_close(logits, expected.logits, rtol=0, atol=1e-5)
+    assert aux.total == pytest.approx(0.05 * expected.aux_loss.item(), rel=1e-6)
+
+
+def test_export_writes_experts_one_by_one_and_transformers_loads_it(tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    model = HFModel.from_config(mixtral(), seq_len=32)
+    stage = whole_stage(model)
+    save_hf_checkpoint(tmp_path, stage.state_dict(), model, step=3)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
+        names = set(handle.keys())
+    assert "model.layers.1.block_sparse_moe.experts.2.w3.weight" in names
+    assert not any(name.endswith("gate_up_proj") for name in names)
+    tokens = torch.randint(0, 128, (2, 32))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(loaded(tokens).logits, stage(tokens), rtol=0, atol=1e-5)
+    reread = whole_stage(HFModel(tmp_path, seq_len=32))  # through transformers' loader, which fuses the experts
+    torch.testing.assert_close(reread(tokens), stage(tokens), rtol=0, atol=0)
+
+
+def test_layouts_the_router_loss_or_the_expert_count_rule_out():
+    plugin = plugin_for(HFModel.from_config(mixtral(), seq_len=32))
+    with pytest.raises(ValueError, match="ParallelLayout.ep=8 is invalid: expected a divisor of the model's 4 experts"):
+        plugin.check_layout(ParallelLayout(dp=8, ep=8))
+    with pytest.raises(ValueError, match="output_router_logits"):
+        plugin.check_layout(ParallelLayout(pp=2))
+    assert plugin.max_pipeline_stages == 1
+    without_loss = plugin_for(HFModel.from_config(mixtral().to_dict() | {"output_router_logits": False}, seq_len=32))
+    assert not without_loss.has_auxiliary_loss and without_loss.max_pipeline_stages is None
+    without_loss.check_layout(ParallelLayout(pp=2))
+    from tests.hf_helpers import llama_config
+
+    with pytest.raises(ValueError, match="the model has no experts"):
+        plugin_for(HFModel.from_config(llama_config(), seq_len=32)).check_layout(ParallelLayout(dp=2, ep=2))
