@@ -13,6 +13,11 @@ policy, and acts:
   `harvest_share` of a lightly loaded replica's device, or stops k of them. The replicas stay up
   and keep serving throughout: no request is moved, and giving a device back is one training regroup.
 
+A disaggregated application (prefill and decode replicas) counts both sides' replicas as its
+inference devices; a lend's replicas go to whichever side is busier, a reclaim's come from the
+idler one, and while the arbiter holds, one replica at a time may move between the sides as their
+queues shift (policies/disaggregation.py).
+
 A lend takes effect only once its replica is up, so the loop measures how long its own lends take
 (smoothed over the lends so far, starting from `lend_latency_s`) and gives the policy a forecast of
 the request rate that far ahead, from the trend of the rates it observed over `trend_window_s`.
@@ -63,6 +68,8 @@ class ServingSide(Protocol):
     def load(self, window_s: float) -> dict: ...
     def scale(self, num_replicas: int) -> None: ...
     def reload(self, step: int, state_ref: Any) -> None: ...
+    def rebalance(self) -> str | None:
+        """Re-split the replicas among roles by load; why it moved some, or None."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -176,6 +183,7 @@ class ArbiterLoop:
             self._harvest(decision, observation)
         else:
             self._maybe_refresh_weights()
+            self._rebalance()
         return decision
 
     def _lend(self, decision: LendingDecision, observation: LendingObservation) -> None:
@@ -208,6 +216,13 @@ class ArbiterLoop:
         wanted = self.harvested + sign * decision.num_devices
         self.harvested = self.training.harvest(wanted, self.config.harvest_share, decision.reason)
         self._record(decision.action.value, decision, observation, decision.num_devices, started)
+
+    def _rebalance(self) -> None:
+        started = self.clock()
+        moved = self.serving.rebalance()
+        if moved is not None:
+            self.events.record("rebalance", moved, train_devices=self.train_devices, infer_devices=self.infer_devices,
+                               took_s=round(self.clock() - started, 3))
 
     def _publish_weights(self) -> None:
         step, state_ref = self.training.latest_model_state()
@@ -305,6 +320,21 @@ class ServeServingSide:
         # at their next report, so the lend does not wait for them.
         reload_weights(self.info, (step, state_ref), model_config=self.model_config, wait=False)
 
+    def rebalance(self) -> str | None:
+        return None  # one role: nothing to re-split
+
+
+def _serving_side(info: Any, model_config: Any, config: ArbiterConfig) -> ServingSide:
+    if not info.disaggregated:
+        return ServeServingSide(info, model_config)
+    if config.min_infer_devices < info.split.min_replicas:
+        raise ValueError(f"ArbiterConfig.min_infer_devices={config.min_infer_devices} is invalid for a disaggregated "
+                         f"application: expected at least its split's minimum prefill + decode replicas "
+                         f"({info.split.min_replicas})")
+    from baige_ray.actors.disaggregated_serving import DisaggregatedServingSide
+
+    return DisaggregatedServingSide(info, model_config)
+
 
 class PoolArbiter:
     """Ray actor running an ArbiterLoop on a thread; create it with `start_pool_arbiter`."""
@@ -312,7 +342,7 @@ class PoolArbiter:
     def __init__(self, job_name: str, serve_info: Any, model_config: Any, config: ArbiterConfig):
         from baige_ray.ops.metrics import JobMetrics
 
-        self._loop = ArbiterLoop(JobTrainingSide(job_name), ServeServingSide(serve_info, model_config), config)
+        self._loop = ArbiterLoop(JobTrainingSide(job_name), _serving_side(serve_info, model_config, config), config)
         self._metrics = JobMetrics(job=job_name)
         self._lock = threading.Lock()
         self._stop = threading.Event()

@@ -23,7 +23,7 @@ from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.faults import FaultPlan
 from baige_ray.elastic.job import TrainingJob, launch
 from baige_ray.runtime.fit import fit
-from baige_ray.serving import ServeHandleInfo, serve
+from baige_ray.serving import DisaggregationOptions, ServeHandleInfo, serve
 from baige_ray.topology.connect import ClusterSession, open_cluster
 from baige_ray.topology.descriptor import load_descriptor
 
@@ -36,6 +36,7 @@ __all__ = [
     "ClusterSession",
     "CorpusConfig",
     "DeviceInfo",
+    "DisaggregationOptions",
     "ElasticConfig",
     "FaultPlan",
     "GPTConfig",

@@ -18,6 +18,7 @@ BENCHMARK_MODULES: dict[str, str] = {
     "recovery": "baige_ray.bench.recovery",
     "serve": "baige_ray.bench.serve",
     "moe": "baige_ray.bench.moe",
+    "pd": "baige_ray.bench.pd",
 }
 
 

@@ -60,7 +60,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 @dataclass
-class _Record:
+class LatencyRecord:
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -76,7 +76,7 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 @dataclass
-class _Setup:
+class BenchSetup:
     generator: Any  # TextGenerator: the built-in engine's decoder and the prompts' tokenizer
     sample: Callable[[list[list[int]], list[Any]], None]  # the previous sampler on a batch
     prompts: list[list[int]]
@@ -84,7 +84,7 @@ class _Setup:
     weights: dict[str, Any]
 
 
-def _build(model_name: str, tmp: str) -> _Setup:
+def build_setup(model_name: str, tmp: str) -> BenchSetup:
     import torch
 
     import sysconfig
@@ -109,7 +109,7 @@ def _build(model_name: str, tmp: str) -> _Setup:
     for index in range(64):
         start = (index * 997) % (len(text) - 400)
         prompts.append(generator.encode(text[start : start + 20 + (index * 37) % 300])[: 8 + (index * 13) % 120])
-    return _Setup(generator, _sampler_for(model_name, generator), prompts, config, weights)
+    return BenchSetup(generator, _sampler_for(model_name, generator), prompts, config, weights)
 
 
 def _sampler_for(model_name: str, generator):
@@ -137,7 +137,7 @@ def _builtin_engine(generator, max_batch_size: int):
                                     limits=EngineLimits(max_batch_size=max_batch_size))
 
 
-def _run_engine(engine, prompts, streams: int, seconds: float, new_tokens: int) -> _Record:
+def _run_engine(engine, prompts, streams: int, seconds: float, new_tokens: int) -> LatencyRecord:
     """`engine`: the built-in one or vLLM's (submit / step / wait_for_work), stepped on one thread."""
     from baige_ray.serving.causal_lm_generation import SamplingParams
 
@@ -146,7 +146,7 @@ def _run_engine(engine, prompts, streams: int, seconds: float, new_tokens: int) 
             if not engine.step():
                 engine.wait_for_work(0.01)
 
-    def one(index: int, record: _Record, failed: threading.Event) -> None:
+    def one(index: int, record: LatencyRecord, failed: threading.Event) -> None:
         done = threading.Event()
         times: list[float] = []
         submitted = time.perf_counter()
@@ -161,10 +161,10 @@ def _run_engine(engine, prompts, streams: int, seconds: float, new_tokens: int) 
         record.requests += 1
 
     with _background(loop) as failed:
-        return _drive(one, streams, seconds, failed)
+        return drive_clients(one, streams, seconds, failed)
 
 
-def _run_sampler(sample, prompts, streams: int, seconds: float, new_tokens: int) -> _Record:
+def _run_sampler(sample, prompts, streams: int, seconds: float, new_tokens: int) -> LatencyRecord:
     from baige_ray.serving.causal_lm_generation import SamplingParams
 
     inbox: queue.Queue = queue.Queue()
@@ -185,7 +185,7 @@ def _run_sampler(sample, prompts, streams: int, seconds: float, new_tokens: int)
             for item in batch:
                 item[2].set()
 
-    def one(index: int, record: _Record, failed: threading.Event) -> None:
+    def one(index: int, record: LatencyRecord, failed: threading.Event) -> None:
         done = threading.Event()
         submitted = time.perf_counter()
         inbox.put((prompts[index % len(prompts)], SamplingParams(max_new_tokens=new_tokens, temperature=1.0,
@@ -197,7 +197,7 @@ def _run_sampler(sample, prompts, streams: int, seconds: float, new_tokens: int)
         record.requests += 1
 
     with _background(batcher) as failed:
-        return _drive(one, streams, seconds, failed)
+        return drive_clients(one, streams, seconds, failed)
 
 
 @contextlib.contextmanager
@@ -235,9 +235,9 @@ def _wait(done: threading.Event, failed: threading.Event) -> bool:
     return True
 
 
-def _drive(one, streams: int, seconds: float, failed: threading.Event) -> _Record:
+def drive_clients(one, streams: int, seconds: float, failed: threading.Event) -> LatencyRecord:
     """`streams` client threads, each sending requests back to back until `seconds` have passed."""
-    record = _Record()
+    record = LatencyRecord()
     deadline = time.perf_counter() + seconds
     counter = iter(range(10**9))
     lock = threading.Lock()
@@ -258,7 +258,7 @@ def _drive(one, streams: int, seconds: float, failed: threading.Event) -> _Recor
     return record
 
 
-def _summary(record: _Record) -> dict[str, Any]:
+def latency_summary(record: LatencyRecord) -> dict[str, Any]:
     return {
         "tokens_per_s": round(record.tokens / record.elapsed_s, 1), "requests": record.requests,
         "ttft_p50_s": _percentile(record.ttft_s, 0.5), "ttft_p99_s": _percentile(record.ttft_s, 0.99),
@@ -283,7 +283,7 @@ def _describe(error: Exception) -> str:
     return f"{type(error).__name__}: {error}".strip()
 
 
-def _start_vllm(setup: _Setup, args: argparse.Namespace, max_batch_size: int, tmp: str) -> _VLLM:
+def _start_vllm(setup: BenchSetup, args: argparse.Namespace, max_batch_size: int, tmp: str) -> _VLLM:
     import os
 
     from baige_ray.bench import serve_vllm
@@ -305,7 +305,7 @@ def _start_vllm(setup: _Setup, args: argparse.Namespace, max_batch_size: int, tm
     return _VLLM(engine)
 
 
-def _handoff(engine, setup: _Setup, directory: Path, max_batch_size: int) -> dict[str, Any] | str:
+def _handoff(engine, setup: BenchSetup, directory: Path, max_batch_size: int) -> dict[str, Any] | str:
     from baige_ray.bench import serve_vllm
 
     try:
@@ -325,7 +325,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     max_batch_size = max(32, *args.streams)
     with tempfile.TemporaryDirectory(prefix="baige-bench-serve-") as tmp:
-        setup = _build(args.model, tmp)
+        setup = build_setup(args.model, tmp)
         builtin = _builtin_engine(setup.generator, max_batch_size)
         if "builtin" in args.systems:  # warm every path up
             _run_engine(builtin, setup.prompts, 2, 1.0, args.new_tokens)
@@ -336,16 +336,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for streams in args.streams:
             row: dict[str, Any] = {}
             if "builtin" in args.systems:
-                row["builtin"] = _summary(_run_engine(builtin, setup.prompts, streams, args.seconds, args.new_tokens))
+                row["builtin"] = latency_summary(_run_engine(builtin, setup.prompts, streams, args.seconds,
+                                                             args.new_tokens))
             if vllm.engine is not None:
                 try:
-                    row["vllm"] = _summary(_run_engine(vllm.engine, setup.prompts, streams, args.seconds,
-                                                       args.new_tokens))
+                    row["vllm"] = latency_summary(_run_engine(vllm.engine, setup.prompts, streams, args.seconds,
+                                                              args.new_tokens))
                 except Exception as error:
                     vllm = _VLLM(skipped=f"vLLM failed at {streams} streams: {_describe(error)}")
             if "sampler" in args.systems:
-                row["sampler"] = _summary(_run_sampler(setup.sample, setup.prompts, streams, args.seconds,
-                                                       args.new_tokens))
+                row["sampler"] = latency_summary(_run_sampler(setup.sample, setup.prompts, streams, args.seconds,
+                                                              args.new_tokens))
             levels[str(streams)] = {**row, **ratios(row)}
         result: dict[str, Any] = {"model": args.model, "new_tokens": args.new_tokens, "seconds": args.seconds,
                                   "levels": levels}

@@ -20,7 +20,7 @@ from baige_ray.api.validation import require_int
 
 EVENT_KINDS = (
     "plan", "start", "failure", "eviction", "straggler", "resize", "recovered",
-    "lend", "reclaim", "harvest", "unharvest", "checkpoint", "finished", "failed", "controller_restart",
+    "lend", "reclaim", "harvest", "unharvest", "rebalance", "checkpoint", "finished", "failed", "controller_restart",
 )
 # Fields some kinds must carry: the timeline plot and `baige-ray status` read them.
 DEVICE_FIELDS = ("train_devices", "infer_devices")

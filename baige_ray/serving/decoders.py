@@ -22,6 +22,10 @@ from baige_ray.serving.kv_batch import KV
 class KVDecoder(Protocol):
     max_context: int  # positions the model has: prompt plus new tokens must fit
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model, and so the cache it returns, lives."""
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                 past: KV | None) -> tuple[torch.Tensor, KV]: ...
 
@@ -32,6 +36,10 @@ class HFDecoder:
 
         self.model, self.max_context = model.eval(), max_context
         self._options = forward_options(model, use_cache=True)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -55,11 +63,15 @@ class GPTDecoder:
         self.model = model.eval()
         self.max_context = model.config.seq_len
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                 past: KV | None) -> tuple[torch.Tensor, KV]:
         model = self.model
-        device = model.lm_head.weight.device
+        device = self.device
         input_ids, position_ids, attention_mask = input_ids.to(device), position_ids.to(device), attention_mask.to(device)
         rows, new = input_ids.shape
         columns = attention_mask.shape[1]

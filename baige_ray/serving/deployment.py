@@ -8,6 +8,9 @@ Routes (under the application's route prefix):
   GET  v1/models            the one model served (the application's name)
   GET  health               -> {"status": "ok", "step": int, "replica": str, "node_id": str, "devices": [int]}
 
+Callers inside the cluster may also stream a request's token ids through a deployment handle
+(`token_stream`), without HTTP.
+
 Every request joins the replica's continuous batch (serving/engine.py) on the engine's thread, so
 the event loop keeps accepting, streaming and health-checking while the batch computes. A request
 the engine has no room to queue is answered 503 with Retry-After; a malformed one 4xx with a reason.
@@ -35,9 +38,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from baige_ray.models.plugin import plugin_for
 from baige_ray.ops.metrics import ServingMetrics
 from baige_ray.serving.causal_lm_generation import SamplingParams
-from baige_ray.serving.engine import ContinuousBatchingEngine, EngineFull, EngineLimits
+from baige_ray.serving.engine import ContinuousBatchingEngine, EngineFull, EngineLimits, TokenEvent
 from baige_ray.serving.engine_runner import EngineRunner
 from baige_ray.serving.generators import TextOutput
+from baige_ray.serving.ledger import EngineLoad
 from baige_ray.serving.openai_api import (
     CompletionLimits, completion_chunk, completion_response, error_body, models_response,
     parse_completion_request, server_sent_event, usage_chunk,
@@ -56,6 +60,8 @@ ROUTES = {"generate": "POST", "v1/completions": "POST", "v1/chat/completions": "
 
 
 class ModelServer:
+    ROLE = "colocated"  # it prefills and decodes; serving/disaggregation.py has the split roles
+
     async def __init__(self, *, app_name: str, limits: dict, engine_limits: dict, completion_limits: dict | None = None,
                        engine: str = "builtin"):
         torch.set_num_threads(1)  # replicas share few cores with training workers
@@ -183,7 +189,7 @@ class ModelServer:
             respond = chat_response if chat else completion_response
             return JSONResponse(respond(**shape, text=output.text, finish_reason=output.finish_reason,
                                         prompt_tokens=output.prompt_tokens, completion_tokens=output.completion_tokens))
-        pieces = runner.text(prompt, params, parsed.stop)
+        pieces = self._text(runner, prompt, params, parsed.stop)
         first = await anext(pieces)  # submits the request: a full engine raises EngineFull here, before any byte is sent
         events = self._stream_events(first, pieces, shape, chat, parsed.include_usage, started)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -216,11 +222,32 @@ class ModelServer:
                         stop: tuple[str, ...]) -> TextOutput:
         self._ongoing += 1
         try:
-            async with contextlib.aclosing(runner.text(prompt, params, stop)) as pieces:  # closing cancels it
+            async with contextlib.aclosing(self._text(runner, prompt, params, stop)) as pieces:  # closing cancels it
                 async for piece in pieces:
                     if isinstance(piece, TextOutput):
                         return piece
             raise RuntimeError("the engine ended a request without its output")
+        finally:
+            self._ongoing -= 1
+
+    def _text(self, runner: EngineRunner, prompt: list[int], params: SamplingParams,
+              stop: tuple[str, ...]) -> AsyncIterator[str | TextOutput]:
+        return runner.text(prompt, params, stop, events=self._events(runner, prompt, params))
+
+    def _events(self, runner: EngineRunner, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        """The request's token events (a decode replica overrides where they come from); closing it cancels it."""
+        return runner.tokens(prompt, params)
+
+    async def token_stream(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[int]:
+        """The request's token ids as they are sampled, for callers in the cluster (a deployment handle
+        with stream=True: other deployments, benchmarks); no HTTP, no text."""
+        runner = self._require_runner()
+        self._ongoing += 1
+        try:
+            async with contextlib.aclosing(self._events(runner, prompt, params)) as events:
+                async for event in events:
+                    if event.token is not None:
+                        yield event.token
         finally:
             self._ongoing -= 1
 
@@ -248,12 +275,16 @@ class ModelServer:
                 busy_s, self._runner.busy_s = self._runner.busy_s, 0.0
             newest = await self._registry.report.remote(
                 self._replica, latencies, busy_s, self._ongoing, self._version,
-                device=(self._node, self._devices[0]) if self._devices else None,
+                device=(self._node, self._devices[0]) if self._devices else None, engine=self._engine_load(),
             )
             self._metrics.queue_depth(self._ongoing, replica=self._replica)
             if newest != self._version:
                 await self._load_newest_weights()
             await asyncio.sleep(REPORT_INTERVAL_S)
+
+    def _engine_load(self) -> EngineLoad | None:
+        engine = self._runner.engine if self._runner is not None else None
+        return None if engine is None else EngineLoad(self.ROLE, engine.num_waiting, engine.num_running)
 
 
 def _error(status: int, reason: str, *, openai: bool, headers: dict | None = None) -> JSONResponse:

@@ -11,7 +11,12 @@ depend on what it shares the batch with, up to floating-point summation order. T
 request's `on_event` callback as they are sampled (the server streams them); it runs on the
 engine's thread and must not block.
 
-`submit` and `cancel` may be called from any thread; `step` from one thread only (engine_runner.py).
+A request prefilled by another engine (serving/prefill.py: prefill/decode disaggregation) joins
+with `submit_prefilled`: its cache goes straight into the batch and its generator resumes from the
+state the prefill left, so it gets the tokens it would have got here.
+
+`submit`, `submit_prefilled` and `cancel` may be called from any thread; `step` from one thread only
+(engine_runner.py).
 """
 
 from __future__ import annotations
@@ -21,14 +26,18 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
 
 from baige_ray.api.validation import require_int
 from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams, fit_prompt
 from baige_ray.serving.decoders import KVDecoder
-from baige_ray.serving.kv_batch import PaddedKVBatch
+from baige_ray.serving.kv_batch import KV, PaddedKVBatch
 from baige_ray.serving.sampling import sample_token, seeded_generator
+
+if TYPE_CHECKING:
+    from baige_ray.serving.prefill import PrefilledRequest
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,7 @@ class _Request:
     generator: torch.Generator
     generated: int = 0
     last_token: int = 0
+    prefilled: KV | None = None  # the prompt's cache when another engine prefilled it
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -68,14 +78,66 @@ class EngineLimits:
         require_int("EngineLimits", "max_waiting", self.max_waiting, minimum=0)
 
 
+class _Identified(Protocol):
+    id: int
+
+
+RequestT = TypeVar("RequestT", bound=_Identified)
+
+
+class RequestQueue(Generic[RequestT]):
+    """Requests waiting for an engine's thread, and the ids of cancelled ones; safe from any thread."""
+
+    def __init__(self, max_waiting: int):
+        self.max_waiting = max_waiting
+        self._waiting: deque[RequestT] = deque()
+        self._cancelled: set[int] = set()
+        self._work = threading.Condition(threading.Lock())
+        self._ids = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def put(self, request: RequestT) -> None:
+        """Queue a request; raises EngineFull when `max_waiting` are already queued."""
+        with self._work:
+            if len(self._waiting) >= self.max_waiting:
+                raise EngineFull(f"{len(self._waiting)} requests are already waiting for a slot")
+            self._waiting.append(request)
+            self._work.notify()
+
+    def cancel(self, request_id: int) -> None:
+        with self._work:
+            self._cancelled.add(request_id)
+            self._work.notify()
+
+    def take(self) -> RequestT | None:
+        """The longest-waiting request, or None."""
+        with self._work:
+            return self._waiting.popleft() if self._waiting else None
+
+    def take_cancelled(self) -> set[int]:
+        """Ids cancelled since the last call; those still waiting are dropped."""
+        with self._work:
+            cancelled, self._cancelled = self._cancelled, set()
+            if cancelled:
+                self._waiting = deque(r for r in self._waiting if r.id not in cancelled)
+        return cancelled
+
+    def wait(self, timeout_s: float, *, busy: bool) -> None:
+        """Sleep until a request arrives (or `timeout_s` passes), unless `busy` or one is queued."""
+        with self._work:
+            if not self._waiting and not busy:
+                self._work.wait(timeout_s)
+
+
 class ContinuousBatchingEngine:
     def __init__(self, decoder: KVDecoder, *, eos_token_id: int | None, limits: EngineLimits = EngineLimits()):
         self.decoder, self.eos_token_id, self.limits = decoder, eos_token_id, limits
-        self._waiting: deque[_Request] = deque()
-        self._cancelled: set[int] = set()
-        self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)
-        self._ids = itertools.count()
+        self._queue: RequestQueue[_Request] = RequestQueue(limits.max_waiting)
         self._running: list[_Request] = []
         self._cache = PaddedKVBatch()
 
@@ -86,26 +148,40 @@ class ContinuousBatchingEngine:
             raise ValueError("the prompt is empty: a request needs at least one token")
         fitted = fit_prompt(prompt, params.max_new_tokens, self.decoder.max_context)
         request = _Request(
-            id=next(self._ids), prompt=fitted, params=params, on_event=on_event,
+            id=self._queue.next_id(), prompt=fitted, params=params, on_event=on_event,
             budget=min(params.max_new_tokens, self.decoder.max_context - len(fitted)),
             generator=seeded_generator(params.seed),
         )
-        with self._work:
-            if len(self._waiting) >= self.limits.max_waiting:
-                raise EngineFull(f"{len(self._waiting)} requests are already waiting for a slot")
-            self._waiting.append(request)
-            self._work.notify()
+        self._queue.put(request)
+        return request.id
+
+    def submit_prefilled(self, prefilled: PrefilledRequest, on_event: EventSink) -> int:
+        """Queue a request another engine prefilled, to decode from its second token on (its first
+        token was already reported by whoever prefilled it); returns its id. Raises EngineFull."""
+        if prefilled.finish_reason is not None:
+            raise ValueError(f"the prefilled request already finished ({prefilled.finish_reason!r}): "
+                             "there is nothing to decode")
+        if prefilled.prompt_length + prefilled.budget > self.decoder.max_context:
+            raise ValueError(f"a prompt of {prefilled.prompt_length} tokens and {prefilled.budget} new ones exceed "
+                             f"this engine's context of {self.decoder.max_context}: the engines serve different models")
+        generator = torch.Generator()
+        generator.set_state(prefilled.generator_state)
+        device = self.decoder.device
+        request = _Request(
+            id=self._queue.next_id(), prompt=[], params=prefilled.params, on_event=on_event,
+            budget=prefilled.budget, generator=generator, generated=1, last_token=prefilled.first_token,
+            prefilled=[(keys.to(device), values.to(device)) for keys, values in prefilled.kv],
+        )
+        self._queue.put(request)
         return request.id
 
     def cancel(self, request_id: int) -> None:
         """Stop a request (its client went away); it gets no further events."""
-        with self._work:
-            self._cancelled.add(request_id)
-            self._work.notify()
+        self._queue.cancel(request_id)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._queue)
 
     @property
     def max_context(self) -> int:
@@ -118,9 +194,7 @@ class ContinuousBatchingEngine:
     # -- the engine's thread --------------------------------------------------------------------
     def wait_for_work(self, timeout_s: float) -> None:
         """Sleep until a request arrives (or `timeout_s` passes) when nothing is queued or running."""
-        with self._work:
-            if not self._waiting and not self._running:
-                self._work.wait(timeout_s)
+        self._queue.wait(timeout_s, busy=bool(self._running))
 
     def step(self) -> bool:
         """Admit what fits, then decode one token for every running row; False when there was nothing to do."""
@@ -132,22 +206,20 @@ class ContinuousBatchingEngine:
         return bool(admitted or decoding)
 
     def _drop_cancelled(self) -> None:
-        with self._work:
-            cancelled, self._cancelled = self._cancelled, set()
-            if cancelled:
-                self._waiting = deque(r for r in self._waiting if r.id not in cancelled)
+        cancelled = self._queue.take_cancelled()
         if cancelled and any(r.id in cancelled for r in self._running):
             self._keep_rows([i for i, r in enumerate(self._running) if r.id not in cancelled])
 
     def _admit(self) -> int:
         admitted = 0
-        while len(self._running) < self.limits.max_batch_size:
-            with self._work:
-                if not self._waiting:
-                    break
-                request = self._waiting.popleft()
+        while len(self._running) < self.limits.max_batch_size and (request := self._queue.take()) is not None:
             admitted += 1
-            self._prefill(request)
+            if request.prefilled is None:
+                self._prefill(request)
+            else:
+                self._running.append(request)
+                self._cache.add(request.prefilled, request.prefilled[0][0].shape[2])
+                request.prefilled = None
         return admitted
 
     def _prefill(self, request: _Request) -> None:
@@ -187,22 +259,31 @@ class ContinuousBatchingEngine:
         return None
 
 
+class GenerationCollector:
+    """Event sinks that gather each request's tokens and finish reason (tests, warm-up, benches)."""
+
+    def __init__(self, num_requests: int):
+        self._tokens: list[list[int]] = [[] for _ in range(num_requests)]
+        self._reasons: list[FinishReason | None] = [None] * num_requests
+
+    def sink(self, index: int) -> EventSink:
+        def on_event(event: TokenEvent) -> None:
+            if event.token is not None:
+                self._tokens[index].append(event.token)
+            else:
+                self._reasons[index] = event.finish_reason
+        return on_event
+
+    def generations(self) -> list[Generation]:
+        return [Generation(tokens=t, finish_reason=r) for t, r in zip(self._tokens, self._reasons)]
+
+
 def generate_all(engine: ContinuousBatchingEngine, prompts: Sequence[Sequence[int]],
                  params: Sequence[SamplingParams]) -> list[Generation]:
     """Run requests to completion on the calling thread (tests, warm-up): one Generation per prompt."""
-    tokens: list[list[int]] = [[] for _ in prompts]
-    reasons: list[FinishReason | None] = [None] * len(prompts)
-
-    def sink(index: int) -> EventSink:
-        def on_event(event: TokenEvent) -> None:
-            if event.token is not None:
-                tokens[index].append(event.token)
-            else:
-                reasons[index] = event.finish_reason
-        return on_event
-
+    collector = GenerationCollector(len(prompts))
     for index, (prompt, request_params) in enumerate(zip(prompts, params)):
-        engine.submit(prompt, request_params, sink(index))
+        engine.submit(prompt, request_params, collector.sink(index))
     while engine.step():
         pass
-    return [Generation(tokens=t, finish_reason=r) for t, r in zip(tokens, reasons)]
+    return collector.generations()

@@ -7,6 +7,9 @@ health checks while the batch computes. Each request gets an asyncio queue that 
 fills with its `TokenEvent`s; a request whose reader goes away (the client disconnected) is
 cancelled and leaves the batch at the next step. `between_steps` runs a function on the engine's
 thread between two steps (vLLM's in-place weight update).
+
+With prefill/decode disaggregation a prefill replica's runner drives a `PrefillEngine` and answers
+`prefill` with the request's hand-off; a decode replica's runner continues it (`continued`).
 """
 
 from __future__ import annotations
@@ -17,13 +20,16 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from baige_ray.serving.causal_lm_generation import SamplingParams, fit_prompt
 from baige_ray.serving.engine import EventSink, TokenEvent
 from baige_ray.serving.generators import TextCodec, TextOutput
 from baige_ray.serving.openai_api import StopScanner
+
+if TYPE_CHECKING:
+    from baige_ray.serving.prefill import PrefilledRequest
 
 IDLE_WAIT_S = 0.05
 
@@ -84,6 +90,43 @@ class EngineRunner:
 
     async def tokens(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
         """The request's events as they are sampled; raises EngineFull when the queue is full."""
+        async for event in self._events(lambda deliver: self.engine.submit(prompt, params, deliver)):
+            yield event
+
+    async def continued(self, prefilled: PrefilledRequest) -> AsyncIterator[TokenEvent]:
+        """A request another engine prefilled: its first token, then the rest as this engine decodes
+        them; raises EngineFull when the queue is full."""
+        if prefilled.finish_reason is not None:
+            for event in prefilled.first_events():
+                yield event
+            return
+        async for event in self._events(lambda deliver: self.engine.submit_prefilled(prefilled, deliver),
+                                        first=prefilled.first_events()):
+            yield event
+
+    async def prefill(self, prompt: list[int], params: SamplingParams) -> PrefilledRequest:
+        """The request's hand-off once a PrefillEngine ran its prompt; raises EngineFull when the queue is full."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def settle(prefilled: PrefilledRequest) -> None:
+            if not future.done():  # not cancelled meanwhile
+                future.set_result(prefilled)
+
+        def deliver(prefilled: PrefilledRequest) -> None:
+            with contextlib.suppress(RuntimeError):  # the replica's loop is closing: nobody is waiting any more
+                loop.call_soon_threadsafe(settle, prefilled)
+
+        request_id = self.engine.submit(prompt, params, deliver)
+        try:
+            return await future
+        except asyncio.CancelledError:  # the caller went away: its prompt need not run
+            self.engine.cancel(request_id)
+            raise
+
+    async def _events(self, submit: Callable[[EventSink], Any],
+                      first: Sequence[TokenEvent] = ()) -> AsyncIterator[TokenEvent]:
+        """Submit through `submit(deliver)`, then yield `first` and the events the engine delivers."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
@@ -93,9 +136,11 @@ class EngineRunner:
             except RuntimeError:  # the replica's loop is closing: nobody is reading any more
                 pass
 
-        request_id = self.engine.submit(prompt, params, deliver)
+        request_id = submit(deliver)
         finished = False
         try:
+            for event in first:
+                yield event
             while not finished:
                 event = await queue.get()
                 finished = event.token is None
@@ -104,12 +149,15 @@ class EngineRunner:
             if not finished:
                 self.engine.cancel(request_id)
 
-    async def text(self, prompt: list[int], params: SamplingParams,
-                   stop: tuple[str, ...] = ()) -> AsyncIterator[str | TextOutput]:
-        """Text deltas as they are decoded, cut at the first stop string; last, the whole TextOutput."""
+    async def text(self, prompt: list[int], params: SamplingParams, stop: tuple[str, ...] = (),
+                   events: AsyncIterator[TokenEvent] | None = None) -> AsyncIterator[str | TextOutput]:
+        """Text deltas as they are decoded, cut at the first stop string; last, the whole TextOutput.
+
+        The tokens are the request's own on this engine, or `events` (a disaggregated request's)."""
         decoder, scanner = self.codec.decoder(), StopScanner(stop)
         generated, finish_reason = 0, "length"
-        async with contextlib.aclosing(self.tokens(prompt, params)) as events:  # closing cancels the request
+        events = self.tokens(prompt, params) if events is None else events
+        async with contextlib.aclosing(events) as events:  # closing cancels the request
             async for event in events:
                 if event.token is None:
                     finish_reason = event.finish_reason or "length"

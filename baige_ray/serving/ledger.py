@@ -3,7 +3,8 @@
 Replicas report what they finished since their last report: request latencies, the seconds they
 spent computing batches, and how many requests they hold right now. The ledger turns those
 reports into the load figures the pool arbiter decides on (request rate, p99 latency, queue
-depth over a recent window) and into busy device-seconds for utilization.
+depth over a recent window) and into busy device-seconds for utilization. The replicas of a
+disaggregated application also report their role and their engine's queue, which size each side.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from baige_ray.policies.disaggregation import SideLoad
 
 # A replica that has not reported for this long is gone (drained or dead): its queue no longer counts.
 STALE_AFTER_S = 3.0
@@ -45,12 +48,20 @@ class LoadWindow:
         return self.num_requests / self.busy_s if self.busy_s > 0 and self.num_requests else None
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    role: str  # "colocated", "prefill" or "decode"
+    num_waiting: int
+    num_running: int
+
+
 @dataclass
 class _ReplicaRecord:
     last_report: float
     ongoing: int = 0
     busy_s: float = 0.0
     num_requests: int = 0
+    engine: EngineLoad | None = None
 
 
 @dataclass
@@ -61,11 +72,13 @@ class RequestLedger:
     _replicas: dict[str, _ReplicaRecord] = field(default_factory=dict)
 
     def record(
-        self, replica: str, now: float, latencies: Sequence[float], busy_s: float, ongoing: int
+        self, replica: str, now: float, latencies: Sequence[float], busy_s: float, ongoing: int,
+        engine: EngineLoad | None = None,
     ) -> None:
         record = self._replicas.setdefault(replica, _ReplicaRecord(last_report=now))
         record.last_report = now
         record.ongoing = ongoing
+        record.engine = engine
         record.busy_s += busy_s
         record.num_requests += len(latencies)
         self._latencies.extend((now, latency) for latency in latencies)
@@ -86,6 +99,14 @@ class RequestLedger:
             num_replicas=len(live),
             busy_s=sum(busy for reported, busy in self._busy if reported >= now - window_s),
         )
+
+    def side_loads(self, now: float) -> dict[str, SideLoad]:
+        """Per role, the live replicas and their engines' queues as last reported."""
+        engines = [r.engine for r in self._replicas.values() if r.last_report >= now - STALE_AFTER_S and r.engine]
+        return {role: SideLoad(num_replicas=sum(1 for e in engines if e.role == role),
+                               num_waiting=sum(e.num_waiting for e in engines if e.role == role),
+                               num_running=sum(e.num_running for e in engines if e.role == role))
+                for role in sorted({engine.role for engine in engines})}
 
     def live_replicas(self, now: float) -> list[str]:
         return [name for name, r in self._replicas.items() if r.last_report >= now - STALE_AFTER_S]

@@ -14,7 +14,8 @@ import time
 
 import ray
 
-from baige_ray.serving.ledger import RequestLedger
+from baige_ray.policies.disaggregation import SideLoad
+from baige_ray.serving.ledger import EngineLoad, RequestLedger
 
 REGISTRY_NAMESPACE = "baige"
 
@@ -51,13 +52,13 @@ class ServingRegistry:
         return self._version, self._step, self._model_config, [self._state_ref]
 
     def report(self, replica: str, latencies: list[float], busy_s: float, ongoing: int, loaded_version: int,
-               device: tuple[str, int] | None = None) -> int:
-        """Account a replica's recent work (and the (node id, device index) it runs on, if any);
-        answers the newest weights version."""
+               device: tuple[str, int] | None = None, engine: EngineLoad | None = None) -> int:
+        """Account a replica's recent work (and the (node id, device index) it runs on, if any, and its
+        engine's role and queue); answers the newest weights version."""
         if device is not None:
             self._devices[replica] = (str(device[0]), int(device[1]))
         now = time.time()
-        self._ledger.record(replica, now, latencies, busy_s, ongoing)
+        self._ledger.record(replica, now, latencies, busy_s, ongoing, engine)
         self._loaded_versions[replica] = loaded_version
         return self._version
 
@@ -69,6 +70,10 @@ class ServingRegistry:
     def load(self, window_s: float = 5.0) -> dict:
         window = self._ledger.window(time.time(), window_s)
         return {**vars(window), "requests_per_busy_s": window.requests_per_busy_s}
+
+    def side_loads(self) -> dict[str, SideLoad]:
+        """Per role ("prefill", "decode", "colocated"), the live replicas and their engines' queues."""
+        return self._ledger.side_loads(time.time())
 
     def busy_seconds(self) -> dict[str, float]:
         return self._ledger.busy_seconds()

@@ -1,8 +1,9 @@
 """serve(): the reference GPT behind Ray Serve, from an in-memory state and from a checkpoint.
 
-One application for the whole module (starting Serve costs seconds): it answers generate and
-health, refuses malformed requests with 4xx and a reason, swaps weights in place, and answers
-503 rather than failing when more requests arrive than its queues hold.
+One Serve instance for the whole module (starting Serve costs seconds). Its application answers
+generate and health, refuses malformed requests with 4xx and a reason, swaps weights in place, and
+answers 503 rather than failing when more requests arrive than its queues hold. A second,
+disaggregated application (prefill and decode replicas) answers with the first one's greedy tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import torch
 
 from baige_ray.models.gpt import GPT, GPTConfig
 from baige_ray.runtime.checkpoint_io import load_model, save_model_checkpoint
-from baige_ray.serving import reload_weights, serve, shutdown
+from baige_ray.serving import rebalance, reload_weights, scale_replicas, serve, shutdown, side_loads
+from baige_ray.serving.causal_lm_generation import SamplingParams
+from baige_ray.serving.disaggregation import PREFILL_DEPLOYMENT, DisaggregationOptions
 from baige_ray.serving.requests import GenerateRequest
 from baige_ray.serving.sampling import decode_tokens, generate_batch
 
@@ -43,11 +46,24 @@ def call(url: str, body: bytes | dict | None = None, method: str | None = None) 
         return error.code, json.loads(text) if text.startswith(b"{") else {"raw": text.decode()}
 
 
+def stream(url: str, body: dict) -> list[dict]:
+    """The server-sent events' JSON payloads, up to [DONE]."""
+    request = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(), method="POST")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        lines = response.read().decode().splitlines()
+    payloads = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert payloads[-1] == "[DONE]"
+    return [json.loads(payload) for payload in payloads[:-1]]
+
+
+def initial_state() -> dict:
+    torch.manual_seed(0)
+    return GPT(CONFIG).state_dict()
+
+
 @pytest.fixture(scope="module")
 def app(local_ray):
-    torch.manual_seed(0)
-    state = GPT(CONFIG).state_dict()
-    info = serve((3, ray.put(state)), model_config=CONFIG, name="test-gpt", port=free_port(),
+    info = serve((3, ray.put(initial_state())), model_config=CONFIG, name="test-gpt", port=free_port(),
                  max_ongoing_requests=2, max_queued_requests=2, max_batch_size=4)
     yield info
     shutdown(info)
@@ -101,3 +117,52 @@ def test_overload_is_answered_503_not_failed(app):
     assert set(codes) <= {200, 503}
     assert codes.count(200) >= 2 and codes.count(503) >= 1
     assert call(app.url + "/health")[0] == 200
+
+
+@pytest.fixture(scope="module")
+def disaggregated_app(app):
+    """Beside `app` on the same Serve instance: one prefill and one decode replica."""
+    info = serve((3, ray.put(initial_state())), model_config=CONFIG, name="test-gpt-pd", route_prefix="/pd",
+                 max_batch_size=4, disaggregation=DisaggregationOptions(prefill_replicas=1, decode_replicas=1))
+    yield info
+    shutdown(info)
+
+
+def test_a_disaggregated_app_answers_with_the_colocated_greedy_tokens(app, disaggregated_app):
+    reload_weights(app, (3, ray.put(initial_state())), model_config=CONFIG)  # an earlier test may have swapped them
+    assert disaggregated_app.url.startswith("http://127.0.0.1:") and disaggregated_app.url.endswith("/pd")
+    for prompt, max_tokens in (("def f(x):\n    return", 12), ("x", 20), ("import os, sys\nfrom pathlib import", 6)):
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        code, colocated = call(app.url + "/v1/completions", {**body, "model": "test-gpt"})
+        status, split = call(disaggregated_app.url + "/v1/completions", {**body, "model": "test-gpt-pd"})
+        assert (code, status) == (200, 200)
+        assert split["choices"][0]["text"] == colocated["choices"][0]["text"]
+        assert split["usage"] == colocated["usage"] and split["usage"]["completion_tokens"] == max_tokens
+    chunks = stream(disaggregated_app.url + "/v1/completions", {**body, "model": "test-gpt-pd"})
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == split["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_prefill_replicas_hand_the_prompt_cache_over_through_ray(disaggregated_app):
+    from ray import serve as ray_serve
+
+    handle = ray_serve.get_deployment_handle(PREFILL_DEPLOYMENT, app_name=disaggregated_app.app_name)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    prefilled = handle.prefill.remote(list(b"import os"), params).result(timeout_s=60)
+    assert (prefilled.prompt_length, prefilled.budget, prefilled.finish_reason) == (9, 8, None)
+    assert len(prefilled.kv) == CONFIG.num_layers and prefilled.kv[0][0].shape[2] == 9
+    assert prefilled.weights_version >= 1
+
+
+def test_the_sides_resize_by_the_split_policy_as_the_arbiter_asks(disaggregated_app):
+    """What the pool arbiter does on a lend and a reclaim: idle sides, so a tie, which goes to decode."""
+    lent = rebalance(disaggregated_app, num_replicas=3)
+    assert (lent.prefill_replicas, lent.decode_replicas) == (1, 2)
+    loads = side_loads(disaggregated_app)
+    assert (loads["prefill"].num_replicas, loads["decode"].num_replicas) == (1, 2)
+    assert call(disaggregated_app.url + "/generate", {"prompt": "def ", "max_new_tokens": 4})[0] == 200
+    reclaimed = rebalance(disaggregated_app, num_replicas=2)
+    assert (reclaimed.prefill_replicas, reclaimed.decode_replicas) == (1, 1)
+    assert rebalance(disaggregated_app) is None  # balanced: nothing moves
+    with pytest.raises(ValueError, match="disaggregated"):
+        scale_replicas(disaggregated_app, 2)

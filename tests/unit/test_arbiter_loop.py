@@ -46,6 +46,8 @@ class Serving:
         self.calls, self.replicas = calls, replicas
         self.rate, self.p99, self.queue = 1.0, 0.05, 0
         self.measured_capacity = None
+        self.moves: list[str] = []
+        self.rebalances = 0
 
     def num_replicas(self) -> int:
         return self.replicas
@@ -60,6 +62,11 @@ class Serving:
 
     def reload(self, step, state_ref) -> None:
         self.calls.append(("reload", state_ref))
+
+    def rebalance(self) -> str | None:
+        """A disaggregated application moves replicas between its sides when `moves` says so."""
+        self.rebalances += 1
+        return self.moves.pop(0) if self.moves else None
 
 
 @pytest.fixture
@@ -115,6 +122,34 @@ def test_cooldown_spaces_changes_and_a_breach_cuts_it_short(pool):
     clock.now += 2
     assert loop.tick().action is LendingAction.LEND
     assert loop.train_devices == 2  # never below min_train_devices
+
+
+def test_serving_re_splits_its_replicas_only_while_the_arbiter_holds(pool):
+    loop, training, serving, clock, calls = pool
+    serving.moves = ["decode at 1.50, prefill at 0.10 with one replica fewer: move one to decode"]
+    serving.rate = 15.0
+    loop.tick()  # a lend: the new replicas are split as they are added, no separate re-split
+    assert serving.rebalances == 0
+    clock.now += 60
+    serving.rate = 10.0
+    assert loop.tick().action is LendingAction.HOLD
+    assert serving.rebalances == 1
+    event = loop.events.recent()[-1]
+    assert (event["kind"], event["infer_devices"]) == ("rebalance", 3) and "move one to decode" in event["reason"]
+
+
+def test_a_disaggregated_application_needs_room_for_both_sides():
+    from baige_ray.actors.arbiter import _serving_side
+    from baige_ray.actors.disaggregated_serving import DisaggregatedServingSide
+    from baige_ray.policies.disaggregation import SplitPolicy
+    from baige_ray.serving.app import ServeHandleInfo
+
+    info = ServeHandleInfo(url="http://127.0.0.1:8000", app_name="pd", deployment_name="DecodeServer",
+                           prefill_deployment_name="PrefillServer", split=SplitPolicy())
+    with pytest.raises(ValueError, match="ArbiterConfig.min_infer_devices=1.*prefill \\+ decode replicas \\(2\\)"):
+        _serving_side(info, None, ArbiterConfig(slo_p99_s=1.0, replica_capacity=1.0))
+    side = _serving_side(info, None, ArbiterConfig(slo_p99_s=1.0, replica_capacity=1.0, min_infer_devices=2))
+    assert isinstance(side, DisaggregatedServingSide)
 
 
 def test_only_the_devices_training_released_go_to_serving(pool):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from baige_ray.serving.ledger import STALE_AFTER_S, RequestLedger, percentile
+from baige_ray.policies.disaggregation import SideLoad
+from baige_ray.serving.ledger import STALE_AFTER_S, EngineLoad, RequestLedger, percentile
 
 
 def test_percentile_is_nearest_rank():
@@ -54,3 +55,15 @@ def test_requests_per_busy_second_over_the_window():
     assert window.busy_s == 1.0
     assert window.requests_per_busy_s == 10.0
     assert ledger.window(now=100.0, window_s=5.0).requests_per_busy_s is None
+
+
+def test_side_loads_sum_each_roles_live_engines():
+    ledger = RequestLedger()
+    ledger.record("p1", now=100.0, latencies=[], busy_s=0.1, ongoing=0, engine=EngineLoad("prefill", 3, 2))
+    ledger.record("p2", now=100.0, latencies=[], busy_s=0.1, ongoing=0, engine=EngineLoad("prefill", 1, 0))
+    ledger.record("d1", now=101.0, latencies=[0.2], busy_s=0.4, ongoing=9, engine=EngineLoad("decode", 0, 9))
+    ledger.record("gone", now=90.0, latencies=[], busy_s=0.0, ongoing=5, engine=EngineLoad("decode", 5, 0))
+    assert ledger.side_loads(now=101.0) == {
+        "decode": SideLoad(num_replicas=1, num_waiting=0, num_running=9),
+        "prefill": SideLoad(num_replicas=2, num_waiting=4, num_running=2),
+    }

@@ -1,0 +1,162 @@
+"""Prefill without decode, and the hand-off to a decode engine: prefill/decode disaggregation.
+
+A `PrefillEngine` only runs prompts. Each step takes up to `max_batch_size` waiting requests and runs
+one forward per distinct prompt length over every prompt of that length (equal lengths need no
+padding, so rows change each other's numbers at most by summation order, as in the decode batch).
+It samples each request's first token with the request's own seeded generator and hands the request
+on as a `PrefilledRequest`: that token, the prompt's cache, and the generator's state after it. A
+decode engine (`ContinuousBatchingEngine.submit_prefilled`) puts the cache straight into its running
+batch and resumes the generator, so the request gets the tokens one colocated engine would give it.
+
+A hand-off holds only CPU tensors, ints and the sampling params, so it travels through Ray's object
+store to a decode replica in another process or on another node.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams, fit_prompt
+from baige_ray.serving.decoders import KVDecoder
+from baige_ray.serving.engine import (
+    ContinuousBatchingEngine, EngineLimits, GenerationCollector, RequestQueue, TokenEvent,
+)
+from baige_ray.serving.kv_batch import KV
+from baige_ray.serving.sampling import sample_token, seeded_generator
+
+
+@dataclass(kw_only=True, frozen=True)
+class PrefilledRequest:
+    params: SamplingParams
+    prompt_length: int  # tokens of the (fitted) prompt the cache holds
+    budget: int  # new tokens the request may have, the first one included
+    first_token: int  # the end-of-text token when finish_reason is "stop"
+    finish_reason: FinishReason | None  # set when the first token already ended the request: nothing to decode
+    kv: KV  # per layer (keys, values), each [1, kv_heads, prompt_length, head_dim], on the CPU; empty when finished
+    generator_state: torch.Tensor  # the request's sampling generator after its first token
+    weights_version: int = 0  # of the weights that ran the prompt (the server sets it)
+
+    def first_events(self) -> list[TokenEvent]:
+        """What the client sees of the prefill: the first token, and the end if that token brought it."""
+        if self.finish_reason == "stop":  # an end-of-text token is not reported as text
+            return [TokenEvent(None, "stop")]
+        events = [TokenEvent(self.first_token)]
+        if self.finish_reason == "length":
+            events.append(TokenEvent(None, "length"))
+        return events
+
+
+PrefillSink = Callable[[PrefilledRequest], None]
+
+
+@dataclass(kw_only=True)
+class _Prompt:
+    id: int
+    tokens: list[int]
+    params: SamplingParams
+    budget: int
+    on_prefilled: PrefillSink
+
+
+class PrefillEngine:
+    """`submit` and `cancel` from any thread, `step` from one (engine_runner.py); `on_prefilled` runs on
+    the stepping thread and must not block."""
+
+    def __init__(self, decoder: KVDecoder, *, eos_token_id: int | None, limits: EngineLimits = EngineLimits()):
+        self.decoder, self.eos_token_id, self.limits = decoder, eos_token_id, limits
+        self._queue: RequestQueue[_Prompt] = RequestQueue(limits.max_waiting)
+        self._num_prefilling = 0
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams, on_prefilled: PrefillSink) -> int:
+        """Queue a prompt; returns its id. Raises EngineFull when `max_waiting` are already queued."""
+        if not prompt:
+            raise ValueError("the prompt is empty: a request needs at least one token")
+        fitted = fit_prompt(prompt, params.max_new_tokens, self.decoder.max_context)
+        request = _Prompt(id=self._queue.next_id(), tokens=fitted, params=params, on_prefilled=on_prefilled,
+                          budget=min(params.max_new_tokens, self.decoder.max_context - len(fitted)))
+        self._queue.put(request)
+        return request.id
+
+    def cancel(self, request_id: int) -> None:
+        self._queue.cancel(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_running(self) -> int:
+        """Prompts in the step running now."""
+        return self._num_prefilling
+
+    @property
+    def max_context(self) -> int:
+        return self.decoder.max_context
+
+    def wait_for_work(self, timeout_s: float) -> None:
+        self._queue.wait(timeout_s, busy=False)
+
+    def step(self) -> bool:
+        """Prefill up to `max_batch_size` waiting prompts; False when none was waiting."""
+        self._queue.take_cancelled()
+        batch: list[_Prompt] = []
+        while len(batch) < self.limits.max_batch_size and (request := self._queue.take()) is not None:
+            batch.append(request)
+        groups: dict[int, list[_Prompt]] = defaultdict(list)
+        for request in batch:
+            groups[len(request.tokens)].append(request)
+        self._num_prefilling = len(batch)
+        try:
+            for group in groups.values():
+                self._prefill(group)
+        finally:
+            self._num_prefilling = 0
+        return bool(batch)
+
+    def _prefill(self, group: list[_Prompt]) -> None:
+        rows, length = len(group), len(group[0].tokens)
+        tokens = torch.tensor([request.tokens for request in group], dtype=torch.long)
+        logits, cache = self.decoder.forward(tokens, torch.arange(length).repeat(rows, 1),
+                                             torch.ones(rows, length, dtype=torch.long), None)
+        for row, request in enumerate(group):
+            generator = seeded_generator(request.params.seed)
+            token = sample_token(logits[row], request.params.temperature, generator, request.params.top_k)
+            finish: FinishReason | None = "stop" if token == self.eos_token_id else None
+            if finish is None and request.budget <= 1:
+                finish = "length"
+            # Copies, not views: a row sliced from the group's cache would carry the whole group's storage.
+            kv = [] if finish else [(_own_row(keys, row), _own_row(values, row)) for keys, values in cache]
+            request.on_prefilled(PrefilledRequest(
+                params=request.params, prompt_length=length, budget=request.budget, first_token=token,
+                finish_reason=finish, kv=kv, generator_state=generator.get_state(),
+            ))
+
+
+def _own_row(tensor: torch.Tensor, row: int) -> torch.Tensor:
+    return tensor[row : row + 1].to("cpu", copy=True)
+
+
+def generate_disaggregated(prefill: PrefillEngine, decode: ContinuousBatchingEngine, prompts: Sequence[Sequence[int]],
+                           params: Sequence[SamplingParams]) -> list[Generation]:
+    """Prefill on one engine, decode on the other, on the calling thread (tests): a prefill step's
+    requests join the decode batch while earlier ones are decoding."""
+    collector = GenerationCollector(len(prompts))
+
+    def hand_off(index: int) -> PrefillSink:
+        def on_prefilled(prefilled: PrefilledRequest) -> None:
+            sink = collector.sink(index)
+            for event in prefilled.first_events():
+                sink(event)
+            if prefilled.finish_reason is None:
+                decode.submit_prefilled(prefilled, sink)
+        return on_prefilled
+
+    for index, (prompt, request_params) in enumerate(zip(prompts, params)):
+        prefill.submit(prompt, request_params, hand_off(index))
+    while prefill.step() | decode.step():  # `|`, not `or`: both engines step every round
+        pass
+    return collector.generations()
