@@ -74,10 +74,10 @@ class ParallelLayout:
             return
         if self.dp % self.ep:
             raise ValueError(f"ParallelLayout.ep={self.ep} is invalid: expected a divisor of dp={self.dp}")
-        if self.data_parallel != "ddp":
+        if self.data_parallel not in ("ddp", "fsdp2"):
             raise ValueError(
                 f"ParallelLayout.ep={self.ep} is invalid with data_parallel={self.data_parallel!r}: expected 'ddp' "
-                "(expert parallelism with FSDP2 or ZeRO is not implemented yet)"
+                "or 'fsdp2' (expert parallelism beside DeepSpeed's ZeRO is not implemented)"
             )
 
     def _check_dp_microbatches(self) -> None:

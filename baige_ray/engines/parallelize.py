@@ -33,10 +33,13 @@ def apply_expert_parallel(expert_modules: list[nn.Module], ep_mesh: DeviceMesh) 
         module.enable_expert_parallel(ep_mesh)
 
 
-def apply_fsdp(stage: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh) -> None:
+def apply_fsdp(stage: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
+               ignored: set[nn.Parameter] = frozenset()) -> None:
+    """Shard each block, then the rest of the stage, over `dp_mesh`; `ignored` parameters (experts
+    already sharded by expert parallelism) stay as they are, their gradients reduced by the engine."""
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(stage, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, ignored_params=set(ignored) or None)
+    fully_shard(stage, mesh=dp_mesh, ignored_params=set(ignored) or None)
 
 
 def apply_ddp(stage: nn.Module, dp_group: dist.ProcessGroup, on_accelerator: bool) -> nn.Module:

@@ -36,12 +36,12 @@ class TorchEngine(Engine):
         self.stages = self._build_stages()
         self.expert_layers = [layer for stage in self.stages for layer in self.plugin.expert_modules(stage)]
         self.emulators = [SlowChipEmulator(stage, self.emulated_speed) for stage in self.stages]
+        self._expert_parameters = self._find_expert_parameters()
         self._wrapped = self._apply_data_parallel()
         self._modules = nn.ModuleList(self.stages)  # one namespace for state and optimizer
         self.optimizer = build_optimizer(self._modules, job.train)
         self.schedule = self._build_schedule() if layout.pp > 1 else None
         self._tp_replicated_parameters = self._find_tp_replicated_parameters()
-        self._expert_parameters = self._find_expert_parameters()
 
     def _build_meshes(self) -> dict[str, DeviceMesh]:
         """One-dimensional meshes by name: pp, dp, tp, and with expert parallelism ep and edp (the
@@ -74,11 +74,12 @@ class TorchEngine(Engine):
                 parallelize.apply_expert_parallel(self.plugin.expert_modules(stage), self.meshes["ep"])
         return stages
 
-    def _find_expert_parameters(self) -> set[int]:
-        """ids of the parameters sharded by expert index: their gradients are reduced over edp, not dp."""
+    def _find_expert_parameters(self) -> dict[int, nn.Parameter]:
+        """The parameters sharded by expert index, by id: their gradients are reduced over edp, not dp."""
         if self.layout.ep == 1:
-            return set()
-        return {id(param) for layer in self.expert_layers for param in layer.parameters() if isinstance(param, DTensor)}
+            return {}
+        return {id(param): param for layer in self.expert_layers for param in layer.parameters()
+                if isinstance(param, DTensor)}
 
     def _find_tp_replicated_parameters(self) -> list[nn.Parameter]:
         """Parameters whole on every TP rank whose gradient each rank computes only in part."""
@@ -93,8 +94,9 @@ class TorchEngine(Engine):
         if self.layout.dp == 1:
             return list(self.stages)
         if self.layout.data_parallel == "fsdp2":
+            experts = set(self._expert_parameters.values())
             for stage in self.stages:
-                parallelize.apply_fsdp(stage, self.plugin.stage_blocks(stage), self.meshes["dp"])
+                parallelize.apply_fsdp(stage, self.plugin.stage_blocks(stage), self.meshes["dp"], ignored=experts)
             return list(self.stages)
         if self.uses_torch_ddp:
             group = self.meshes["dp"].get_group()
@@ -195,22 +197,26 @@ class TorchEngine(Engine):
         if replicated := self._tp_replicated_parameters:
             parallelize.all_reduce_gradients(replicated, self.meshes["tp"].get_group(), divide_by=1)
         if self.explicit_dp_all_reduce:
-            self._all_reduce_data_parallel_gradients()
+            self._all_reduce_dense_gradients()
+        if self._expert_parameters and self.layout.dp > 1:
+            self._all_reduce_expert_gradients()
         if self.job.train.grad_clip > 0:
             pp_group = self.meshes["pp"].get_group() if self.layout.pp > 1 else None
             parallelize.clip_grad_norm(self.parameters, self.job.train.grad_clip, pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _all_reduce_data_parallel_gradients(self) -> None:
-        """Average dense gradients over dp. An expert's gradient already sums what its expert group's
-        replicas sent it, so it is summed over the replicas holding the same experts (edp) and divided by dp."""
+    def _all_reduce_dense_gradients(self) -> None:
+        """Average dense gradients over dp (FSDP2 reduce-scatters its own)."""
         dense = [p for p in self.parameters if id(p) not in self._expert_parameters]
         parallelize.all_reduce_gradients(dense, self.meshes["dp"].get_group())
-        if self._expert_parameters:
-            experts = [p for p in self.parameters if id(p) in self._expert_parameters]
-            edp_group = self.meshes["edp"].get_group() if self.layout.dp > self.layout.ep else None
-            parallelize.all_reduce_gradients(experts, edp_group, divide_by=self.layout.dp)
+
+    def _all_reduce_expert_gradients(self) -> None:
+        """An expert's gradient already sums what its expert group's replicas sent it, so it is summed
+        over the replicas holding the same experts (edp) and divided by dp."""
+        experts = [p for p in self.parameters if id(p) in self._expert_parameters]
+        edp_group = self.meshes["edp"].get_group() if self.layout.dp > self.layout.ep else None
+        parallelize.all_reduce_gradients(experts, edp_group, divide_by=self.layout.dp)
 
     def export_state(self) -> CanonicalState:
         state = export_module_state(self.module, self.optimizer)

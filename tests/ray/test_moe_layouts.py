@@ -28,6 +28,7 @@ LAYOUTS = {
     "DP4 (experts replicated)": ParallelLayout(dp=4),
     "ZeRO-2 x4 (DeepSpeed, experts replicated)": ParallelLayout(dp=4, data_parallel="zero2"),
     "DP4xEP4": ParallelLayout(dp=4, ep=4),
+    "FSDP2 x4 with EP2 (dense sharded, experts by index)": ParallelLayout(dp=4, ep=2, data_parallel="fsdp2"),
     "DP2xEP2xTP2": ParallelLayout(dp=2, ep=2, tp=2),
     "PP2xDP2xEP2": ParallelLayout(pp=2, dp=2, ep=2),
 }
@@ -49,14 +50,14 @@ def test_expert_parallel_layout_matches_one_process(group, reference, name):
     assert losses == pytest.approx(reference, rel=1e-4)
 
 
-def test_experts_reshard_in_memory_from_ep4_to_ep2(group, reference):
+def test_experts_reshard_in_memory_from_ep4_to_fsdp2_with_ep2(group, reference):
     half = TRAIN.num_steps // 2
     train_on_group(group, JOB, at_full_speed(LAYOUTS["DP4xEP4"]), RUN, end_step=half)
     state = merge_states(group.call("export_state"))
     assert state["model"]["blocks.1.mlp.experts.up"].shape == (4, 32, 128)  # canonical: every expert, by index
     assert state["optimizer"]["blocks.1.mlp.experts.up"]["exp_avg"].shape == (4, 32, 128)
-    resumed = train_on_group(group, JOB, at_full_speed(ParallelLayout(dp=4, ep=2)), RUN, start_step=half,
-                             initial_state=state)
+    resumed = train_on_group(group, JOB, at_full_speed(LAYOUTS["FSDP2 x4 with EP2 (dense sharded, experts by index)"]),
+                             RUN, start_step=half, initial_state=state)
     assert [m.loss for m in resumed] == pytest.approx(reference[half:], rel=1e-4)
 
 
