@@ -114,7 +114,7 @@ def stage_times(model: ModelSpec, constants: CostConstants, *, stage_layers, sta
     if model.is_moe:
         for size in np.unique(ep):
             routed = reduce_scatter(size, activation * model.top_k / tp, links[f"ep{int(size)}"])
-            ep_time = np.where(np.asarray(ep)[:, None] == size, layers * 4 * routed, ep_time)
+            ep_time = np.where(np.asarray(ep)[:, None] == size, layers * model.moe_layer_share * 4 * routed, ep_time)
     pp_time = 2 * point_to_point(activation / tp, links["pp"]) if pp > 1 else np.zeros_like(tokens)
     return StageTimes(forward=forward_flops / rate, backward=backward_flops / rate, tp=tp_time, ep=ep_time,
                       pp=np.broadcast_to(pp_time, tp_time.shape))

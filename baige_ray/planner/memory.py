@@ -38,7 +38,9 @@ def optimizer_bytes_per_param(model: ModelSpec) -> int:
 def activation_bytes_per_layer(model: ModelSpec, micro_batch, recompute, tp: int) -> np.ndarray:
     """Stored activation bytes of one layer for one micro-batch (`recompute` is an index into RECOMPUTE)."""
     s, h, b = model.seq_len, model.hidden, np.asarray(micro_batch, dtype=np.float64)
-    mlp = 3 * h + (model.top_k * 4 * model.expert_ffn if model.is_moe else 4 * model.ffn_hidden)
+    share = model.moe_layer_share  # MoE layers store their k experts' and the shared experts' activations
+    mlp = 3 * h + share * 4 * (model.top_k * model.expert_ffn + model.shared_expert_ffn) \
+        + (1 - share) * 4 * model.ffn_hidden
     linear = s * b * (7 * h + 4 * model.kv_dim + 4 * h + mlp)
     scores = 5.0 * model.num_heads * s * s * b
     stored = np.select([recompute == 0, recompute == 1], [linear + scores, linear], 2.0 * s * b * h)

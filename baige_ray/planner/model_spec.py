@@ -58,6 +58,8 @@ class ModelSpec:
     num_experts: int = 0
     top_k: int = 1
     expert_ffn_hidden: int | None = None
+    num_dense_layers: int = 0  # of an MoE model: layers with a dense MLP (ffn_hidden) instead of experts
+    shared_expert_ffn: int = 0  # of an MoE model: FFN width of the experts every token passes, per MoE layer
     gated_mlp: bool = False
     learned_positions: bool = True
     tied_embeddings: bool = False
@@ -77,6 +79,11 @@ class ModelSpec:
                 raise ValueError(f"ModelSpec.top_k={self.top_k} is invalid: expected <= "
                                  f"num_experts={self.num_experts}")
             require_int("ModelSpec", "expert_ffn_hidden", self.expert_ffn, minimum=1)
+            require_int("ModelSpec", "num_dense_layers", self.num_dense_layers, minimum=0)
+            if self.num_dense_layers >= self.num_layers:
+                raise ValueError(f"ModelSpec.num_dense_layers={self.num_dense_layers} is invalid: expected fewer "
+                                 f"than num_layers={self.num_layers} (an MoE model has at least one MoE layer)")
+            require_int("ModelSpec", "shared_expert_ffn", self.shared_expert_ffn, minimum=0)
 
     def _validate_heads(self) -> None:
         if self.head_dim is not None:
@@ -120,6 +127,12 @@ class ModelSpec:
     def mlp_matrices(self) -> int:
         return 3 if self.gated_mlp else 2
 
+    @property
+    def moe_layer_share(self) -> float:
+        """The fraction of layers with experts. Per-layer figures below are averages over all layers
+        (exact in sums over the model; a stage of only dense or only MoE layers differs from them)."""
+        return (self.num_layers - self.num_dense_layers) / self.num_layers if self.is_moe else 0.0
+
     # ---- parameters -----------------------------------------------------------------------
 
     @property
@@ -132,17 +145,21 @@ class ModelSpec:
         return (2 if self.rms_norm else 4) * self.hidden
 
     @property
-    def dense_layer_params(self) -> int:
-        """Per layer, replicated across expert-parallel ranks: attention, norms, router or dense MLP."""
-        shared = self.attention_params + self.norm_params_per_layer
-        if self.is_moe:
-            return shared + self.hidden * self.num_experts
-        return shared + self.mlp_matrices * self.hidden * self.ffn_hidden
+    def dense_layer_params(self) -> float:
+        """Per layer, replicated across expert-parallel ranks: attention, norms, and the dense MLP or
+        the router and shared experts."""
+        common = self.attention_params + self.norm_params_per_layer
+        dense_mlp = self.mlp_matrices * self.hidden * self.ffn_hidden
+        if not self.is_moe:
+            return common + dense_mlp
+        moe = self.hidden * self.num_experts + self.mlp_matrices * self.hidden * self.shared_expert_ffn
+        share = self.moe_layer_share
+        return common + share * moe + (1 - share) * dense_mlp
 
     @property
-    def expert_layer_params(self) -> int:
-        """Per layer, all experts together (sharded across expert-parallel ranks)."""
-        return self.num_experts * self.mlp_matrices * self.hidden * self.expert_ffn if self.is_moe else 0
+    def expert_layer_params(self) -> float:
+        """Per layer, all routed experts together (sharded across expert-parallel ranks)."""
+        return self.moe_layer_share * self.num_experts * self.mlp_matrices * self.hidden * self.expert_ffn
 
     @property
     def embedding_params(self) -> int:
@@ -158,7 +175,7 @@ class ModelSpec:
     @property
     def num_params(self) -> int:
         per_layer = self.dense_layer_params + self.expert_layer_params
-        return self.num_layers * per_layer + self.embedding_params + self.output_params
+        return round(self.num_layers * per_layer) + self.embedding_params + self.output_params
 
     # ---- FLOPs (forward, per token) --------------------------------------------------------
 
@@ -166,11 +183,11 @@ class ModelSpec:
     def layer_flops_per_token(self) -> float:
         """Forward FLOPs per token per layer: 2 per weight of the GEMMs a token passes through, plus
         4*s*q_dim for Q.K^T and attention.V (Narayanan et al. 2021, eq. 3: 24bsh^2 + 4bs^2h per layer).
-        An MoE token visits top_k experts and the router."""
+        An MoE token visits the router, top_k experts and the shared experts (averaged with dense layers)."""
         mlp = self.mlp_matrices * self.hidden
-        matmul = self.attention_params
-        matmul += (self.hidden * self.num_experts + self.top_k * mlp * self.expert_ffn
-                   if self.is_moe else mlp * self.ffn_hidden)
+        moe = self.hidden * self.num_experts + mlp * (self.top_k * self.expert_ffn + self.shared_expert_ffn)
+        share = self.moe_layer_share
+        matmul = self.attention_params + share * moe + (1 - share) * mlp * self.ffn_hidden
         return 2.0 * matmul + self.attention_core_flops_per_token
 
     @property
@@ -194,10 +211,12 @@ class ModelSpec:
     def from_gpt_config(cls, config: Any, *, global_batch: int, dtype_bytes: int = 2,
                         name: str = "gpt") -> ModelSpec:
         """The spec of the reference `baige_ray.models.gpt.GPTConfig` (full multi-head attention; with
-        `moe`, routed experts priced in every layer: its leading dense layers and shared experts are not)."""
+        `moe`, its leading dense layers and shared experts too)."""
         moe = config.moe
+        expert_ffn = (moe.expert_ffn_hidden or config.mlp_hidden) if moe is not None else 0
         experts = {} if moe is None else {"num_experts": moe.num_experts, "top_k": moe.top_k,
-                                          "expert_ffn_hidden": moe.expert_ffn_hidden or config.mlp_hidden}
+                                          "expert_ffn_hidden": expert_ffn, "num_dense_layers": moe.num_dense_layers,
+                                          "shared_expert_ffn": moe.num_shared_experts * expert_ffn}
         return cls(name=name, num_layers=config.num_layers, hidden=config.hidden, ffn_hidden=config.mlp_hidden,
                    num_heads=config.num_heads, seq_len=config.seq_len, vocab_size=config.vocab_size,
                    global_batch=global_batch, dtype_bytes=dtype_bytes, **experts)
@@ -207,8 +226,8 @@ class ModelSpec:
                        dtype_bytes: int | None = None, name: str | None = None) -> ModelSpec:
         """The spec of a Hugging Face `config.json` of the Llama family (HF_LLAMA_FAMILY); `seq_len`
         defaults to max_position_embeddings, `dtype_bytes` to the config's (torch_)dtype, `name` to the
-        first of its architectures. Not counted: Qwen2-MoE's shared expert (its params and FLOPs are
-        missing from the plan), Qwen2's Q/K/V biases and Qwen3's Q/K norms (< 0.1% of weights)."""
+        first of its architectures. Not counted: Qwen2-MoE's shared-expert gate (one vector per layer),
+        Qwen2's Q/K/V biases and Qwen3's Q/K norms (< 0.1% of weights)."""
         hf = _HFConfig.of(config, name)
         heads, hidden = hf.required_int("num_attention_heads"), hf.required_int("hidden_size")
         head_dim = hf.optional_int("head_dim")
@@ -286,8 +305,22 @@ class _HFConfig:
         if not num_experts:
             return {}
         ffn_key = "moe_intermediate_size" if "moe_intermediate_size" in self.data else "intermediate_size"
+        expert_ffn = self.required_int(ffn_key)
+        shared = self.optional_int("shared_expert_intermediate_size", minimum=0) or 0  # Qwen2-MoE
+        shared += (self.optional_int("n_shared_experts", minimum=0) or 0) * expert_ffn  # DeepSeek
         return {"num_experts": num_experts, "top_k": self.required_int("num_experts_per_tok"),
-                "expert_ffn_hidden": self.required_int(ffn_key)}
+                "expert_ffn_hidden": expert_ffn, "num_dense_layers": self.dense_layer_count(),
+                "shared_expert_ffn": shared}
+
+    def dense_layer_count(self) -> int:
+        """Layers of an MoE config with a dense MLP: Qwen-MoE's `mlp_only_layers` and those off its
+        `decoder_sparse_step`, DeepSeek's `first_k_dense_replace` leading ones."""
+        layers = self.required_int("num_hidden_layers")
+        if "first_k_dense_replace" in self.data:
+            return min(self.optional_int("first_k_dense_replace", minimum=0) or 0, layers)
+        dense_only = set(self.data.get("mlp_only_layers") or [])
+        step = self.optional_int("decoder_sparse_step", minimum=1) or 1
+        return sum(1 for index in range(layers) if index in dense_only or (index + 1) % step)
 
 
 def model_spec_from_dict(data: Any, *, default_name: str = "model") -> ModelSpec:

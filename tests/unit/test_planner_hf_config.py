@@ -140,3 +140,30 @@ def test_plan_cli_plans_a_hugging_face_config(capsys):
     assert main(["plan", str(MODELS / "gpt-small.yaml"), "--cluster", str(REPO_ROOT / "clusters" / "sim-2x4.yaml"),
                  "--seq-len", "64"]) == 2
     assert "for Hugging Face config.json only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config", [
+    transformers.Qwen2MoeConfig(**TINY, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=48, shared_expert_intermediate_size=80),
+    transformers.Qwen3MoeConfig(**TINY, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=48, mlp_only_layers=[0], head_dim=8),
+], ids=["qwen2-moe-shared-expert", "qwen3-moe-dense-first-layer"])
+def test_moe_counts_take_shared_experts_and_dense_layers_into_account(config):
+    spec = ModelSpec.from_hf_config(config.to_dict(), global_batch=8)
+    # Left out (module doc): Qwen2's Q/K/V biases and shared-expert gate, Qwen3's Q/K norms: < 200 per layer here.
+    assert spec.num_params == pytest.approx(_transformers_count(config), abs=3 * 200)
+
+
+def test_dense_layers_and_shared_experts_change_what_the_planner_prices():
+    base = dict(num_layers=4, hidden=256, ffn_hidden=1024, num_heads=8, seq_len=128, vocab_size=1000,
+                global_batch=8, num_experts=8, top_k=2, expert_ffn_hidden=512)
+    routed_only = ModelSpec(**base)
+    mixed = ModelSpec(**base, num_dense_layers=1, shared_expert_ffn=512)
+    assert mixed.expert_layer_params == pytest.approx(0.75 * routed_only.expert_layer_params)
+    dense_mlp, shared_mlp = 2 * 256 * 1024, 2 * 256 * 512
+    assert mixed.dense_layer_params - routed_only.dense_layer_params == pytest.approx(
+        0.25 * (dense_mlp - 256 * 8) + 0.75 * shared_mlp)
+    assert mixed.layer_flops_per_token == pytest.approx(
+        routed_only.layer_flops_per_token + 2 * (0.25 * (dense_mlp - 256 * 8 - 2 * 2 * 256 * 512) + 0.75 * shared_mlp))
+    with pytest.raises(ValueError, match="ModelSpec.num_dense_layers=4 is invalid"):
+        ModelSpec(**base, num_dense_layers=4)
