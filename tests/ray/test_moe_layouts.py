@@ -6,6 +6,8 @@ and batch. Expert parallelism moves tokens with uneven all-to-alls and reduces e
 over their own group, so only summation order differs from the reference.
 """
 
+import dataclasses
+
 import pytest
 
 from baige_ray import RunConfig, TrainConfig
@@ -47,6 +49,14 @@ def group(local_ray):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_expert_parallel_layout_matches_one_process(group, reference, name):
     losses = [m.loss for m in train_on_group(group, JOB, at_full_speed(LAYOUTS[name]), RUN)]
+    assert losses == pytest.approx(reference, rel=1e-4)
+
+
+def test_pipelined_dispatch_chunks_match_one_process(group, reference):
+    """Three token chunks per layer, one's all-to-alls in flight while another's experts compute."""
+    chunked = dataclasses.replace(MODEL, moe=dataclasses.replace(MODEL.moe, dispatch_chunks=3))
+    job = TrainJob(model=chunked, train=TRAIN)
+    losses = [m.loss for m in train_on_group(group, job, at_full_speed(LAYOUTS["DP4xEP4"]), RUN)]
     assert losses == pytest.approx(reference, rel=1e-4)
 
 
