@@ -37,17 +37,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(args: argparse.Namespace) -> None:
+    from baige_ray.bench.serve import check_arguments as check_load
+
+    check_load(args)  # --streams, --seconds, --new-tokens
     if args.replicas < 2:
         raise ValueError(f"--replicas={args.replicas} is invalid: expected >= 2 (one prefill and one decode replica)")
     if not 1 <= args.prefill_replicas < args.replicas:
         raise ValueError(f"--prefill-replicas={args.prefill_replicas} is invalid: expected 1 to --replicas - 1 "
                          f"({args.replicas - 1})")
-    if not args.streams or any(streams < 1 for streams in args.streams):
-        raise ValueError(f"--streams={args.streams} is invalid: expected one or more counts >= 1")
-    if not args.seconds > 0:
-        raise ValueError(f"--seconds={args.seconds} is invalid: expected > 0")
-    if args.new_tokens < 1:
-        raise ValueError(f"--new-tokens={args.new_tokens} is invalid: expected >= 1")
 
 
 def _serve(system: str, setup, args: argparse.Namespace, max_batch_size: int):
