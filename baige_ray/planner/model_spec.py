@@ -313,14 +313,22 @@ class _HFConfig:
                 "shared_expert_ffn": shared}
 
     def dense_layer_count(self) -> int:
-        """Layers of an MoE config with a dense MLP: Qwen-MoE's `mlp_only_layers` and those off its
-        `decoder_sparse_step`, DeepSeek's `first_k_dense_replace` leading ones."""
+        """Layers of an MoE config with a dense MLP (hf_moe_layers), its keys checked first."""
+        self.optional_int("first_k_dense_replace", minimum=0)
+        self.optional_int("decoder_sparse_step", minimum=1)
         layers = self.required_int("num_hidden_layers")
-        if "first_k_dense_replace" in self.data:
-            return min(self.optional_int("first_k_dense_replace", minimum=0) or 0, layers)
-        dense_only = set(self.data.get("mlp_only_layers") or [])
-        step = self.optional_int("decoder_sparse_step", minimum=1) or 1
-        return sum(1 for index in range(layers) if index in dense_only or (index + 1) % step)
+        return layers - sum(hf_moe_layers(self.data, layers))
+
+
+def hf_moe_layers(config: dict, num_layers: int) -> list[bool]:
+    """Which layers of a Hugging Face MoE config have experts: all but DeepSeek's `first_k_dense_replace`
+    leading ones, Qwen-MoE's `mlp_only_layers` and those off its `decoder_sparse_step`."""
+    if "first_k_dense_replace" in config:
+        first_sparse = config.get("first_k_dense_replace") or 0
+        return [index >= first_sparse for index in range(num_layers)]
+    dense_only = set(config.get("mlp_only_layers") or [])
+    step = config.get("decoder_sparse_step") or 1
+    return [index not in dense_only and (index + 1) % step == 0 for index in range(num_layers)]
 
 
 def model_spec_from_dict(data: Any, *, default_name: str = "model") -> ModelSpec:

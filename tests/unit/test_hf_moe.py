@@ -113,3 +113,12 @@ def test_vllm_is_refused_for_moe_models_with_the_reason():
     plugin = plugin_for(HFModel.from_config(mixtral(), seq_len=32))
     with pytest.raises(ValueError, match="in-place weight update.*engine='builtin'"):
         plugin.build_vllm_engine({}, None)
+
+
+def test_pipeline_stages_split_a_qwen3_moe_by_cost_when_its_first_layers_are_dense():
+    config = qwen3_moe().to_dict() | {"num_hidden_layers": 4, "mlp_only_layers": [0, 1], "output_router_logits": False,
+                                      "moe_intermediate_size": 512}
+    plugin = plugin_for(HFModel.from_config(config, seq_len=32))
+    costs = plugin.layer_costs()
+    assert costs[0] == costs[1] < costs[2] == costs[3]
+    assert plugin.layers_per_stage(ParallelLayout(pp=2)) == (3, 1)

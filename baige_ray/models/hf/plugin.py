@@ -82,6 +82,20 @@ class HFPlugin(ModelPlugin):
     def _experts(self) -> tuple[int, int] | None:
         return moe_shape(self.config.config, self.config.architecture)
 
+    def layer_costs(self) -> tuple[float, ...]:
+        """Forward FLOPs per token of each decoder layer's matrices: attention, then a SwiGLU MLP, or the
+        router, top-k routed experts and any shared expert (an MoE model's dense layers cost otherwise)."""
+        if self._experts is None:
+            return (1.0,) * self.num_layers
+        from baige_ray.planner.model_spec import hf_moe_layers
+
+        spec = self.model_spec(global_batch=1)
+        swiglu = spec.mlp_matrices * spec.hidden
+        moe = spec.hidden * spec.num_experts + swiglu * (spec.top_k * spec.expert_ffn + spec.shared_expert_ffn)
+        dense = swiglu * spec.ffn_hidden
+        return tuple(2.0 * (spec.attention_params + (moe if is_moe else dense))
+                     for is_moe in hf_moe_layers(self.config.config, self.num_layers))
+
     def check_expert_parallel(self, ep: int) -> None:
         if self._experts is None:
             raise ValueError(f"ParallelLayout.ep={ep} is invalid for {self.describe()}: the model has no experts")
