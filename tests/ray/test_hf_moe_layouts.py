@@ -22,8 +22,7 @@ from ..hf_helpers import SEQ_LEN, build_tiny_hf, mixtral_config, plain_transform
 
 TRAIN = TrainConfig(num_steps=20, global_batch_size=8, micro_batch_size=2, warmup_steps=2, seed=4)
 RUN = RunConfig(show_progress=False)
-LAYOUTS = {
-    "DP4 (experts replicated)": ParallelLayout(dp=4),
+LAYOUTS = {  # experts held whole (no EP): tests/unit/test_hf_moe.py, logits and router loss against transformers
     "DP4xEP4": ParallelLayout(dp=4, ep=4),
     "DP2xEP2xTP2": ParallelLayout(dp=2, ep=2, tp=2),
 }
