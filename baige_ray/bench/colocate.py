@@ -143,6 +143,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-niceness", type=int, default=10,
                         help="added to the OS niceness of the training workers: serving takes the shared cores first, as it "
                              "would its own devices (0: equal shares)")
+    parser.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
+                        help="the replicas' engine; with vllm the model is 128 wide (vLLM's CPU attention wants "
+                             "heads of 32 and up) and runs as GPT-2 (models/gpt_hf.py)")
     parser.add_argument("--shared-capacity", type=float, default=0.5,
                         help="what a replica serves beside a training rank, as a fraction of its capacity")
 
@@ -187,7 +190,7 @@ def _start(args: argparse.Namespace):
     from baige_ray.elastic.job import launch
     from baige_ray.serving import serve
 
-    model = br.GPTConfig(seq_len=64, num_layers=2, num_heads=4, hidden=64)
+    model = br.GPTConfig(seq_len=64, num_layers=2, num_heads=4, hidden=128 if args.engine == "vllm" else 64)
     job = launch(model, train=br.TrainConfig(num_steps=10**7, global_batch_size=GLOBAL_BATCH, warmup_steps=5),
                  scaling=br.ScalingConfig(num_workers=MAX_TRAIN_DEVICES, cpu_niceness=args.train_niceness),
                  run=br.RunConfig(name="colocate"),
@@ -197,7 +200,8 @@ def _start(args: argparse.Namespace):
             raise RuntimeError(f"the training job ended before serving started: {status['state']}")
         time.sleep(0.5)
     info = serve(job.latest_model_state(), model_config=model, name="colocate", port=_free_port(),
-                 max_ongoing_requests=64, max_queued_requests=4096, device_share=1 - args.harvest_share)
+                 max_ongoing_requests=64, max_queued_requests=4096, device_share=1 - args.harvest_share,
+                 engine=args.engine)
     return model, job, info
 
 
@@ -283,6 +287,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "lend_latency_s": round(arbiter_status["lend_latency_s"], 1),
             "arbiter_errors": arbiter_status["errors"], "replica_capacity": round(capacity, 2),
             "trough_rate": round(trough, 2), "slo_p99_s": args.slo_p99_s, "hour_s": args.hour_s,
+            "engine": args.engine,
             "utilization_bound": {str(cap): round(whole_device_bound(rates, capacity, cap, min_train=args.min_train), 4)
                                   for cap in (config.policy.lend_above, 1.0)},
             "load_average": {"before": [round(x, 2) for x in load_before],
