@@ -76,13 +76,12 @@ def to_gpt2_weights(weights: dict[str, torch.Tensor], config: GPTConfig) -> dict
     return {name: tensor.contiguous() for name, tensor in converted.items()}
 
 
-def _byte_level_character(byte: int) -> str:
-    """The character GPT-2's byte-level alphabet writes `byte` as: printable Latin-1 bytes stand for
+def _byte_level_alphabet() -> dict[int, str]:
+    """The character GPT-2's byte-level alphabet writes each byte as: printable Latin-1 bytes stand for
     themselves, the 68 others take the code points from 256 on, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
-    if byte in printable:
-        return chr(byte)
-    return chr(256 + sum(1 for other in range(byte) if other not in printable))
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)}
+    stand_ins = iter(range(256, 512))
+    return {byte: chr(byte) if byte in printable else chr(next(stand_ins)) for byte in range(256)}
 
 
 def byte_tokenizer():
@@ -91,7 +90,7 @@ def byte_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     # ByteLevel writes each byte as a printable character; the vocabulary maps that character back to it.
-    vocab = {_byte_level_character(byte): byte for byte in range(256)}
+    vocab = {character: byte for byte, character in _byte_level_alphabet().items()}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()

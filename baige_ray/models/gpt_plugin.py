@@ -132,15 +132,20 @@ class GPTPlugin(ModelPlugin):
 
         return TextGenerator(GPTDecoder(self.build_inference_model(weights)), ByteCodec())
 
+    def check_vllm(self) -> None:
+        from baige_ray.models.gpt_hf import check_gpt2_compatible
+
+        check_gpt2_compatible(self.config)
+
     def build_vllm_engine(self, weights: dict[str, torch.Tensor], limits):
         """vLLM runs the GPT as the GPT-2 model it is (models/gpt_hf.py), with a byte-level tokenizer."""
         import tempfile
 
-        from baige_ray.models.gpt_hf import check_gpt2_compatible, write_gpt2_directory
+        from baige_ray.models.gpt_hf import write_gpt2_directory
         from baige_ray.serving.generators import ByteCodec
         from baige_ray.serving.vllm_engine import VLLMEngine, VLLMSettings
 
-        check_gpt2_compatible(self.config)
+        self.check_vllm()
         codec = ByteCodec()
         # vLLM reads the directory's config and tokenizer once, while it builds the engine; the weights
         # come from memory.

@@ -238,8 +238,9 @@ def route_in_chunks(tokens: torch.Tensor, expert_index: torch.Tensor, gate_weigh
     chunks: chunk c+1's dispatch and chunk c-1's combine travel while chunk c's experts compute.
     Every rank splits into the same number of chunks (some may be empty), so collectives pair up."""
     top_k = expert_index.shape[-1]
+    parts = tokens.tensor_split(chunks)
     pieces = [_sorted_slots(part, experts, top_k, num_experts)
-              for part, experts in zip(tokens.tensor_split(chunks), expert_index.tensor_split(chunks))]
+              for part, experts in zip(parts, expert_index.tensor_split(chunks))]
     traffic.count(torch.stack([counts for _, _, counts in pieces]).sum(dim=0))
     ranks = dist.get_world_size(group)
     local = num_experts // ranks
@@ -268,7 +269,7 @@ def route_in_chunks(tokens: torch.Tensor, expert_index: torch.Tensor, gate_weigh
                                               pending), pending))
     routed = []
     for (combined, pending), (_, order, _), part_weights, part in zip(
-            combines, pieces, gate_weights.tensor_split(chunks), tokens.tensor_split(chunks)):
+            combines, pieces, gate_weights.tensor_split(chunks), parts):
         expert_out = _AllToAllWait.apply(combined, pending, traffic)
         weighted = expert_out * part_weights.reshape(-1)[order].unsqueeze(-1).to(expert_out.dtype)
         routed.append(torch.zeros_like(part).index_add_(0, order // top_k, weighted.to(part.dtype)))

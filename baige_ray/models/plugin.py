@@ -188,9 +188,15 @@ class ModelPlugin(ABC):
         """What a serving replica runs (a `baige_ray.serving.generators.TextGenerator`)."""
         raise ValueError(f"{self.describe()} cannot be served: it does not generate text")
 
-    def build_vllm_engine(self, weights: dict[str, torch.Tensor], limits: Any) -> Any:
-        """(a `serving.vllm_engine.VLLMEngine` holding `weights`, its `TextCodec`), for serve(engine="vllm")."""
+    def check_vllm(self) -> None:
+        """ValueError, on the driver before any replica starts, when vLLM cannot serve this model."""
         raise ValueError(f"{self.describe()} has no vLLM implementation: serve it with engine='builtin'")
+
+    def build_vllm_engine(self, weights: dict[str, torch.Tensor], limits: Any) -> Any:
+        """(a `serving.vllm_engine.VLLMEngine` holding `weights`, its `TextCodec`), for serve(engine="vllm");
+        only for models `check_vllm` accepts."""
+        self.check_vllm()
+        raise NotImplementedError(f"{self.describe()} accepts vLLM but builds no vLLM engine")
 
     def vllm_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Canonical weights under the names and layout of the model class vLLM runs for this model."""

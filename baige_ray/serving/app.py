@@ -184,6 +184,8 @@ def serve(
     )
     limits = limits or RequestLimits()
     step, state_ref, config = _resolve_source(source, model_config)
+    if settings.engine == "vllm":
+        plugin_for(config).check_vllm()  # here, not in replicas that would fail to start one after another
     registry = get_or_create_registry(name)
     ray.get(registry.publish_weights.remote(step, [state_ref], config))
     ray_serve.start(proxy_location="HeadOnly", http_options={"host": settings.host, "port": settings.port})

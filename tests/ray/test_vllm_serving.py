@@ -120,3 +120,12 @@ def test_vllm_streams_chat_completions(app):
     events = server_sent_events(f"{app.url}/v1/chat/completions",
                                 {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True})
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_a_model_vllm_cannot_serve_is_refused_before_any_replica_starts(local_ray):
+    from baige_ray.models.moe import MoEConfig
+
+    config = GPTConfig(num_layers=1, hidden=32, num_heads=2, seq_len=16, moe=MoEConfig(num_experts=2, top_k=1))
+    state = ray.put(plugin_for(config).build_model().state_dict())
+    with pytest.raises(ValueError, match="GPTConfig.moe is set"):
+        serve((0, state), model_config=config, name="moe-gpt-vllm", port=free_port(), engine="vllm")

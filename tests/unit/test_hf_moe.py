@@ -111,8 +111,9 @@ def test_the_builtin_engine_serves_mixtral_with_its_kv_cache_as_without_one():
 
 def test_vllm_is_refused_for_moe_models_with_the_reason():
     plugin = plugin_for(HFModel.from_config(mixtral(), seq_len=32))
-    with pytest.raises(ValueError, match="in-place weight update.*engine='builtin'"):
-        plugin.build_vllm_engine({}, None)
+    for refuse in (plugin.check_vllm, lambda: plugin.build_vllm_engine({}, None)):
+        with pytest.raises(ValueError, match="in-place weight update.*engine='builtin'"):
+            refuse()
 
 
 def test_pipeline_stages_split_a_qwen3_moe_by_cost_when_its_first_layers_are_dense():

