@@ -9,6 +9,8 @@ data-parallel group after backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -42,13 +44,33 @@ def apply_fsdp(stage: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
     fully_shard(stage, mesh=dp_mesh, ignored_params=set(ignored) or None)
 
 
-def apply_ddp(stage: nn.Module, dp_group: dist.ProcessGroup, on_accelerator: bool) -> nn.Module:
-    # DDP re-buckets gradients by their backward order after a new wrapper's first step, so a group
-    # re-formed mid-run would reduce its first step in a different bucket layout (elements fall into
-    # other ring chunks: 1-ulp differences) than the uninterrupted run. find_unused_parameters keeps
-    # the construction-time layout for good: recovery stays bitwise, for one graph walk per step.
-    return DistributedDataParallel(stage, process_group=dp_group, device_ids=[0] if on_accelerator else None,
-                                   find_unused_parameters=True)
+def apply_ddp(stage: nn.Module, dp_group: dist.ProcessGroup, on_accelerator: bool,
+              zero_loss: Callable[[nn.Module], torch.Tensor] | None = None) -> nn.Module:
+    """Wrap `stage` in DDP; `zero_loss(module)` (a loss times zero on one tiny batch) settles its buckets.
+
+    DDP buckets its first step's gradients in registration order, then re-buckets them by their
+    backward order for good. A group re-formed mid-run would reduce its first step in the other layout
+    (elements fall into other ring chunks: 1-ulp differences from the uninterrupted run). One throwaway
+    synchronised backward of `zero_loss` at construction makes every real step use the settled layout,
+    so recovery stays bitwise without DDP's per-step unused-parameter search. Without `zero_loss`, or
+    when some parameter gets no gradient (DDP then needs that search), find_unused_parameters keeps the
+    construction-time layout for good instead.
+    """
+    device_ids = [0] if on_accelerator else None
+    if zero_loss is None or not _every_parameter_gets_a_gradient(stage, zero_loss):
+        return DistributedDataParallel(stage, process_group=dp_group, device_ids=device_ids,
+                                       find_unused_parameters=True)
+    model = DistributedDataParallel(stage, process_group=dp_group, device_ids=device_ids)
+    zero_loss(model).backward()
+    stage.zero_grad(set_to_none=True)
+    return model
+
+
+def _every_parameter_gets_a_gradient(stage: nn.Module, zero_loss: Callable[[nn.Module], torch.Tensor]) -> bool:
+    zero_loss(stage).backward()
+    used = all(param.grad is not None for param in stage.parameters() if param.requires_grad)
+    stage.zero_grad(set_to_none=True)
+    return used
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ split into (edp, ep) under expert parallelism, so its groups are exactly the pla
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -100,8 +101,26 @@ class TorchEngine(Engine):
             return list(self.stages)
         if self.uses_torch_ddp:
             group = self.meshes["dp"].get_group()
-            return [parallelize.apply_ddp(s, group, self.device.type != "cpu") for s in self.stages]
+            zero_loss = self._zero_loss_of_one_sample()
+            return [parallelize.apply_ddp(s, group, self.device.type != "cpu", zero_loss) for s in self.stages]
         return list(self.stages)
+
+    def _zero_loss_of_one_sample(self) -> Callable[[nn.Module], torch.Tensor] | None:
+        """Zero times the loss of the first sample's first few tokens, to settle DDP's buckets (see
+        apply_ddp); None for a pipeline stage (no loss of its own) or routed experts (their counters
+        and auxiliary losses would record it)."""
+        if self.layout.pp > 1 or self.expert_layers:
+            return None
+        inputs, targets = self.batch(0)
+        tokens = min(8, inputs.shape[1])
+        inputs, targets = inputs[:1, :tokens].to(self.device), targets[:1, :tokens].to(self.device)
+        devices = [] if self.device.type == "cpu" else [self.device.index or 0]
+
+        def zero_loss(module: nn.Module) -> torch.Tensor:
+            with torch.random.fork_rng(devices=devices, device_type=self.device.type):  # dropout draws none
+                return self.plugin.loss(module(inputs), targets) * 0.0
+
+        return zero_loss
 
     @property
     def uses_torch_ddp(self) -> bool:
