@@ -100,6 +100,14 @@ class ElasticController(HarvestMixin, RecoveryMixin):
         self._replica_behind = False
         self._failed_step: int | None = None
         self._failed_step_metrics: list[dict | None] = []  # what the survivors of the failed step reported
+        self._evicting: dict[int, str] = {}  # rank -> why: a straggler being evicted
+        self._restarted = False  # this controller replaced a dead one; steps it did not see are recovered
+        self._regroup_failures = 0  # consecutive regroups that failed with every worker alive
+        self._redo_steps = 0  # steps the current recovery does again
+        self._recovery_marks: dict[str, float] = {}  # when each phase of the last recovery ended
+        self._resize_reason = ""
+        self._growth_key: frozenset[str] | None = None  # the workers last weighed for growth
+        self._growth_devices = 0  # how many of them the planner would use
         self.num_parameters = 0
         self._generation_steps = 0  # steps completed since the last regroup
         self.job_metrics = JobMetrics(job=self.run_config.name)
@@ -323,14 +331,13 @@ class ElasticController(HarvestMixin, RecoveryMixin):
         return WatchTimes(self._deadline(), self.elastic.heartbeat_interval_s, self.elastic.heartbeat_timeout_s)
 
     def _record_step(self, per_rank: list[dict], seconds: float) -> None:
-        losses = [m["loss"] for m in per_rank if m["loss"] is not None]
         experts = self._record_expert_load(per_rank) if "expert_tokens" in per_rank[0] else {}
         self.step_log.append({**experts,
             "step": self.step,
-            "loss": sum(losses) / len(losses),
+            "loss": per_rank[0]["group_loss"],
             "learning_rate": per_rank[0]["learning_rate"],
             "step_time_s": seconds,
-            "tokens": sum(m["tokens"] for m in per_rank),
+            "tokens": per_rank[0]["group_tokens"],
             "num_workers": len(per_rank),
             "snapshot_stall_s": max(m["snapshot_stall_s"] for m in per_rank),
         })
@@ -350,17 +357,17 @@ class ElasticController(HarvestMixin, RecoveryMixin):
         return {"expert_imbalance": round(imbalance(self.expert_load), 4)}
 
     def _record_unreported(self, per_rank: list[dict | None], step: int) -> None:
-        """A step that finished everywhere but whose result died with a lost worker: keep the survivors' view."""
+        """A step that finished everywhere but whose result died with a lost worker: any survivor holds
+        the whole group's loss and tokens (its step time is unknown)."""
         reported = [m for m in per_rank if m is not None and m.get("step") == step]
         if not reported:
             return
-        losses = [m["loss"] for m in reported if m["loss"] is not None]
         self.step_log.append({
             "step": step,
-            "loss": sum(losses) / len(losses) if losses else float("nan"),
+            "loss": reported[0]["group_loss"],
             "learning_rate": reported[0]["learning_rate"],
             "step_time_s": float("nan"),
-            "tokens": sum(m["tokens"] for m in reported),
+            "tokens": reported[0]["group_tokens"],
             "num_workers": len(reported),
             "snapshot_stall_s": max(m["snapshot_stall_s"] for m in reported),
             "partial": len(reported) < len(per_rank),

@@ -27,7 +27,14 @@ from baige_ray.engines.base import Engine
 from baige_ray.engines.factory import build_engine
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.state import CanonicalState, merge_states
-from baige_ray.runtime.distributed import STEP_ABORT, GroupMembership, ProcessGroupMember, StoreAddress, abort_step
+from baige_ray.runtime.distributed import (
+    STEP_ABORT,
+    GroupMembership,
+    ProcessGroupMember,
+    StoreAddress,
+    abort_step,
+    all_reduce_abortable,
+)
 from baige_ray.runtime.train_loop import TrainJob
 
 
@@ -190,6 +197,7 @@ class WorkerActor:
         self.current_step = step
         try:
             metrics = engine.train_step(step)
+            metrics.update(self._group_totals(metrics))
         except BaseException:
             self._failed_generation = self.group.membership.generation
             raise
@@ -198,6 +206,15 @@ class WorkerActor:
         metrics["snapshot_stall_s"] = self.snapshots.last_stall_s
         self._recent_metrics.append(metrics)
         return metrics
+
+    def _group_totals(self, metrics: dict) -> dict:
+        """The step's loss averaged and its tokens summed over the whole group: any one survivor then
+        reports exactly a step whose other results died with a lost worker."""
+        has_loss = metrics["loss"] is not None
+        totals = torch.tensor([metrics["loss"] if has_loss else 0.0, float(has_loss), float(metrics["tokens"])],
+                              dtype=torch.float64, device=self._device())
+        all_reduce_abortable(totals)
+        return {"group_loss": float(totals[0] / totals[1]), "group_tokens": int(totals[2])}
 
     @ray.method(concurrency_group="control")
     def recent_metrics(self) -> list[dict]:

@@ -30,9 +30,9 @@ class RecoveryMixin(StateSourcesMixin):
     def _recover(self) -> tuple[Phase, str]:
         outcome, self._pending_failure = self._pending_failure, None
         marks = {"detected": time.monotonic()}
-        lost = dict(outcome.lost) if outcome is not None else dict(getattr(self, "_evicting", {}))
+        lost = dict(outcome.lost) if outcome is not None else dict(self._evicting)
         self._evicting = {}
-        failed_step = getattr(self, "_failed_step", None)
+        failed_step = self._failed_step
         for rank, why in sorted(lost.items()):
             worker = self.members[rank]
             node = worker.info.node_id if worker.info else None
@@ -89,7 +89,7 @@ class RecoveryMixin(StateSourcesMixin):
         marks["regrouped"] = time.monotonic()
         self._recovery_marks = marks
         self._resume_at(step, self._furthest_started_step(survivors, failed_step))
-        if getattr(self, "_restarted", False):
+        if self._restarted:
             self._recover_history(survivors)
         if failed_step is not None and self.step > failed_step:
             # The lost worker died after finishing the step, before its result arrived (kept from the
@@ -151,7 +151,7 @@ class RecoveryMixin(StateSourcesMixin):
         # The living may wait for the dead to arrive: free them before the next regroup queues behind.
         WorkerPool.abandon([w for w, alive in zip(members, answered) if alive], self.generation)
         self.members = members
-        self._regroup_failures = getattr(self, "_regroup_failures", 0) + 1
+        self._regroup_failures = self._regroup_failures + 1
         if not dead and self._regroup_failures > MAX_REGROUP_RETRIES:
             return Phase.FAILED, f"regrouping failed {self._regroup_failures} times with every worker alive: {error}"
         # With everyone alive the rendezvous itself failed (e.g. it waited on a member that died
@@ -187,8 +187,8 @@ class RecoveryMixin(StateSourcesMixin):
         self._redo_steps = 0 if failed_step is None else max(0, failed_step - self.step + 1)
 
     def _finish_recovery(self, seconds: float) -> None:
-        record = {"recovery_s": seconds, "resumed_step": self.step, "lost_steps": getattr(self, "_redo_steps", 0)}
-        marks, began = getattr(self, "_recovery_marks", {}), self._recovery_started
+        record = {"recovery_s": seconds, "resumed_step": self.step, "lost_steps": self._redo_steps}
+        marks, began = self._recovery_marks, self._recovery_started
         record["phases_s"] = {name: round(at - began, 3) for name, at in marks.items()}
         self.recoveries.append(record)
         self._recovery_started = None
@@ -206,7 +206,7 @@ class RecoveryMixin(StateSourcesMixin):
         if self.planner is not None:
             return self._resize_planned(requested if requested is not None else self._growth_target())
         target = requested if requested is not None else self._growth_target()
-        reason = getattr(self, "_resize_reason", "") or "capacity came back"
+        reason = self._resize_reason or "capacity came back"
         self._resize_reason = ""
         whole, harvest = self._whole_members(), self._harvest_members()
         before = len(whole)
@@ -241,7 +241,7 @@ class RecoveryMixin(StateSourcesMixin):
 
     def _resize_planned(self, devices: int) -> tuple[Phase, str]:
         """Hold `devices` devices (workers and idle spares) and let the planner lay out all of them."""
-        reason = getattr(self, "_resize_reason", "") or "capacity came back"
+        reason = self._resize_reason or "capacity came back"
         self._resize_reason = ""
         before = self.layout.describe()
         self._drop_dead_spares()
@@ -280,7 +280,7 @@ class RecoveryMixin(StateSourcesMixin):
         until a spare comes or goes."""
         candidates = self.members + self.pool.ready(self.spares)
         key = frozenset(w.name for w in candidates)
-        if key != getattr(self, "_growth_key", None):
+        if key != self._growth_key:
             self._growth_key = key
             try:
                 used = len(self.planner.arrange(candidates).members)
