@@ -1,19 +1,21 @@
 """Step time of `fit` (DDP, 4 workers) against plain torchrun DDP and Ray Train V2, same model and batch.
 
 All three train the same model (the reference GPT, or with `--model llama-tiny` a Llama-architecture
-`transformers` model with a locally trained tokenizer and TokenDataset, models/hf/tiny.py) with the same global batch, seed, optimizer, schedule
-and gradient clipping, on gloo, one intra-op thread per process, one after another on
-this machine in one run:
+`transformers` model with a locally trained tokenizer and TokenDataset, models/hf/tiny.py) with the same
+global batch, seed, optimizer, schedule and gradient clipping, on gloo, one intra-op thread per process:
 
 - `torchrun`: `python -m torch.distributed.run --standalone --nproc_per_node N -m
-  baige_ray.bench.torchrun_ddp` (a plain DDP loop; rank 0 times each step);
+  baige_ray.bench.torchrun_ddp` (a plain DDP loop; rank 0 times each step), with no Ray running;
 - `baige`: `fit` with ParallelLayout(dp=N) (DDP); the driver times each step
   (it triggers the step on every worker actor and waits for all metrics);
-- `ray_train`: `ray.train.torch.TorchTrainer` with ScalingConfig(num_workers=N) running
-  the same loop as torchrun and calling `ray.train.report(metrics)` every step, as
-  fit hands the driver metrics every step; rank 0 times each step, report included.
+- `ray_train`: `ray.train.torch.TorchTrainer` with ScalingConfig(num_workers=N) running the same loop
+  as torchrun; rank 0 times each step. `ray.train.report` waits at a barrier of all workers (about 2 s
+  a call here), so, as a competent user would, the loop reports once, after the timed steps.
 
-Step times are medians over the steps after the warm-up; vs_x = baige_step_s / x_step_s.
+The systems run one after another in `--rounds` rounds (each round starts and stops its own local Ray),
+so slow drift of a shared machine's load falls on every system alike. A system's step time is the median
+over its steady steps of every round (the first `--warmup` of each round left out); vs_x =
+baige_step_s / x_step_s, and `rounds` keeps each round's own ratios.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--global-batch-size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the steady state")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=8, help="steps of each round left out of the steady state")
+    parser.add_argument("--rounds", type=int, default=2, help="times every system runs, interleaved")
     parser.add_argument("--systems", nargs="+", default=["torchrun", "baige", "ray_train"],
                         choices=["torchrun", "baige", "ray_train"], help="which systems to run, in this order")
 
@@ -54,31 +57,57 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                "seq_len": args.seq_len},
         num_steps=args.steps, global_batch_size=args.global_batch_size,
     )
+    if args.rounds < 1:
+        raise ValueError(f"--rounds={args.rounds} is invalid: expected >= 1")
     runners = {"torchrun": _run_torchrun, "baige": _run_baige, "ray_train": _run_ray_train}
-    systems: dict[str, dict[str, Any]] = {}
+    times: dict[str, list[list[float]]] = {name: [] for name in args.systems}
+    wall: dict[str, float] = dict.fromkeys(args.systems, 0.0)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="baige-bench-overhead-") as tmp:
         if args.model == "llama-tiny":
             settings = _llama_tiny_settings(settings, Path(tmp), args.seq_len)
-        # torchrun runs outside Ray; the two Ray systems share one local Ray session.
-        for name in [name for name in args.systems if name == "torchrun"]:
-            system_started = time.perf_counter()
-            systems[name] = _summary(runners[name](settings, args.workers, tmp), args.warmup, system_started)
-        ray_systems = [name for name in args.systems if name != "torchrun"]
-        if ray_systems:
-            with bench_ray(num_cpus=2 * args.workers):
-                for name in ray_systems:
-                    system_started = time.perf_counter()
-                    systems[name] = _summary(runners[name](settings, args.workers, tmp), args.warmup, system_started)
+        for _ in range(args.rounds):
+            # torchrun runs outside Ray; the two Ray systems share one local Ray session per round.
+            ray_systems = [name for name in args.systems if name != "torchrun"]
+            if "torchrun" in args.systems:
+                _timed(runners["torchrun"], settings, args.workers, tmp, times["torchrun"], wall, "torchrun")
+            if ray_systems:
+                with bench_ray(num_cpus=2 * args.workers):
+                    for name in ray_systems:
+                        _timed(runners[name], settings, args.workers, tmp, times[name], wall, name)
+    systems = {name: _summary(rounds, args.warmup, wall[name]) for name, rounds in times.items()}
     result: dict[str, Any] = {f"{name}_step_s": round(row["step_s"], 5) for name, row in systems.items()}
     for other in ("torchrun", "ray_train"):
         if "baige" in systems and other in systems:
             result[f"vs_{other}"] = round(systems["baige"]["step_s"] / systems[other]["step_s"], 4)
     result.update(
-        workers=args.workers, model=args.model if args.model != "gpt" else settings.model, global_batch_size=settings.global_batch_size,
-        steps=args.steps, warmup=args.warmup, systems=systems, bench_s=round(time.perf_counter() - started, 1),
+        workers=args.workers, model=args.model if args.model != "gpt" else settings.model,
+        global_batch_size=settings.global_batch_size, steps=args.steps, warmup=args.warmup,
+        rounds=round_ratios(times, args.warmup), systems=systems, bench_s=round(time.perf_counter() - started, 1),
     )
     return result
+
+
+def _timed(runner, settings, workers: int, tmp: str, rounds: list, wall: dict, name: str) -> None:
+    import time
+
+    started = time.perf_counter()
+    rounds.append(runner(settings, workers, tmp))
+    wall[name] += time.perf_counter() - started
+
+
+def round_ratios(times: dict[str, list[list[float]]], warmup: int) -> list[dict[str, float]]:
+    """Per round: baige's median steady step over each other system's."""
+    if "baige" not in times:
+        return []
+    rows = []
+    for index, baige in enumerate(times["baige"]):
+        row = {}
+        for other in ("torchrun", "ray_train"):
+            if other in times and index < len(times[other]):
+                row[f"vs_{other}"] = round(steady_median(baige, warmup) / steady_median(times[other][index], warmup), 4)
+        rows.append(row)
+    return rows
 
 
 def _llama_tiny_settings(settings, directory, seq_len: int):
@@ -90,13 +119,16 @@ def _llama_tiny_settings(settings, directory, seq_len: int):
     return dataclasses.replace(settings, model={}, hf_model_dir=str(model.path), dataset_dir=str(dataset.directory))
 
 
-def _summary(times: list[float], warmup: int, started: float) -> dict[str, Any]:
-    import time
+def _summary(rounds: list[list[float]], warmup: int, wall_s: float) -> dict[str, Any]:
+    import statistics
 
+    steady = [t for times in rounds for t in times[warmup:]]
+    if not steady:
+        raise ValueError(f"no steady-state steps: {warmup} warm-up steps of {len(rounds[0])}")
     return {
-        "step_s": steady_median(times, warmup),
-        "step_times_s": [round(t, 4) for t in times],
-        "wall_s": round(time.perf_counter() - started, 1),
+        "step_s": statistics.median(steady),
+        "step_times_s": [[round(t, 4) for t in times] for times in rounds],
+        "wall_s": round(wall_s, 1),
     }
 
 
@@ -107,6 +139,8 @@ def summarize(result: dict[str, Any]) -> str:
     ratios = [f"{key} = {result[key]:.3f}" for key in ("vs_torchrun", "vs_ray_train") if key in result]
     if ratios:
         lines.append("baige step time / baseline: " + ", ".join(ratios))
+    for index, row in enumerate(result["rounds"], start=1):
+        lines.append(f"round {index}: " + ", ".join(f"{key} = {value:.3f}" for key, value in row.items()))
     return "\n".join(lines)
 
 
@@ -165,10 +199,7 @@ def _ray_train_loop(config: dict) -> None:
 
     from baige_ray.bench.torchrun_ddp import DDPSettings, train_ddp
 
-    def report(step: int, step_time_s: float, loss: float) -> None:
-        ray.train.report({"step": step, "step_time_s": step_time_s, "loss": loss})
-
-    times = train_ddp(DDPSettings.from_json(config["settings"]), report)
+    times = train_ddp(DDPSettings.from_json(config["settings"]))
     # Ray Train V2 keeps only metrics that come with a checkpoint: rank 0 hands its step
     # times back with a one-file checkpoint, after the timed steps.
     if ray.train.get_context().get_world_rank() != 0:

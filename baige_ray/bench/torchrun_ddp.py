@@ -46,7 +46,7 @@ def train_ddp(settings: DDPSettings, on_step: Callable[[int, float, float], None
 
     A step's time runs from the end of the previous step (or the start of the first) to
     the end of this one, `on_step(step, step_time_s, loss)` included, so whatever the
-    caller does per step (Ray Train's `report`) counts as it would in a real job.
+    caller does per step counts as it would in a real job.
     """
     import torch
     import torch.distributed as dist
