@@ -43,3 +43,11 @@ def test_plain_ddp_loop_matches_the_single_process_engine(tmp_path):
     engine = build_engine(job, ParallelLayout(), 0, device="cpu")
     expected = [engine.train_step(step)["loss"] for step in range(3)]
     assert losses == pytest.approx(expected, rel=1e-5)
+
+
+def test_round_ratios_compare_each_round_after_its_warm_up():
+    from baige_ray.bench.overhead import round_ratios
+
+    times = {"torchrun": [[9.0, 1.0, 1.0], [9.0, 2.0, 2.0]], "baige": [[9.0, 1.1, 1.1], [9.0, 2.0, 2.0]]}
+    assert round_ratios(times, warmup=1) == [{"vs_torchrun": 1.1}, {"vs_torchrun": 1.0}]
+    assert round_ratios({"torchrun": times["torchrun"]}, warmup=1) == []
