@@ -23,8 +23,8 @@ from baige_ray.elastic.harvest import HarvestMixin
 from baige_ray.elastic.machine import Phase, StateMachine
 from baige_ray.elastic.planning import ElasticPlanner
 from baige_ray.elastic.recovery import RecoveryMixin
-from baige_ray.elastic.replica_copies import ReplicaCopies
 from baige_ray.elastic.step_log import StepLog
+from baige_ray.elastic.state_sources import StateSources
 from baige_ray.elastic.sizing import layout_for, replica_size, valid_sizes
 from baige_ray.elastic.watch import WatchTimes, watch_step
 from baige_ray.elastic.workers import Worker, WorkerPool
@@ -95,9 +95,7 @@ class ElasticController(HarvestMixin, RecoveryMixin):
         self._resize_done = threading.Event()
         self._stop_requested = False
         self._last_growth_check = 0.0
-        self._persister = None
-        self._replica_copies = ReplicaCopies()
-        self._replica_behind = False
+        self.state_sources = StateSources(self.elastic, self.run_config.name, self.events)
         self._failed_step: int | None = None
         self._failed_step_metrics: list[dict | None] = []  # what the survivors of the failed step reported
         self._evicting: dict[int, str] = {}  # rank -> why: a straggler being evicted
@@ -158,7 +156,7 @@ class ElasticController(HarvestMixin, RecoveryMixin):
             "elapsed_s": elapsed,
             "recoveries": list(self.recoveries),
             "faults_fired": {kind.value: self.faults.count(kind) for kind in FaultKind},
-            "replica_wait_s": round(self._replica_copies.waited_s, 3),  # training stalled for slow replica copies
+            "replica_wait_s": round(self.state_sources.replica_copies.waited_s, 3),  # training stalled for slow replica copies
             "expert_load": self.expert_load,  # the last step's slots per expert of each MoE layer
         }
 
@@ -208,7 +206,7 @@ class ElasticController(HarvestMixin, RecoveryMixin):
     def latest_model_state(self) -> tuple[int, ray.ObjectRef]:
         """(step, ref to the canonical model weights) from the newest in-memory snapshot."""
         for _ in range(10):  # stages can be a step apart for a moment while training runs
-            step, state = self._gather_state(list(enumerate(self.members)), self.layout)
+            step, state = StateSources.gather_state(list(enumerate(self.members)), self.layout)
             if state is not None:
                 break
             time.sleep(0.05)
@@ -296,8 +294,8 @@ class ElasticController(HarvestMixin, RecoveryMixin):
             return Phase.RECOVERING, self._describe_failure(outcome)
         self._last_completion = time.monotonic()
         self._record_step(outcome.metrics, self._last_completion - began)
-        self._persist_if_due()
-        self._replicate_if_due()
+        self.state_sources.persist_if_due(self.step, self.members, self.layout)
+        self.state_sources.replicate_if_due(self.step, self.members, self.layout, self.pool.ready(self.spares))
         self.step += 1
         return None
 
@@ -310,7 +308,8 @@ class ElasticController(HarvestMixin, RecoveryMixin):
     # ----- a step -----
 
     def _dispatch_step(self, step: int) -> list[ray.ObjectRef]:
-        self._await_replicas(step)
+        self.state_sources.await_replicas(step, self.step - self._generation_steps,
+                                          min(self._deadline(), self.elastic.heartbeat_timeout_s))
         due = self.faults.arm(step)
         timeout = self._deadline() if len(self.step_times) >= WARMUP_STEPS and self._generation_steps > 0 else None
         snapshot = step % self.elastic.snapshot_every == 0

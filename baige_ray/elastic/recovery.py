@@ -13,7 +13,7 @@ import ray
 from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_put
 
 from baige_ray.elastic.machine import Phase
-from baige_ray.elastic.state_sources import CALL_TIMEOUT_S, StateSourcesMixin, answers_or_none, settle_parts
+from baige_ray.elastic.state_sources import CALL_TIMEOUT_S, answers_or_none, settle_parts
 from baige_ray.elastic.watch import StepOutcome
 from baige_ray.elastic.workers import NAMESPACE, Worker, WorkerPool
 from baige_ray.engines.layout import ParallelLayout
@@ -24,7 +24,7 @@ from baige_ray.policies.scaling import GrowthObservation, grow_to, spares_to_sta
 MAX_REGROUP_RETRIES = 3
 
 
-class RecoveryMixin(StateSourcesMixin):
+class RecoveryMixin:
     # ----- recovery -----
 
     def _recover(self) -> tuple[Phase, str]:
@@ -55,8 +55,8 @@ class RecoveryMixin(StateSourcesMixin):
         # Wedged and evicted ranks still answer: read their snapshots and replicas before stopping them.
         readable = set(outcome.wedged) if outcome is not None else set(lost)
         departing = [(rank, self.members[rank]) for rank in sorted(readable & set(lost))]
-        step, state = self._gather_snapshot(survivors + departing, self.layout,
-                                            replicas=self._readable_replicas(lost, readable))
+        replicas = self.state_sources.readable_replicas(self.members, lost, readable)
+        step, state = self.state_sources.newest_snapshot(survivors + departing, self.layout, replicas)
         settle_parts(state)
         marks["gathered"] = time.monotonic()
         self._drop_dead_spares()
@@ -228,7 +228,7 @@ class RecoveryMixin(StateSourcesMixin):
     def _switch_to(self, members: list[Worker], released: list[Worker]) -> tuple[Phase, str] | None:
         """Regroup `members` from the current members' newest snapshot, then stop `released` (after the
         regroup read their snapshots; it frees their devices). A failure goes to recovery: its phase."""
-        step, state = self._gather_snapshot(list(enumerate(self.members)), self.layout)
+        step, state = self.state_sources.newest_snapshot(list(enumerate(self.members)), self.layout)
         try:
             self._regroup(members, state)
         except Exception as error:
@@ -335,8 +335,7 @@ class RecoveryMixin(StateSourcesMixin):
                 self.run_config.run_dir / "final", state["model"], step=self.step
             )
             result["final_state"] = ray.put(state)
-        if self._persister is not None:
-            self._persister.close(timeout=60)
+        self.state_sources.close()
         self.step_log.close()
         return result
 

@@ -1,9 +1,9 @@
 """Where a recovering job's state comes from: live snapshots, replicas on other nodes, checkpoints.
 
-The controller's state-keeping half (split from recovery.py): every step it may ask two workers on
-other nodes to copy the newest snapshot (replicas.py) and a background thread to persist one; after a
-failure it picks the newest complete state among the survivors' snapshots, the replicas and the
-persisted checkpoints. Only ElasticController uses it.
+`StateSources` is the elastic controller's collaborator for keeping state safe and finding it again:
+every step it may ask two workers on other nodes to copy the newest snapshot (replicas.py) and a
+background thread to persist one; after a failure it picks the newest complete state among the
+survivors' snapshots, the replicas and the persisted checkpoints.
 """
 
 from __future__ import annotations
@@ -14,17 +14,30 @@ import ray
 
 from baige_ray.checkpoint.persister import AsyncPersister
 from baige_ray.checkpoint.store import load_latest_good
+from baige_ray.elastic.config import ElasticConfig
+from baige_ray.elastic.replica_copies import ReplicaCopies
 from baige_ray.elastic.replicas import exposed_stages, replica_floor, replica_holders
 from baige_ray.elastic.workers import Worker
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.state import merge_states
+from baige_ray.ops.events import EventLog
 
 CALL_TIMEOUT_S = 120.0
 
 
-class StateSourcesMixin:
-    def _gather_snapshot(self, holders: list[tuple[int, Worker]], layout: ParallelLayout,
-                         replicas: list[Worker] = ()):
+class StateSources:
+    """The job's replicas and persisted checkpoints, and the choice of the newest state to resume from."""
+
+    def __init__(self, elastic: ElasticConfig, run_name: str, events: EventLog):
+        self.elastic = elastic
+        self.run_name = run_name
+        self.events = events
+        self.replica_copies = ReplicaCopies()
+        self._persister: AsyncPersister | None = None
+        self._replica_behind = False  # the last wait for replicas gave up
+
+    def newest_snapshot(self, holders: list[tuple[int, Worker]], layout: ParallelLayout,
+                        replicas: list[Worker] = ()):
         """(step, refs to one canonical part per pipeline stage) of the newest snapshot every stage still has,
         live in the holders or in a replica (all stages at one step) held on another node.
 
@@ -46,48 +59,50 @@ class StateSourcesMixin:
             self.events.record("checkpoint", f"restored the replica of step {replica[0]}", step=replica[0])
             return replica[0], [replica[1].actor.replica_state.remote()]
         if live is None:
-            return self._persisted_state()
+            return self.persisted_state()
         return live, [w.actor.snapshot_state.remote() for w in by_step[live].values()]
 
-    def _readable_replicas(self, lost: dict[int, str], readable: set[int]) -> list[Worker]:
-        gone = {self.members[rank].name for rank in lost if rank not in readable}
-        return [w for w in self._replica_copies.holders if w.name not in gone and w.actor is not None]
+    def readable_replicas(self, members: list[Worker], lost: dict[int, str], readable: set[int]) -> list[Worker]:
+        """Replica holders still reachable: none of the lost members, unless they still answer."""
+        gone = {members[rank].name for rank in lost if rank not in readable}
+        return [w for w in self.replica_copies.holders if w.name not in gone and w.actor is not None]
 
-    def _replicate_if_due(self) -> None:
-        """Ask two workers on different nodes to copy every stage's newest snapshot, where a node's loss
-        would otherwise lose a stage (replicas.py). A holder still copying is left to finish."""
+    def replicate_if_due(self, step: int, members: list[Worker], layout: ParallelLayout,
+                         idle_spares: list[Worker]) -> None:
+        """After `step`, ask two workers on different nodes to copy every stage's newest snapshot, where a
+        node's loss would otherwise lose a stage (replicas.py). A holder still copying is left to finish."""
         every = self.elastic.replicate_every
-        if not every or (self.step + 1) % every:
+        if not every or (step + 1) % every:
             return
-        nodes = [w.info.node_id for w in self.members]
-        stages = [self.layout.coords(rank).pp for rank in range(len(self.members))]
+        nodes = [w.info.node_id for w in members]
+        stages = [layout.coords(rank).pp for rank in range(len(members))]
         if not exposed_stages(stages, nodes):
-            self._replica_copies.clear()
+            self.replica_copies.clear()
             return
-        candidates = self.pool.ready(self.spares) + self.members  # idle spares first
+        candidates = idle_spares + members  # idle spares first
         holders = [candidates[i] for i in replica_holders([w.info.node_id for w in candidates])]
         sources = {}
-        for rank, worker in enumerate(self.members):
+        for rank, worker in enumerate(members):
             sources.setdefault(stages[rank], worker.actor)
-        self._replica_copies.start(holders, sources)
+        self.replica_copies.start(holders, sources)
 
-    def _await_replicas(self, next_step: int) -> None:
+    def await_replicas(self, next_step: int, generation_start: int, wait_s: float) -> None:
         """Before `next_step` is dispatched, let replicas that trail by more than a copy catch up.
 
-        While this waits, the step in flight is not watched: the wait is capped at the heartbeat timeout,
-        so a hang is seen no later than heartbeats alone would see it; a copy later than that is let be."""
-        if not self.elastic.replicate_every or not self._replica_copies.holders:
+        `generation_start` is the first step of the current process-group generation. While this waits,
+        the step in flight is not watched: the caller caps `wait_s` at the heartbeat timeout, so a hang is
+        seen no later than heartbeats alone would see it; a copy later than that is let be."""
+        if not self.elastic.replicate_every or not self.replica_copies.holders:
             return
-        floor = replica_floor(next_step, self.step - self._generation_steps, self.elastic.snapshot_every,
-                              self.elastic.replicate_every)
-        wait_s = min(self._deadline(), self.elastic.heartbeat_timeout_s)
-        behind = floor is not None and not self._replica_copies.wait_for(floor, wait_s)
+        floor = replica_floor(next_step, generation_start, self.elastic.snapshot_every, self.elastic.replicate_every)
+        behind = floor is not None and not self.replica_copies.wait_for(floor, wait_s)
         if behind and not self._replica_behind:  # once, not every step until it catches up
             self.events.record("checkpoint", f"a replica is behind step {floor}: a lost node may redo more steps",
                                step=next_step)
         self._replica_behind = behind
 
-    def _gather_state(self, holders: list[tuple[int, Worker]], layout: ParallelLayout):
+    @staticmethod
+    def gather_state(holders: list[tuple[int, Worker]], layout: ParallelLayout):
         """(step, merged canonical state) of one snapshot per pipeline stage, fetched here while training
         may go on: each part comes with its own step, and parts of different steps are not merged."""
         per_stage: dict[int, Worker] = {}
@@ -99,7 +114,7 @@ class StateSourcesMixin:
             return None, None  # a stage missing or mid-step: the next attempt will do
         return steps.pop(), merge_states([part[1] for part in parts])
 
-    def _persisted_state(self):
+    def persisted_state(self):
         if self.elastic.persist_path is None:
             return None, None
         found = load_latest_good(self.elastic.persist_path)
@@ -109,21 +124,27 @@ class StateSourcesMixin:
         self.events.record("checkpoint", f"restored persisted step {step}", step=step)
         return step, [ray.put(state)]
 
-    def _persist_if_due(self) -> None:
+    def persist_if_due(self, step: int, members: list[Worker], layout: ParallelLayout) -> None:
+        """After `step`, hand the newest snapshot to the persister on a thread of its own, when due."""
         every = self.elastic.persist_every
-        if not every or (self.step + 1) % every:
+        if not every or (step + 1) % every:
             return
         if self._persister is None:
             self._persister = AsyncPersister(self.elastic.persist_path, keep_last=self.elastic.keep_checkpoints)
-        holders, layout = list(enumerate(self.members)), self.layout
-        meta = {"layout": layout.describe(), "run": self.run_config.name}
+        persister, holders = self._persister, list(enumerate(members))
+        meta = {"layout": layout.describe(), "run": self.run_name}
 
         def gather_and_submit() -> None:  # off the training loop: fetching the snapshot takes a while
-            step, state = self._gather_state(holders, layout)
+            gathered_step, state = self.gather_state(holders, layout)
             if state is not None:
-                self._persister.submit(step, state, meta)
+                persister.submit(gathered_step, state, meta)
 
         threading.Thread(target=gather_and_submit, daemon=True).start()
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Let checkpoints being written finish."""
+        if self._persister is not None:
+            self._persister.close(timeout=timeout_s)
 
 
 def settle_parts(parts: list | None, timeout_s: float = CALL_TIMEOUT_S) -> None:
