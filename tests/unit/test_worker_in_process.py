@@ -58,6 +58,8 @@ def test_engine_needs_a_group_and_runs_steps(worker):
     assert report["num_parameters"] > 0
     metrics = worker.train_step(0)
     assert metrics["tokens"] == 4 * 16
+    elastic = worker.elastic_step(1)  # the step's totals over the group come with each rank's own metrics
+    assert elastic["group_loss"] == pytest.approx(elastic["loss"]) and elastic["group_tokens"] == 4 * 16
 
 
 def test_membership_validates_rank():
