@@ -19,7 +19,7 @@ from baige_ray.actors.worker import WorkerActor
 from baige_ray.api.configs import RunConfig, ScalingConfig
 from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.faults import FaultKind, FaultPlan
-from baige_ray.elastic.harvest import HarvestMixin
+from baige_ray.elastic.harvest import HarvestRequest, check_harvest, harvest_members, whole_members
 from baige_ray.elastic.machine import Phase, StateMachine
 from baige_ray.elastic.planning import ElasticPlanner
 from baige_ray.elastic.recovery import RecoveryMixin
@@ -41,7 +41,7 @@ WARMUP_STEPS = 2  # first steps build caches; their times do not set the deadlin
 HARVEST_START_TIMEOUT_S = 60.0  # a harvest rank not up by then found no device share free
 
 
-class ElasticController(HarvestMixin, RecoveryMixin):
+class ElasticController(RecoveryMixin):
     def __init__(
         self,
         job: TrainJob,
@@ -86,9 +86,7 @@ class ElasticController(HarvestMixin, RecoveryMixin):
         self._pending_failure = None
         self._recovery_started: float | None = None
         self._resize_request: int | None = None
-        self._harvest_request: int | None = None  # harvest ranks wanted; the new ones wait in _harvest_incoming
-        self._harvest_incoming: list[Worker] = []
-        self._harvest_reason = ""
+        self._harvest_request: HarvestRequest | None = None
         self._inflight: list[ray.ObjectRef] | None = None  # the next step, already queued on every worker
         self._last_completion: float | None = None
         self._dispatched_at = 0.0
@@ -146,7 +144,7 @@ class ElasticController(HarvestMixin, RecoveryMixin):
             "num_steps": self.job.train.num_steps,
             "layout": self.layout.describe(),
             "num_workers": len(self.members),
-            "num_harvest": len(self._harvest_members()),
+            "num_harvest": len(harvest_members(self.members)),
             "num_spares": len(self.spares),
             "workers": [self._describe(rank, worker) for rank, worker in enumerate(self.members)],
             "events": self.events.recent(20),
@@ -164,7 +162,7 @@ class ElasticController(HarvestMixin, RecoveryMixin):
     def resize(self, num_workers: int, reason: str = "") -> int:
         """Ask training to run on `num_workers` whole devices (plus any harvest ranks, a valid size in
         all); returns once it does."""
-        harvesting = len(self._harvest_members())
+        harvesting = len(harvest_members(self.members))
         if num_workers + harvesting not in self.sizes:
             raise ValueError(f"num_workers={num_workers} is invalid: with {harvesting} harvest rank(s), expected "
                              f"one of {[size - harvesting for size in self.sizes if size > harvesting]}")
@@ -179,28 +177,35 @@ class ElasticController(HarvestMixin, RecoveryMixin):
         # Growth keeps training at its current size while the new workers start (as spares,
         # in the background), then switches in one regroup; shrinking is one regroup now.
         self._last_growth_check = 0.0
-        while not self.machine.done and len(self._whole_members()) != num_workers:
-            if num_workers < len(self._whole_members()) and self._resize_request is None:
+        while not self.machine.done and len(whole_members(self.members)) != num_workers:
+            if num_workers < len(whole_members(self.members)) and self._resize_request is None:
                 self._resize_done.clear()
                 self._resize_request = num_workers
             self._resize_done.wait(0.1)
-        return len(self._whole_members())
+        return len(whole_members(self.members))
 
     @ray.method(concurrency_group="control")
     def harvest(self, count: int, share: float, reason: str = "") -> int:
         """Run `count` training ranks beside Serve replicas, each holding `share` of a replica's device
         (new ones start while training runs, then join in one regroup); returns how many do."""
-        self._check_harvest(count, share)
-        missing = count - len(self._harvest_members())
+        check_harvest(count, share, num_whole=len(whole_members(self.members)), sizes=self.sizes,
+                      planned=self.planner is not None)
+        missing = count - len(harvest_members(self.members))
         incoming = self._start_harvest_workers(missing, share, HARVEST_START_TIMEOUT_S) if missing > 0 else []
-        wanted = len(self._harvest_members()) + len(incoming) if missing > 0 else count
-        self._harvest_reason = reason
+        wanted = len(harvest_members(self.members)) + len(incoming) if missing > 0 else count
         self._resize_done.clear()
-        self._harvest_incoming = incoming
-        self._harvest_request = wanted
+        self._harvest_request = HarvestRequest(wanted, incoming, reason)
         while not self.machine.done and not self._resize_done.wait(0.1):
             pass
-        return len(self._harvest_members())
+        return len(harvest_members(self.members))
+
+    def _start_harvest_workers(self, count: int, share: float, timeout_s: float) -> list[Worker]:
+        """Start `count` harvest ranks and wait for them (training runs meanwhile); those that did not
+        come up within `timeout_s` (no device has `share` free) are stopped."""
+        started = self.pool.start(count, share=share)
+        up = WorkerPool.ready(started, timeout_s)
+        self.pool.stop([worker for worker in started if worker not in up])
+        return up
 
     @ray.method(concurrency_group="control")
     def latest_model_state(self) -> tuple[int, ray.ObjectRef]:
@@ -277,7 +282,7 @@ class ElasticController(HarvestMixin, RecoveryMixin):
             and self._resize_request is None
             and self._harvest_request is None
             and not self._stop_requested
-            and len(self._whole_members()) >= self.target_workers
+            and len(whole_members(self.members)) >= self.target_workers
         )
 
     def _complete_step(self, refs: list[ray.ObjectRef]) -> tuple[Phase, str] | None:
@@ -406,10 +411,10 @@ class ElasticController(HarvestMixin, RecoveryMixin):
 
     def _growth_due(self) -> bool:
         now = time.monotonic()
-        if len(self._whole_members()) >= self.target_workers or now - self._last_growth_check < self.elastic.grow_check_interval_s:
+        if len(whole_members(self.members)) >= self.target_workers or now - self._last_growth_check < self.elastic.grow_check_interval_s:
             return False
         self._last_growth_check = now
-        if self._growth_target() > len(self._whole_members()):
+        if self._growth_target() > len(whole_members(self.members)):
             return True
         self._last_growth_check = now - self.elastic.grow_check_interval_s + 0.1  # spares starting: look again soon
         return False

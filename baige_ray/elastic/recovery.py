@@ -12,6 +12,7 @@ import time
 import ray
 from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_put
 
+from baige_ray.elastic.harvest import harvest_members, harvest_regroup, whole_members
 from baige_ray.elastic.machine import Phase
 from baige_ray.elastic.state_sources import CALL_TIMEOUT_S, answers_or_none, settle_parts
 from baige_ray.elastic.watch import StepOutcome
@@ -208,7 +209,7 @@ class RecoveryMixin:
         target = requested if requested is not None else self._growth_target()
         reason = self._resize_reason or "capacity came back"
         self._resize_reason = ""
-        whole, harvest = self._whole_members(), self._harvest_members()
+        whole, harvest = whole_members(self.members), harvest_members(self.members)
         before = len(whole)
         if target != before:
             released: list[Worker] = []
@@ -224,6 +225,22 @@ class RecoveryMixin:
                                train_devices=len(members), infer_devices=0, resume_step=self.step)
         self._resize_done.set()
         return Phase.RUNNING, f"{before} -> {len(self.members)} workers"
+
+    def _reharvest(self) -> tuple[Phase, str]:
+        """Regroup with the requested harvest ranks: the new ones (already up) join, surplus ones leave."""
+        request, self._harvest_request = self._harvest_request, None
+        members, released = harvest_regroup(self.members, request)
+        before = len(self.members)
+        if len(members) != before or released:
+            failed = self._switch_to(members, released)
+            if failed is not None:
+                return failed
+            harvested = len(harvest_members(self.members))
+            self.events.record("harvest", request.reason or f"{harvested} rank(s) beside replicas",
+                               train_devices=len(whole_members(self.members)), harvested_devices=harvested,
+                               resume_step=self.step)
+        self._resize_done.set()
+        return Phase.RUNNING, f"{before} -> {len(self.members)} ranks, {len(harvest_members(self.members))} harvesting"
 
     def _switch_to(self, members: list[Worker], released: list[Worker]) -> tuple[Phase, str] | None:
         """Regroup `members` from the current members' newest snapshot, then stop `released` (after the
@@ -260,13 +277,13 @@ class RecoveryMixin:
     def _growth_target(self) -> int:
         """Grow from warm spares only; start spares on free devices so they are warm by the next check."""
         ready = len(self.pool.ready(self.spares))
-        missing = self.target_workers - len(self._whole_members()) - len(self.spares)
+        missing = self.target_workers - len(whole_members(self.members)) - len(self.spares)
         self._start_spares(missing)
         if self.planner is not None:
             return self._planned_growth()
-        harvesting = len(self._harvest_members())
+        harvesting = len(harvest_members(self.members))
         return grow_to(GrowthObservation(  # in whole workers: sizes less the harvest ranks beside them
-            num_workers=len(self._whole_members()),
+            num_workers=len(whole_members(self.members)),
             target_workers=self.target_workers,
             free_devices=0,
             num_spares=ready,
@@ -340,7 +357,8 @@ class RecoveryMixin:
         return result
 
     def _release_everything(self) -> None:
-        self.pool.stop([w for w in self.members + self.spares + self._harvest_incoming if w.actor is not None])
+        incoming = self._harvest_request.incoming if self._harvest_request is not None else []
+        self.pool.stop([w for w in self.members + self.spares + incoming if w.actor is not None])
         self.members, self.spares = list(self.members), []
         _internal_kv_del(self._record_key())
 
