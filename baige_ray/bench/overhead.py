@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=8, help="steps of each round left out of the steady state")
     parser.add_argument("--rounds", type=int, default=2, help="times every system runs, interleaved")
     parser.add_argument("--systems", nargs="+", default=["torchrun", "baige", "ray_train"],
-                        choices=["torchrun", "baige", "ray_train"], help="which systems to run, in this order")
+                        choices=["torchrun", "baige", "ray_train"],
+                        help="which systems to run (in each round torchrun first, outside Ray)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -52,29 +53,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.steps <= args.warmup:
         raise ValueError(f"--steps={args.steps} must exceed --warmup={args.warmup}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds={args.rounds} is invalid: expected >= 1")
     settings = DDPSettings(
         model={"num_layers": args.num_layers, "hidden": args.hidden, "num_heads": args.num_heads,
                "seq_len": args.seq_len},
         num_steps=args.steps, global_batch_size=args.global_batch_size,
     )
-    if args.rounds < 1:
-        raise ValueError(f"--rounds={args.rounds} is invalid: expected >= 1")
     runners = {"torchrun": _run_torchrun, "baige": _run_baige, "ray_train": _run_ray_train}
     times: dict[str, list[list[float]]] = {name: [] for name in args.systems}
     wall: dict[str, float] = dict.fromkeys(args.systems, 0.0)
+
+    def run_system(name: str, tmp: str) -> None:
+        system_started = time.perf_counter()
+        times[name].append(runners[name](settings, args.workers, tmp))
+        wall[name] += time.perf_counter() - system_started
+
+    # torchrun runs outside Ray; the two Ray systems share one local Ray session per round.
+    ray_systems = [name for name in args.systems if name != "torchrun"]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="baige-bench-overhead-") as tmp:
         if args.model == "llama-tiny":
             settings = _llama_tiny_settings(settings, Path(tmp), args.seq_len)
         for _ in range(args.rounds):
-            # torchrun runs outside Ray; the two Ray systems share one local Ray session per round.
-            ray_systems = [name for name in args.systems if name != "torchrun"]
             if "torchrun" in args.systems:
-                _timed(runners["torchrun"], settings, args.workers, tmp, times["torchrun"], wall, "torchrun")
+                run_system("torchrun", tmp)
             if ray_systems:
                 with bench_ray(num_cpus=2 * args.workers):
                     for name in ray_systems:
-                        _timed(runners[name], settings, args.workers, tmp, times[name], wall, name)
+                        run_system(name, tmp)
     systems = {name: _summary(rounds, args.warmup, wall[name]) for name, rounds in times.items()}
     result: dict[str, Any] = {f"{name}_step_s": round(row["step_s"], 5) for name, row in systems.items()}
     for other in ("torchrun", "ray_train"):
@@ -88,14 +95,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _timed(runner, settings, workers: int, tmp: str, rounds: list, wall: dict, name: str) -> None:
-    import time
-
-    started = time.perf_counter()
-    rounds.append(runner(settings, workers, tmp))
-    wall[name] += time.perf_counter() - started
-
-
 def round_ratios(times: dict[str, list[list[float]]], warmup: int) -> list[dict[str, float]]:
     """Per round: baige's median steady step over each other system's."""
     if "baige" not in times:
@@ -104,7 +103,7 @@ def round_ratios(times: dict[str, list[list[float]]], warmup: int) -> list[dict[
     for index, baige in enumerate(times["baige"]):
         row = {}
         for other in ("torchrun", "ray_train"):
-            if other in times and index < len(times[other]):
+            if other in times:
                 row[f"vs_{other}"] = round(steady_median(baige, warmup) / steady_median(times[other][index], warmup), 4)
         rows.append(row)
     return rows
@@ -122,9 +121,7 @@ def _llama_tiny_settings(settings, directory, seq_len: int):
 def _summary(rounds: list[list[float]], warmup: int, wall_s: float) -> dict[str, Any]:
     import statistics
 
-    steady = [t for times in rounds for t in times[warmup:]]
-    if not steady:
-        raise ValueError(f"no steady-state steps: {warmup} warm-up steps of {len(rounds[0])}")
+    steady = [t for times in rounds for t in times[warmup:]]  # run() checked that steps exceed warmup
     return {
         "step_s": statistics.median(steady),
         "step_times_s": [[round(t, 4) for t in times] for times in rounds],

@@ -152,7 +152,7 @@ class RecoveryMixin:
         # The living may wait for the dead to arrive: free them before the next regroup queues behind.
         WorkerPool.abandon([w for w, alive in zip(members, answered) if alive], self.generation)
         self.members = members
-        self._regroup_failures = self._regroup_failures + 1
+        self._regroup_failures += 1
         if not dead and self._regroup_failures > MAX_REGROUP_RETRIES:
             return Phase.FAILED, f"regrouping failed {self._regroup_failures} times with every worker alive: {error}"
         # With everyone alive the rendezvous itself failed (e.g. it waited on a member that died
