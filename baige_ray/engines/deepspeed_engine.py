@@ -4,7 +4,9 @@ DeepSpeed joins the process group the worker already belongs to
 (`dist_init_required=False`); on CPU its accelerator is "cpu" and its
 collectives run on gloo. The client optimizer is the same AdamW with the same
 parameter groups as every other engine, so the update is the same mathematics.
-Gradient accumulation and clipping are DeepSpeed's own.
+Gradient accumulation and clipping are DeepSpeed's own. With expert parallelism
+(ZeRO-1/2), experts are sharded by expert index and their gradients and optimizer
+state live in DeepSpeed's expert-data-parallel groups (deepspeed_experts.py).
 """
 
 from __future__ import annotations
@@ -44,19 +46,46 @@ class DeepSpeedEngine(Engine):
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(dist.get_rank()), str(dist.get_world_size())
         (model,) = self.build_stages()  # ZeRO needs no pipeline: one stage holds the whole model
+        self._model = model
         self.emulators = [SlowChipEmulator(model, self.emulated_speed)]
         self.expert_layers = self.plugin.expert_modules(model)
         self.zero_stage = int(layout.data_parallel.removeprefix("zero"))
+        self.expert_shards = self._shard_experts(model) if layout.ep > 1 else None
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model,
-            optimizer=build_optimizer(model, job.train),
+            model=self._deepspeed_view(model),
+            optimizer=build_optimizer(model, job.train, regroup=self._optimizer_regroup()),
             config=deepspeed_config(job, self.per_replica_batch, self.zero_stage),
             dist_init_required=False,
         )
+        if self.expert_shards is not None:
+            self.expert_shards.check_same_expert_groups()
+
+    def _shard_experts(self, model: nn.Module):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from baige_ray.engines.deepspeed_experts import ExpertShards
+
+        layout = self.layout
+        mesh = init_device_mesh(self.device.type, (layout.dp // layout.ep, layout.ep), mesh_dim_names=("edp", "ep"))
+        return ExpertShards(model, self.expert_layers, mesh["ep"])
+
+    def _deepspeed_view(self, model: nn.Module) -> nn.Module:
+        if self.expert_shards is None:
+            return model
+        from baige_ray.engines.deepspeed_experts import ExpertGroups, WithExpertGroups
+
+        return WithExpertGroups(model, ExpertGroups(self.expert_layers[0].num_experts, self.layout.ep))
+
+    def _optimizer_regroup(self):
+        if self.expert_shards is None:
+            return None
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        return split_params_into_different_moe_groups_for_optimizer
 
     @property
     def module(self) -> nn.Module:
-        return self.engine.module
+        return self._model
 
     def set_learning_rate(self, learning_rate: float) -> None:
         for group in self.engine.optimizer.param_groups:
@@ -122,12 +151,21 @@ class DeepSpeedEngine(Engine):
         model, adam = {}, {}
         step = [s["step"] for s in self._base_optimizer_states()]
         for name, param in self.module.named_parameters():
-            model[name] = safe_get_full_fp32_param(param).detach().cpu().clone()  # collective under ZeRO-3
+            model[name] = self._canonical(name, safe_get_full_fp32_param(param))  # collective under ZeRO-3
             moments = {key: safe_get_full_optimizer_state(param, key) for key in ADAM_KEYS}
             if step and all(value is not None for value in moments.values()):
                 adam[name] = {"step": torch.as_tensor(step[0], dtype=torch.float32).clone()}
-                adam[name].update({key: value.detach().cpu().clone() for key, value in moments.items()})
+                adam[name].update({key: self._canonical(name, value) for key, value in moments.items()})
         return {"model": model, "optimizer": adam}
+
+    def _canonical(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """A fresh full CPU copy: expert slices gathered over the expert group (collective)."""
+        if self.expert_shards is not None:
+            value = self.expert_shards.gather(name, value)
+        return value.detach().cpu().clone()
+
+    def _cut(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return full if self.expert_shards is None else self.expert_shards.cut(name, full)
 
     def import_state(self, state: CanonicalState) -> None:
         from deepspeed.utils import safe_set_full_optimizer_state
@@ -140,7 +178,7 @@ class DeepSpeedEngine(Engine):
             saved = state["optimizer"].get(name)
             if saved is not None:
                 for key in ADAM_KEYS:
-                    safe_set_full_optimizer_state(param, saved[key].to(self.device), key)
+                    safe_set_full_optimizer_state(param, self._cut(name, saved[key]).to(self.device), key)
         steps = [saved["step"] for saved in state["optimizer"].values()]
         for base_state in self._base_optimizer_states():
             if steps:
@@ -151,7 +189,7 @@ class DeepSpeedEngine(Engine):
         import deepspeed
 
         for name, param in self.module.named_parameters():
-            full = weights[name].to(self.device)
+            full = self._cut(name, weights[name]).to(self.device)
             if self.zero_stage == 3:
                 # Every rank holds the full tensor, so rank 0's copy is what gets re-partitioned.
                 with deepspeed.zero.GatheredParameters([param], modifier_rank=0):

@@ -74,10 +74,11 @@ class ParallelLayout:
             return
         if self.dp % self.ep:
             raise ValueError(f"ParallelLayout.ep={self.ep} is invalid: expected a divisor of dp={self.dp}")
-        if self.data_parallel not in ("ddp", "fsdp2"):
+        if self.data_parallel == "zero3":
             raise ValueError(
-                f"ParallelLayout.ep={self.ep} is invalid with data_parallel={self.data_parallel!r}: expected 'ddp' "
-                "or 'fsdp2' (expert parallelism beside DeepSpeed's ZeRO is not implemented)"
+                f"ParallelLayout.ep={self.ep} is invalid with data_parallel='zero3': expected 'ddp', 'fsdp2', "
+                "'zero1' or 'zero2' (DeepSpeed keeps expert-parallel parameters in its MoE groups under ZeRO "
+                "stage 1 or 2 only; 'fsdp2' shards the dense weights beside EP)"
             )
 
     def _check_dp_microbatches(self) -> None:

@@ -60,7 +60,7 @@ def _price_every_row(model: ModelSpec, options: PlanOptions, hardware: Hardware,
                                              options.recompute_codes):
         if per_replica % b or b > options.max_micro_batch or (zero >= 2 and layout.pp > 1):
             continue
-        if ep > 1 and zero > 0 and not options.expert_parallel_with_zero:
+        if ep > 1 and zero not in options.expert_parallel_zero_stages:
             continue
         rows = Rows(ep=np.array([ep]), zero=np.array([zero]), micro_batch=np.array([b]), recompute=np.array([rc]))
         evaluation = evaluate(model, options.constants, context, rows)

@@ -117,7 +117,7 @@ def split_layers(num_layers: int, layer_s: np.ndarray, extra_s: np.ndarray) -> n
 
 
 def row_grid(model: ModelSpec, *, dp: int, pp: int, zero_stages, recomputes, max_micro_batch: int,
-             expert_parallel_with_zero: bool = True) -> Rows:
+             expert_parallel_zero_stages: tuple[int, ...] = (0, 1, 2, 3)) -> Rows:
     """Every (ep, ZeRO, micro-batch, recompute) row valid for a layout with this dp and pp."""
     eps = [e for e in range(1, max(model.num_experts, 1) + 1)
            if max(model.num_experts, 1) % e == 0 and dp % e == 0]
@@ -125,6 +125,5 @@ def row_grid(model: ModelSpec, *, dp: int, pp: int, zero_stages, recomputes, max
     per_replica = model.global_batch // dp
     batches = [b for b in range(1, min(per_replica, max_micro_batch) + 1) if per_replica % b == 0]
     grid = np.array(np.meshgrid(eps, zeros, batches, recomputes, indexing="ij")).reshape(4, -1)
-    if not expert_parallel_with_zero:
-        grid = grid[:, (grid[0] == 1) | (grid[1] == 0)]
+    grid = grid[:, (grid[0] == 1) | np.isin(grid[1], expert_parallel_zero_stages)]
     return Rows(ep=grid[0], zero=grid[1], micro_batch=grid[2], recompute=grid[3])

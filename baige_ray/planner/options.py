@@ -21,9 +21,10 @@ class PlanOptions:
     max_efficiency: float = CostConstants.max_efficiency
     machine_balance: float = CostConstants.machine_balance
     replan_tolerance: float = 0.05  # replan keeps ranks in place if within 5% of a fresh plan
-    # Whether ZeRO may shard the dense state beside EP > 1; baige-ray's engines run EP with plain
-    # data parallelism only, so plans for them (runtime/auto_plan.py) turn this off.
-    expert_parallel_with_zero: bool = True
+    # ZeRO stages that may run beside EP > 1. baige-ray's engines run EP with DDP, FSDP2 or DeepSpeed
+    # ZeRO-1/2; FSDP2 leaves experts unsharded over their data-parallel group, unlike the ZeRO-3 this
+    # cost model prices, so plans for them (runtime/auto_plan.py) leave stage 3 out.
+    expert_parallel_zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     max_pp: int | None = None  # the most pipeline stages the model can run in (None: one per layer)
     constants: CostConstants = field(init=False)
 
@@ -33,6 +34,7 @@ class PlanOptions:
         if self.max_pp is not None:
             require_int("PlanOptions", "max_pp", self.max_pp, minimum=1)
         for name, values, allowed in (("zero_stages", self.zero_stages, (0, 1, 2, 3)),
+                                      ("expert_parallel_zero_stages", self.expert_parallel_zero_stages, (0, 1, 2, 3)),
                                       ("recompute", self.recompute, RECOMPUTE), ("mappings", self.mappings, MAPPINGS)):
             object.__setattr__(self, name, tuple(values))
             bad = [v for v in values if v not in allowed]

@@ -272,7 +272,7 @@ def _price(model: ModelSpec, options: PlanOptions, hardware: Hardware,
         return [], None
     rows = row_grid(model, dp=layout.dp, pp=layout.pp, zero_stages=options.zero_stages,
                     recomputes=options.recompute_codes, max_micro_batch=options.max_micro_batch,
-                    expert_parallel_with_zero=options.expert_parallel_with_zero)
+                    expert_parallel_zero_stages=options.expert_parallel_zero_stages)
     return candidates_of(model, options, context, rows)
 
 

@@ -38,7 +38,7 @@ def first_devices(graph: ResourceGraph, num_devices: int) -> ResourceGraph:
 
 def plan_job(job: TrainJob, graph: ResourceGraph) -> PlacementPlan:
     spec = job.plugin.model_spec(global_batch=job.train.global_batch_size)
-    return plan(spec, graph, PlanOptions(expert_parallel_with_zero=False, max_pp=job.plugin.max_pipeline_stages))
+    return plan(spec, graph, PlanOptions(expert_parallel_zero_stages=(0, 1, 2), max_pp=job.plugin.max_pipeline_stages))
 
 
 def layout_from_plan(placement: PlacementPlan) -> ParallelLayout:

@@ -12,7 +12,7 @@ replica's micro-batch count, so the average over replicas is still the batch mea
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,12 +64,16 @@ def replica_sample_range(step: int, replica: int, replica_batches: Sequence[int]
     return range(start, start + replica_batches[replica])
 
 
-def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, config: TrainConfig,
+                    regroup: Callable[[list[dict]], list[dict]] | None = None) -> torch.optim.Optimizer:
+    """AdamW over two named parameter groups; `regroup` may split them further (DeepSpeed's expert groups)."""
     # Decay matrices only; biases, norms and embeddings' 1-D params stay undecayed (GPT-2 practice).
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"name": "decay", "params": decay, "weight_decay": config.weight_decay},
+        {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
     ]
+    if regroup is not None:
+        groups = regroup(groups)
     return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(0.9, 0.95), foreach=False)

@@ -25,6 +25,7 @@ RUN = RunConfig(show_progress=False)
 LAYOUTS = {  # experts held whole (no EP): tests/unit/test_hf_moe.py, logits and router loss against transformers
     "DP4xEP4": ParallelLayout(dp=4, ep=4),
     "DP2xEP2xTP2": ParallelLayout(dp=2, ep=2, tp=2),
+    "ZeRO-2 x4 with EP2 (DeepSpeed)": ParallelLayout(dp=4, ep=2, data_parallel="zero2"),
 }
 
 

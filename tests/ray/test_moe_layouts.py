@@ -31,6 +31,7 @@ LAYOUTS = {
     "ZeRO-2 x4 (DeepSpeed, experts replicated)": ParallelLayout(dp=4, data_parallel="zero2"),
     "DP4xEP4": ParallelLayout(dp=4, ep=4),
     "FSDP2 x4 with EP2 (dense sharded, experts by index)": ParallelLayout(dp=4, ep=2, data_parallel="fsdp2"),
+    "ZeRO-2 x4 with EP2 (DeepSpeed's expert groups)": ParallelLayout(dp=4, ep=2, data_parallel="zero2"),
     "DP2xEP2xTP2": ParallelLayout(dp=2, ep=2, tp=2),
     "PP2xDP2xEP2": ParallelLayout(pp=2, dp=2, ep=2),
 }
@@ -67,6 +68,18 @@ def test_experts_reshard_in_memory_from_ep4_to_fsdp2_with_ep2(group, reference):
     assert state["model"]["blocks.1.mlp.experts.up"].shape == (4, 32, 128)  # canonical: every expert, by index
     assert state["optimizer"]["blocks.1.mlp.experts.up"]["exp_avg"].shape == (4, 32, 128)
     resumed = train_on_group(group, JOB, at_full_speed(LAYOUTS["FSDP2 x4 with EP2 (dense sharded, experts by index)"]),
+                             RUN, start_step=half, initial_state=state)
+    assert [m.loss for m in resumed] == pytest.approx(reference[half:], rel=1e-4)
+
+
+def test_deepspeed_expert_state_leaves_zero1_with_ep4_and_resumes_in_zero2_with_ep2(group, reference):
+    """Experts sharded by DeepSpeed's expert groups export whole (weights and Adam moments gathered over
+    EP) and are cut again for another EP degree."""
+    half = TRAIN.num_steps // 2
+    train_on_group(group, JOB, at_full_speed(ParallelLayout(dp=4, ep=4, data_parallel="zero1")), RUN, end_step=half)
+    state = merge_states(group.call("export_state"))
+    assert state["optimizer"]["blocks.0.mlp.experts.down"]["exp_avg_sq"].shape == (4, 128, 32)
+    resumed = train_on_group(group, JOB, at_full_speed(LAYOUTS["ZeRO-2 x4 with EP2 (DeepSpeed's expert groups)"]),
                              RUN, start_step=half, initial_state=state)
     assert [m.loss for m in resumed] == pytest.approx(reference[half:], rel=1e-4)
 

@@ -110,9 +110,10 @@ def test_bad_moe_configs_name_the_field(field, kwargs, message):
 def test_expert_parallel_degree_must_divide_dp_and_the_expert_count():
     with pytest.raises(ValueError, match=r"ParallelLayout.ep=3 is invalid: expected a divisor of dp=4"):
         ParallelLayout(dp=4, ep=3)
-    with pytest.raises(ValueError, match=r"ParallelLayout.ep=2 is invalid with data_parallel='zero3'"):
+    with pytest.raises(ValueError, match=r"ParallelLayout.ep=2 is invalid with data_parallel='zero3'.*stage 1 or 2"):
         ParallelLayout(dp=4, ep=2, data_parallel="zero3")
-    ParallelLayout(dp=4, ep=2, data_parallel="fsdp2")
+    for data_parallel in ("fsdp2", "zero1", "zero2"):
+        ParallelLayout(dp=4, ep=2, data_parallel=data_parallel)
     plugin = plugin_for(GPTConfig(seq_len=8, hidden=32, num_layers=2, moe=MoEConfig(num_experts=6, top_k=2)))
     with pytest.raises(ValueError, match=r"ParallelLayout.ep=4 is invalid: expected a divisor of MoEConfig.num_experts=6"):
         plugin.check_layout(ParallelLayout(dp=4, ep=4))

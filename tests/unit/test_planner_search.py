@@ -4,6 +4,7 @@ import pytest
 
 from baige_ray.api.errors import InfeasiblePlanError
 from baige_ray.planner.bruteforce import brute_force
+from baige_ray.planner.evaluate import row_grid
 from baige_ray.planner.model_spec import ModelSpec, load_model_spec
 from baige_ray.planner.options import PlanOptions
 from baige_ray.planner.plan import plan
@@ -65,3 +66,20 @@ def test_max_pp_keeps_every_candidate_within_that_many_stages():
     assert {a.pp for a in (single, *single.alternatives)} == {1}
     with pytest.raises(ValueError, match="PlanOptions.max_pp"):
         PlanOptions(max_pp=0)
+
+
+def test_expert_parallelism_keeps_to_the_zero_stages_allowed_beside_it():
+    """baige-ray's engines run EP beside ZeRO-1/2 (DeepSpeed's expert groups) but not ZeRO-3."""
+    model = ModelSpec(name="moe", num_layers=4, hidden=1024, ffn_hidden=4096, num_heads=8, num_kv_heads=2,
+                      seq_len=512, vocab_size=8000, global_batch=8, num_experts=4, top_k=2)
+    options = PlanOptions(recompute=("none",), max_micro_batch=8, expert_parallel_zero_stages=(0, 1, 2))
+    graph = _sim()
+    ranked = search(model, options, Hardware(graph, options)).ranked
+    assert ranked[0].step_s == pytest.approx(brute_force(model, graph, options).step_s, rel=1e-9)
+    assert not [c for c in ranked if c.ep > 1 and c.zero == 3]
+    rows = row_grid(model, dp=4, pp=1, zero_stages=(0, 1, 2, 3), recomputes=(0,), max_micro_batch=8,
+                    expert_parallel_zero_stages=options.expert_parallel_zero_stages)
+    pairs = set(zip(rows.ep.tolist(), rows.zero.tolist()))
+    assert {(2, 1), (2, 2), (4, 1), (4, 2), (1, 3)} <= pairs and not {(2, 3), (4, 3)} & pairs
+    with pytest.raises(ValueError, match="PlanOptions.expert_parallel_zero_stages"):
+        PlanOptions(expert_parallel_zero_stages=(4,))
