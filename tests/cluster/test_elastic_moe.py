@@ -38,16 +38,20 @@ def no_leftover_actors(sim_cluster):
     kill_run_actors("elastic-moe")
 
 
-def test_a_crash_that_halves_the_expert_parallel_degree_re_shards_the_experts_and_agrees(sim_cluster, tmp_path):
+@pytest.mark.parametrize("data_parallel", ["ddp", "zero2"])
+def test_a_crash_that_halves_the_expert_parallel_degree_re_shards_the_experts_and_agrees(sim_cluster, tmp_path,
+                                                                                       data_parallel):
+    """With "zero2" the experts live in DeepSpeed's expert groups, which the survivors build anew for EP 2."""
     from baige_ray.elastic.job import launch
 
     job = launch(MODEL, train=TRAIN, scaling=ScalingConfig(num_workers=4),
                  run=RunConfig(name="elastic-moe", storage_path=tmp_path, show_progress=False),
-                 elastic=ElasticConfig(num_spares=0, min_workers=2), layout=ParallelLayout(dp=4, ep=4),
+                 elastic=ElasticConfig(num_spares=0, min_workers=2),
+                 layout=ParallelLayout(dp=4, ep=4, data_parallel=data_parallel),
                  faults=FaultPlan().crash(rank=1, step=6))
     result = job.wait()
 
-    assert result.layout == "DP2xEP2 (ddp)"
+    assert result.layout == f"DP2xEP2 ({data_parallel})"
     assert len(result.recoveries) == 1 and result.recoveries[0]["lost_steps"] <= 1
     assert [m.step for m in result.metrics] == list(range(TRAIN.num_steps))
     reference = build_engine(TrainJob(model=MODEL, train=TRAIN), ParallelLayout())
