@@ -101,6 +101,9 @@ class GPTPlugin(ModelPlugin):
     def expert_modules(self, stage: nn.Module) -> list[nn.Module]:
         return [block.mlp for block in stage.blocks.values() if isinstance(block.mlp, MoELayer)]
 
+    def inference_expert_layers(self, model: nn.Module) -> list[nn.Module]:
+        return [block.mlp for block in model.blocks if isinstance(block.mlp, MoELayer)]
+
     @property
     def has_auxiliary_loss(self) -> bool:
         return self.config.moe is not None and self.config.moe.aux_loss_coef > 0

@@ -141,7 +141,15 @@ class GroupedExperts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows of `tokens` grouped by local expert, `counts[e]` rows for the e-th expert held here."""
-        up, down = _local(self.up), _local(self.down)
+        return GeluExpertKernel()({"up": _local(self.up), "down": _local(self.down)}, tokens, counts)
+
+
+class GeluExpertKernel:
+    """The experts' computation on given weights (`up`, `down`: one row per expert held), so that a
+    process holding only some experts' weights (an expert rank of expert-parallel serving) runs it."""
+
+    def __call__(self, weights: dict[str, torch.Tensor], tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        up, down = weights["up"], weights["down"]
         # Empty chunks too: the output must stay in the autograd graph when no token came, or this rank
         # would skip the backward all-to-all its expert-parallel peers wait in.
         return torch.cat([F.gelu(chunk @ up[e]) @ down[e] for e, chunk in enumerate(tokens.split(counts))])
@@ -164,10 +172,22 @@ class MoELayer(nn.Module):
         self.shared = (SharedExperts(hidden, ffn * config.num_shared_experts) if config.num_shared_experts else None)
         self.expert_group: dist.ProcessGroup | None = None
         self.traffic = ExpertTraffic()
+        self.expert_runner: LocalExperts | None = None  # set by expert-parallel serving: where slots go instead
 
     @property
     def num_experts(self) -> int:
         return self.config.num_experts
+
+    def expert_weights(self) -> dict[str, torch.Tensor]:
+        """The routed experts' tensors, whole and indexed by expert, as `expert_kernel` takes them."""
+        return {"up": self.experts.up.detach(), "down": self.experts.down.detach()}
+
+    def expert_kernel(self) -> GeluExpertKernel:
+        return GeluExpertKernel()
+
+    def run_experts_with(self, runner: LocalExperts | None) -> None:
+        """Hand this layer's routed slots (grouped by expert) to `runner`; None: compute them here again."""
+        self.expert_runner = runner
 
     def enable_expert_parallel(self, ep_mesh: DeviceMesh) -> None:
         """Keep only this rank's experts (a DTensor slice by expert index); route tokens over `ep_mesh`."""
@@ -202,6 +222,9 @@ class MoELayer(nn.Module):
                                      num_experts=self.num_experts, group=self.expert_group, traffic=self.traffic,
                                      chunks=self.config.dispatch_chunks)
             return routed, alongside_dispatch() if alongside_dispatch is not None else None
+        if self.expert_runner is not None:
+            return route_to_experts(tokens, routing.experts, routing.weights, self.expert_runner,
+                                    num_experts=self.num_experts, group=None, traffic=self.traffic)
         return route_to_experts(tokens, routing.experts, routing.weights, self.experts, num_experts=self.num_experts,
                                 group=self.expert_group, traffic=self.traffic, alongside_dispatch=alongside_dispatch)
 

@@ -155,6 +155,11 @@ class ModelPlugin(ABC):
         experts as a DTensor slice by expert index and routes tokens over the mesh's group."""
         return []
 
+    def inference_expert_layers(self, model: nn.Module) -> list[nn.Module]:
+        """The expert layers of a `build_inference_model` model, for expert-parallel serving: each has
+        `expert_weights()`, `expert_kernel()` and `run_experts_with(runner)`."""
+        return []
+
     @property
     def has_auxiliary_loss(self) -> bool:
         """Whether forwards attach auxiliary losses (models/aux_loss.py) the reported loss must include."""

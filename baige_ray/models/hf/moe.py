@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from baige_ray.models.aux_loss import attach_auxiliary_loss
-from baige_ray.models.moe import ExpertTraffic, route_to_experts
+from baige_ray.models.moe import ExpertTraffic, LocalExperts, route_to_experts
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts")  # config.json files and transformers' to_dict differ
@@ -45,6 +45,18 @@ class RoutedExperts(nn.Module):
         self.num_experts = int(experts.gate_up_proj.shape[0])
         self.expert_group: dist.ProcessGroup | None = None
         self.traffic = ExpertTraffic()
+        self.expert_runner: LocalExperts | None = None  # set by expert-parallel serving: where slots go instead
+
+    def expert_weights(self) -> dict[str, torch.Tensor]:
+        """The experts' tensors, whole and indexed by expert, as `expert_kernel` takes them."""
+        return {"gate_up_proj": self.gate_up_proj.detach(), "down_proj": self.down_proj.detach()}
+
+    def expert_kernel(self) -> GatedExpertKernel:
+        return GatedExpertKernel(self.act_fn)
+
+    def run_experts_with(self, runner: LocalExperts | None) -> None:
+        """Hand the routed slots (grouped by expert) to `runner`; None: compute them here again."""
+        self.expert_runner = runner
 
     def enable_expert_parallel(self, ep_mesh: DeviceMesh) -> None:
         from torch.distributed.tensor import Shard, distribute_tensor
@@ -55,12 +67,25 @@ class RoutedExperts(nn.Module):
         self.expert_group = ep_mesh.get_group()
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        out, _ = route_to_experts(hidden_states, top_k_index, top_k_weights, self._run_local,
-                                  num_experts=self.num_experts, group=self.expert_group, traffic=self.traffic)
+        runner, group = (self.expert_runner, None) if self.expert_runner is not None else (self._run_local, self.expert_group)
+        out, _ = route_to_experts(hidden_states, top_k_index, top_k_weights, runner,
+                                  num_experts=self.num_experts, group=group, traffic=self.traffic)
         return out
 
     def _run_local(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+        weights = {"gate_up_proj": _local(self.gate_up_proj), "down_proj": _local(self.down_proj)}
+        return GatedExpertKernel(self.act_fn)(weights, rows, counts)
+
+
+class GatedExpertKernel:
+    """transformers' gated experts on given weights (one row per expert held), so that a process holding
+    only some experts' weights (an expert rank of expert-parallel serving) runs them."""
+
+    def __init__(self, act_fn: nn.Module):
+        self.act_fn = act_fn
+
+    def __call__(self, weights: dict[str, torch.Tensor], rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        gate_up, down = weights["gate_up_proj"], weights["down_proj"]
         outputs = []
         # Empty chunks too: the output must stay in the autograd graph when no token came (models/moe.py).
         for expert, chunk in enumerate(rows.split(counts)):

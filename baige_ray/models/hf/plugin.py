@@ -108,6 +108,11 @@ class HFPlugin(ModelPlugin):
     def expert_modules(self, stage: nn.Module) -> list[nn.Module]:
         return routed_experts(list(stage.layers.values()))
 
+    def inference_expert_layers(self, model: nn.Module) -> list[nn.Module]:
+        layers = list(model.model.layers)  # transformers' decoder layers
+        install_routed_experts(layers)
+        return routed_experts(layers)
+
     @property
     def has_auxiliary_loss(self) -> bool:
         return self._experts is not None and router_loss_coef(self.config.config) > 0
