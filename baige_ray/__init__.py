@@ -23,7 +23,7 @@ from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.faults import FaultPlan
 from baige_ray.elastic.job import TrainingJob, launch
 from baige_ray.runtime.fit import fit
-from baige_ray.serving import DisaggregationOptions, ServeHandleInfo, serve
+from baige_ray.serving import DisaggregationOptions, ExpertParallelServing, ServeHandleInfo, serve
 from baige_ray.topology.connect import ClusterSession, open_cluster
 from baige_ray.topology.descriptor import load_descriptor
 
@@ -37,6 +37,7 @@ __all__ = [
     "CorpusConfig",
     "DeviceInfo",
     "DisaggregationOptions",
+    "ExpertParallelServing",
     "ElasticConfig",
     "FaultPlan",
     "GPTConfig",

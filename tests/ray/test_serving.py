@@ -23,8 +23,11 @@ from baige_ray.runtime.checkpoint_io import load_model, save_model_checkpoint
 from baige_ray.serving import rebalance, reload_weights, scale_replicas, serve, shutdown, side_loads
 from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.disaggregation import PREFILL_DEPLOYMENT, DisaggregationOptions
+from baige_ray.serving.expert_parallel import ExpertParallelServing
 from baige_ray.serving.requests import GenerateRequest
 from baige_ray.serving.sampling import decode_tokens, generate_batch
+
+from ..moe_helpers import HOT_EXPERT, PROMPTS, greedy_tokens, skewed_moe_gpt
 
 CONFIG = GPTConfig(seq_len=32, num_layers=1, num_heads=2, hidden=32)
 
@@ -166,3 +169,55 @@ def test_the_sides_resize_by_the_split_policy_as_the_arbiter_asks(disaggregated_
     assert rebalance(disaggregated_app) is None  # balanced: nothing moves
     with pytest.raises(ValueError, match="disaggregated"):
         scale_replicas(disaggregated_app, 2)
+
+
+@pytest.fixture(scope="module")
+def expert_parallel_app(app):
+    """Beside `app`: a mixture-of-experts GPT whose replica spreads its experts over 3 processes."""
+    config, model = skewed_moe_gpt()
+    info = serve((0, ray.put(model.state_dict())), model_config=config, name="test-moe-ep", route_prefix="/ep",
+                 max_batch_size=4, ray_actor_options={"num_cpus": 0.25},
+                 expert_parallel=ExpertParallelServing(ranks=3, slots_per_rank=2, rebalance_every=16))
+    yield info, config, model
+    shutdown(info)
+
+
+def _greedy_texts(url: str) -> list[str]:
+    texts = []
+    for prompt in PROMPTS:
+        status, reply = call(url + "/generate", {"prompt": prompt, "max_new_tokens": 12, "temperature": 0})
+        assert status == 200, reply
+        texts.append(reply["text"])
+    return texts
+
+
+def test_an_expert_parallel_replica_answers_one_process_tokens_and_copies_the_hot_expert(expert_parallel_app):
+    info, config, model = expert_parallel_app
+    expected = [decode_tokens(tokens) for tokens in greedy_tokens(model)]
+    assert _greedy_texts(info.url) == expected
+    assert _greedy_texts(info.url) == expected  # again, after re-placements from the first pass's load
+    experts = call(info.url + "/health")[1]["experts"]
+    assert experts["placements_made"] >= 3  # the first placement and re-placements every 16 forwards
+    assert all(slots.count(HOT_EXPERT) >= 2 for slots in experts["slots"])
+    assert len(experts["rank_rows"]) == 3
+
+
+def test_an_expert_parallel_replica_takes_new_weights_in_place(expert_parallel_app):
+    info, config, _ = expert_parallel_app
+    _, other = skewed_moe_gpt(seed=1)
+    reload_weights(info, (1, ray.put(other.state_dict())), model_config=config)
+    assert call(info.url + "/health")[1]["step"] == 1
+    assert _greedy_texts(info.url) == [decode_tokens(tokens) for tokens in greedy_tokens(other)]
+
+
+def test_expert_parallel_serving_refuses_a_dense_model_and_impossible_slots(app):
+    with pytest.raises(ValueError, match="has no experts"):
+        serve((0, ray.put(initial_state())), model_config=CONFIG, name="dense-ep",
+              expert_parallel=ExpertParallelServing(ranks=2))
+    config, model = skewed_moe_gpt()
+    with pytest.raises(ValueError, match="ExpertParallelServing.slots_per_rank=1 is invalid for 4 experts over 3"):
+        serve((0, ray.put(model.state_dict())), model_config=config, name="few-slots",
+              expert_parallel=ExpertParallelServing(ranks=3, slots_per_rank=1))
+    with pytest.raises(ValueError, match="ServeOptions.expert_parallel is set with engine='vllm'"):
+        serve((0, ray.put(model.state_dict())), model_config=config, name="ep-vllm", engine="vllm",
+              expert_parallel=ExpertParallelServing())

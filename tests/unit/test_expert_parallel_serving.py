@@ -13,40 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-PROMPTS = [list(b"def main():"), list(b"import os\n"), list(b"class A:")]
-HOT_EXPERT = 3
-
-
-def _skewed_moe_gpt():
-    """A tiny MoE GPT whose routers favour HOT_EXPERT (its gate row points along the routers' mean input)."""
-    from baige_ray.models.gpt import GPT, GPTConfig
-    from baige_ray.models.moe import MoEConfig
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(seq_len=48, hidden=32, num_layers=2, num_heads=4,
-                          moe=MoEConfig(num_experts=4, top_k=2))).eval()
-    inputs = {}
-    hooks = [block.mlp.router.register_forward_pre_hook(
-        lambda _, args, index=index: inputs.setdefault(index, []).append(args[0])) for index, block in
-        enumerate(model.blocks)]
-    _generate(model)
-    for hook in hooks:
-        hook.remove()
-    with torch.no_grad():
-        for index, block in enumerate(model.blocks):
-            mean = torch.cat(inputs[index]).mean(dim=0)
-            block.mlp.router.gate.weight[HOT_EXPERT] = 6.0 * mean / mean.norm() ** 2
-    return model
-
-
-def _generate(model) -> list[list[int]]:
-    from baige_ray.serving.causal_lm_generation import SamplingParams
-    from baige_ray.serving.decoders import GPTDecoder
-    from baige_ray.serving.engine import ContinuousBatchingEngine, EngineLimits, generate_all
-
-    engine = ContinuousBatchingEngine(GPTDecoder(model), eos_token_id=None, limits=EngineLimits(max_waiting=3))
-    params = [SamplingParams(max_new_tokens=12, temperature=0.0)] * len(PROMPTS)
-    return [generation.tokens for generation in generate_all(engine, PROMPTS, params)]
+from ..moe_helpers import HOT_EXPERT, greedy_tokens, skewed_moe_gpt
 
 
 def _rank(rank: int, port: int, results) -> None:
@@ -56,16 +23,16 @@ def _rank(rank: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=3)
     options = ExpertParallelServing(ranks=3, slots_per_rank=2, rebalance_every=None)
-    model = _skewed_moe_gpt()
+    _, model = skewed_moe_gpt()
     layers = [block.mlp for block in model.blocks]
     if rank > 0:
         results[rank] = serve_experts(layer_specs(layers), options)
     else:
-        alone = _generate(model)
+        alone = greedy_tokens(model)
         dispatcher = ExpertDispatcher(layers, options)
-        spread = _generate(model)
+        spread = greedy_tokens(model)
         before = dispatcher.rebalance()  # from the load the first pass routed
-        rebalanced = _generate(model)
+        rebalanced = greedy_tokens(model)
         after = dispatcher.stats()
         dispatcher.close()
         results[0] = {"alone": alone, "spread": spread, "rebalanced": rebalanced, "before": before, "after": after}
@@ -94,3 +61,50 @@ def test_experts_over_three_ranks_generate_one_process_tokens_and_rebalancing_ev
     assert after["imbalance"] < before["imbalance"], (before, after)
     print(f"rows per rank {before['rank_rows']} -> {after['rank_rows']}, imbalance {before['imbalance']:.3f} -> "
           f"{after['imbalance']:.3f}")
+
+
+def _mixtral_rank(rank: int, port: int, results) -> None:
+    """transformers' Mixtral: its experts replaced by RoutedExperts, spread over two ranks."""
+    from baige_ray.models.hf import HFModel
+    from baige_ray.models.plugin import plugin_for
+    from baige_ray.serving.causal_lm_generation import SamplingParams
+    from baige_ray.serving.decoders import HFDecoder
+    from baige_ray.serving.engine import ContinuousBatchingEngine, EngineLimits, generate_all
+    from baige_ray.serving.expert_parallel import ExpertDispatcher, ExpertParallelServing, layer_specs, serve_experts
+
+    from ..hf_helpers import mixtral_config
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    plugin = plugin_for(HFModel.from_config(mixtral_config()))
+    torch.manual_seed(0)
+    model = plugin.build_inference_model(plugin.build_model().state_dict())
+    options = ExpertParallelServing(ranks=2, slots_per_rank=3, rebalance_every=5)
+
+    def greedy() -> list[list[int]]:
+        engine = ContinuousBatchingEngine(HFDecoder(model, max_context=128), eos_token_id=None,
+                                          limits=EngineLimits(max_waiting=3))
+        prompts = [[5, 17, 42, 99], [7, 7, 7], [300, 2, 150, 60, 11]]
+        params = [SamplingParams(max_new_tokens=10, temperature=0.0)] * 3
+        return [generation.tokens for generation in generate_all(engine, prompts, params)]
+
+    alone = greedy()  # transformers' own experts
+    layers = plugin.inference_expert_layers(model)
+    if rank > 0:
+        results[rank] = serve_experts(layer_specs(layers), options)
+    else:
+        dispatcher = ExpertDispatcher(layers, options)
+        spread = greedy()
+        results[0] = {"alone": alone, "spread": spread, "placements": dispatcher.stats()["placements_made"]}
+        dispatcher.close()
+    dist.destroy_process_group()
+
+
+def test_a_mixtral_served_over_two_expert_ranks_generates_transformers_tokens():
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(_mixtral_rank, args=(_free_port(), results), nprocs=2, start_method="spawn")
+        results = dict(results)
+    assert results[0]["spread"] == results[0]["alone"]
+    assert results[0]["placements"] >= 2 and results[1] > 0
