@@ -114,7 +114,9 @@ class ExpertDispatcher:
         self.options, self.layers = options, layers
         self.num_experts = next(iter(layers[0].expert_weights().values())).shape[0]
         self.slots_per_rank = options.slots_for(self.num_experts)
-        self.full = [{name: t.clone() for name, t in layer.expert_weights().items()} for layer in layers]
+        # The model's own expert tensors (views, not copies): the source of every move, updated in place
+        # when new weights are loaded.
+        self.full = [layer.expert_weights() for layer in layers]
         self.device = next(iter(self.full[0].values())).device
         self.kernels = [layer.expert_kernel() for layer in layers]
         self.local: list[dict[str, torch.Tensor]] = [{} for _ in layers]
@@ -222,7 +224,7 @@ class ExpertDispatcher:
 
     def reload_weights(self) -> None:
         """The model's experts hold new weights (loaded in place): every rank gets its slots' weights anew."""
-        self.full = [{name: t.clone() for name, t in layer.expert_weights().items()} for layer in self.layers]
+        self.full = [layer.expert_weights() for layer in self.layers]
         self._place(self.placements, previous=[None] * len(self.layers))  # every slot counts as changed
 
     def close(self) -> None:

@@ -24,6 +24,8 @@ class ExpertRanks:
     def __init__(self, layers: list[nn.Module], options: ExpertParallelServing, actor_options: dict):
         from baige_ray.actors.expert_server import ExpertServer
 
+        if not layers:
+            raise ValueError("expert-parallel serving needs a mixture-of-experts model: this one has no expert layers")
         specs = layer_specs(layers)
         backend = "nccl" if next(iter(layers[0].expert_weights().values())).is_cuda else "gloo"
         self._member = ProcessGroupMember(backend, timeout_s=IDLE_TIMEOUT_S)
