@@ -39,6 +39,11 @@ class ExpertPlacement:
         if not self.slots or len(self.slots) % self.num_ranks:
             raise ValueError(f"ExpertPlacement.slots has {len(self.slots)} entries: expected a positive multiple "
                              f"of num_ranks={self.num_ranks}")
+        copies: dict[int, list[int]] = {}
+        for slot, expert in enumerate(self.slots):
+            copies.setdefault(expert, []).append(slot)
+        # Looked up for every expert of every MoE layer of every forward: built once, not scanned each time.
+        object.__setattr__(self, "_copies", {expert: tuple(slots) for expert, slots in copies.items()})
 
     @property
     def slots_per_rank(self) -> int:
@@ -48,9 +53,9 @@ class ExpertPlacement:
         start = rank * self.slots_per_rank
         return self.slots[start:start + self.slots_per_rank]
 
-    def copies(self, expert: int) -> list[int]:
+    def copies(self, expert: int) -> tuple[int, ...]:
         """The physical slots holding `expert`, in slot order."""
-        return [slot for slot, held in enumerate(self.slots) if held == expert]
+        return self._copies.get(expert, ())
 
     def covers(self, num_experts: int) -> bool:
         return set(self.slots) == set(range(num_experts))
