@@ -40,23 +40,78 @@ def bench_ray(num_cpus: int, attempts: int = 3) -> Iterator[None]:
     address = ray_address()
     if ray.is_initialized():
         ray.shutdown()
+    existing = _child_pids()
     if address is not None:
         ray.init(address=address, logging_level=logging.WARNING)
     else:
         for attempt in range(1, attempts + 1):
-            before = _child_pids()
             try:
                 ray.init(address="local", num_cpus=num_cpus, num_gpus=0, logging_level=logging.WARNING)
                 break
             except Exception as error:  # Ray raises a bare Exception on a node start timeout
                 ray.shutdown()
-                _kill_children_except(before)  # shutdown() misses the processes of a start that timed out
+                _kill_children_except(existing)  # shutdown() misses the processes of a start that timed out
                 if attempt == attempts or "timed out during startup" not in str(error):
                     raise
     try:
         yield
     finally:
         ray.shutdown()
+        _wait_for_exit(_child_pids() - existing)  # the next system measured must not share the CPU with these
+
+
+class HelperCpu:
+    """Cores used, from now until `cores()`, by this process's descendants already running now.
+
+    Started inside a local Ray session before a run, that is Ray's own processes (GCS, raylet,
+    dashboard, agents, log monitor): the run's workers start later, and Ray's prestarted idle
+    workers, which the run may turn into its actors, are left out.
+    """
+
+    def __init__(self) -> None:
+        import time
+
+        self._started = time.perf_counter()
+        self._cpu_s = {pid: cpu for pid, (cpu, command) in _descendant_cpu().items()
+                       if not command.startswith("ray::IDLE")}
+
+    def cpu_s(self) -> float:
+        """CPU seconds they have used since the watch began (those that exited since are not seen)."""
+        now = _descendant_cpu()
+        return sum(now[pid][0] - cpu for pid, cpu in self._cpu_s.items() if pid in now)
+
+    def cores(self) -> float:
+        import time
+
+        used, elapsed = self.cpu_s(), time.perf_counter() - self._started
+        return used / elapsed if elapsed > 0 else 0.0
+
+
+def _descendant_cpu() -> dict[int, tuple[float, str]]:
+    """pid -> (user + system CPU seconds, command line) of this process's descendants."""
+    import psutil
+
+    found = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            with child.oneshot():
+                times = child.cpu_times()
+                found[child.pid] = (times.user + times.system, " ".join(child.cmdline()))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _wait_for_exit(pids: set[int], timeout_s: float = 30.0) -> None:
+    import psutil
+
+    processes = []
+    for pid in pids:
+        try:
+            processes.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs(processes, timeout=timeout_s)
 
 
 def _child_pids() -> set[int]:

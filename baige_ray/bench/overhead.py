@@ -1,21 +1,31 @@
 """Step time of `fit` (DDP, 4 workers) against plain torchrun DDP and Ray Train V2, same model and batch.
 
-All three train the same model (the reference GPT, or with `--model llama-tiny` a Llama-architecture
+All of them train the same model (the reference GPT, or with `--model llama-tiny` a Llama-architecture
 `transformers` model with a locally trained tokenizer and TokenDataset, models/hf/tiny.py) with the same
 global batch, seed, optimizer, schedule and gradient clipping, on gloo, one intra-op thread per process:
 
 - `torchrun`: `python -m torch.distributed.run --standalone --nproc_per_node N -m
   baige_ray.bench.torchrun_ddp` (a plain DDP loop; rank 0 times each step), with no Ray running;
+- `torchrun_beside_ray`: the same command while the Ray session the next two systems use is up and
+  idle, as on a node of a Ray cluster: vs_torchrun_beside_ray is baige's own machinery, the cost of
+  Ray's processes taken out;
 - `baige`: `fit` with ParallelLayout(dp=N) (DDP); the driver times each step
   (it triggers the step on every worker actor and waits for all metrics);
 - `ray_train`: `ray.train.torch.TorchTrainer` with ScalingConfig(num_workers=N) running the same loop
   as torchrun; rank 0 times each step. `ray.train.report` waits at a barrier of all workers (about 2 s
   a call here), so, as a competent user would, the loop reports once, after the timed steps.
 
-The systems run one after another in `--rounds` rounds (each round starts and stops its own local Ray),
-so slow drift of a shared machine's load falls on every system alike. A system's step time is the median
-over its steady steps of every round (the first `--warmup` of each round left out); vs_x =
-baige_step_s / x_step_s, and `rounds` keeps each round's own ratios.
+The systems run one after another in `--rounds` rounds; torchrun runs alone, the others in one local
+Ray session per round (started and stopped around them). The machine's speed drifts by tens of
+percent over minutes (a shared VM), so odd rounds run the same segments in reverse order (ABBA): a drift
+that is linear over a pair of rounds then weighs on torchrun and baige alike. Within a round, a system's
+step time is the median of its steady steps (the first `--warmup` left out); a round's ratio compares two
+systems that ran a minute apart, and vs_x, the headline, is the geometric mean of the rounds' baige/x
+ratios. `pooled` keeps the ratio of the medians over every round's steady steps, `rounds` each round's.
+
+On a machine whose cores the workers fill (4 one-thread workers on 2 cores here), the CPU Ray's own
+processes take (GCS, raylet, dashboard, log monitor) comes out of the workers' time; `ray_daemon_cores`
+is what they used during baige's runs, in cores, next to `cpu_count`.
 """
 
 from __future__ import annotations
@@ -24,6 +34,11 @@ import argparse
 from typing import Any
 
 from baige_ray.bench.measure import steady_median
+
+
+SYSTEMS = ("torchrun", "torchrun_beside_ray", "baige", "ray_train")
+BASELINES = tuple(name for name in SYSTEMS if name != "baige")
+RAY_SESSION_ORDER = ("torchrun_beside_ray", "baige", "ray_train")  # what runs while the local Ray is up
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,18 +52,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=8, help="steps of each round left out of the steady state")
-    parser.add_argument("--rounds", type=int, default=2, help="times every system runs, interleaved")
-    parser.add_argument("--systems", nargs="+", default=["torchrun", "baige", "ray_train"],
-                        choices=["torchrun", "baige", "ray_train"],
-                        help="which systems to run (in each round torchrun first, outside Ray)")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="times every system runs, interleaved; odd rounds in reverse order (even counts cancel drift)")
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS),
+                        help="which systems to run (torchrun outside Ray, the others in one Ray session per round)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    import os
     import tempfile
     import time
     from pathlib import Path
 
-    from baige_ray.bench.measure import bench_ray
+    from baige_ray.bench.measure import HelperCpu, bench_ray
     from baige_ray.bench.torchrun_ddp import DDPSettings
 
     if args.steps <= args.warmup:
@@ -60,39 +76,73 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                "seq_len": args.seq_len},
         num_steps=args.steps, global_batch_size=args.global_batch_size,
     )
-    runners = {"torchrun": _run_torchrun, "baige": _run_baige, "ray_train": _run_ray_train}
+    runners = {"torchrun": _run_torchrun, "torchrun_beside_ray": _run_torchrun, "baige": _run_baige,
+               "ray_train": _run_ray_train}
     times: dict[str, list[list[float]]] = {name: [] for name in args.systems}
     wall: dict[str, float] = dict.fromkeys(args.systems, 0.0)
+    daemon_cores: list[float] = []
 
     def run_system(name: str, tmp: str) -> None:
         system_started = time.perf_counter()
+        helpers = HelperCpu() if name == "baige" else None  # the session's daemons, already running
         times[name].append(runners[name](settings, args.workers, tmp))
+        if helpers is not None:
+            daemon_cores.append(helpers.cores())
         wall[name] += time.perf_counter() - system_started
 
-    # torchrun runs outside Ray; the two Ray systems share one local Ray session per round.
-    ray_systems = [name for name in args.systems if name != "torchrun"]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="baige-bench-overhead-") as tmp:
         if args.model == "llama-tiny":
             settings = _llama_tiny_settings(settings, Path(tmp), args.seq_len)
-        for _ in range(args.rounds):
-            if "torchrun" in args.systems:
-                run_system("torchrun", tmp)
-            if ray_systems:
+        for index in range(args.rounds):
+            for segment in round_segments(index, args.systems):
+                if segment == ["torchrun"]:
+                    run_system("torchrun", tmp)
+                    continue
                 with bench_ray(num_cpus=2 * args.workers):
-                    for name in ray_systems:
+                    for name in segment:
                         run_system(name, tmp)
     systems = {name: _summary(rounds, args.warmup, wall[name]) for name, rounds in times.items()}
     result: dict[str, Any] = {f"{name}_step_s": round(row["step_s"], 5) for name, row in systems.items()}
-    for other in ("torchrun", "ray_train"):
-        if "baige" in systems and other in systems:
-            result[f"vs_{other}"] = round(systems["baige"]["step_s"] / systems[other]["step_s"], 4)
+    per_round = round_ratios(times, args.warmup)
+    for key in (f"vs_{name}" for name in BASELINES):
+        if per_round and key in per_round[0]:
+            result[key] = round(geometric_mean([row[key] for row in per_round]), 4)
     result.update(
         workers=args.workers, model=args.model if args.model != "gpt" else settings.model,
         global_batch_size=settings.global_batch_size, steps=args.steps, warmup=args.warmup,
-        rounds=round_ratios(times, args.warmup), systems=systems, bench_s=round(time.perf_counter() - started, 1),
+        cpu_count=os.cpu_count(),
+        ray_daemon_cores=round(sum(daemon_cores) / len(daemon_cores), 4) if daemon_cores else None,
+        pooled=pooled_ratios(systems), rounds=per_round, systems=systems,
+        bench_s=round(time.perf_counter() - started, 1),
     )
     return result
+
+
+def round_segments(index: int, systems: list[str]) -> list[list[str]]:
+    """What round `index` runs, in order: torchrun alone, then the Ray systems in one session; odd
+    rounds the reverse (ABBA), so baige and torchrun run next to each other in every round."""
+    ray_systems = [name for name in RAY_SESSION_ORDER if name in systems]
+    segments = ([["torchrun"]] if "torchrun" in systems else []) + ([ray_systems] if ray_systems else [])
+    if index % 2 == 1:
+        return [list(reversed(segment)) for segment in reversed(segments)]
+    return segments
+
+
+def geometric_mean(values: list[float]) -> float:
+    import math
+
+    if not values or min(values) <= 0:
+        raise ValueError(f"geometric mean of {values}: expected positive values")
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def pooled_ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """baige's median over every round's steady steps, over each other system's."""
+    if "baige" not in systems:
+        return {}
+    return {f"vs_{other}": round(systems["baige"]["step_s"] / systems[other]["step_s"], 4)
+            for other in BASELINES if other in systems}
 
 
 def round_ratios(times: dict[str, list[list[float]]], warmup: int) -> list[dict[str, float]]:
@@ -102,7 +152,7 @@ def round_ratios(times: dict[str, list[list[float]]], warmup: int) -> list[dict[
     rows = []
     for index, baige in enumerate(times["baige"]):
         row = {}
-        for other in ("torchrun", "ray_train"):
+        for other in BASELINES:
             if other in times:
                 row[f"vs_{other}"] = round(steady_median(baige, warmup) / steady_median(times[other][index], warmup), 4)
         rows.append(row)
@@ -133,9 +183,12 @@ def summarize(result: dict[str, Any]) -> str:
     lines = ["system      median_step_s   wall_s"]
     for name, row in result["systems"].items():
         lines.append(f"{name:<11} {row['step_s']:>13.4f} {row['wall_s']:>8.1f}")
-    ratios = [f"{key} = {result[key]:.3f}" for key in ("vs_torchrun", "vs_ray_train") if key in result]
+    ratios = [f"{key} = {result[key]:.3f}" for key in (f"vs_{name}" for name in BASELINES) if key in result]
     if ratios:
-        lines.append("baige step time / baseline: " + ", ".join(ratios))
+        lines.append("baige step time / baseline (geometric mean over rounds): " + ", ".join(ratios))
+    if result["ray_daemon_cores"] is not None:
+        lines.append(f"Ray's own processes during baige's runs: {result['ray_daemon_cores']:.3f} of "
+                     f"{result['cpu_count']} cores")
     for index, row in enumerate(result["rounds"], start=1):
         lines.append(f"round {index}: " + ", ".join(f"{key} = {value:.3f}" for key, value in row.items()))
     return "\n".join(lines)

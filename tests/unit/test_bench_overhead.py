@@ -51,3 +51,58 @@ def test_round_ratios_compare_each_round_after_its_warm_up():
     times = {"torchrun": [[9.0, 1.0, 1.0], [9.0, 2.0, 2.0]], "baige": [[9.0, 1.1, 1.1], [9.0, 2.0, 2.0]]}
     assert round_ratios(times, warmup=1) == [{"vs_torchrun": 1.1}, {"vs_torchrun": 1.0}]
     assert round_ratios({"torchrun": times["torchrun"]}, warmup=1) == []
+
+
+def test_odd_rounds_run_the_segments_in_reverse_so_drift_falls_on_every_system_alike():
+    from baige_ray.bench.overhead import round_segments
+
+    every = ["ray_train", "baige", "torchrun_beside_ray", "torchrun"]
+    assert round_segments(0, every) == [["torchrun"], ["torchrun_beside_ray", "baige", "ray_train"]]
+    assert round_segments(1, every) == [["ray_train", "baige", "torchrun_beside_ray"], ["torchrun"]]
+    assert round_segments(2, every) == round_segments(0, every)
+    assert round_segments(1, ["baige", "torchrun"]) == [["baige"], ["torchrun"]]
+    assert round_segments(1, ["torchrun"]) == [["torchrun"]]
+
+
+def test_headline_ratio_is_the_geometric_mean_of_the_rounds():
+    from baige_ray.bench.overhead import geometric_mean, pooled_ratios
+
+    assert geometric_mean([1.1, 1.0 / 1.1]) == pytest.approx(1.0)
+    assert geometric_mean([1.02]) == pytest.approx(1.02)
+    with pytest.raises(ValueError, match="positive"):
+        geometric_mean([])
+    systems = {"torchrun": {"step_s": 0.2}, "baige": {"step_s": 0.21}}
+    assert pooled_ratios(systems) == {"vs_torchrun": 1.05}
+    assert pooled_ratios({"torchrun": {"step_s": 0.2}}) == {}
+
+
+def test_helper_cpu_counts_processes_running_before_it_started_and_not_later_ones():
+    import subprocess
+    import sys
+
+    from baige_ray.bench.measure import HelperCpu
+
+    # Each spins 0.5 s of CPU when told to (a line on stdin), says so, then idles until stdin closes.
+    spinner = ("import sys, time\nsys.stdin.readline()\nend = time.process_time() + 0.5\n"
+               "while time.process_time() < end: pass\nprint('spun', flush=True)\nsys.stdin.read()\n")
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", spinner], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    early = start()
+    try:
+        watch = HelperCpu()
+        late = start()
+        try:
+            for process in (early, late):
+                process.stdin.write("go\n")
+                process.stdin.flush()
+                assert process.stdout.readline().strip() == "spun"
+            used = watch.cpu_s()
+        finally:
+            late.kill()
+            late.wait(timeout=30)
+    finally:
+        early.kill()
+        early.wait(timeout=30)
+    assert 0.45 <= used < 0.9  # the early process's spin, not the late one's
