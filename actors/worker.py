@@ -83,6 +83,7 @@ class WorkerActor:
         self.engine: Engine | None = None
         self.snapshots: HostSnapshotter | None = None
         self.current_step: int | None = None
+        self._last_step_end: float | None = None  # perf_counter at the end of this engine's latest step
         self._collective_timeout_s: float | None = None
         self._failed_generation: int | None = None
         self._abandoned_generation = -1
@@ -139,6 +140,7 @@ class WorkerActor:
         if self.snapshots is not None:
             self.snapshots.drop()
         self.engine = None
+        self._last_step_end = None
 
     def all_reduce(self, values: list[float]) -> list[float]:
         """Sum `values` over the current group: a collective health check."""
@@ -164,6 +166,25 @@ class WorkerActor:
 
     def train_step(self, step: int) -> dict:
         return self._require_engine().train_step(step)
+
+    def train_steps(self, start: int, count: int) -> list[dict]:
+        """Steps [start, start + count) back to back, one round trip for all of them.
+
+        Each step's metrics carry `rank_step_s`: its wall time on this rank, from the end of this
+        engine's step before (so the hand-over between two calls counts) or, for the engine's first
+        step, from the start of this call.
+        """
+        self._require_engine()
+        previous_end = self._last_step_end if self._last_step_end is not None else time.perf_counter()
+        steps = []
+        for step in range(start, start + count):
+            self.current_step = step
+            metrics = self.train_step(step)
+            self._last_step_end = time.perf_counter()
+            metrics["rank_step_s"] = self._last_step_end - previous_end
+            previous_end = self._last_step_end
+            steps.append(metrics)
+        return steps
 
     def rejoin(
         self, membership: GroupMembership, job: TrainJob, layout: ParallelLayout, emulated_speed: float,

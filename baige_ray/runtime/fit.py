@@ -2,8 +2,8 @@
 
 The driver only orchestrates: it starts one worker actor per device, forms the
 process group, has every worker build the engine its layout needs (DDP, FSDP2,
-DeepSpeed ZeRO, DTensor TP, pipelining), triggers each step on every worker,
-reduces their metrics, and writes the final weights it gathers in canonical form.
+DeepSpeed ZeRO, DTensor TP, pipelining), has every worker run the steps (several
+per call, the next call queued behind the running one), reduces their metrics, and writes the final weights it gathers in canonical form.
 """
 
 from __future__ import annotations
@@ -40,16 +40,46 @@ class ExecutionPlan:
     explanation: str = ""
 
 
-def reduce_step_metrics(per_rank: list[dict], step_time_s: float) -> StepMetrics:
-    """Mean over the ranks that see the loss (last pipeline stage); replicas hold equal batches."""
+def reduce_step_metrics(per_rank: list[dict]) -> StepMetrics:
+    """Mean loss over the ranks that see it (last pipeline stage; replicas hold equal batches); the
+    step took as long as its slowest rank."""
     losses = [m["loss"] for m in per_rank if m["loss"] is not None]
     return StepMetrics(
         step=int(per_rank[0]["step"]),
         loss=sum(losses) / len(losses),
         learning_rate=per_rank[0]["learning_rate"],
-        step_time_s=step_time_s,
+        step_time_s=max(m["rank_step_s"] for m in per_rank),
         tokens=int(sum(m["tokens"] for m in per_rank)),
     )
+
+
+class StepCalls:
+    """How many steps each `train_steps` call runs: one first, then about `target_s` of steps (at
+    most `most`), so a round trip per call costs little beside the steps and the driver still hears
+    of progress every `target_s`."""
+
+    def __init__(self, start: int, end: int, *, target_s: float = 1.0, most: int = 16):
+        if target_s <= 0 or most < 1:
+            raise ValueError(f"StepCalls(target_s={target_s}, most={most}): expected target_s > 0, most >= 1")
+        self.next_step, self.end, self.target_s, self.most = start, end, target_s, most
+        self.step_time_s: float | None = None
+
+    @property
+    def remaining(self) -> int:
+        return self.end - self.next_step
+
+    def observe(self, step_time_s: float) -> None:
+        self.step_time_s = step_time_s
+
+    def next(self) -> tuple[int, int]:
+        """(first step, count) of the next call; (end, 0) once every step has been handed out."""
+        if self.step_time_s is None or self.step_time_s <= 0:
+            count = 1
+        else:
+            count = max(1, min(self.most, int(self.target_s / self.step_time_s)))
+        count = min(count, self.remaining)
+        start, self.next_step = self.next_step, self.next_step + count
+        return start, count
 
 
 def fit(
@@ -176,18 +206,26 @@ def train_on_group(
     if initial_state is not None:
         group.call("import_state", ray.put(initial_state))  # one copy in the object store for every rank
     metrics: list[StepMetrics] = []
-    # The next step is queued on every worker before this one's metrics are awaited, so a worker starts it
-    # the moment it finishes (actors run one call at a time): the driver's round trip leaves the step time.
-    in_flight = group.submit("train_step", start_step) if start_step < end_step else []
-    last_finished = time.perf_counter()
+    # Workers run several steps per call (one round trip, not one per step), and the next call is queued
+    # on every worker before this one's metrics are awaited, so a worker starts it the moment it
+    # finishes (actors run one call at a time): the driver's round trip leaves the step time.
+    calls = StepCalls(start_step, end_step)
+
+    def submit() -> tuple[list, int]:
+        first, count = calls.next()
+        return group.submit("train_steps", first, count), count
+
+    in_flight, count = submit() if calls.remaining else ([], 0)
     with TrainingProgress(end_step - start_step, enabled=run.show_progress) as progress:
-        for step in range(start_step, end_step):
-            queued = group.submit("train_step", step + 1) if step + 1 < end_step else []
-            per_rank = group.collect(in_flight, "train_step")
-            finished = time.perf_counter()
-            step_metrics = reduce_step_metrics(per_rank, finished - last_finished)
-            in_flight, last_finished = queued, finished
-            if step % job.train.log_every == 0 or step == job.train.num_steps - 1:
-                metrics.append(step_metrics)
-            progress.update(step_metrics)
+        while in_flight:
+            queued, queued_count = submit() if calls.remaining else ([], 0)
+            # RunConfig.step_timeout_s bounds each of the call's steps.
+            per_rank = group.collect(in_flight, "train_steps", timeout_s=run.step_timeout_s * count)
+            for step_of_each_rank in zip(*per_rank, strict=True):
+                step_metrics = reduce_step_metrics(list(step_of_each_rank))
+                calls.observe(step_metrics.step_time_s)
+                if step_metrics.step % job.train.log_every == 0 or step_metrics.step == job.train.num_steps - 1:
+                    metrics.append(step_metrics)
+                progress.update(step_metrics)
+            in_flight, count = queued, queued_count
     return metrics

@@ -139,8 +139,9 @@ class WorkerGroup:
         """Start `method(*args)` on every worker; `collect` waits for the results."""
         return [getattr(worker, method).remote(*args) for worker in self.workers]
 
-    def collect(self, refs: list, method: str) -> list[Any]:
-        return self._get(refs, method)
+    def collect(self, refs: list, method: str, timeout_s: float | None = None) -> list[Any]:
+        """The results of `submit`; waits `timeout_s` (default: this group's timeout)."""
+        return self._get(refs, method, timeout_s=timeout_s)
 
     def call_each(self, method: str, per_rank_args: Sequence[Any]) -> list[Any]:
         """Call `method` on every worker with its own arguments (a tuple spreads into several)."""
@@ -150,14 +151,16 @@ class WorkerGroup:
         ]
         return self._get(refs, method)
 
-    def _get(self, refs: list, method: str, ranks: Sequence[int] | None = None) -> list[Any]:
+    def _get(self, refs: list, method: str, ranks: Sequence[int] | None = None,
+             timeout_s: float | None = None) -> list[Any]:
         ranks = list(ranks) if ranks is not None else list(range(len(refs)))
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
-            return ray.get(refs, timeout=self.timeout_s)
+            return ray.get(refs, timeout=timeout_s)
         except GetTimeoutError:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             stuck = [rank for rank, ref in zip(ranks, refs) if ref not in ready]
-            raise WorkerError(stuck[0], f"{method} did not finish within {self.timeout_s:.0f}s (ranks {stuck})") from None
+            raise WorkerError(stuck[0], f"{method} did not finish within {timeout_s:.0f}s (ranks {stuck})") from None
         except (RayActorError, RayTaskError) as error:
             failed = self._first_failed_rank(refs, ranks)
             raise WorkerError(failed, f"{method} failed: {error}") from error
