@@ -6,17 +6,18 @@ global batch, seed, optimizer, schedule and gradient clipping, on gloo, one intr
 
 - `torchrun`: `python -m torch.distributed.run --standalone --nproc_per_node N -m
   baige_ray.bench.torchrun_ddp` (a plain DDP loop; rank 0 times each step), with no Ray running;
-- `torchrun_beside_ray`: the same command while the Ray session the next two systems use is up and
-  idle, as on a node of a Ray cluster: vs_torchrun_beside_ray is baige's own machinery, the cost of
+- `torchrun_beside_ray`: the same command while the Ray session baige uses is up and idle, as on a
+  node of a Ray cluster: vs_torchrun_beside_ray is baige's own machinery, the cost of
   Ray's processes taken out;
-- `baige`: `fit` with ParallelLayout(dp=N) (DDP); the driver times each step
-  (it triggers the step on every worker actor and waits for all metrics);
+- `baige`: `fit` with ParallelLayout(dp=N) (DDP); each worker times its steps from the end of the one
+  before, and a step's time is the mean over the ranks;
 - `ray_train`: `ray.train.torch.TorchTrainer` with ScalingConfig(num_workers=N) running the same loop
   as torchrun; rank 0 times each step. `ray.train.report` waits at a barrier of all workers (about 2 s
   a call here), so, as a competent user would, the loop reports once, after the timed steps.
 
-The systems run one after another in `--rounds` rounds; torchrun runs alone, the others in one local
-Ray session per round (started and stopped around them). The machine's speed drifts by tens of
+The systems run one after another in `--rounds` rounds; torchrun runs alone, baige and
+torchrun_beside_ray in one local Ray session, Ray Train in another (each started and stopped around
+them; Ray Train leaves actors behind). The machine's speed drifts by tens of
 percent over minutes (a shared VM), so odd rounds run the same segments in reverse order (ABBA): a drift
 that is linear over a pair of rounds then weighs on torchrun and baige alike. Within a round, a system's
 step time is the median of its steady steps (the first `--warmup` left out); a round's ratio compares two
@@ -38,7 +39,6 @@ from baige_ray.bench.measure import steady_median
 
 SYSTEMS = ("torchrun", "torchrun_beside_ray", "baige", "ray_train")
 BASELINES = tuple(name for name in SYSTEMS if name != "baige")
-RAY_SESSION_ORDER = ("torchrun_beside_ray", "baige", "ray_train")  # what runs while the local Ray is up
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=4,
                         help="times every system runs, interleaved; odd rounds in reverse order (even counts cancel drift)")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS),
-                        help="which systems to run (torchrun outside Ray, the others in one Ray session per round)")
+                        help="which systems to run (torchrun outside Ray, the others in local Ray sessions)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -120,10 +120,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def round_segments(index: int, systems: list[str]) -> list[list[str]]:
-    """What round `index` runs, in order: torchrun alone, then the Ray systems in one session; odd
-    rounds the reverse (ABBA), so baige and torchrun run next to each other in every round."""
-    ray_systems = [name for name in RAY_SESSION_ORDER if name in systems]
-    segments = ([["torchrun"]] if "torchrun" in systems else []) + ([ray_systems] if ray_systems else [])
+    """What round `index` runs, in order; a segment other than torchrun's runs in a Ray session of its
+    own (Ray Train leaves actors behind that would take CPU from what follows). Odd rounds run the
+    reverse (ABBA), and baige always runs next to torchrun and to torchrun_beside_ray."""
+    baige = [name for name in ("torchrun_beside_ray", "baige") if name in systems]
+    segments = [["torchrun"]] if "torchrun" in systems else []
+    segments += [baige] if baige else []
+    segments += [["ray_train"]] if "ray_train" in systems else []
     if index % 2 == 1:
         return [list(reversed(segment)) for segment in reversed(segments)]
     return segments

@@ -41,14 +41,18 @@ class ExecutionPlan:
 
 
 def reduce_step_metrics(per_rank: list[dict]) -> StepMetrics:
-    """Mean loss over the ranks that see it (last pipeline stage; replicas hold equal batches); the
-    step took as long as its slowest rank."""
+    """Mean loss over the ranks that see it (last pipeline stage; replicas hold equal batches).
+
+    The step time is the mean of the ranks' own: synchronous ranks take equally long on average, and
+    the mean of their durations sums to the run's wall time, where the max would count each rank's
+    scheduling jitter as the step's.
+    """
     losses = [m["loss"] for m in per_rank if m["loss"] is not None]
     return StepMetrics(
         step=int(per_rank[0]["step"]),
         loss=sum(losses) / len(losses),
         learning_rate=per_rank[0]["learning_rate"],
-        step_time_s=max(m["rank_step_s"] for m in per_rank),
+        step_time_s=sum(m["rank_step_s"] for m in per_rank) / len(per_rank),
         tokens=int(sum(m["tokens"] for m in per_rank)),
     )
 

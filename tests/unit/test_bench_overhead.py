@@ -57,11 +57,12 @@ def test_odd_rounds_run_the_segments_in_reverse_so_drift_falls_on_every_system_a
     from baige_ray.bench.overhead import round_segments
 
     every = ["ray_train", "baige", "torchrun_beside_ray", "torchrun"]
-    assert round_segments(0, every) == [["torchrun"], ["torchrun_beside_ray", "baige", "ray_train"]]
-    assert round_segments(1, every) == [["ray_train", "baige", "torchrun_beside_ray"], ["torchrun"]]
+    assert round_segments(0, every) == [["torchrun"], ["torchrun_beside_ray", "baige"], ["ray_train"]]
+    assert round_segments(1, every) == [["ray_train"], ["baige", "torchrun_beside_ray"], ["torchrun"]]
     assert round_segments(2, every) == round_segments(0, every)
     assert round_segments(1, ["baige", "torchrun"]) == [["baige"], ["torchrun"]]
     assert round_segments(1, ["torchrun"]) == [["torchrun"]]
+    assert round_segments(0, ["ray_train", "baige"]) == [["baige"], ["ray_train"]]
 
 
 def test_headline_ratio_is_the_geometric_mean_of_the_rounds():

@@ -30,11 +30,11 @@ def test_invalid_call_sizes_are_refused():
         StepCalls(0, 4, most=0)
 
 
-def test_a_step_takes_as_long_as_its_slowest_rank_and_its_loss_is_the_mean_of_those_that_see_it():
+def test_a_step_takes_the_ranks_mean_time_and_its_loss_is_the_mean_of_those_that_see_it():
     per_rank = [
         {"step": 3, "loss": None, "learning_rate": 0.1, "tokens": 0, "rank_step_s": 0.30},
         {"step": 3, "loss": 2.0, "learning_rate": 0.1, "tokens": 64, "rank_step_s": 0.25},
         {"step": 3, "loss": 4.0, "learning_rate": 0.1, "tokens": 64, "rank_step_s": 0.20},
     ]
     metrics = reduce_step_metrics(per_rank)
-    assert (metrics.step, metrics.loss, metrics.tokens, metrics.step_time_s) == (3, 3.0, 128, 0.30)
+    assert (metrics.step, metrics.loss, metrics.tokens, metrics.step_time_s) == (3, 3.0, 128, pytest.approx(0.25))
