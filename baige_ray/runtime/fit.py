@@ -3,7 +3,8 @@
 The driver only orchestrates: it starts one worker actor per device, forms the
 process group, has every worker build the engine its layout needs (DDP, FSDP2,
 DeepSpeed ZeRO, DTensor TP, pipelining), has every worker run the steps (several
-per call, the next call queued behind the running one), reduces their metrics, and writes the final weights it gathers in canonical form.
+per call, the next call queued behind the running one), reduces their metrics,
+and writes the final weights it gathers in canonical form.
 """
 
 from __future__ import annotations
