@@ -81,11 +81,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     times: dict[str, list[list[float]]] = {name: [] for name in args.systems}
     wall: dict[str, float] = dict.fromkeys(args.systems, 0.0)
     daemon_cores: list[float] = []
+    crashes: list[str] = []
 
     def run_system(name: str, tmp: str) -> None:
         system_started = time.perf_counter()
         helpers = HelperCpu() if name == "baige" else None  # the session's daemons, already running
-        times[name].append(runners[name](settings, args.workers, tmp))
+        # A directory per run: Ray Train would otherwise resume from the previous round's run snapshot.
+        storage = tempfile.mkdtemp(prefix=f"{name}-", dir=tmp)
+        try:
+            step_times = runners[name](settings, args.workers, storage)
+        except TorchrunCrashed as crash:  # a baseline process that died is run again, and said so
+            crashes.append(f"{name}: {str(crash).splitlines()[0]}")
+            step_times = runners[name](settings, args.workers, tempfile.mkdtemp(prefix=f"{name}-", dir=tmp))
+        times[name].append(step_times)
         if helpers is not None:
             daemon_cores.append(helpers.cores())
         wall[name] += time.perf_counter() - system_started
@@ -113,7 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         global_batch_size=settings.global_batch_size, steps=args.steps, warmup=args.warmup,
         cpu_count=os.cpu_count(),
         ray_daemon_cores=round(sum(daemon_cores) / len(daemon_cores), 4) if daemon_cores else None,
-        pooled=pooled_ratios(systems), rounds=per_round, systems=systems,
+        pooled=pooled_ratios(systems), rounds=per_round, baseline_crashes=crashes, systems=systems,
         bench_s=round(time.perf_counter() - started, 1),
     )
     return result
@@ -197,6 +205,10 @@ def summarize(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class TorchrunCrashed(RuntimeError):
+    """A torchrun baseline run whose processes died (e.g. gloo aborting in its rendezvous)."""
+
+
 def _run_torchrun(settings, workers: int, tmp: str) -> list[float]:
     import json
     import os
@@ -212,7 +224,7 @@ def _run_torchrun(settings, workers: int, tmp: str) -> list[float]:
     env = {**os.environ, "OMP_NUM_THREADS": str(settings.num_threads)}
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     if completed.returncode != 0:
-        raise RuntimeError(f"torchrun exited with {completed.returncode}:\n{completed.stderr[-4000:]}")
+        raise TorchrunCrashed(f"exited with {completed.returncode}\n{completed.stderr[-4000:]}")
     return json.loads(out.read_text())["step_times_s"]
 
 
