@@ -200,6 +200,8 @@ def summarize(result: dict[str, Any]) -> str:
     if result["ray_daemon_cores"] is not None:
         lines.append(f"Ray's own processes during baige's runs: {result['ray_daemon_cores']:.3f} of "
                      f"{result['cpu_count']} cores")
+    for crash in result["baseline_crashes"]:
+        lines.append(f"run again after a crash: {crash}")
     for index, row in enumerate(result["rounds"], start=1):
         lines.append(f"round {index}: " + ", ".join(f"{key} = {value:.3f}" for key, value in row.items()))
     return "\n".join(lines)

@@ -107,3 +107,16 @@ def test_helper_cpu_counts_processes_running_before_it_started_and_not_later_one
         early.kill()
         early.wait(timeout=30)
     assert 0.45 <= used < 0.9  # the early process's spin, not the late one's
+
+
+def test_summary_names_the_daemons_share_and_any_baseline_run_again():
+    from baige_ray.bench.overhead import summarize
+
+    text = summarize({
+        "systems": {"baige": {"step_s": 0.25, "wall_s": 10.0}, "torchrun": {"step_s": 0.24, "wall_s": 9.0}},
+        "vs_torchrun": 1.04, "ray_daemon_cores": 0.06, "cpu_count": 2,
+        "baseline_crashes": ["torchrun: exited with 1"], "rounds": [{"vs_torchrun": 1.04}],
+    })
+    assert "vs_torchrun = 1.040" in text
+    assert "0.060 of 2 cores" in text
+    assert "run again after a crash: torchrun: exited with 1" in text
