@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=8, help="steps of each round left out of the steady state")
+    parser.add_argument("--settle-s", type=float, default=10.0,
+                        help="seconds a new Ray session is left idle before the first system in it runs")
     parser.add_argument("--rounds", type=int, default=4,
                         help="times every system runs, interleaved; odd rounds in reverse order (even counts cancel drift)")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS),
@@ -71,6 +73,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--steps={args.steps} must exceed --warmup={args.warmup}")
     if args.rounds < 1:
         raise ValueError(f"--rounds={args.rounds} is invalid: expected >= 1")
+    if args.settle_s < 0:
+        raise ValueError(f"--settle-s={args.settle_s} is invalid: expected >= 0")
     settings = DDPSettings(
         model={"num_layers": args.num_layers, "hidden": args.hidden, "num_heads": args.num_heads,
                "seq_len": args.seq_len},
@@ -108,6 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     run_system("torchrun", tmp)
                     continue
                 with bench_ray(num_cpus=2 * args.workers):
+                    time.sleep(args.settle_s)  # a new session's start-up work is over before a system is timed
                     for name in segment:
                         run_system(name, tmp)
     systems = {name: _summary(rounds, args.warmup, wall[name]) for name, rounds in times.items()}
