@@ -17,7 +17,7 @@ global batch, seed, optimizer, schedule and gradient clipping, on gloo, one intr
 
 The systems run one after another in `--rounds` rounds; torchrun runs alone, baige and
 torchrun_beside_ray in one local Ray session, Ray Train in another (each started and stopped around
-them; Ray Train leaves actors behind). The machine's speed drifts by tens of
+them, since Ray Train leaves actors behind, and left idle `--settle-s` before the first run in it). The machine's speed drifts by tens of
 percent over minutes (a shared VM), so odd rounds run the same segments in reverse order (ABBA): a drift
 that is linear over a pair of rounds then weighs on torchrun and baige alike. Within a round, a system's
 step time is the median of its steady steps (the first `--warmup` left out); a round's ratio compares two
