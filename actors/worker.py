@@ -174,7 +174,6 @@ class WorkerActor:
         engine's step before (so the hand-over between two calls counts) or, for the engine's first
         step, from the start of this call.
         """
-        self._require_engine()
         previous_end = self._last_step_end if self._last_step_end is not None else time.perf_counter()
         steps = []
         for step in range(start, start + count):

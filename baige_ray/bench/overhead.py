@@ -17,12 +17,13 @@ global batch, seed, optimizer, schedule and gradient clipping, on gloo, one intr
 
 The systems run one after another in `--rounds` rounds; torchrun runs alone, baige and
 torchrun_beside_ray in one local Ray session, Ray Train in another (each started and stopped around
-them, since Ray Train leaves actors behind, and left idle `--settle-s` before the first run in it). The machine's speed drifts by tens of
-percent over minutes (a shared VM), so odd rounds run the same segments in reverse order (ABBA): a drift
-that is linear over a pair of rounds then weighs on torchrun and baige alike. Within a round, a system's
-step time is the median of its steady steps (the first `--warmup` left out); a round's ratio compares two
-systems that ran a minute apart, and vs_x, the headline, is the geometric mean of the rounds' baige/x
-ratios. `pooled` keeps the ratio of the medians over every round's steady steps, `rounds` each round's.
+them, since Ray Train leaves actors behind, and left idle `--settle-s` before the first run in it).
+The machine's speed drifts by tens of percent over minutes (a shared VM), so odd rounds run the same
+segments in reverse order (ABBA): a drift that is linear over a pair of rounds then weighs on torchrun
+and baige alike. Within a round, a system's step time is the median of its steady steps (the first
+`--warmup` left out); a round's ratio compares two systems that ran a minute apart, and vs_x, the
+headline, is the geometric mean of the rounds' baige/x ratios. `pooled` keeps the ratio of the medians
+over every round's steady steps, `rounds` each round's.
 
 On a machine whose cores the workers fill (4 one-thread workers on 2 cores here), the CPU Ray's own
 processes take (GCS, raylet, dashboard, log monitor) comes out of the workers' time; `ray_daemon_cores`
