@@ -44,23 +44,40 @@ class FailingStepWorker(WorkerActor):
         return super().train_step(step)
 
 
-def elastic_mlp_run(name: str, storage_path, *, num_workers: int = 4, num_steps: int = 15, faults=None,
-                    elastic=None, global_batch_size: int = 24, sizes=(64, 128, 32)):
-    """Start the recovery scenario's MLP (smaller) as an elastic job; returns the TrainingJob."""
-    from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
-    from baige_ray.elastic.config import ElasticConfig
-    from baige_ray.elastic.job import launch
+def elastic_mlp_job(num_steps: int, global_batch_size: int = 24, sizes=(64, 128, 32)) -> TrainJob:
+    """The recovery scenario's MLP (smaller) at a constant learning rate."""
+    from baige_ray.api.configs import TrainConfig
     from baige_ray.models.mlp import MLPConfig
 
+    return TrainJob(model=MLPConfig(sizes=sizes),
+                    train=TrainConfig(num_steps=num_steps, global_batch_size=global_batch_size, learning_rate=0.05,
+                                      min_learning_rate=0.05, warmup_steps=0, grad_clip=0.0))
+
+
+def elastic_mlp_run(name: str, storage_path, *, num_workers: int = 4, num_steps: int = 15, faults=None,
+                    elastic=None, global_batch_size: int = 24, sizes=(64, 128, 32)):
+    """Start elastic_mlp_job as an elastic job; returns the TrainingJob."""
+    from baige_ray.api.configs import RunConfig, ScalingConfig
+    from baige_ray.elastic.config import ElasticConfig
+    from baige_ray.elastic.job import launch
+
+    job = elastic_mlp_job(num_steps, global_batch_size, sizes)
     return launch(
-        MLPConfig(sizes=sizes),
-        train=TrainConfig(num_steps=num_steps, global_batch_size=global_batch_size, learning_rate=0.05,
-                          min_learning_rate=0.05, warmup_steps=0, grad_clip=0.0),
+        job.model,
+        train=job.train,
         scaling=ScalingConfig(num_workers=num_workers),
         run=RunConfig(name=name, storage_path=storage_path, show_progress=False),
         elastic=elastic or ElasticConfig(num_spares=1),
         faults=faults,
     )
+
+
+def reference_parameters(job: TrainJob) -> dict:
+    """Final parameters of one process holding the whole model and the whole global batch."""
+    engine = build_engine(job, ParallelLayout())
+    for step in range(job.train.num_steps):
+        engine.train_step(step)
+    return engine.export_state()["model"]
 
 
 def final_parameters(result) -> dict:
