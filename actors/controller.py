@@ -15,7 +15,7 @@ import warnings
 
 import ray
 
-from baige_ray.actors.worker import WorkerActor
+from baige_ray.actors.worker import ElasticWorkerActor
 from baige_ray.api.configs import RunConfig, ScalingConfig
 from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.faults import FaultKind, FaultPlan
@@ -52,7 +52,7 @@ class ElasticController(RecoveryMixin):
         *,
         speeds: list[float] | None = None,
         faults: FaultPlan | None = None,
-        worker_cls: type = WorkerActor,
+        worker_cls: type = ElasticWorkerActor,
         planner: ElasticPlanner | None = None,
     ):
         self.job, self.scaling, self.run_config, self.elastic = job, scaling, run, elastic

@@ -1,9 +1,10 @@
-"""The worker actor: one per accelerator (or per CPU slot when there is none).
+"""The worker actors: one per accelerator (or per CPU slot when there is none).
 
-A plain class so it can be unit-tested in-process; the Ray layer wraps it with
-`ray.remote` and places one instance per placement-group bundle. It reports its
-device, joins and leaves process-group generations without restarting its
-process, and runs training steps.
+Plain classes so they can be unit-tested in-process; the Ray layer wraps them with
+`ray.remote` and places one instance per placement-group bundle. `WorkerActor` (what `fit`
+runs) reports its device, joins and leaves process-group generations without restarting its
+process, and runs training steps; `ElasticWorkerActor` (what `launch` runs) adds heartbeats,
+step aborts, in-memory snapshots and replicas, answered on threads of their own.
 """
 
 from __future__ import annotations
@@ -38,11 +39,13 @@ from baige_ray.runtime.distributed import (
 from baige_ray.runtime.train_loop import TrainJob
 
 
-# One thread for everything that touches torch.distributed: DTensor keeps thread-local
-# caches that a new generation must clear (see runtime/distributed.py). Heartbeats and
-# snapshot reads run on a separate "control" thread so they answer while a step runs, and
-# replica copies on a "replica" thread so a slow copy delays neither.
-WORKER_THREADS = {"max_concurrency": 1, "concurrency_groups": {"control": 1, "replica": 1}}
+# An elastic worker runs everything that touches torch.distributed on one thread: DTensor keeps
+# thread-local caches that a new generation must clear (see runtime/distributed.py). Heartbeats and
+# snapshot reads run on a separate "control" thread so they answer while a step runs, and replica
+# copies on a "replica" thread so a slow copy delays neither. `fit`'s workers need none of that and
+# stay single-threaded actors: in a threaded one, Ray's main thread wakes every 10 ms to check for
+# signals, which took 2% off the steps of 4 workers sharing 2 cores (bench overhead).
+ELASTIC_WORKER_THREADS = {"max_concurrency": 1, "concurrency_groups": {"control": 1, "replica": 1}}
 REPLICA_REREAD_PAUSE_S = 0.02  # how often a replica copy re-reads the stages behind the others
 
 
@@ -81,15 +84,8 @@ class WorkerActor:
         self.accelerator = detect_accelerator(probe)
         self.group = ProcessGroupMember(self.accelerator.dist_backend)
         self.engine: Engine | None = None
-        self.snapshots: HostSnapshotter | None = None
         self.current_step: int | None = None
         self._last_step_end: float | None = None  # perf_counter at the end of this engine's latest step
-        self._collective_timeout_s: float | None = None
-        self._failed_generation: int | None = None
-        self._abandoned_generation = -1
-        self.replica: tuple[int, CanonicalState] | None = None  # every stage at one step, for a lost node
-        # A restarted controller reads the steps finished while it was down from here.
-        self._recent_metrics: collections.deque[dict] = collections.deque(maxlen=16)
 
     def device_info(self) -> DeviceInfo:
         node_id, node_ip, resource, resource_ids = _ray_placement()
@@ -111,34 +107,22 @@ class WorkerActor:
     def ping(self) -> int:
         return os.getpid()
 
-    @ray.method(concurrency_group="control")
-    def heartbeat(self) -> dict:
-        """Answered on its own thread, so it works while a step runs; a frozen process answers nothing."""
-        return {"pid": os.getpid(), "step": self.current_step, "time": time.time()}
-
     def host_store(self, host: str | None = None) -> StoreAddress:
         return self.group.host_store(host or _ray_placement()[1])
 
     def join_group(self, membership: GroupMembership) -> int:
         self._drop_engine()  # an engine holds the old generation's communicators
-        self._collective_timeout_s = None
-        STEP_ABORT.clear()  # an abort ends a generation: only a new one clears it
-        self.group.join(membership, abandoned=lambda: self._abandoned_generation >= membership.generation)
+        self.group.join(membership, abandoned=lambda: self._generation_abandoned(membership.generation))
         return os.getpid()
 
-    @ray.method(concurrency_group="control")
-    def abandon_generation(self, generation: int) -> None:
-        """The controller gave up `generation` (a member died while regrouping): stop waiting to join it,
-        so the next regroup does not queue behind a rendezvous that can never complete."""
-        self._abandoned_generation = max(self._abandoned_generation, generation)
+    def _generation_abandoned(self, generation: int) -> bool:
+        return False  # only the elastic controller gives generations up
 
     def leave_group(self) -> None:
         self._drop_engine()
         self.group.leave()
 
     def _drop_engine(self) -> None:
-        if self.snapshots is not None:
-            self.snapshots.drop()
         self.engine = None
         self._last_step_end = None
 
@@ -157,8 +141,6 @@ class WorkerActor:
         self.engine = build_engine(
             job, layout, membership.rank, device=self._device(), emulated_speed=emulated_speed
         )
-        previous = self.snapshots.latest() if self.snapshots is not None else None
-        self.snapshots = HostSnapshotter(self.engine, latest=previous)
         return {
             "num_parameters": sum(p.numel() for p in self.engine.parameters),
             "data": self.engine.data.fingerprint if self.engine.data else None,
@@ -184,6 +166,70 @@ class WorkerActor:
             previous_end = self._last_step_end
             steps.append(metrics)
         return steps
+
+    def export_state(self) -> CanonicalState:
+        return self._require_engine().export_state()
+
+    def import_state(self, state: CanonicalState) -> None:
+        self._require_engine().import_state(state)
+
+    def _require_engine(self) -> Engine:
+        if self.engine is None:
+            raise RuntimeError("build_engine has not been called in this process-group generation")
+        return self.engine
+
+    def _device(self) -> str:
+        return self.accelerator.torch_device(0)
+
+    def _require_membership(self) -> GroupMembership:
+        if self.group.membership is None:
+            raise RuntimeError("this worker has not joined a process group")
+        return self.group.membership
+
+
+class ElasticWorkerActor(WorkerActor):
+    """A worker under the elastic controller: heartbeats, step aborts and snapshot reads answered on a
+    "control" thread while a step runs, replica copies on a "replica" thread (ELASTIC_WORKER_THREADS)."""
+
+    def __init__(self, *, num_threads: int = 1, probe: DeviceProbe | None = None, cpu_niceness: int = 0):
+        super().__init__(num_threads=num_threads, probe=probe, cpu_niceness=cpu_niceness)
+        self.snapshots: HostSnapshotter | None = None
+        self._collective_timeout_s: float | None = None
+        self._failed_generation: int | None = None
+        self._abandoned_generation = -1
+        self.replica: tuple[int, CanonicalState] | None = None  # every stage at one step, for a lost node
+        # A restarted controller reads the steps finished while it was down from here.
+        self._recent_metrics: collections.deque[dict] = collections.deque(maxlen=16)
+
+    @ray.method(concurrency_group="control")
+    def heartbeat(self) -> dict:
+        """Answered on its own thread, so it works while a step runs; a frozen process answers nothing."""
+        return {"pid": os.getpid(), "step": self.current_step, "time": time.time()}
+
+    def join_group(self, membership: GroupMembership) -> int:
+        self._collective_timeout_s = None
+        STEP_ABORT.clear()  # an abort ends a generation: only a new one clears it
+        return super().join_group(membership)
+
+    def _generation_abandoned(self, generation: int) -> bool:
+        return self._abandoned_generation >= generation
+
+    @ray.method(concurrency_group="control")
+    def abandon_generation(self, generation: int) -> None:
+        """The controller gave up `generation` (a member died while regrouping): stop waiting to join it,
+        so the next regroup does not queue behind a rendezvous that can never complete."""
+        self._abandoned_generation = max(self._abandoned_generation, generation)
+
+    def _drop_engine(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.drop()
+        super()._drop_engine()
+
+    def build_engine(self, job: TrainJob, layout: ParallelLayout, emulated_speed: float = 1.0) -> dict:
+        report = super().build_engine(job, layout, emulated_speed)
+        previous = self.snapshots.latest() if self.snapshots is not None else None
+        self.snapshots = HostSnapshotter(self.engine, latest=previous)
+        return report
 
     def rejoin(
         self, membership: GroupMembership, job: TrainJob, layout: ParallelLayout, emulated_speed: float,
@@ -308,25 +354,6 @@ class WorkerActor:
         if self.replica is None:
             raise RuntimeError("this worker holds no replica")
         return self.replica[1]
-
-    def export_state(self) -> CanonicalState:
-        return self._require_engine().export_state()
-
-    def import_state(self, state: CanonicalState) -> None:
-        self._require_engine().import_state(state)
-
-    def _require_engine(self) -> Engine:
-        if self.engine is None:
-            raise RuntimeError("build_engine has not been called in this process-group generation")
-        return self.engine
-
-    def _device(self) -> str:
-        return self.accelerator.torch_device(0)
-
-    def _require_membership(self) -> GroupMembership:
-        if self.group.membership is None:
-            raise RuntimeError("this worker has not joined a process group")
-        return self.group.membership
 
 
 def _read(refs: dict, deadline: float) -> dict:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from baige_ray.actors.worker import WORKER_THREADS, WorkerActor
+from baige_ray.actors.worker import ELASTIC_WORKER_THREADS, ElasticWorkerActor
 from baige_ray.api.configs import ScalingConfig
 from baige_ray.api.device import DeviceInfo
 from baige_ray.runtime.distributed import GroupMembership
@@ -35,11 +35,11 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, scaling: ScalingConfig, run_name: str, resource: str, worker_cls: type = WorkerActor):
+    def __init__(self, scaling: ScalingConfig, run_name: str, resource: str, worker_cls: type = ElasticWorkerActor):
         self.scaling = scaling
         self.run_name = run_name
         self.resource = resource
-        self._remote_cls = ray.remote(**WORKER_THREADS)(worker_cls)
+        self._remote_cls = ray.remote(**ELASTIC_WORKER_THREADS)(worker_cls)
 
     def start(self, count: int, speeds: list[float] | None = None, share: float = 1.0) -> list[Worker]:
         """Start `count` actors without waiting for them; `ready()` collects those that came up.

@@ -14,7 +14,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from baige_ray.actors.worker import WORKER_THREADS, WorkerActor
+from baige_ray.actors.worker import WorkerActor
 from baige_ray.api.configs import ScalingConfig
 from baige_ray.api.device import DeviceInfo
 from baige_ray.api.errors import ClusterError, WorkerError
@@ -83,7 +83,7 @@ class WorkerGroup:
         return group
 
     def _build_workers(self, worker_cls: type) -> list[ray.actor.ActorHandle]:
-        remote_cls = ray.remote(**WORKER_THREADS)(worker_cls)
+        remote_cls = ray.remote(worker_cls)  # single-threaded: see ELASTIC_WORKER_THREADS
         bundle = worker_bundle(self.scaling, self.resource)
         custom = {name: amount for name, amount in bundle.items() if name not in ("CPU", "GPU")}
         if self._placement is not None:

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch.distributed as dist
 
-from baige_ray.actors.worker import WorkerActor
+from baige_ray.actors.worker import ElasticWorkerActor, WorkerActor
 from baige_ray.api.configs import TrainConfig
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.models.corpus import CorpusConfig
@@ -43,12 +43,16 @@ def test_join_leave_and_join_next_generation(worker):
     assert worker.group.membership.generation == 1
 
 
-def test_engine_needs_a_group_and_runs_steps(worker):
-    job = TrainJob(
+def tiny_gpt_job() -> TrainJob:
+    return TrainJob(
         model=GPTConfig(seq_len=16, num_layers=1, num_heads=2, hidden=16),
-        train=TrainConfig(num_steps=2, global_batch_size=4),
+        train=TrainConfig(num_steps=3, global_batch_size=4),
         data=CorpusConfig(max_bytes=1 << 20),
     )
+
+
+def test_engine_needs_a_group_and_runs_steps(worker):
+    job = tiny_gpt_job()
     with pytest.raises(RuntimeError, match="not joined"):
         worker.build_engine(job, ParallelLayout())
     _join(worker, 0)
@@ -58,8 +62,27 @@ def test_engine_needs_a_group_and_runs_steps(worker):
     assert report["num_parameters"] > 0
     metrics = worker.train_step(0)
     assert metrics["tokens"] == 4 * 16
-    elastic = worker.elastic_step(1)  # the step's totals over the group come with each rank's own metrics
-    assert elastic["group_loss"] == pytest.approx(elastic["loss"]) and elastic["group_tokens"] == 4 * 16
+    steps = worker.train_steps(1, 2)
+    assert [m["step"] for m in steps] == [1, 2] and all(m["rank_step_s"] > 0 for m in steps)
+
+
+def test_an_elastic_worker_reports_group_totals_and_keeps_a_snapshot():
+    worker = ElasticWorkerActor()
+    try:
+        _join(worker, 0)
+        worker.build_engine(tiny_gpt_job(), ParallelLayout())
+        elastic = worker.elastic_step(0)  # the step's totals over the group come with each rank's own metrics
+        assert elastic["group_loss"] == pytest.approx(elastic["loss"]) and elastic["group_tokens"] == 4 * 16
+        assert worker.snapshot_step() == 0 and worker.heartbeat()["step"] == 0
+    finally:
+        worker.leave_group()
+
+
+def test_fit_workers_are_single_threaded_actors():
+    """Ray runs a class with concurrency-group methods as a threaded actor (see ELASTIC_WORKER_THREADS)."""
+    grouped = [name for name in dir(WorkerActor) if hasattr(getattr(WorkerActor, name), "__ray_concurrency_group__")]
+    assert grouped == []
+    assert hasattr(ElasticWorkerActor.heartbeat, "__ray_concurrency_group__")
 
 
 def test_membership_validates_rank():
