@@ -61,13 +61,11 @@ class DeepSpeedEngine(Engine):
             self.expert_shards.check_same_expert_groups()
 
     def _shard_experts(self, model: nn.Module):
-        from torch.distributed.device_mesh import init_device_mesh
-
         from baige_ray.engines.deepspeed_experts import ExpertShards
+        from baige_ray.engines.parallelize import sliced_meshes
 
-        layout = self.layout
-        mesh = init_device_mesh(self.device.type, (layout.dp // layout.ep, layout.ep), mesh_dim_names=("edp", "ep"))
-        return ExpertShards(model, self.expert_layers, mesh["ep"])
+        meshes = sliced_meshes(self.device.type, {"edp": self.layout.dp // self.layout.ep, "ep": self.layout.ep})
+        return ExpertShards(model, self.expert_layers, meshes["ep"])
 
     def _deepspeed_view(self, model: nn.Module) -> nn.Module:
         if self.expert_shards is None:

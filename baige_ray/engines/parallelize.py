@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
@@ -147,3 +147,16 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float, pp_group: di
             if same_kind:  # one fused kernel per kind: DTensor dispatches foreach ops only on DTensor lists
                 torch._foreach_mul_(same_kind, coefficient)
     return total
+
+
+def sliced_meshes(device_type: str, sizes: dict[str, int]) -> dict[str, DeviceMesh]:
+    """`sizes`' dimensions of more than one rank as slices of one device mesh; with "edp" and "ep",
+    "dp" is the two together (the ranks all-reducing dense gradients)."""
+    multi = {name: size for name, size in sizes.items() if size > 1}
+    mesh = init_device_mesh(device_type, tuple(multi.values()), mesh_dim_names=tuple(multi))
+    meshes = {name: mesh[name] for name in multi}
+    if "edp" in meshes:
+        meshes["dp"] = mesh["edp", "ep"]._flatten("dp")
+    elif "ep" in meshes:
+        meshes["dp"] = meshes["ep"]  # one replica per expert group: the expert group is the data-parallel group
+    return meshes

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
@@ -45,8 +45,12 @@ class TorchEngine(Engine):
         self._tp_replicated_parameters = self._find_tp_replicated_parameters()
 
     def _build_meshes(self) -> dict[str, DeviceMesh]:
-        """One-dimensional meshes by name: pp, dp, tp, and with expert parallelism ep and edp (the
-        replicas holding the same experts); empty on a single rank."""
+        """One-dimensional meshes by name, for the dimensions of more than one rank: pp, dp, tp, and
+        with expert parallelism ep and edp (the replicas holding the same experts); empty on a single
+        rank. All are slices of one mesh, as FSDP2 with TP needs.
+
+        A dimension of one rank gets no mesh: its process groups of one would do nothing but cost
+        each rank a gloo transport thread that wakes 100 times a second, CPU the steps share."""
         if self.layout.world_size == 1:
             return {}
         if dist.get_world_size() != self.layout.world_size:
@@ -56,13 +60,10 @@ class TorchEngine(Engine):
             )
         layout = self.layout
         if layout.ep == 1:
-            mesh = init_device_mesh(self.device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
-            return {name: mesh[name] for name in ("pp", "dp", "tp")}
-        mesh = init_device_mesh(self.device.type, (layout.pp, layout.dp // layout.ep, layout.ep, layout.tp),
-                                mesh_dim_names=("pp", "edp", "ep", "tp"))
-        meshes = {name: mesh[name] for name in ("pp", "edp", "ep", "tp")}
-        meshes["dp"] = mesh["edp", "ep"]._flatten("dp")
-        return meshes
+            sizes = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
+        else:
+            sizes = {"pp": layout.pp, "edp": layout.dp // layout.ep, "ep": layout.ep, "tp": layout.tp}
+        return parallelize.sliced_meshes(self.device.type, sizes)
 
     def _build_stages(self) -> list[nn.Module]:
         stages = self.build_stages()
