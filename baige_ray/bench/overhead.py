@@ -27,7 +27,9 @@ over every round's steady steps, `rounds` each round's.
 
 On a machine whose cores the workers fill (4 one-thread workers on 2 cores here), the CPU Ray's own
 processes take (GCS, raylet, dashboard, log monitor) comes out of the workers' time; `ray_daemon_cores`
-is what they used during baige's runs, in cores, next to `cpu_count`.
+is what they used during baige's runs, in cores, next to `cpu_count`. `ray_session_slowdown` is what
+an idle Ray session costs a job that does not use it (torchrun_beside_ray over torchrun, geometric mean
+over rounds): vs_torchrun is about it times vs_torchrun_beside_ray.
 """
 
 from __future__ import annotations
@@ -122,6 +124,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for key in (f"vs_{name}" for name in BASELINES):
         if per_round and key in per_round[0]:
             result[key] = round(geometric_mean([row[key] for row in per_round]), 4)
+    slowdown = ray_session_slowdown(times, args.warmup)
+    result["ray_session_slowdown"] = round(slowdown, 4) if slowdown is not None else None
     result.update(
         workers=args.workers, model=args.model if args.model != "gpt" else settings.model,
         global_batch_size=settings.global_batch_size, steps=args.steps, warmup=args.warmup,
@@ -176,6 +180,15 @@ def round_ratios(times: dict[str, list[list[float]]], warmup: int) -> list[dict[
     return rows
 
 
+def ray_session_slowdown(times: dict[str, list[list[float]]], warmup: int) -> float | None:
+    """Geometric mean over rounds of torchrun's median steady step beside an idle Ray session over
+    its own without Ray; None unless both ran."""
+    if "torchrun" not in times or "torchrun_beside_ray" not in times:
+        return None
+    return geometric_mean([steady_median(beside, warmup) / steady_median(alone, warmup)
+                           for beside, alone in zip(times["torchrun_beside_ray"], times["torchrun"], strict=True)])
+
+
 def _llama_tiny_settings(settings, directory, seq_len: int):
     import dataclasses
 
@@ -203,6 +216,8 @@ def summarize(result: dict[str, Any]) -> str:
     ratios = [f"{key} = {result[key]:.3f}" for key in (f"vs_{name}" for name in BASELINES) if key in result]
     if ratios:
         lines.append("baige step time / baseline (geometric mean over rounds): " + ", ".join(ratios))
+    if result["ray_session_slowdown"] is not None:
+        lines.append(f"torchrun beside an idle Ray session / torchrun alone: {result['ray_session_slowdown']:.3f}")
     if result["ray_daemon_cores"] is not None:
         lines.append(f"Ray's own processes during baige's runs: {result['ray_daemon_cores']:.3f} of "
                      f"{result['cpu_count']} cores")

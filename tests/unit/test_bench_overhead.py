@@ -53,6 +53,15 @@ def test_round_ratios_compare_each_round_after_its_warm_up():
     assert round_ratios({"torchrun": times["torchrun"]}, warmup=1) == []
 
 
+def test_ray_session_slowdown_compares_torchrun_beside_ray_with_torchrun_alone_round_by_round():
+    from baige_ray.bench.overhead import ray_session_slowdown
+
+    times = {"torchrun": [[9.0, 1.0, 1.0], [9.0, 2.0, 2.0]],
+             "torchrun_beside_ray": [[9.0, 1.21, 1.21], [9.0, 2.0, 2.0]], "baige": [[9.0, 1.0, 1.0]] * 2}
+    assert ray_session_slowdown(times, warmup=1) == pytest.approx(1.1)
+    assert ray_session_slowdown({"torchrun": times["torchrun"], "baige": times["baige"]}, warmup=1) is None
+
+
 def test_odd_rounds_run_the_segments_in_reverse_so_drift_falls_on_every_system_alike():
     from baige_ray.bench.overhead import round_segments
 
@@ -114,9 +123,10 @@ def test_summary_names_the_daemons_share_and_any_baseline_run_again():
 
     text = summarize({
         "systems": {"baige": {"step_s": 0.25, "wall_s": 10.0}, "torchrun": {"step_s": 0.24, "wall_s": 9.0}},
-        "vs_torchrun": 1.04, "ray_daemon_cores": 0.06, "cpu_count": 2,
+        "vs_torchrun": 1.04, "ray_daemon_cores": 0.06, "cpu_count": 2, "ray_session_slowdown": 1.05,
         "baseline_crashes": ["torchrun: exited with 1"], "rounds": [{"vs_torchrun": 1.04}],
     })
     assert "vs_torchrun = 1.040" in text
+    assert "torchrun beside an idle Ray session / torchrun alone: 1.050" in text
     assert "0.060 of 2 cores" in text
     assert "run again after a crash: torchrun: exited with 1" in text
