@@ -3,9 +3,26 @@
 from __future__ import annotations
 
 from baige_ray.actors.worker import WorkerActor
+
 from baige_ray.engines.factory import build_engine
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.runtime.train_loop import TrainJob
+
+
+def spawn_ranks(rank_main, nprocs: int, *args) -> dict:
+    """Run `rank_main(rank, port, results, *args)` in `nprocs` spawned processes (a gloo group's ranks,
+    MASTER_PORT a free port of 127.0.0.1); returns what each rank put in `results[rank]`."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(rank_main, args=(port, results, *args), nprocs=nprocs, start_method="spawn")
+        return dict(results)
 
 
 def at_full_speed(layout: ParallelLayout):

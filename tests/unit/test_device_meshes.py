@@ -1,15 +1,9 @@
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.helpers import spawn_ranks
 
 
 def _gloo_transport_threads() -> int:
@@ -41,10 +35,7 @@ def _slice_meshes(rank: int, port: int, results) -> None:
 
 
 def test_dimensions_of_one_rank_get_no_process_group():
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.start_processes(_slice_meshes, args=(_free_port(), results), nprocs=2, start_method="spawn")
-        results = dict(results)
+    results = spawn_ranks(_slice_meshes, 2)
     for rank in (0, 1):
         assert results[rank]["dense"] == ["dp"]
         assert results[rank]["dense_is_world"]  # a dimension spanning every rank reuses the default group

@@ -7,11 +7,11 @@ evenly over the ranks.
 """
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.helpers import spawn_ranks
 
 from ..moe_helpers import HOT_EXPERT, greedy_tokens, skewed_moe_gpt
 
@@ -39,17 +39,8 @@ def _rank(rank: int, port: int, results) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_experts_over_three_ranks_generate_one_process_tokens_and_rebalancing_evens_the_load():
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.start_processes(_rank, args=(_free_port(), results), nprocs=3, start_method="spawn")
-        results = dict(results)
+    results = spawn_ranks(_rank, 3)
     outcome = results[0]
     assert outcome["spread"] == outcome["alone"]
     assert outcome["rebalanced"] == outcome["alone"]
@@ -102,9 +93,6 @@ def _mixtral_rank(rank: int, port: int, results) -> None:
 
 
 def test_a_mixtral_served_over_two_expert_ranks_generates_transformers_tokens():
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.start_processes(_mixtral_rank, args=(_free_port(), results), nprocs=2, start_method="spawn")
-        results = dict(results)
+    results = spawn_ranks(_mixtral_rank, 2)
     assert results[0]["spread"] == results[0]["alone"]
     assert results[0]["placements"] >= 2 and results[1] > 0

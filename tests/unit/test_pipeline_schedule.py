@@ -1,11 +1,10 @@
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from baige_ray.engines.pipeline_schedule import run_ahead_1f1b_order
+
+from tests.helpers import spawn_ranks
 
 
 def in_flight_peak(order: list[tuple[str, int]]) -> int:
@@ -45,12 +44,6 @@ def test_run_ahead_deepens_every_stage_but_the_last():
     assert in_flight_peak(run_ahead_1f1b_order(0, 2, 3, run_ahead=5)) == 3  # capped by the micro-batches
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _train_both_schedules(rank: int, port: int, results) -> None:
     import os
 
@@ -85,10 +78,7 @@ def _train_both_schedules(rank: int, port: int, results) -> None:
 
 
 def test_run_ahead_schedule_trains_bit_for_bit_like_torch_1f1b():
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.start_processes(_train_both_schedules, args=(_free_port(), results), nprocs=2, start_method="spawn")
-        results = dict(results)
+    results = spawn_ranks(_train_both_schedules, 2)
     for rank in (0, 1):
         reference_losses, reference_params = results[rank][None]
         for run_ahead in (0, 2):

@@ -1,17 +1,16 @@
 """Data parallel over chips of different speeds: uneven micro-batch shares train like one process."""
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from baige_ray.api.configs import TrainConfig
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.models.corpus import CorpusConfig
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.runtime.train_loop import TrainJob, replica_sample_range, sample_range
+
+from tests.helpers import spawn_ranks
 
 NUM_STEPS = 3
 
@@ -22,12 +21,6 @@ def _job() -> TrainJob:
         train=TrainConfig(num_steps=NUM_STEPS, global_batch_size=6, micro_batch_size=1, warmup_steps=1, log_every=1),
         data=CorpusConfig(max_bytes=64 * 1024),
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _unevenly_split_job() -> TrainJob:
@@ -57,10 +50,7 @@ def _train_uneven_replicas(rank: int, port: int, results, split: str = "speeds")
 def test_uneven_shares_give_the_single_process_losses_step_by_step():
     from tests.helpers import reference_losses
 
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.start_processes(_train_uneven_replicas, args=(_free_port(), results), nprocs=2, start_method="spawn")
-        results = dict(results)
+    results = spawn_ranks(_train_uneven_replicas, 2)
     assert results[0][2] == 4 and results[1][2] == 2  # sequences per replica follow the shares
     assert [a + b for a, b in zip(results[0][1], results[1][1])] == [6 * 16] * NUM_STEPS
     # The step's loss is the mean over replicas of their weighted partial sums, as fit reduces it.
@@ -73,11 +63,7 @@ def test_uneven_shares_give_the_single_process_losses_step_by_step():
 def test_a_batch_that_does_not_split_evenly_trains_like_one_process():
     from tests.helpers import reference_losses
 
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.start_processes(_train_uneven_replicas, args=(_free_port(), results, "uneven"), nprocs=2,
-                           start_method="spawn")
-        results = dict(results)
+    results = spawn_ranks(_train_uneven_replicas, 2, "uneven")
     assert (results[0][2], results[1][2]) == (3, 2)  # each replica trains its share in one pass
     losses = [(a + b) / 2 for a, b in zip(results[0][0], results[1][0])]
     assert losses == pytest.approx(reference_losses(_unevenly_split_job()), rel=1e-5)
