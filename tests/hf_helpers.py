@@ -49,6 +49,17 @@ def llama_config(**overrides):
     return LlamaConfig(**values)
 
 
+def qwen2_tied_config(**overrides):
+    """A tiny Qwen2 whose head is tied to its input embedding (as Qwen2.5-0.5B's is), with QKV biases."""
+    from transformers import Qwen2Config
+
+    values = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    values.update(overrides)
+    return Qwen2Config(**values)
+
+
 def mixtral_config(**overrides):
     """A tiny Mixtral: 4 experts, top-2, transformers' load-balancing loss on (coefficient 0.05)."""
     from transformers import MixtralConfig

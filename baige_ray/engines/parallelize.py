@@ -137,9 +137,12 @@ def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
     return norms.square().sum().cpu()
 
 
-def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None) -> float:
-    """Scale gradients so their global norm is at most `max_norm`; returns the norm before clipping."""
-    total = global_grad_norm(parameters, pp_group)
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None,
+                   duplicates: list[nn.Parameter] = ()) -> float:
+    """Scale gradients so their global norm is at most `max_norm`; returns the norm before clipping.
+    `duplicates` (copies of parameters another pipeline stage holds too) are scaled but not counted."""
+    copies = {id(param) for param in duplicates}
+    total = global_grad_norm([param for param in parameters if id(param) not in copies], pp_group)
     coefficient = min(1.0, max_norm / (total + 1e-6))
     if coefficient < 1.0:
         grads = [param.grad for param in parameters if param.grad is not None]
@@ -147,6 +150,20 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float, pp_group: di
             if same_kind:  # one fused kernel per kind: DTensor dispatches foreach ops only on DTensor lists
                 torch._foreach_mul_(same_kind, coefficient)
     return total
+
+
+def pipeline_ends_group(world_size: int, pp: int, rank: int) -> dist.ProcessGroup | None:
+    """The group of `rank`'s first- and last-stage peers: pp ranks 0 and pp - 1 at the same data- and
+    tensor-parallel coordinates (ranks are row-major over (pp, rest)); None for a middle stage's rank.
+    Collective: every rank creates every pair's group, in the same order."""
+    per_stage = world_size // pp
+    mine = None
+    for offset in range(per_stage):
+        pair = [offset, (pp - 1) * per_stage + offset]
+        group = dist.new_group(pair)
+        if rank in pair:
+            mine = group
+    return mine
 
 
 def sliced_meshes(device_type: str, sizes: dict[str, int]) -> dict[str, DeviceMesh]:

@@ -34,6 +34,7 @@ class TorchEngine(Engine):
     def __init__(self, job: TrainJob, layout: ParallelLayout, rank: int = 0, **options: Any):
         super().__init__(job, layout, rank, **options)
         self.meshes = self._build_meshes()
+        self._pipeline_ends = self._build_pipeline_ends_group()
         self.stages = self._build_stages()
         self.expert_layers = [layer for stage in self.stages for layer in self.plugin.expert_modules(stage)]
         self.emulators = [SlowChipEmulator(stage, self.emulated_speed) for stage in self.stages]
@@ -43,6 +44,7 @@ class TorchEngine(Engine):
         self.optimizer = build_optimizer(self._modules, job.train)
         self.schedule = self._build_schedule() if layout.pp > 1 else None
         self._tp_replicated_parameters = self._find_tp_replicated_parameters()
+        self._pipeline_tied_parameters = [p for stage in self.stages for p in self.plugin.pipeline_tied_parameters(stage)]
 
     def _build_meshes(self) -> dict[str, DeviceMesh]:
         """One-dimensional meshes by name, for the dimensions of more than one rank: pp, dp, tp, and
@@ -64,6 +66,12 @@ class TorchEngine(Engine):
         else:
             sizes = {"pp": layout.pp, "edp": layout.dp // layout.ep, "ep": layout.ep, "tp": layout.tp}
         return parallelize.sliced_meshes(self.device.type, sizes)
+
+    def _build_pipeline_ends_group(self) -> dist.ProcessGroup | None:
+        """The first- and last-stage peers of this rank when the model ties the pipeline's ends."""
+        if self.layout.pp == 1 or not self.plugin.ties_pipeline_ends:
+            return None
+        return parallelize.pipeline_ends_group(self.layout.world_size, self.layout.pp, self.rank)
 
     def _build_stages(self) -> list[nn.Module]:
         stages = self.build_stages()
@@ -214,6 +222,8 @@ class TorchEngine(Engine):
         return contextlib.nullcontext()
 
     def optimizer_step(self) -> None:
+        if self._pipeline_ends is not None:  # both ends' copies of a tied weight get the sum of their gradients
+            parallelize.all_reduce_gradients(self._pipeline_tied_parameters, self._pipeline_ends, divide_by=1)
         if replicated := self._tp_replicated_parameters:
             parallelize.all_reduce_gradients(replicated, self.meshes["tp"].get_group(), divide_by=1)
         if self.explicit_dp_all_reduce:
@@ -222,9 +232,14 @@ class TorchEngine(Engine):
             self._all_reduce_expert_gradients()
         if self.job.train.grad_clip > 0:
             pp_group = self.meshes["pp"].get_group() if self.layout.pp > 1 else None
-            parallelize.clip_grad_norm(self.parameters, self.job.train.grad_clip, pp_group)
+            parallelize.clip_grad_norm(self.parameters, self.job.train.grad_clip, pp_group, self._duplicate_parameters)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def _duplicate_parameters(self) -> list[nn.Parameter]:
+        """A tied weight's last-stage copy: the first stage's copy counts it in the global gradient norm."""
+        return self._pipeline_tied_parameters if self._pipeline_ends is not None and self.coords.pp > 0 else []
 
     def _all_reduce_dense_gradients(self) -> None:
         """Average dense gradients over dp (FSDP2 reduce-scatters its own)."""

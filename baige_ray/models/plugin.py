@@ -146,6 +146,16 @@ class ModelPlugin(ABC):
         computes only part of their gradient (norms applied per head): gradients are summed over TP."""
         return ()
 
+    @property
+    def ties_pipeline_ends(self) -> bool:
+        """Whether the first and the last pipeline stage share parameters (a head tied to the input
+        embedding): each holds a copy, and the engine sums the copies' gradients."""
+        return False
+
+    def pipeline_tied_parameters(self, stage: nn.Module) -> list[nn.Parameter]:
+        """The parameters `stage` shares with the other end of the pipeline (empty for a middle stage)."""
+        return []
+
     def check_expert_parallel(self, ep: int) -> None:
         """ValueError naming the field when the model's experts cannot be split `ep` ways."""
         raise ValueError(f"ParallelLayout.ep={ep} is invalid for {self.describe()}: the model has no experts")

@@ -52,10 +52,7 @@ class HFPlugin(ModelPlugin):
 
     def build_stage(self, model: nn.Module, first_layer: int, last_layer: int, *, is_first: bool,
                     is_last: bool) -> nn.Module:
-        if self._tied and not (is_first and is_last):
-            raise ValueError(f"{self.describe()} ties its input and output embeddings (tie_word_embeddings): "
-                             "expected pp=1, the two ends of a pipeline cannot share one weight")
-        stage = DecoderStage(model, first_layer, last_layer, is_first=is_first, is_last=is_last)
+        stage = DecoderStage(model, first_layer, last_layer, is_first=is_first, is_last=is_last, tied=self._tied)
         if self._experts is not None:
             install_routed_experts(list(stage.layers.values()))
             if self.has_auxiliary_loss:
@@ -66,17 +63,22 @@ class HFPlugin(ModelPlugin):
 
     def check_layout(self, layout) -> None:
         super().check_layout(layout)
-        if self._tied and layout.pp > 1:
-            raise ValueError(f"ParallelLayout.pp={layout.pp} is invalid for {self.describe()}: it ties its input and "
-                             "output embeddings (tie_word_embeddings), expected pp=1")
         if self.has_auxiliary_loss and layout.pp > 1:
             raise ValueError(f"ParallelLayout.pp={layout.pp} is invalid for {self.describe()}: its load-balancing loss "
                              "(output_router_logits) is one mean over every layer's routing, which pipeline stages "
                              "cannot split; expected pp=1, or output_router_logits=False")
 
     @property
+    def ties_pipeline_ends(self) -> bool:
+        return self._tied
+
+    def pipeline_tied_parameters(self, stage: nn.Module) -> list[nn.Parameter]:
+        tied = stage.tied_embedding
+        return [] if tied is None else [tied]
+
+    @property
     def max_pipeline_stages(self) -> int | None:
-        return 1 if self._tied or self.has_auxiliary_loss else None
+        return 1 if self.has_auxiliary_loss else None
 
     # ---- experts -------------------------------------------------------------------------
 
@@ -142,6 +144,7 @@ class HFPlugin(ModelPlugin):
         from baige_ray.models.hf.weights import read_tensors
 
         stage.to_empty(device=device)
+        stage.tie_embeddings()
         names = [name for name, _ in stage.named_parameters()]
         tensors = read_tensors(weight_files(self.config.path), names)
         with torch.no_grad():

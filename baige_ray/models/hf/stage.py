@@ -5,6 +5,11 @@ embedding, decoder layers, final norm; the head's `_pp_plan`), under the base mo
 stage's parameters are called exactly as in the checkpoint (`model.layers.7.mlp.up_proj.weight`):
 state moves between layouts, and into `save_pretrained` directories, by name. Decoder layers sit in a
 ModuleDict keyed by their global index. Every stage holds the rotary embedding (buffers only).
+
+A model that ties its head to its input embedding (`tie_word_embeddings`) keeps the tie in every stage
+that holds the head: the last stage holds the embedding module too (not called in its forward), its
+head's weight is the embedding's, and so both stages call the one weight `model.embed_tokens.weight`,
+as the checkpoint does. The engine sums the two stages' gradients of it (Megatron-LM's embedding group).
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ def pipeline_module_names(causal_lm: nn.Module) -> tuple[str, str, str, str, str
 class DecoderStage(nn.Module):
     """Decoder layers [first, last) plus the embedding (first stage) or the final norm and head (last)."""
 
-    def __init__(self, causal_lm: nn.Module, first_layer: int, last_layer: int, *, is_first: bool, is_last: bool):
+    def __init__(self, causal_lm: nn.Module, first_layer: int, last_layer: int, *, is_first: bool, is_last: bool,
+                 tied: bool = False):
         super().__init__()
         prefix, embedding, layers, norm, head = pipeline_module_names(causal_lm)
         base = getattr(causal_lm, prefix)
@@ -36,7 +42,8 @@ class DecoderStage(nn.Module):
         self.is_first, self.is_last = is_first, is_last
         self._names = (prefix, embedding, layers, norm, head)
         parts = nn.Module()
-        if is_first:
+        self.tied = tied
+        if is_first or (tied and is_last):
             parts.add_module(embedding, getattr(base, embedding))
         parts.add_module(layers, nn.ModuleDict({str(i): getattr(base, layers)[i] for i in range(first_layer, last_layer)}))
         parts.add_module("rotary_emb", base.rotary_emb)
@@ -47,6 +54,21 @@ class DecoderStage(nn.Module):
             self.add_module(head, getattr(causal_lm, head))
         self._layer_types = list(getattr(self.config, "layer_types", None) or [])
         self.router_loss = None  # a RouterBalanceLoss (moe.py) when the model adds its router's load-balancing loss
+        self.tie_embeddings()
+
+    def tie_embeddings(self) -> None:
+        """Make the head's weight the input embedding's again (after materialising from the meta device,
+        which gives every module a parameter of its own)."""
+        if self.tied and self.is_last:
+            _, embedding, _, _, head = self._names
+            getattr(self, head).weight = getattr(self.base, embedding).weight
+
+    @property
+    def tied_embedding(self) -> nn.Parameter | None:
+        """The input embedding's weight, which the head shares, if this stage holds either."""
+        if not (self.tied and (self.is_first or self.is_last)):
+            return None
+        return getattr(self.base, self._names[1]).weight
 
     @property
     def base(self) -> nn.Module:
