@@ -49,11 +49,13 @@ def activation_bytes_per_layer(model: ModelSpec, micro_batch, recompute, tp: int
 
 def stage_param_counts(model: ModelSpec, stage_layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(dense, expert) parameters held by each stage before TP/EP sharding; embedding on the first
-    stage, LM head on the last."""
+    stage, LM head on the last (a head tied to the embedding is a copy of it there when they are apart)."""
     layers = np.asarray(stage_layers, dtype=np.float64)
     dense = layers * model.dense_layer_params
     dense[0] += model.embedding_params
     dense[-1] += model.output_params
+    if model.tied_embeddings and len(layers) > 1:
+        dense[-1] += model.vocab_size * model.hidden
     return dense, layers * model.expert_layer_params
 
 

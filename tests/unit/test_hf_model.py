@@ -74,10 +74,21 @@ def test_tensor_parallel_degrees_must_divide_the_kv_heads(tiny):
                                                    "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
 
 
-def test_tied_embeddings_cannot_be_pipelined():
-    plugin = plugin_for(HFModel.from_config(llama_config(tie_word_embeddings=True)))
-    with pytest.raises(ValueError, match="tie_word_embeddings"):
-        plugin.check_layout(ParallelLayout(pp=2))
+def test_a_tied_last_stage_reads_the_embedding_the_checkpoint_stores_as_its_head(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(llama_config(tie_word_embeddings=True)).save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    assert "lm_head.weight" not in saved  # transformers writes the tied weight once
+    plugin = plugin_for(HFModel(tmp_path, seq_len=SEQ_LEN))
+    plugin.check_layout(ParallelLayout(pp=2))
+    first, last = plugin.build_stages([(0, 2, True, False), (2, 4, False, True)], torch.device("cpu"), seed=0)
+    assert last.lm_head.weight is last.model.embed_tokens.weight
+    assert "lm_head.weight" not in dict(last.named_parameters())
+    assert torch.equal(last.lm_head.weight, saved["model.embed_tokens.weight"])
+    assert plugin.pipeline_tied_parameters(first) == [first.model.embed_tokens.weight]
+    assert plugin.pipeline_tied_parameters(last) == [last.lm_head.weight]
 
 
 def test_stages_keep_the_checkpoint_names_and_materialize_only_their_own_weights(tiny):
