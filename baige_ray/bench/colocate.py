@@ -67,6 +67,7 @@ MAX_TRAIN_DEVICES = 7  # whole devices: serving always keeps at least one
 STATIC_SPLIT = 4
 GLOBAL_BATCH = 84  # splits evenly over 3, 4, 6 and 7 data-parallel workers
 PEAK_RATIO = 5.0
+SEQ_LEN = 64  # the served GPT's context: a prompt (colocate_load.PROMPTS) and its new tokens must fit it
 
 
 def slo_attainment(latencies: Sequence[float | None], slo_s: float) -> float:
@@ -190,7 +191,7 @@ def _start(args: argparse.Namespace):
     from baige_ray.elastic.job import launch
     from baige_ray.serving import serve
 
-    model = br.GPTConfig(seq_len=64, num_layers=2, num_heads=4, hidden=128 if args.engine == "vllm" else 64)
+    model = br.GPTConfig(seq_len=SEQ_LEN, num_layers=2, num_heads=4, hidden=128 if args.engine == "vllm" else 64)
     job = launch(model, train=br.TrainConfig(num_steps=10**7, global_batch_size=GLOBAL_BATCH, warmup_steps=5),
                  scaling=br.ScalingConfig(num_workers=MAX_TRAIN_DEVICES, cpu_niceness=args.train_niceness),
                  run=br.RunConfig(name="colocate"),
@@ -242,6 +243,15 @@ def _arbiter_config(args: argparse.Namespace, capacity: float):
                          policy=policy, harvest_share=args.harvest_share or None, shared_capacity=args.shared_capacity)
 
 
+def _check_new_tokens(max_new_tokens: int) -> None:
+    from baige_ray.bench.colocate_load import PROMPTS
+
+    room = SEQ_LEN - max(len(prompt.encode()) for prompt in PROMPTS)
+    if not 1 <= max_new_tokens <= room:  # a request that does not fit the context is a 400, not cut
+        raise ValueError(f"--max-new-tokens={max_new_tokens} is invalid: expected 1 to {room}, so that the "
+                         f"prompts and the new tokens fit the served model's context of {SEQ_LEN}")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import dataclasses
     import os
@@ -254,6 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from baige_ray.bench.colocate_load import arrival_times, diurnal_rates, saturated_throughput
     from baige_ray.serving import shutdown
 
+    _check_new_tokens(args.max_new_tokens)
     descriptor = Path(__file__).resolve().parents[2] / "clusters" / "sim-2x4.yaml"
     load_before = os.getloadavg()
     with br.open_cluster(descriptor):

@@ -39,6 +39,8 @@ MAX_SAMPLER_BATCH = 8
 SAMPLER_WAIT_S = 0.01
 SYSTEMS = ("builtin", "vllm", "sampler")
 FAILURE_POLL_S = 0.5  # how often a waiting client checks that the engine's thread is still alive
+CONTEXT = 256  # both models' positions
+MAX_PROMPT_TOKENS = 8 + 119  # the longest prompt build_setup makes; it and the new tokens must fit CONTEXT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,8 +57,10 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--streams={args.streams} is invalid: expected one or more counts >= 1")
     if not args.seconds > 0:
         raise ValueError(f"--seconds={args.seconds} is invalid: expected > 0")
-    if args.new_tokens < 1:
-        raise ValueError(f"--new-tokens={args.new_tokens} is invalid: expected >= 1")
+    if not 1 <= args.new_tokens <= CONTEXT - MAX_PROMPT_TOKENS:
+        raise ValueError(f"--new-tokens={args.new_tokens} is invalid: expected 1 to {CONTEXT - MAX_PROMPT_TOKENS}, "
+                         f"so that prompts of up to {MAX_PROMPT_TOKENS} tokens and the new ones fit the models' "
+                         f"context of {CONTEXT} (the engines refuse, not cut, a prompt that does not fit)")
 
 
 @dataclass
@@ -95,11 +99,11 @@ def build_setup(model_name: str, tmp: str) -> BenchSetup:
     if model_name == "gpt":
         from baige_ray.models.gpt import GPTConfig
 
-        config = GPTConfig(seq_len=256, num_layers=4, num_heads=4, hidden=256)
+        config = GPTConfig(seq_len=CONTEXT, num_layers=4, num_heads=4, hidden=256)
     else:
         from baige_ray.models.hf.tiny import make_llama_tiny
 
-        config, _ = make_llama_tiny(tmp, seq_len=256)
+        config, _ = make_llama_tiny(tmp, seq_len=CONTEXT)
     plugin = plugin_for(config)
     weights = plugin.build_model().state_dict()
     generator = plugin.build_text_generator(weights)

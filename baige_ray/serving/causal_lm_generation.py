@@ -14,9 +14,8 @@ token over only the newest token, reusing the KV cache the model returns (a tran
 `DynamicCache`). `use_cache=False` re-runs the whole sequence for every token: the reference the
 cached path is tested against.
 
-Prompt plus new tokens must fit the model's positions (`max_context`): a prompt keeps only its last
-`max(1, max_context - max_new_tokens)` tokens (see `fit_prompt`), and when `max_new_tokens` alone
-does not fit, the row stops with "length" once its sequence fills `max_context`.
+Prompt plus new tokens must fit the model's positions (`max_context`), as in the engines: a batch
+holding a prompt that does not is refused with a ValueError, never cut (serving/context_length.py).
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from typing import Any, Literal
 import torch
 
 from baige_ray.api.validation import require_int, require_number
+from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.sampling import sample_token, seeded_generator
 
 FinishReason = Literal["stop", "length"]
@@ -64,12 +64,6 @@ class Generation:
     finish_reason: FinishReason
 
 
-def fit_prompt(prompt: Sequence[int], max_new_tokens: int, max_context: int) -> list[int]:
-    """The prompt's tail that leaves room for max_new_tokens within max_context (at least 1 token)."""
-    keep = max(1, max_context - max_new_tokens)
-    return list(prompt[-keep:])
-
-
 def forward_options(model: Any, use_cache: bool) -> dict[str, Any]:
     options: dict[str, Any] = {"use_cache": use_cache}
     # Only the last position is sampled; without this the prefill materialises
@@ -89,7 +83,6 @@ def _last_logits(model: Any, input_ids: torch.Tensor, past: Any, options: dict[s
 @dataclass(kw_only=True)
 class _Row:
     params: SamplingParams
-    budget: int
     generator: torch.Generator
     tokens: list[int]
     finish_reason: FinishReason | None = None
@@ -103,7 +96,7 @@ def _advance(row: _Row, logits: torch.Tensor, eos_token_id: int | None) -> None:
         row.finish_reason = "stop"
         return
     row.tokens.append(token)
-    if len(row.tokens) >= row.budget:
+    if len(row.tokens) >= row.params.max_new_tokens:
         row.finish_reason = "length"
 
 
@@ -133,6 +126,8 @@ def _check_inputs(prompts: Sequence[list[int]], requests: Sequence[SamplingParam
     empty = [index for index, prompt in enumerate(prompts) if len(prompt) == 0]
     if empty:
         raise ValueError(f"prompts {empty} are empty: every prompt needs at least one token")
+    for prompt, params in zip(prompts, requests):
+        require_fit(len(prompt), params.max_new_tokens, max_context)
 
 
 @torch.inference_mode()
@@ -149,19 +144,10 @@ def generate_batch(
     _check_inputs(prompts, requests, max_context)
     model.eval()
     options = forward_options(model, use_cache)
-    fitted = [fit_prompt(prompt, params.max_new_tokens, max_context) for prompt, params in zip(prompts, requests)]
-    rows = [
-        _Row(
-            params=params,
-            budget=min(params.max_new_tokens, max_context - len(prompt)),
-            generator=seeded_generator(params.seed),
-            tokens=[],
-        )
-        for prompt, params in zip(fitted, requests)
-    ]
+    rows = [_Row(params=params, generator=seeded_generator(params.seed), tokens=[]) for params in requests]
     groups: dict[int, list[int]] = defaultdict(list)
-    for index, prompt in enumerate(fitted):
+    for index, prompt in enumerate(prompts):
         groups[len(prompt)].append(index)
     for indices in groups.values():
-        _generate_group(model, [fitted[i] for i in indices], [rows[i] for i in indices], eos_token_id, options)
+        _generate_group(model, [list(prompts[i]) for i in indices], [rows[i] for i in indices], eos_token_id, options)
     return [Generation(tokens=row.tokens, finish_reason=row.finish_reason) for row in rows]

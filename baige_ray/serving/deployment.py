@@ -1,7 +1,8 @@
 """The Ray Serve deployment that hosts a model (any plug-in that generates text) behind an HTTP JSON API.
 
 Routes (under the application's route prefix):
-  POST generate             {"prompt": str, "max_new_tokens": int, "temperature": float, "seed": int}
+  POST generate             {"prompt": str, "max_new_tokens": int, "temperature": float, "seed": int,
+                             "truncate_prompt_tokens": int}
                             -> {"text": str, "tokens": int, "latency_s": float, "step": int}
   POST v1/completions       OpenAI's completions shapes (serving/openai_api.py), "stream": true for SSE
   POST v1/chat/completions  OpenAI's chat shapes (serving/openai_chat.py), "stream": true for SSE
@@ -14,7 +15,9 @@ Callers inside the cluster may also stream a request's token ids through a deplo
 
 Every request joins the replica's continuous batch (serving/engine.py) on the engine's thread, so
 the event loop keeps accepting, streaming and health-checking while the batch computes. A request
-the engine has no room to queue is answered 503 with Retry-After; a malformed one 4xx with a reason.
+the engine has no room to queue is answered 503 with Retry-After; a malformed one 4xx with a reason;
+one whose prompt and max_tokens exceed the model's context 400, unless it asks for the prompt's last
+tokens only with `truncate_prompt_tokens` (serving/context_length.py).
 The engine is the built-in one or vLLM (`engine="vllm"`, serving/vllm_engine.py). Weights come from
 the application's ServingRegistry: the newest version when the replica starts, and any newer one the
 registry names in answer to the replica's periodic report. vLLM takes new weights in place between
@@ -39,6 +42,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from baige_ray.models.plugin import plugin_for
 from baige_ray.ops.metrics import ServingMetrics
 from baige_ray.serving.causal_lm_generation import SamplingParams
+from baige_ray.serving.context_length import fit_context
 from baige_ray.serving.engine import ContinuousBatchingEngine, EngineFull, EngineLimits, TokenEvent
 from baige_ray.serving.engine_runner import EngineRunner
 from baige_ray.serving.expert_parallel import ExpertParallelServing
@@ -189,7 +193,9 @@ class ModelServer:
     async def _handle_generate(self, request: Request, started: float) -> Response:
         parsed = parse_generate_request(await read_body(request, self._limits.max_body_bytes), self._limits)
         runner, step = self._require_runner(), self._step
-        prompt = runner.codec.encode(parsed.prompt)
+        prompt = fit_context(runner.codec.encode(parsed.prompt), max_tokens=parsed.max_new_tokens,
+                             max_context=runner.engine.max_context,
+                             truncate_prompt_tokens=parsed.truncate_prompt_tokens, field="max_new_tokens")
         params = SamplingParams(max_new_tokens=parsed.max_new_tokens, temperature=parsed.temperature,
                                 seed=parsed.seed)
         output = await self._complete(runner, prompt, params, ())
@@ -211,6 +217,9 @@ class ModelServer:
         return await self._respond(runner, prompt, parsed, started, chat=True)
 
     async def _respond(self, runner: EngineRunner, prompt: list[int], parsed, started: float, *, chat: bool) -> Response:
+        # Checked before anything is submitted or streamed: a prompt that does not fit is a 400, not an SSE.
+        prompt = fit_context(prompt, max_tokens=parsed.max_tokens, max_context=runner.engine.max_context,
+                             truncate_prompt_tokens=parsed.truncate_prompt_tokens)
         params = SamplingParams(max_new_tokens=parsed.max_tokens, temperature=parsed.temperature, seed=parsed.seed)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         shape = dict(request_id=request_id, model_name=self._app_name, created=int(time.time()))

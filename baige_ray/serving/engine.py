@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 import torch
 
 from baige_ray.api.validation import require_int
-from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams, fit_prompt
+from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams
+from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.decoders import KVDecoder
 from baige_ray.serving.kv_batch import KV, PaddedKVBatch
 from baige_ray.serving.sampling import sample_token, seeded_generator
@@ -143,14 +144,14 @@ class ContinuousBatchingEngine:
 
     # -- any thread ---------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: SamplingParams, on_event: EventSink) -> int:
-        """Queue a request; returns its id. Raises EngineFull when `max_waiting` are already queued."""
+        """Queue a request; returns its id. Raises EngineFull when `max_waiting` are already queued, and
+        ValueError when the prompt and its new tokens do not fit the context (it is never cut)."""
         if not prompt:
             raise ValueError("the prompt is empty: a request needs at least one token")
-        fitted = fit_prompt(prompt, params.max_new_tokens, self.decoder.max_context)
+        require_fit(len(prompt), params.max_new_tokens, self.decoder.max_context)
         request = _Request(
-            id=self._queue.next_id(), prompt=fitted, params=params, on_event=on_event,
-            budget=min(params.max_new_tokens, self.decoder.max_context - len(fitted)),
-            generator=seeded_generator(params.seed),
+            id=self._queue.next_id(), prompt=list(prompt), params=params, on_event=on_event,
+            budget=params.max_new_tokens, generator=seeded_generator(params.seed),
         )
         self._queue.put(request)
         return request.id

@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from baige_ray.serving.causal_lm_generation import SamplingParams, fit_prompt
+from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.engine import EventSink, TokenEvent
 from baige_ray.serving.generators import TextCodec, TextOutput
 from baige_ray.serving.openai_api import StopScanner
@@ -175,5 +175,4 @@ class EngineRunner:
             yield tail
         if scanner.stopped:
             finish_reason = "stop"
-        used = fit_prompt(prompt, params.max_new_tokens, self.engine.max_context)
-        yield TextOutput(scanner.text[:scanner.sent], len(used), generated, finish_reason)
+        yield TextOutput(scanner.text[:scanner.sent], len(prompt), generated, finish_reason)

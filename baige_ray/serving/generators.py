@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from baige_ray.serving.context_length import fit_context
 from baige_ray.serving.decoders import KVDecoder
 from baige_ray.serving.requests import GenerateRequest
 
@@ -125,23 +126,25 @@ class TextGenerator:
     codec: TextCodec
 
     def encode(self, prompt: str) -> list[int]:
-        """The prompt's tokens (only their tail is used when they and the new tokens exceed the context)."""
+        """The prompt's tokens (they and the new tokens must fit the decoder's context)."""
         return self.codec.encode(prompt)
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[TextOutput]:
-        """Complete requests on the calling thread, batched continuously (tests, scripts, warm-up)."""
-        from baige_ray.serving.causal_lm_generation import SamplingParams, fit_prompt
+        """Complete requests on the calling thread, batched continuously (tests, scripts, warm-up); a
+        request that does not fit the context is refused with a RequestError, as the routes refuse it."""
+        from baige_ray.serving.causal_lm_generation import SamplingParams
         from baige_ray.serving.engine import ContinuousBatchingEngine, EngineLimits, generate_all
 
         engine = ContinuousBatchingEngine(self.decoder, eos_token_id=self.codec.eos_token_id,
                                           limits=EngineLimits(max_waiting=max(1, len(requests))))
-        prompts = [self.encode(request.prompt) for request in requests]
+        prompts = [fit_context(self.encode(r.prompt), max_tokens=r.max_new_tokens, max_context=self.decoder.max_context,
+                               truncate_prompt_tokens=r.truncate_prompt_tokens, field="max_new_tokens")
+                   for r in requests]
         params = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, seed=r.seed)
                   for r in requests]
         outputs = []
         for prompt, request, generation in zip(prompts, requests, generate_all(engine, prompts, params)):
             decoder = self.codec.decoder()
             text = "".join(decoder.push(token) for token in generation.tokens) + decoder.flush()
-            used = fit_prompt(prompt, request.max_new_tokens, self.decoder.max_context)
-            outputs.append(TextOutput(text, len(used), len(generation.tokens), generation.finish_reason))
+            outputs.append(TextOutput(text, len(prompt), len(generation.tokens), generation.finish_reason))
         return outputs

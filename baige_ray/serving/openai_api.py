@@ -17,7 +17,7 @@ from typing import Any
 
 from baige_ray.api.validation import require_int, require_number
 from baige_ray.serving.requests import (
-    RequestError, check_prompt, check_token_count, decode_json_object, is_number, seed_of,
+    RequestError, check_prompt, check_token_count, decode_json_object, is_number, seed_of, truncate_prompt_tokens_of,
 )
 
 _FIELDS = (
@@ -36,6 +36,7 @@ _FIELDS = (
     "logprobs",
     "presence_penalty",
     "frequency_penalty",
+    "truncate_prompt_tokens",  # vLLM's extension: keep only the prompt's last k tokens
 )
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 1.0
@@ -71,6 +72,7 @@ class CompletionRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the token counts
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM's extension)
 
 
 def _check_fields(payload: dict) -> None:
@@ -183,6 +185,7 @@ def parse_completion_request(body: bytes, limits: CompletionLimits, *, model_nam
         stop=_stop(payload),
         stream=stream,
         include_usage=include_usage,
+        truncate_prompt_tokens=truncate_prompt_tokens_of(payload),
     )
 
 

@@ -13,11 +13,12 @@ from baige_ray.serving.openai_api import (
     FINISH_REASONS, CompletionLimits, _check_model, _check_unsupported, _max_tokens, _stop, _stream, _temperature,
     usage,
 )
-from baige_ray.serving.requests import RequestError, decode_json_object, seed_of
+from baige_ray.serving.requests import RequestError, decode_json_object, seed_of, truncate_prompt_tokens_of
 
 _FIELDS = (
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
     "stream_options", "stop", "seed", "user", "logprobs", "presence_penalty", "frequency_penalty",
+    "truncate_prompt_tokens",
 )
 ROLES = ("system", "user", "assistant")
 MAX_MESSAGES = 256
@@ -32,6 +33,7 @@ class ChatRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM's extension)
 
 
 def _content(index: int, content: object) -> str:
@@ -83,6 +85,7 @@ def parse_chat_request(body: bytes, limits: CompletionLimits, *, model_name: str
     return ChatRequest(
         messages=messages, max_tokens=_max_tokens(payload, limits, field), temperature=_temperature(payload, limits),
         seed=seed_of(payload), stop=_stop(payload), stream=stream, include_usage=include_usage,
+        truncate_prompt_tokens=truncate_prompt_tokens_of(payload),
     )
 
 

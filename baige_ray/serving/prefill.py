@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams, fit_prompt
+from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams
+from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.decoders import KVDecoder
 from baige_ray.serving.engine import (
     ContinuousBatchingEngine, EngineLimits, GenerationCollector, RequestQueue, TokenEvent,
@@ -32,7 +33,7 @@ from baige_ray.serving.sampling import sample_token, seeded_generator
 @dataclass(kw_only=True, frozen=True)
 class PrefilledRequest:
     params: SamplingParams
-    prompt_length: int  # tokens of the (fitted) prompt the cache holds
+    prompt_length: int  # tokens of the prompt the cache holds
     budget: int  # new tokens the request may have, the first one included
     first_token: int  # the end-of-text token when finish_reason is "stop"
     finish_reason: FinishReason | None  # set when the first token already ended the request: nothing to decode
@@ -72,12 +73,13 @@ class PrefillEngine:
         self._num_prefilling = 0
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, on_prefilled: PrefillSink) -> int:
-        """Queue a prompt; returns its id. Raises EngineFull when `max_waiting` are already queued."""
+        """Queue a prompt; returns its id. Raises EngineFull when `max_waiting` are already queued, and
+        ValueError when the prompt and its new tokens do not fit the context (it is never cut)."""
         if not prompt:
             raise ValueError("the prompt is empty: a request needs at least one token")
-        fitted = fit_prompt(prompt, params.max_new_tokens, self.decoder.max_context)
-        request = _Prompt(id=self._queue.next_id(), tokens=fitted, params=params, on_prefilled=on_prefilled,
-                          budget=min(params.max_new_tokens, self.decoder.max_context - len(fitted)))
+        require_fit(len(prompt), params.max_new_tokens, self.decoder.max_context)
+        request = _Prompt(id=self._queue.next_id(), tokens=list(prompt), params=params, on_prefilled=on_prefilled,
+                          budget=params.max_new_tokens)
         self._queue.put(request)
         return request.id
 

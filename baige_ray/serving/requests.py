@@ -12,7 +12,7 @@ from typing import Any
 
 from baige_ray.api.validation import require_int
 
-_FIELDS = ("prompt", "max_new_tokens", "temperature", "seed")
+_FIELDS = ("prompt", "max_new_tokens", "temperature", "seed", "truncate_prompt_tokens")
 
 
 class RequestError(ValueError):
@@ -56,6 +56,7 @@ class GenerateRequest:
     max_new_tokens: int
     temperature: float
     seed: int | None = None
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM's extension)
 
 
 def is_int(value: Any) -> bool:
@@ -132,6 +133,14 @@ def seed_of(payload: dict) -> int | None:
     return value
 
 
+def truncate_prompt_tokens_of(payload: dict) -> int | None:
+    """vLLM's `truncate_prompt_tokens`: how many of the prompt's last tokens to keep (None: all of them)."""
+    value = payload.get("truncate_prompt_tokens")
+    if value is not None and (not is_int(value) or value < 1):
+        raise RequestError(422, f"'truncate_prompt_tokens' must be a positive integer, got {value!r}")
+    return value
+
+
 def _max_new_tokens(payload: dict, limits: RequestLimits) -> int:
     return check_token_count("max_new_tokens", payload.get("max_new_tokens", limits.default_new_tokens),
                              limits.max_new_tokens)
@@ -157,4 +166,5 @@ def parse_generate_request(body: bytes, limits: RequestLimits) -> GenerateReques
         max_new_tokens=_max_new_tokens(payload, limits),
         temperature=_temperature(payload, limits),
         seed=seed_of(payload),
+        truncate_prompt_tokens=truncate_prompt_tokens_of(payload),
     )

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from baige_ray.serving.causal_lm_generation import SamplingParams, fit_prompt
+from baige_ray.serving.causal_lm_generation import SamplingParams
+from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.engine import EngineFull, EngineLimits, EventSink, TokenEvent
 
 WeightAdapter = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -85,12 +86,12 @@ class VLLMEngine:
     def submit(self, prompt: Sequence[int], params: SamplingParams, on_event: EventSink) -> str:
         if not prompt:
             raise ValueError("the prompt is empty: a request needs at least one token")
+        require_fit(len(prompt), params.max_new_tokens, self.max_context)  # refused, never cut
         with self._lock:
             if len(self._pending) + len(self._sinks) >= self.limits.max_waiting + self.limits.max_batch_size:
                 raise EngineFull(f"{len(self._pending) + len(self._sinks)} requests are already in the engine")
             request_id = str(next(self._ids))
-            fitted = fit_prompt(prompt, params.max_new_tokens, self.max_context)
-            self._pending.append((request_id, fitted, params, on_event))
+            self._pending.append((request_id, list(prompt), params, on_event))
             self._lock.notify()
         return request_id
 
@@ -134,17 +135,17 @@ class VLLMEngine:
             if request_id in cancelled:
                 continue
             self._sinks[request_id] = on_event
-            self._engine.add_request(request_id, {"prompt_token_ids": prompt}, self._vllm_params(params, len(prompt)))
+            self._engine.add_request(request_id, {"prompt_token_ids": prompt}, self._vllm_params(params))
         aborted = [request_id for request_id in cancelled if self._sinks.pop(request_id, None) is not None]
         if aborted:
             self._engine.abort_request(aborted)
 
-    def _vllm_params(self, params: SamplingParams, prompt_length: int):
+    def _vllm_params(self, params: SamplingParams):
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         return VLLMSamplingParams(
-            max_tokens=min(params.max_new_tokens, self.max_context - prompt_length),
+            max_tokens=params.max_new_tokens,
             temperature=params.temperature, top_k=params.top_k if params.top_k is not None else 0,
             seed=params.seed, output_kind=RequestOutputKind.DELTA,
         )

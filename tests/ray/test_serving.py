@@ -92,6 +92,7 @@ def test_generate_and_health_from_an_in_memory_state(app):
         ({"prompt": "x", "max_new_tokens": 10_000}, None, "/generate", 422, "out of range"),
         ({"prompt": "x", "temperature": "warm"}, None, "/generate", 422, "must be a number"),
         ({"prompt": "x", "stream": True}, None, "/generate", 422, "unknown fields"),
+        ({"prompt": "x" * 30, "max_new_tokens": 3}, None, "/generate", 400, "30 in the prompt and max_new_tokens=3"),
         (None, "GET", "/generate", 405, "use POST"),
         (None, "GET", "/nowhere", 404, "no route"),
     ],
@@ -114,7 +115,7 @@ def test_weights_swap_in_place_from_a_checkpoint(app, tmp_path):
 
 
 def test_overload_is_answered_503_not_failed(app):
-    body = {"prompt": "x" * 30, "max_new_tokens": 200, "temperature": 1.0}
+    body = {"prompt": "x" * 30, "max_new_tokens": 31, "temperature": 1.0, "truncate_prompt_tokens": 1}  # fills 32
     with ThreadPoolExecutor(max_workers=12) as pool:
         codes = list(pool.map(lambda _: call(app.url + "/generate", body)[0], range(12)))
     assert set(codes) <= {200, 503}
@@ -135,7 +136,8 @@ def test_a_disaggregated_app_answers_with_the_colocated_greedy_tokens(app, disag
     reload_weights(app, (3, ray.put(initial_state())), model_config=CONFIG)  # an earlier test may have swapped them
     assert disaggregated_app.url.startswith("http://127.0.0.1:") and disaggregated_app.url.endswith("/pd")
     for prompt, max_tokens in (("def f(x):\n    return", 12), ("x", 20), ("import os, sys\nfrom pathlib import", 6)):
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        # The last prompt (34 bytes) keeps its last 26: with 6 new tokens, the context of 32.
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "truncate_prompt_tokens": 26}
         code, colocated = call(app.url + "/v1/completions", {**body, "model": "test-gpt"})
         status, split = call(disaggregated_app.url + "/v1/completions", {**body, "model": "test-gpt-pd"})
         assert (code, status) == (200, 200)

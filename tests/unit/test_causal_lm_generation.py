@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from baige_ray.serving.causal_lm_generation import Generation, SamplingParams, fit_prompt, generate_batch
+from baige_ray.serving.causal_lm_generation import Generation, SamplingParams, generate_batch
 
 SIZE = dict(
     vocab_size=96,
@@ -116,21 +116,12 @@ def test_eos_as_the_first_token_gives_an_empty_stop():
     assert generate(model, [[3, 4]], [greedy(5)], eos=first)[0] == Generation(tokens=[], finish_reason="stop")
 
 
-def test_long_prompts_keep_their_tail_and_fit_max_context():
-    assert fit_prompt(list(range(100)), 10, 64) == list(range(46, 100))
-    assert fit_prompt(list(range(5)), 10, 64) == list(range(5))
-    assert fit_prompt(list(range(100)), 80, 64) == [99]
+def test_a_prompt_and_new_tokens_beyond_max_context_are_refused_not_cut():
     model = llama()
-    long = [i % 90 + 3 for i in range(200)]
-    result = generate(model, [long], [greedy(10)])[0]
-    assert result == generate(model, [long[-54:]], [greedy(10)])[0]
-    assert len(result.tokens) == 10
-
-
-def test_new_tokens_beyond_max_context_stop_with_length():
-    result = generate(llama(), [[3, 4, 5]], [greedy(40)], max_context=16)[0]
-    assert result.finish_reason == "length"
-    assert len(result.tokens) == 15
+    with pytest.raises(ValueError, match="3 in the prompt and max_new_tokens=14"):
+        generate(model, [[3, 4, 5]], [greedy(14)], max_context=16)
+    result = generate(model, [[3, 4, 5]], [greedy(13)], max_context=16)[0]  # exactly fits
+    assert len(result.tokens) == 13 and result.finish_reason == "length"
 
 
 def test_the_model_is_left_in_eval_mode():

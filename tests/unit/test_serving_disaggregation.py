@@ -105,6 +105,13 @@ def test_a_hand_off_from_a_longer_context_is_refused_and_a_cancelled_prompt_neve
         ContinuousBatchingEngine(decoders["gpt"], eos_token_id=None).submit_prefilled(handed[0], lambda event: None)
 
 
+def test_a_prompt_that_does_not_fit_is_refused_by_the_prefill_engine_not_cut(decoders):
+    prefill = PrefillEngine(decoders["gpt"], eos_token_id=None)  # a context of 64
+    with pytest.raises(ValueError, match="60 in the prompt and max_new_tokens=5"):
+        prefill.submit(list(range(1, 61)), SamplingParams(max_new_tokens=5, temperature=0.0), lambda handed: None)
+    assert prefill.num_waiting == 0
+
+
 @pytest.mark.parametrize(("field", "value"), [("prefill_replicas", 0), ("decode_replicas", 1.5),
                                               ("max_prefill_batch_size", 0), ("split", "even")])
 def test_disaggregation_options_name_the_invalid_field(field, value):

@@ -100,10 +100,13 @@ def test_the_reference_gpt_with_a_cache_matches_todays_sampler(moe):
     assert [generation.tokens for generation in got] == expected
 
 
-def test_prompt_and_new_tokens_are_bounded_by_the_context(llama):
+def test_a_prompt_and_new_tokens_beyond_the_context_are_refused_not_cut(llama):
     engine = ContinuousBatchingEngine(HFDecoder(llama, 16), eos_token_id=None)
-    (generation,) = generate_all(engine, [list(range(1, 40))], [greedy(10)])
-    assert len(generation.tokens) == 10 and generation.finish_reason == "length"  # the prompt kept its last 6
+    with pytest.raises(ValueError, match="39 in the prompt and max_new_tokens=10"):
+        engine.submit(list(range(1, 40)), greedy(10), lambda event: None)
+    assert engine.num_waiting == 0
+    (generation,) = generate_all(engine, [list(range(1, 7))], [greedy(10)])  # 6 + 10: exactly the context
+    assert len(generation.tokens) == 10 and generation.finish_reason == "length"
 
 
 def test_a_cancelled_request_leaves_the_batch_and_gets_no_more_events(llama, prompts):
