@@ -53,6 +53,9 @@ class DecoderStage(nn.Module):
         if is_last:
             self.add_module(head, getattr(causal_lm, head))
         self._layer_types = list(getattr(self.config, "layer_types", None) or [])
+        if not self._layer_types and getattr(self.config, "sliding_window", None):
+            # Mistral, Mixtral, Qwen3-MoE: without layer_types, a window set in the config masks every layer
+            self._layer_types = ["sliding_attention"] * self.config.num_hidden_layers
         self.router_loss = None  # a RouterBalanceLoss (moe.py) when the model adds its router's load-balancing loss
         self.tie_embeddings()
 
