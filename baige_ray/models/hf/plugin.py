@@ -153,6 +153,18 @@ class HFPlugin(ModelPlugin):
         rotary = stage.base.rotary_emb  # its inverse frequencies are buffers computed at construction
         stage.base.rotary_emb = type(rotary)(config=stage.config).to(device)
 
+    def read_directory_weights(self) -> dict[str, torch.Tensor]:
+        """The directory's weights under canonical names. A mixture-of-experts checkpoint holds its experts
+        one by one; transformers' loader fuses them into the model's tensors."""
+        if self._experts is not None:
+            return dict(self._load_pretrained().state_dict())
+        from safetensors.torch import load_file
+
+        state = {}
+        for path in weight_files(self.config.path):
+            state.update(load_file(path, device="cpu"))
+        return state
+
     def _load_pretrained(self) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
