@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from baige_ray import RunConfig, TrainConfig
-from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.layout import parse_layout
 from baige_ray.engines.state import merge_states
 from baige_ray.models.hf import HFModel
+from baige_ray.models.hf import conformance
 from baige_ray.models.hf.conformance import EXTRA_CONFIGS, PUBLISHED_CONFIGS, load_published, shrink_config
 from baige_ray.models.hf.export import save_hf_checkpoint
 from baige_ray.models.token_dataset import TokenDataset
@@ -30,15 +31,8 @@ from ..hf_helpers import SEQ_LEN, VOCAB_SIZE, plain_transformers_losses, text_fi
 CONFIGS = {**{name: arch for arch, name in PUBLISHED_CONFIGS.items()}, **EXTRA_CONFIGS}
 TRAIN = TrainConfig(num_steps=4, global_batch_size=8, micro_batch_size=2, warmup_steps=1, seed=11)
 RUN = RunConfig(show_progress=False)
-DENSE_LAYOUTS = {
-    "DP2xTP2": ParallelLayout(dp=2, tp=2),
-    "PP2xDP2": ParallelLayout(pp=2, dp=2),
-    "FSDP2 x2 x PP2": ParallelLayout(pp=2, dp=2, data_parallel="fsdp2"),
-}
-MOE_LAYOUTS = {
-    "DP4xEP4": ParallelLayout(dp=4, ep=4),
-    "DP2xEP2xTP2": ParallelLayout(dp=2, ep=2, tp=2),
-}
+DENSE_LAYOUTS = {text: parse_layout(text) for text in conformance.DENSE_LAYOUTS}  # the README's table lists them
+MOE_LAYOUTS = {text: parse_layout(text) for text in conformance.MOE_LAYOUTS}
 PROMPTS = ("def parse(", "import json\n", "class Reader:")
 NEW_TOKENS = 8
 
