@@ -1,4 +1,9 @@
-"""A Hugging Face Llama-architecture model trains under every layout exactly as `transformers` does alone.
+"""A Hugging Face model trains under every layout exactly as `transformers` does alone.
+
+The model is a tiny Qwen2 whose head is tied to its input embedding (as Qwen2.5-0.5B's, Llama 3.2 1B's
+and Qwen3 0.6B's are): the checkpoint stores the weight once, ZeRO-3 and FSDP2 shard it once, and the
+pipeline's first and last stages each hold it and sum its gradient. Untied models of every family run in
+the conformance matrix (test_hf_conformance.py).
 
 One group of 4 worker actors runs DP4, FSDP2 x4, DeepSpeed ZeRO-3 x4, DP2xTP2 and PP2xTP2 in turn
 (each a new process-group generation in the same processes); every step's loss must equal that of
@@ -16,7 +21,7 @@ from baige_ray.runtime.fit import train_on_group
 from baige_ray.runtime.train_loop import TrainJob
 
 from ..helpers import at_full_speed, worker_group
-from ..hf_helpers import SEQ_LEN, build_tiny_hf, plain_transformers_losses
+from ..hf_helpers import SEQ_LEN, build_tiny_hf, plain_transformers_losses, qwen2_tied_config
 
 TRAIN = TrainConfig(num_steps=20, global_batch_size=8, warmup_steps=3, seed=5)
 RUN = RunConfig(show_progress=False)
@@ -31,7 +36,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return build_tiny_hf(tmp_path_factory.mktemp("tiny-llama"))
+    return build_tiny_hf(tmp_path_factory.mktemp("tiny-qwen2-tied"), family=qwen2_tied_config)
 
 
 @pytest.fixture(scope="module")

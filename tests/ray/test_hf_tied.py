@@ -1,8 +1,10 @@
-"""A model whose head is tied to its input embedding (Qwen2.5-0.5B, Llama 3.2 1B, Qwen3 0.6B do) trains in
-every layout as `transformers` trains it alone, and its export keeps the tie and scores what training reported.
+"""A model whose head is tied to its input embedding (Qwen2.5-0.5B, Llama 3.2 1B, Qwen3 0.6B do), trained with
+tensor and with pipeline parallelism, exports a directory that keeps the tie and that `transformers` scores
+with the loss training reports for the next batch.
 
 The checkpoint holds one tensor for the two (no `lm_head.weight`, as `save_pretrained` writes it). Under
-pipeline parallelism the first and the last stage each hold the weight and sum its gradients.
+pipeline parallelism the first and the last stage each hold the weight and sum its gradients. Equality with
+`transformers`' own training in every layout: test_hf_layouts.py (this tiny Qwen2) and test_hf_conformance.py.
 """
 
 import pytest
@@ -18,17 +20,11 @@ from baige_ray.runtime.fit import train_on_group
 from baige_ray.runtime.train_loop import TrainJob
 
 from ..helpers import at_full_speed, worker_group
-from ..hf_helpers import SEQ_LEN, build_tiny_hf, plain_transformers_losses, qwen2_tied_config
+from ..hf_helpers import SEQ_LEN, build_tiny_hf, qwen2_tied_config
 
-TRAIN = TrainConfig(num_steps=8, global_batch_size=8, warmup_steps=2, seed=3)
+TRAIN = TrainConfig(num_steps=4, global_batch_size=8, warmup_steps=1, seed=3)
 RUN = RunConfig(show_progress=False)
-LAYOUTS = {
-    "DP2xTP2": ParallelLayout(dp=2, tp=2),
-    "PP2xDP2": ParallelLayout(pp=2, dp=2),
-    "PP2xTP2": ParallelLayout(pp=2, tp=2),
-    "PP2xDP2 (FSDP2)": ParallelLayout(pp=2, dp=2, data_parallel="fsdp2"),
-    "ZeRO-3 x4 (DeepSpeed)": ParallelLayout(dp=4, data_parallel="zero3"),
-}
+LAYOUTS = {"DP2xTP2": ParallelLayout(dp=2, tp=2), "PP2xDP2": ParallelLayout(pp=2, dp=2)}
 
 
 @pytest.fixture(scope="module")
@@ -42,19 +38,8 @@ def job(tiny):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny, job):
-    return plain_transformers_losses(tiny.model_dir, job.data, TRAIN)
-
-
-@pytest.fixture(scope="module")
 def group(local_ray):
     yield from worker_group(4)
-
-
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_tied_model_matches_plain_transformers_training(group, job, reference, name):
-    losses = [m.loss for m in train_on_group(group, job, at_full_speed(LAYOUTS[name]), RUN)]
-    assert losses == pytest.approx(reference, rel=1e-4)
 
 
 def transformers_loss(directory, inputs, targets) -> float:
