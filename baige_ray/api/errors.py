@@ -36,3 +36,8 @@ class InfeasiblePlanError(BaigeError):
         self.needed_gb = needed_gb
         self.available_gb = available_gb
         self.layout = layout
+
+
+class ServingError(BaigeError):
+    """A model cannot be served: a replica's engine failed to start or to generate with it. `serve()`
+    raises it with the engine's own error and leaves no application behind."""

@@ -11,6 +11,12 @@ in place by `reload_weights`, through the application's ServingRegistry.
 With `disaggregation` set the application runs two deployments instead, decode replicas (the
 ingress) and prefill replicas (serving/disaggregation.py); `scale_sides` and `rebalance`
 (serving/disaggregation_scaling.py) resize them.
+
+`serve()` returns once every replica has generated a token (its warm-up) and answers. A replica
+whose start raised (a model its engine cannot run) makes it delete the application and raise
+`ServingError` with that error, at the first failure: Serve would retry the replica three times,
+then keep the failed application deployed. `serving_events` reads the application's event log
+(a replica's engine failing while it serves, say).
 """
 
 from __future__ import annotations
@@ -25,12 +31,13 @@ from typing import Any
 import ray
 from ray import serve as ray_serve
 
+from baige_ray.api.errors import ServingError
 from baige_ray.api.validation import require_int, require_number
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.models.plugin import plugin_for
 from baige_ray.policies.disaggregation import SplitPolicy
 from baige_ray.runtime.checkpoint_io import load_checkpoint
-from baige_ray.serving.deployment import ModelServer
+from baige_ray.serving.deployment import HEALTH_CHECK_PERIOD_S, ModelServer
 from baige_ray.serving.disaggregation import (
     DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, DisaggregationOptions, bind_disaggregated,
 )
@@ -46,6 +53,10 @@ logger = logging.getLogger(__name__)
 
 DEPLOYMENT_NAME = "ModelServer"
 _BUSY_REPLICA_STATES = ("STARTING", "UPDATING", "RECOVERING", "STOPPING", "PENDING_MIGRATION")
+STARTUP_POLL_S = 0.2
+# How Serve's deployment status message begins once a replica's constructor raised (ray 2.x); the
+# deployment turns DEPLOY_FAILED only after three such failures in a row.
+_REPLICA_START_FAILED = "A replica failed to start"
 
 
 @dataclass(frozen=True)
@@ -174,7 +185,9 @@ def serve(
     disaggregation: DisaggregationOptions | None = None,
     expert_parallel: ExpertParallelServing | None = None,
 ) -> ServeHandleInfo:
-    """Serve the model in `source` as application `name`; returns once every replica answers.
+    """Serve the model in `source` as application `name`; returns once every replica has generated a
+    token through its engine and answers. Raises ServingError with the engine's error, and leaves no
+    application behind, when a replica cannot start (a model the engine cannot run).
 
     `source` is a final checkpoint or a Hugging Face model directory (verified; safetensors or a
     weights-only load), a running `TrainingJob` (its newest in-memory snapshot, no disk), or an
@@ -211,10 +224,53 @@ def serve(
     ray.get(registry.publish_weights.remote(step, [state_ref], config))
     ray_serve.start(proxy_location="HeadOnly", http_options={"host": settings.host, "port": settings.port})
     application, names = _bind(settings, name, limits, completion_limits or CompletionLimits())
-    ray_serve.run(application, name=name, route_prefix=settings.route_prefix, external_scaler_enabled=True)
+    ray_serve.run_many([ray_serve.RunTarget(target=application, name=name, route_prefix=settings.route_prefix,
+                                            external_scaler_enabled=True)], wait_for_applications_running=False)
+    _wait_until_running(name)
     host, port = _proxy_address(settings.host, settings.port)
     url = f"http://{host}:{port}{settings.route_prefix.rstrip('/')}"
     return ServeHandleInfo(url=url, app_name=name, **names)
+
+
+def _wait_until_running(name: str) -> None:
+    """Wait until the application runs; if a replica failed to start, delete the application and its
+    registry and raise ServingError with the replica's error."""
+    while True:
+        application = ray_serve.status().applications.get(name)
+        if application is None:
+            raise ServingError(f"application {name!r} was deleted while its replicas started")
+        if application.status == "RUNNING":
+            return
+        failure = _startup_failure(application)
+        if failure is not None:
+            logger.error("application %r: a replica failed to start; deleting the application. %s", name, failure)
+            ray_serve.delete(name)
+            ray.kill(ray.get_actor(registry_name(name), namespace=REGISTRY_NAMESPACE))
+            raise ServingError(f"application {name!r} was not deployed: a replica failed to start: "
+                               f"{_raised(failure)}")
+        time.sleep(STARTUP_POLL_S)
+
+
+def _startup_failure(application: Any) -> str | None:
+    """Serve's message about a replica that failed to start (its error and traceback), if one did."""
+    if application.status == "DEPLOY_FAILED":
+        failed = [d.message for d in application.deployments.values() if d.status == "DEPLOY_FAILED"]
+        return "\n".join(failed) or application.message
+    for deployment in application.deployments.values():
+        if deployment.message.startswith(_REPLICA_START_FAILED):
+            return deployment.message
+    return None
+
+
+def _raised(message: str) -> str:
+    """The exception a Serve failure message's traceback ends with (its unindented last lines), else the message."""
+    lines = message.rstrip().splitlines()
+    tail = []
+    while lines and not lines[-1].startswith((" ", "\t")):
+        tail.insert(0, lines.pop())
+    if not lines:  # no traceback
+        return message.strip()
+    return "\n".join(tail).removeprefix(f"{ServingError.__module__}.").removeprefix(f"{ServingError.__name__}: ")
 
 
 def _check_experts(config: Any, options: ExpertParallelServing) -> None:
@@ -235,6 +291,7 @@ def _bind(settings: ServeOptions, name: str, limits: RequestLimits,
         max_ongoing_requests=settings.max_ongoing_requests,
         graceful_shutdown_wait_loop_s=0.5,
         graceful_shutdown_timeout_s=60.0,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,  # a replica whose engine failed is replaced within seconds
         # Replicas share cores with training; a log line per request would cost more than some requests.
         logging_config={"enable_access_log": False},
     )
@@ -339,6 +396,12 @@ def reload_weights(
 def serving_load(info: ServeHandleInfo, window_s: float = 5.0) -> dict:
     """Request rate, p99 latency and queue depth over the last `window_s` seconds, as replicas report them."""
     return ray.get(_registry(info).load.remote(window_s))
+
+
+def serving_events(info: ServeHandleInfo, n: int = 20) -> list[dict]:
+    """The application's last `n` events (ops/events.py), oldest first: e.g. a "failure" when a replica's
+    engine failed, with its replica id, rank, node and the engine's error."""
+    return ray.get(_registry(info).events.remote(n))
 
 
 def busy_seconds(info: ServeHandleInfo) -> dict[str, float]:

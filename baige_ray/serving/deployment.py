@@ -8,7 +8,8 @@ Routes (under the application's route prefix):
   POST v1/chat/completions  OpenAI's chat shapes (serving/openai_chat.py), "stream": true for SSE
   GET  v1/models            the one model served (the application's name)
   GET  health               -> {"status": "ok", "step": int, "replica": str, "node_id": str, "devices": [int]}
-                            (+ "experts": placement and rows per expert rank, with expert parallelism)
+                            (+ "experts": placement and rows per expert rank, with expert parallelism;
+                            503 with "status": "failed" and the "error" once the replica's engine failed)
 
 Callers inside the cluster may also stream a request's token ids through a deployment handle
 (`token_stream`), without HTTP.
@@ -23,12 +24,19 @@ the application's ServingRegistry: the newest version when the replica starts, a
 registry names in answer to the replica's periodic report. vLLM takes new weights in place between
 two steps; the built-in engine gets a new engine built aside, and requests already in the old one
 finish on the weights they started with.
+
+A replica generates before it takes requests (its constructor's warm-up, through the engine it will
+serve with), so a model the engine cannot run fails the replica's start, and `serve()`, with the
+engine's own error. An engine that raises later fails every request it holds with a 500 naming the
+error (a stream ends with an error event) and every new one with a 503; `check_health` raises, so
+Ray Serve replaces the replica, and the application's registry records a "failure" event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,12 +47,13 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from baige_ray.api.errors import ServingError
 from baige_ray.models.plugin import plugin_for
 from baige_ray.ops.metrics import ServingMetrics
 from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.context_length import fit_context
-from baige_ray.serving.engine import ContinuousBatchingEngine, EngineFull, EngineLimits, TokenEvent
-from baige_ray.serving.engine_runner import EngineRunner
+from baige_ray.serving.engine import ContinuousBatchingEngine, EngineFull, EngineLimits, TokenEvent, generate_all
+from baige_ray.serving.engine_runner import EngineFailed, EngineRunner
 from baige_ray.serving.expert_parallel import ExpertParallelServing
 from baige_ray.serving.expert_ranks import ExpertRanks
 from baige_ray.serving.generators import TextOutput
@@ -61,9 +70,15 @@ from baige_ray.serving.requests import (
 
 REPORT_INTERVAL_S = 0.5
 WARMUP_TOKENS = 4
+WARMUP_PROMPT = "warm up"
 RETRY_AFTER_S = 1
+# Serve marks a replica unhealthy after three failed checks in a row: a failed engine is replaced
+# about three periods after it failed (Serve's default period is 10 s).
+HEALTH_CHECK_PERIOD_S = 1.0
 ROUTES = {"generate": "POST", "v1/completions": "POST", "v1/chat/completions": "POST", "v1/models": "GET",
           "health": "GET"}
+
+logger = logging.getLogger(__name__)
 
 
 class ModelServer:
@@ -79,7 +94,9 @@ class ModelServer:
         self._app_name = app_name
         self._created = int(time.time())
         self._registry = ray.get_actor(registry_name(app_name), namespace=REGISTRY_NAMESPACE)
-        self._replica = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self._replica = context.replica_id.unique_id
+        self._rank = getattr(context.rank, "rank", context.rank)  # the replica's rank in its deployment (events)
         self._node = ray.get_runtime_context().get_node_id()
         self._devices = [int(index) for index in ray.get_gpu_ids()]  # the (possibly shared) devices it holds
         self._metrics = ServingMetrics(app=app_name)
@@ -116,10 +133,11 @@ class ModelServer:
             await asyncio.to_thread(previous.join)
             await asyncio.to_thread(self._expert_ranks.close)
             self._expert_ranks = None
-            self._runner = await asyncio.to_thread(self._build_runner, model_config, state, first=True)
+            self._runner = self._watch_engine(await asyncio.to_thread(self._build_runner, model_config, state,
+                                                                      first=True))
         else:
             runner = await asyncio.to_thread(self._build_runner, model_config, state, first=self._runner is None)
-            previous, self._runner = self._runner, runner
+            previous, self._runner = self._runner, self._watch_engine(runner)
             if previous is not None:
                 previous.retire()  # requests already in it finish on the weights they started with
         self._version, self._step, self._model_config = version, step, model_config
@@ -128,6 +146,8 @@ class ModelServer:
         plugin = plugin_for(model_config)
         if self._engine_name == "vllm":
             engine, codec = plugin.build_vllm_engine(state, self._engine_limits)
+            with _engine_cannot_run(plugin.describe(), "vllm"):  # one token through vLLM itself
+                generate_all(engine, [codec.encode(WARMUP_PROMPT)], [SamplingParams(max_new_tokens=1, temperature=0.0)])
             return EngineRunner(engine, codec)
         generator = plugin.build_text_generator(state)
         if self._expert_parallel is not None:
@@ -136,12 +156,40 @@ class ModelServer:
                                              self._expert_actor_options)
         # A full batch before any request sees the model: a fresh process's first batch took 4x a warm
         # one (0.107 s against 0.025 s measured), and the router sends a new, empty replica many requests at once.
-        if first:
-            warmup = GenerateRequest(prompt="warm up", max_new_tokens=WARMUP_TOKENS, temperature=1.0, seed=0)
-            generator.generate([warmup] * self._engine_limits.max_batch_size)
+        # Later models get one token: enough to refuse one the engine cannot run.
+        size, tokens = (self._engine_limits.max_batch_size, WARMUP_TOKENS) if first else (1, 1)
+        with _engine_cannot_run(plugin.describe(), "builtin"):
+            generator.generate([GenerateRequest(prompt=WARMUP_PROMPT, max_new_tokens=tokens, temperature=1.0,
+                                                seed=0)] * size)
         engine = ContinuousBatchingEngine(generator.decoder, eos_token_id=generator.codec.eos_token_id,
                                           limits=self._engine_limits)
         return EngineRunner(engine, generator.codec)
+
+    # -- engine failures -----------------------------------------------------------------------
+    def _watch_engine(self, runner: EngineRunner) -> EngineRunner:
+        """`runner`, whose failure will be logged and recorded in the registry's event log."""
+        loop = asyncio.get_running_loop()
+
+        def failed(reason: str) -> None:  # on the engine's thread
+            with contextlib.suppress(RuntimeError):  # the replica's loop is closing
+                loop.call_soon_threadsafe(self._engine_failed, reason)
+
+        runner.after_failure(failed)
+        return runner
+
+    def _engine_failed(self, reason: str) -> None:
+        logger.error("replica %s of %s: the engine failed (%s); requests get 5xx until Serve replaces the replica",
+                     self._replica, self._app_name, reason)
+        self._registry.record_event.remote(
+            "failure", f"the replica's engine failed: {reason}", rank=self._rank, node_id=self._node,
+            replica=self._replica, app=self._app_name, role=self.ROLE, engine=self._engine_name,
+        )
+
+    def check_health(self) -> None:
+        """Ray Serve's health check (every HEALTH_CHECK_PERIOD_S): raises once the engine has failed, so that
+        Serve stops this replica and starts another."""
+        if self._runner is not None:
+            self._runner.check()
 
     def _load_in_place(self, model_config, state: dict) -> None:
         fresh = plugin_for(model_config).build_inference_model(state)  # checks the names and shapes
@@ -159,27 +207,39 @@ class ModelServer:
             return _error(405, f"{request.method} is not allowed on {route}: use {ROUTES[route]}",
                           openai=route.startswith("v1/"))
         if route == "health":
-            health = {"status": "ok", "step": self._step, "replica": self._replica, "node_id": self._node,
-                      "devices": self._devices}
-            if self._expert_ranks is not None:
-                health["experts"] = self._expert_ranks.stats()
-            return JSONResponse(health)
+            return self._health()
         if route == "v1/models":
             return JSONResponse(models_response(self._app_name, self._created))
         handler = {"generate": self._handle_generate, "v1/completions": self._handle_completion,
                    "v1/chat/completions": self._handle_chat}[route]
-        started = time.perf_counter()
+        started, openai = time.perf_counter(), route != "generate"
         try:
             return await handler(request, started)
         except RequestError as error:
-            self._metrics.request(latency_s=time.perf_counter() - started, ok=False, replica=self._replica,
-                                  node=self._node)
-            return _error(error.status, error.reason, openai=route != "generate")
+            self._account_failure(started)
+            return _error(error.status, error.reason, openai=openai)
         except EngineFull as error:
-            self._metrics.request(latency_s=time.perf_counter() - started, ok=False, replica=self._replica,
-                                  node=self._node)
+            self._account_failure(started)
             return _error(503, f"the replica is overloaded ({error}); retry after {RETRY_AFTER_S} s",
-                          openai=route != "generate", headers={"Retry-After": str(RETRY_AFTER_S)})
+                          openai=openai, headers={"Retry-After": str(RETRY_AFTER_S)})
+        except EngineFailed as error:
+            self._account_failure(started)
+            if error.accepted:  # it was being generated: a server error
+                return _error(500, str(error), openai=openai)
+            # It arrived after the failure: another replica (Serve starts one) can answer it.
+            return _error(503, f"{error}; retry after {RETRY_AFTER_S} s", openai=openai,
+                          headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def _health(self) -> JSONResponse:
+        health = {"status": "ok", "step": self._step, "replica": self._replica, "node_id": self._node,
+                  "devices": self._devices}
+        if self._expert_ranks is not None:
+            health["experts"] = self._expert_ranks.stats()
+        try:
+            self.check_health()
+        except EngineFailed as error:  # 503 until Serve replaces the replica
+            return JSONResponse({**health, "status": "failed", "error": str(error)}, status_code=503)
+        return JSONResponse(health)
 
     @staticmethod
     def _route(request: Request) -> str:
@@ -238,25 +298,35 @@ class ModelServer:
                              chat: bool, include_usage: bool, started: float) -> AsyncIterator[bytes]:
         self._ongoing += 1
         try:
-            if chat:
-                yield server_sent_event(chat_chunk(**shape, delta={"role": "assistant", "content": ""},
-                                                   finish_reason=None))
-            piece = first
-            while not isinstance(piece, TextOutput):
-                yield server_sent_event(chat_chunk(**shape, delta={"content": piece}, finish_reason=None) if chat
-                                        else completion_chunk(**shape, text=piece, finish_reason=None))
-                piece = await anext(pieces)
-            yield server_sent_event(chat_chunk(**shape, delta={}, finish_reason=piece.finish_reason) if chat
-                                    else completion_chunk(**shape, text="", finish_reason=piece.finish_reason))
-            if include_usage:
-                yield server_sent_event(usage_chunk(
-                    **shape, object_name="chat.completion.chunk" if chat else "text_completion",
-                    prompt_tokens=piece.prompt_tokens, completion_tokens=piece.completion_tokens))
-            yield server_sent_event("[DONE]")
+            async for event in self._stream_chunks(first, pieces, shape, chat, include_usage):
+                yield event
             self._account(started)
+        except EngineFailed as error:  # the status line went out with the first chunk: the stream ends with an error
+            self._account_failure(started)
+            yield server_sent_event(error_body(500, str(error)))
+            yield server_sent_event("[DONE]")
         finally:
             self._ongoing -= 1
             await pieces.aclose()  # a client gone mid-stream: its request leaves the batch
+
+    @staticmethod
+    async def _stream_chunks(first: str | TextOutput, pieces: AsyncIterator[str | TextOutput], shape: dict,
+                             chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+        if chat:
+            yield server_sent_event(chat_chunk(**shape, delta={"role": "assistant", "content": ""},
+                                               finish_reason=None))
+        piece = first
+        while not isinstance(piece, TextOutput):
+            yield server_sent_event(chat_chunk(**shape, delta={"content": piece}, finish_reason=None) if chat
+                                    else completion_chunk(**shape, text=piece, finish_reason=None))
+            piece = await anext(pieces)
+        yield server_sent_event(chat_chunk(**shape, delta={}, finish_reason=piece.finish_reason) if chat
+                                else completion_chunk(**shape, text="", finish_reason=piece.finish_reason))
+        if include_usage:
+            yield server_sent_event(usage_chunk(
+                **shape, object_name="chat.completion.chunk" if chat else "text_completion",
+                prompt_tokens=piece.prompt_tokens, completion_tokens=piece.completion_tokens))
+        yield server_sent_event("[DONE]")
 
     async def _complete(self, runner: EngineRunner, prompt: list[int], params: SamplingParams,
                         stop: tuple[str, ...]) -> TextOutput:
@@ -302,6 +372,9 @@ class ModelServer:
         self._metrics.request(latency_s=latency, replica=self._replica, node=self._node)
         return latency
 
+    def _account_failure(self, started: float) -> None:
+        self._metrics.request(latency_s=time.perf_counter() - started, ok=False, replica=self._replica, node=self._node)
+
     # -- reports to the registry ---------------------------------------------------------------
     def _ensure_reporter(self) -> None:
         if self._reporter is None or self._reporter.done():
@@ -325,6 +398,16 @@ class ModelServer:
     def _engine_load(self) -> EngineLoad | None:
         engine = self._runner.engine if self._runner is not None else None
         return None if engine is None else EngineLoad(self.ROLE, engine.num_waiting, engine.num_running)
+
+
+@contextlib.contextmanager
+def _engine_cannot_run(model: str, engine: str):
+    """A warm-up generation that raises becomes a ServingError naming the model, the engine and its error."""
+    try:
+        yield
+    except Exception as error:
+        raise ServingError(f"engine={engine!r} cannot run {model}: generating one token raised "
+                           f"{type(error).__name__}: {error}") from error
 
 
 def _error(status: int, reason: str, *, openai: bool, headers: dict | None = None) -> JSONResponse:

@@ -8,6 +8,11 @@ fills with its `TokenEvent`s; a request whose reader goes away (the client disco
 cancelled and leaves the batch at the next step. `between_steps` runs a function on the engine's
 thread between two steps (vLLM's in-place weight update).
 
+An engine that raises (a model the engine cannot run, a fault mid-batch) ends the thread: every
+request it held, and every later one, fails at once with `EngineFailed` naming the engine's error,
+`check` raises it (the replica's health check, so Ray Serve replaces the replica), and the hooks
+given to `after_failure` run. Nothing waits for an engine that will never step again.
+
 With prefill/decode disaggregation a prefill replica's runner drives a `PrefillEngine` and answers
 `prefill` with the request's hand-off; a decode replica's runner continues it (`continued`).
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import queue
 import threading
 import time
@@ -32,6 +38,21 @@ if TYPE_CHECKING:
     from baige_ray.serving.prefill import PrefilledRequest
 
 IDLE_WAIT_S = 0.05
+
+FailureHook = Callable[["EngineFailed"], None]
+
+
+class EngineFailed(RuntimeError):
+    """The replica's engine raised (or its thread ended): it will not step again.
+
+    `accepted`: the request was already in the engine when it failed (otherwise it arrived after)."""
+
+    def __init__(self, reason: str, *, accepted: bool = True):
+        super().__init__(f"the replica's engine failed: {reason}")
+        self.reason, self.accepted = reason, accepted
+
+    def __reduce__(self):  # to other processes (a deployment handle's caller, Serve's health check) as it is
+        return type(self), (self.reason,), {"accepted": self.accepted}
 
 
 class Engine(Protocol):
@@ -51,12 +72,23 @@ class EngineRunner:
         self.engine, self.codec = engine, codec
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self.busy_s = 0.0  # time spent stepping, read and reset by the replica's load reports
+        self.failure: str | None = None  # the engine's error, once it raised
+        self._failure_lock = threading.Lock()
+        self._waiters: dict[int, FailureHook] = {}  # requests in the engine, told when it fails
+        self._waiter_ids = itertools.count()
+        self._failure_hooks: list[Callable[[str], None]] = []
         self._stop = threading.Event()
         self._retiring = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="baige-engine", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
+        try:
+            self._step_until_stopped()
+        except BaseException as error:  # the engine is unusable: fail its requests rather than leave them waiting
+            self._fail(f"{type(error).__name__}: {error}")
+
+    def _step_until_stopped(self) -> None:
         while not self._stop.is_set():
             self._run_calls()
             started = time.perf_counter()
@@ -66,6 +98,48 @@ class EngineRunner:
                 return
             else:
                 self.engine.wait_for_work(IDLE_WAIT_S)
+
+    # -- failure ---------------------------------------------------------------------------------
+    def _fail(self, reason: str) -> None:
+        with self._failure_lock:
+            self.failure = reason
+            waiters, self._waiters = list(self._waiters.values()), {}
+            hooks = list(self._failure_hooks)
+        for tell in waiters:
+            tell(EngineFailed(reason))
+        while not self._calls.empty():  # between_steps calls that will never run
+            _, future = self._calls.get()
+            future.set_exception(EngineFailed(reason))
+        for hook in hooks:
+            hook(reason)
+
+    def after_failure(self, hook: Callable[[str], None]) -> None:
+        """Call `hook(reason)` once the engine has failed (at once if it already has), on the engine's thread."""
+        with self._failure_lock:
+            if self.failure is None:
+                self._failure_hooks.append(hook)
+                return
+        hook(self.failure)
+
+    def check(self) -> None:
+        """Raises EngineFailed when the engine raised, or its thread ended without being told to."""
+        if self.failure is not None:
+            raise EngineFailed(self.failure, accepted=False)
+        if not self._thread.is_alive() and not (self._stop.is_set() or self._retiring.is_set()):
+            raise EngineFailed("the engine's thread ended", accepted=False)
+
+    def _watch(self, tell: FailureHook) -> int:
+        """Register a request that `tell` fails if the engine fails; raises EngineFailed if it has."""
+        with self._failure_lock:
+            if self.failure is not None:
+                raise EngineFailed(self.failure, accepted=False)
+            key = next(self._waiter_ids)
+            self._waiters[key] = tell
+        return key
+
+    def _unwatch(self, key: int) -> None:
+        with self._failure_lock:
+            self._waiters.pop(key, None)
 
     def _run_calls(self) -> None:
         while not self._calls.empty():
@@ -78,7 +152,10 @@ class EngineRunner:
     async def between_steps(self, function: Callable[[], Any]) -> Any:
         """Run `function` on the engine's thread between two steps; returns its result."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._calls.put((function, future))
+        with self._failure_lock:  # a failed engine's calls are failed by _fail, which takes this lock first
+            if self.failure is not None:
+                raise EngineFailed(self.failure, accepted=False)
+            self._calls.put((function, future))
         return await asyncio.wrap_future(future)
 
     def retire(self) -> None:
@@ -93,7 +170,8 @@ class EngineRunner:
         self._thread.join()
 
     async def tokens(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
-        """The request's events as they are sampled; raises EngineFull when the queue is full."""
+        """The request's events as they are sampled; raises EngineFull when the queue is full, EngineFailed
+        when the engine failed (before or during the request)."""
         async for event in self._events(lambda deliver: self.engine.submit(prompt, params, deliver)):
             yield event
 
@@ -109,7 +187,8 @@ class EngineRunner:
             yield event
 
     async def prefill(self, prompt: list[int], params: SamplingParams) -> PrefilledRequest:
-        """The request's hand-off once a PrefillEngine ran its prompt; raises EngineFull when the queue is full."""
+        """The request's hand-off once a PrefillEngine ran its prompt; raises EngineFull when the queue is full,
+        EngineFailed when the engine failed (before or while running it)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
 
@@ -121,36 +200,48 @@ class EngineRunner:
             with contextlib.suppress(RuntimeError):  # the replica's loop is closing: nobody is waiting any more
                 loop.call_soon_threadsafe(settle, prefilled)
 
-        request_id = self.engine.submit(prompt, params, deliver)
+        def fail(error: EngineFailed) -> None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(error))
+
+        key, request_id = self._watch(fail), None
         try:
+            request_id = self.engine.submit(prompt, params, deliver)
             return await future
         except asyncio.CancelledError:  # the caller went away: its prompt need not run
-            self.engine.cancel(request_id)
+            if request_id is not None:
+                self.engine.cancel(request_id)
             raise
+        finally:
+            self._unwatch(key)
 
     async def _events(self, submit: Callable[[EventSink], Any],
                       first: Sequence[TokenEvent] = ()) -> AsyncIterator[TokenEvent]:
         """Submit through `submit(deliver)`, then yield `first` and the events the engine delivers."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        queue: asyncio.Queue[TokenEvent | EngineFailed] = asyncio.Queue()
 
-        def deliver(event: TokenEvent) -> None:
+        def deliver(event: TokenEvent | EngineFailed) -> None:
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, event)
             except RuntimeError:  # the replica's loop is closing: nobody is reading any more
                 pass
 
-        request_id = submit(deliver)
-        finished = False
+        key = self._watch(deliver)  # before submitting: a failure from then on reaches this request
+        request_id, finished = None, False
         try:
+            request_id = submit(deliver)
             for event in first:
                 yield event
             while not finished:
                 event = await queue.get()
+                if isinstance(event, EngineFailed):
+                    raise event
                 finished = event.token is None
                 yield event
         finally:
-            if not finished:
+            self._unwatch(key)
+            if request_id is not None and not finished:
                 self.engine.cancel(request_id)
 
     async def text(self, prompt: list[int], params: SamplingParams, stop: tuple[str, ...] = (),

@@ -6,6 +6,7 @@ its own copy in the object store, so serving keeps working after the training wo
 the snapshot is released for lending. A replica loads the newest version when it starts (so a lent
 replica starts with the current weights) and learns of newer ones in the answer to its periodic
 load report, which is how weights are swapped in place on every replica without a redeploy.
+It also keeps the application's event log (in memory): a replica whose engine failed records it there.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 
 import ray
 
+from baige_ray.ops.events import EventLog
 from baige_ray.policies.disaggregation import SideLoad
 from baige_ray.serving.ledger import EngineLoad, RequestLedger
 
@@ -33,6 +35,7 @@ class ServingRegistry:
         self._ledger = RequestLedger()
         self._loaded_versions: dict[str, int] = {}
         self._devices: dict[str, tuple[str, int]] = {}
+        self._events = EventLog(None)
 
     def publish_weights(self, step: int, state_refs: list, model_config) -> int:
         """Hold a private copy of the state in `state_refs[0]`; returns the new weights version."""
@@ -84,6 +87,14 @@ class ServingRegistry:
 
     def requests_served(self) -> int:
         return self._ledger.requests_served()
+
+    def record_event(self, kind: str, reason: str, **fields) -> None:
+        """One event in the application's log (ops/events.py kinds), e.g. a replica's engine failure."""
+        self._events.record(kind, reason, **fields)
+
+    def events(self, n: int = 20) -> list[dict]:
+        """The application's last `n` events, oldest first."""
+        return self._events.recent(n)
 
 
 def get_or_create_registry(app_name: str) -> ray.actor.ActorHandle:

@@ -269,6 +269,19 @@ class HFPlugin(ModelPlugin):
         if self.config.path is None:
             raise ValueError(f"{self.describe()} has no directory: vLLM reads config.json from one "
                              "(save the config with save_pretrained and pass HFModel(path))")
+        try:  # vLLM's CPU attention kernels exist for some head sizes only; its first step would raise
+            from vllm.platforms import current_platform
+        except ImportError:
+            return
+        values = self.config.config
+        head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
+        if current_platform.is_cpu():
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+            supported = CPUAttentionBackend.get_supported_head_sizes()
+            if head_dim not in supported:
+                raise ValueError(f"{self.describe()} has head_dim={head_dim}: vLLM's CPU attention supports head "
+                                 f"sizes {supported} only; serve it with engine='builtin'")
 
     def build_vllm_engine(self, weights: dict[str, torch.Tensor], limits):
         from baige_ray.serving.generators import TokenizerCodec
