@@ -39,37 +39,33 @@ def text_files(directory: Path) -> list[Path]:
     return files
 
 
+# The sizes every tiny dense model here shares; each family function adds its own flags.
+TINY_DENSE = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
 def llama_config(**overrides):
     from transformers import LlamaConfig
 
-    values = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
-                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    values.update(overrides)
-    return LlamaConfig(**values)
+    return LlamaConfig(**{**TINY_DENSE, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, **overrides})
 
 
 def qwen2_tied_config(**overrides):
     """A tiny Qwen2 whose head is tied to its input embedding (as Qwen2.5-0.5B's is), with QKV biases."""
     from transformers import Qwen2Config
 
-    values = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
-                  tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    values.update(overrides)
-    return Qwen2Config(**values)
+    return Qwen2Config(**{**TINY_DENSE, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, **overrides})
 
 
 def mixtral_config(**overrides):
     """A tiny Mixtral: 4 experts, top-2, transformers' load-balancing loss on (coefficient 0.05)."""
     from transformers import MixtralConfig
 
-    values = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
-                  num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.05,
-                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    values.update(overrides)
-    return MixtralConfig(**values)
+    values = {**TINY_DENSE, "intermediate_size": 96, "num_hidden_layers": 2, "rms_norm_eps": 1e-5,
+              "num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True,
+              "router_aux_loss_coef": 0.05, "tie_word_embeddings": False}
+    return MixtralConfig(**{**values, **overrides})
 
 
 def build_tiny_hf(root: Path, *, seed: int = 0, family=llama_config, **config_overrides) -> TinyHF:

@@ -3,7 +3,9 @@
 The model is a tiny Qwen2 whose head is tied to its input embedding (as Qwen2.5-0.5B's, Llama 3.2 1B's
 and Qwen3 0.6B's are): the checkpoint stores the weight once, ZeRO-3 and FSDP2 shard it once, and the
 pipeline's first and last stages each hold it and sum its gradient. Untied models of every family run in
-the conformance matrix (test_hf_conformance.py).
+the conformance matrix (test_hf_conformance.py). Exported from a tensor- and a pipeline-parallel run, the
+directory keeps the tie (one tensor, as `save_pretrained` writes it) and `transformers` scores it with the
+loss training reports for the next batch.
 
 One group of 4 worker actors runs DP4, FSDP2 x4, DeepSpeed ZeRO-3 x4, DP2xTP2 and PP2xTP2 in turn
 (each a new process-group generation in the same processes); every step's loss must equal that of
@@ -11,11 +13,13 @@ the same `transformers` model trained by a plain PyTorch loop over the same batc
 """
 
 import pytest
+import torch
 
 from baige_ray import RunConfig, TrainConfig
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.state import merge_states
 from baige_ray.models.hf import HFModel
+from baige_ray.models.hf.export import save_hf_checkpoint
 from baige_ray.models.token_dataset import TokenDataset
 from baige_ray.runtime.fit import train_on_group
 from baige_ray.runtime.train_loop import TrainJob
@@ -68,3 +72,31 @@ def test_state_moves_from_a_pipeline_layout_to_zero3(group, job, reference):
     resumed = train_on_group(group, job, at_full_speed(LAYOUTS["ZeRO-3 x4 (DeepSpeed)"]), RUN, start_step=half,
                              initial_state=state)
     assert [m.loss for m in resumed] == pytest.approx(reference[half:], rel=1e-4)
+
+
+def transformers_loss(directory, inputs, targets) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # transformers ties what it loads
+    with torch.no_grad():
+        logits = model(input_ids=inputs).logits
+    return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
+
+
+@pytest.mark.parametrize("name", ["DP2xTP2", "PP2xTP2"])
+def test_tied_export_scores_the_loss_training_reported(group, job, name, tmp_path):
+    from safetensors import safe_open
+
+    half = TRAIN.num_steps // 2
+    execution = at_full_speed(LAYOUTS[name])
+    train_on_group(group, job, execution, RUN, end_step=half)
+    state = merge_states(group.call("export_state"))
+    assert "lm_head.weight" not in state["model"]  # one weight, under the embedding's name
+    directory = save_hf_checkpoint(tmp_path / "export", state["model"], job.model, step=half)
+    with safe_open(str(directory / "model.safetensors"), "pt") as handle:
+        assert "lm_head.weight" not in handle.keys() and "model.embed_tokens.weight" in handle.keys()
+    (next_step,) = train_on_group(group, job, execution, RUN, start_step=half, end_step=half + 1, initial_state=state)
+    inputs, targets = job.data.batch(range(half * TRAIN.global_batch_size, (half + 1) * TRAIN.global_batch_size),
+                                     TRAIN.seed)
+    assert transformers_loss(directory, inputs, targets) == pytest.approx(next_step.loss, rel=1e-4)
