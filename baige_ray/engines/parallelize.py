@@ -77,6 +77,16 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def settle_gradient_placements(parameters: list[nn.Parameter]) -> None:
+    """Lay each DTensor gradient out as its parameter is. A vocabulary-parallel embedding's backward
+    leaves its weight's gradient Partial (whole-sized, summed over TP on demand) while the weight is
+    Shard(0); collectives on local shards and norms need the parameter's layout."""
+    for param in parameters:
+        grad = param.grad
+        if isinstance(grad, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
 def all_reduce_gradients(parameters: list[nn.Parameter], group: dist.ProcessGroup | None, *,
                          divide_by: int | None = None) -> None:
     """Sum gradients over `group` (None: this rank alone) in one flat collective, then divide them by

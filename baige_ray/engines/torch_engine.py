@@ -79,6 +79,7 @@ class TorchEngine(Engine):
             plan = self.plugin.tensor_parallel_plan(self.layout.tp)
             for stage in stages:
                 parallelize.apply_tensor_parallel(self.plugin.stage_blocks(stage), self.meshes["tp"], plan)
+                self.plugin.shard_vocabulary(stage, self.meshes["tp"])
         if self.layout.ep > 1:
             for stage in stages:
                 parallelize.apply_expert_parallel(self.plugin.expert_modules(stage), self.meshes["ep"])
@@ -222,6 +223,8 @@ class TorchEngine(Engine):
         return contextlib.nullcontext()
 
     def optimizer_step(self) -> None:
+        if self.layout.tp > 1:
+            parallelize.settle_gradient_placements(self.parameters)
         if self._pipeline_ends is not None:  # both ends' copies of a tied weight get the sum of their gradients
             parallelize.all_reduce_gradients(self._pipeline_tied_parameters, self._pipeline_ends, divide_by=1)
         if replicated := self._tp_replicated_parameters:

@@ -141,6 +141,10 @@ class ModelPlugin(ABC):
         """DTensor parallel styles keyed by module name relative to one block; raises ValueError when
         the model cannot be split `tp` ways (heads, KV heads or FFN width not divisible)."""
 
+    def shard_vocabulary(self, stage: nn.Module, tp_mesh) -> None:
+        """Split the token embedding and the output head `stage` holds by vocabulary rows over the
+        tensor-parallel ranks; by default they stay whole on every rank."""
+
     def tensor_parallel_replicated_names(self) -> tuple[str, ...]:
         """Block-relative parameter names kept whole on every tensor-parallel rank although each rank
         computes only part of their gradient (norms applied per head): gradients are summed over TP."""

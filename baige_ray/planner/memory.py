@@ -16,7 +16,8 @@ Assumptions (stated, each a knob of the formulas below):
     full recomputation keeps only each layer's 2sbh input plus one layer's working set.
   * 1F1B keeps up to (pp - stage) micro-batches in flight on a stage, at most the number
     of micro-batches (Narayanan et al. 2021, sec. 2.2.1), so stage 0 holds the most.
-  * The last stage keeps fp32 logits for the loss, 4*s*b*vocab/t bytes (Korthikanti sec. 4.3).
+  * The last stage keeps fp32 logits for the loss, 4*s*b*vocab bytes: the vocabulary-parallel head
+    gathers its logits on every TP rank (no loss parallelism, unlike Korthikanti sec. 4.3's vocab/t).
   * A fraction of device memory (CUDA context, NCCL buffers, allocator fragmentation) is
     not usable; `PlanOptions.usable_memory_fraction`.
 """
@@ -90,5 +91,5 @@ def activation_bytes(model: ModelSpec, stage_layers: np.ndarray, *, tp: int, pp:
     working = np.where(recompute == 2, activation_bytes_per_layer(model, b, np.zeros_like(recompute), tp), 0.0)
     stored = in_flight * layers * per_layer + working
     logits = np.zeros((1, pp))
-    logits[0, -1] = 4.0 * model.seq_len * model.vocab_size / tp
+    logits[0, -1] = 4.0 * model.seq_len * model.vocab_size
     return stored + logits * b

@@ -202,6 +202,9 @@ class HFPlugin(ModelPlugin):
                              "or replicated_with_grad_allreduce")
         return {name: _parallel_style(kind) for name, kind in plan.items() if kind in ("colwise", "rowwise")}
 
+    def shard_vocabulary(self, stage: DecoderStage, tp_mesh) -> None:
+        stage.shard_vocabulary(tp_mesh)
+
     def tensor_parallel_replicated_names(self) -> tuple[str, ...]:
         return tuple(f"{name}.weight" for name, kind in self._block_plan().items()
                      if kind == "replicated_with_grad_allreduce")

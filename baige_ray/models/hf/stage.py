@@ -10,6 +10,10 @@ A model that ties its head to its input embedding (`tie_word_embeddings`) keeps 
 that holds the head: the last stage holds the embedding module too (not called in its forward), its
 head's weight is the embedding's, and so both stages call the one weight `model.embed_tokens.weight`,
 as the checkpoint does. The engine sums the two stages' gradients of it (Megatron-LM's embedding group).
+
+Under tensor parallelism the embedding and the head are split by vocabulary rows (Megatron-LM's
+vocabulary-parallel embedding): each rank looks up the tokens in its rows and the partial embeddings
+are summed; the head computes its rows' logits, gathered for the loss. A tied pair shares one shard.
 """
 
 from __future__ import annotations
@@ -65,6 +69,20 @@ class DecoderStage(nn.Module):
         if self.tied and self.is_last:
             _, embedding, _, _, head = self._names
             getattr(self, head).weight = getattr(self.base, embedding).weight
+
+    def shard_vocabulary(self, tp_mesh) -> None:
+        """Split the embedding and the head this stage holds by vocabulary rows over `tp_mesh`."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        prefix, embedding, _, _, head = self._names
+        plan = {}
+        if self.is_first or (self.tied and self.is_last):
+            plan[f"{prefix}.{embedding}"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        if self.is_last:
+            plan[head] = ColwiseParallel(output_layouts=Replicate())
+        parallelize_module(self, tp_mesh, plan)
+        self.tie_embeddings()  # parallelize_module gave the head a sharded weight of its own
 
     @property
     def tied_embedding(self) -> nn.Parameter | None:
