@@ -1,7 +1,8 @@
 """Elastic recovery of a Hugging Face model: a crashed worker replaced, a lost node shrunk away, a full loss resumed.
 
-The tiny Llama of tests/hf_helpers.py on the simulated 4x2 cluster (next to test_elastic_nodes.py,
-so the cluster is started once for both). Each faulty run is compared with its fault-free twin.
+The tiny Qwen2 of tests/hf_helpers.py, its head tied to its input embedding and its attention with QKV
+biases, on the simulated 4x2 cluster (next to test_elastic_nodes.py, so the cluster is started once for
+both). Each faulty run is compared with its fault-free twin.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.faults import FaultPlan
 from baige_ray.topology.simulated import SimulatedCluster
 from tests.cluster.test_elastic_nodes import wait_for
-from tests.hf_helpers import build_tiny_hf, elastic_hf_run
+from tests.hf_helpers import build_tiny_hf, elastic_hf_run, qwen2_tied_config
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return build_tiny_hf(tmp_path_factory.mktemp("tiny-llama-elastic"))
+    return build_tiny_hf(tmp_path_factory.mktemp("tiny-qwen2-elastic"), family=qwen2_tied_config)
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +77,11 @@ def test_a_lost_node_shrinks_a_hf_job_and_training_agrees_with_a_fault_free_run(
     # step 16, 1e-3 halves that).
     assert [m.loss for m in result.metrics] == pytest.approx([m.loss for m in reference.metrics], rel=1e-5)
     final, expected = final_weights(result), final_weights(reference)
-    differences = {name: relative_difference(final[name], expected[name]) for name in expected}
+    # A key bias adds the same score to every key of a query, which softmax ignores: its gradient is zero
+    # but for rounding, and Adam scales that rounding to full-size steps in whatever order the sum took
+    # (DP6 and DP8 runs without faults differ by 6e-5 there, as much as the shrunk run does).
+    differences = {name: relative_difference(final[name], expected[name]) for name in expected
+                   if not name.endswith("k_proj.bias")}
     print("largest relative difference after the shrink:", max(differences.items(), key=lambda item: item[1]))
     assert max(differences.values()) <= 1e-5, differences
 
