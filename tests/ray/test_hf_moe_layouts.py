@@ -1,7 +1,9 @@
 """A Hugging Face mixture-of-experts model (Mixtral) trains under expert-parallel layouts as `transformers` does alone.
 
 The tiny Mixtral is saved by `save_pretrained` (experts one by one, as real checkpoints hold them)
-and read back through transformers' loader. Its load-balancing loss is on, so every micro-batch's
+and read back through transformers' loader. Its head is tied to its input embedding (no published
+mixture-of-experts config ties them, but nothing stops a user's own), so the tie is kept beside
+sharded experts, and under DP2xEP2xTP2 in one vocabulary-parallel shard. Its load-balancing loss is on, so every micro-batch's
 loss includes transformers' own router loss; the reference is the `transformers` model in a plain
 PyTorch loop over the same micro-batches (2 sequences each) with accumulated gradients.
 """
@@ -31,7 +33,7 @@ LAYOUTS = {  # experts held whole (no EP): tests/unit/test_hf_moe.py, logits and
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return build_tiny_hf(tmp_path_factory.mktemp("tiny-mixtral"), family=mixtral_config)
+    return build_tiny_hf(tmp_path_factory.mktemp("tiny-mixtral"), family=mixtral_config, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
