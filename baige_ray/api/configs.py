@@ -49,6 +49,9 @@ class ScalingConfig:
         )
 
 
+PRECISIONS = ("fp32", "bf16-mixed")
+
+
 @dataclass(kw_only=True, frozen=True)
 class TrainConfig:
     """The optimisation problem, independent of how many workers share it.
@@ -56,6 +59,9 @@ class TrainConfig:
     global_batch_size is the number of sequences per optimizer step over all
     workers; micro_batch_size (per worker) sets gradient accumulation, so the
     mathematics of a step does not change with the layout.
+
+    precision "bf16-mixed" computes in bfloat16 and keeps fp32 weights, gradient reductions and
+    optimizer state (FSDP2's mixed-precision policy, DeepSpeed's bf16 mode, torch.autocast elsewhere).
     """
 
     num_steps: int
@@ -68,9 +74,11 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     log_every: int = 1
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         require_int("TrainConfig", "num_steps", self.num_steps, minimum=1)
+        require_choice("TrainConfig", "precision", self.precision, PRECISIONS)
         require_int("TrainConfig", "global_batch_size", self.global_batch_size, minimum=1)
         if self.micro_batch_size is not None:
             require_int("TrainConfig", "micro_batch_size", self.micro_batch_size, minimum=1)
@@ -86,6 +94,11 @@ class TrainConfig:
         require_number("TrainConfig", "grad_clip", self.grad_clip, minimum=0)
         require_int("TrainConfig", "seed", self.seed, minimum=0)
         require_int("TrainConfig", "log_every", self.log_every, minimum=1)
+
+    @property
+    def compute_dtype_bytes(self) -> int:
+        """Bytes of the weights and activations the forward and backward compute with."""
+        return 2 if self.precision == "bf16-mixed" else 4
 
     def per_worker_batch(self, num_workers: int) -> int:
         """Sequences each worker handles per step; the global batch must split evenly."""

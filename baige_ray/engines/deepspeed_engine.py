@@ -34,6 +34,7 @@ def deepspeed_config(job: TrainJob, per_replica_batch: int, zero_stage: int) -> 
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": job.train.grad_clip,
         "steps_per_print": 2**31,
+        "bf16": {"enabled": job.train.precision == "bf16-mixed"},
     }
 
 
@@ -185,6 +186,7 @@ class DeepSpeedEngine(Engine):
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Set the model's weights, then re-derive ZeRO's fp32 master partitions from them."""
         import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param
 
         for name, param in self.module.named_parameters():
             full = self._cut(name, weights[name]).to(self.device)
@@ -195,3 +197,7 @@ class DeepSpeedEngine(Engine):
             else:
                 param.data.copy_(full)
         self.engine.optimizer.refresh_fp32_params()
+        if self.job.train.precision == "bf16-mixed":
+            # the bf16 weights just copied are rounded: the fp32 masters take the full-precision values
+            for name, param in self.module.named_parameters():
+                safe_set_full_fp32_param(param, self._cut(name, weights[name]).to(self.device, torch.float32))

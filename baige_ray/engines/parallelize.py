@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
@@ -36,12 +36,15 @@ def apply_expert_parallel(expert_modules: list[nn.Module], ep_mesh: DeviceMesh) 
 
 
 def apply_fsdp(stage: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
-               ignored: set[nn.Parameter] = frozenset()) -> None:
+               ignored: set[nn.Parameter] = frozenset(), compute_dtype: torch.dtype | None = None) -> None:
     """Shard each block, then the rest of the stage, over `dp_mesh`; `ignored` parameters (experts
-    already sharded by expert parallelism) stay as they are, their gradients reduced by the engine."""
+    already sharded by expert parallelism) stay as they are, their gradients reduced by the engine.
+    With `compute_dtype` (mixed precision) weights are gathered in it; gradients reduce in fp32."""
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype \
+        else MixedPrecisionPolicy()
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, ignored_params=set(ignored) or None)
-    fully_shard(stage, mesh=dp_mesh, ignored_params=set(ignored) or None)
+        fully_shard(block, mesh=dp_mesh, ignored_params=set(ignored) or None, mp_policy=policy)
+    fully_shard(stage, mesh=dp_mesh, ignored_params=set(ignored) or None, mp_policy=policy)
 
 
 def apply_ddp(stage: nn.Module, dp_group: dist.ProcessGroup, on_accelerator: bool,

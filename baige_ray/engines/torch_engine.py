@@ -107,7 +107,8 @@ class TorchEngine(Engine):
         if self.layout.data_parallel == "fsdp2":
             experts = set(self._expert_parameters.values())
             for stage in self.stages:
-                parallelize.apply_fsdp(stage, self.plugin.stage_blocks(stage), self.meshes["dp"], ignored=experts)
+                parallelize.apply_fsdp(stage, self.plugin.stage_blocks(stage), self.meshes["dp"], ignored=experts,
+                                       compute_dtype=self._compute_dtype)
             return list(self.stages)
         if self.uses_torch_ddp:
             group = self.meshes["dp"].get_group()
@@ -166,11 +167,23 @@ class TorchEngine(Engine):
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate
 
+    @property
+    def _compute_dtype(self) -> torch.dtype | None:
+        """bfloat16 under mixed precision, None in fp32."""
+        return torch.bfloat16 if self.job.train.precision == "bf16-mixed" else None
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """Mixed precision where FSDP2's own policy does not cast: DDP, TP, PP, one rank."""
+        if self._compute_dtype is None or (self.layout.dp > 1 and self.layout.data_parallel == "fsdp2"):
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self._compute_dtype)
+
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         inputs, targets = inputs.to(self.device), targets.to(self.device)
-        if self.schedule is not None:
-            return self._pipeline_forward_backward(inputs, targets)
-        return self._accumulate(inputs, targets)
+        with self._autocast():
+            if self.schedule is not None:
+                return self._pipeline_forward_backward(inputs, targets)
+            return self._accumulate(inputs, targets)
 
     def _pipeline_forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         holds_first = 0 in self.layout.stage_indices(self.coords.pp)
