@@ -170,6 +170,9 @@ class WorkerActor:
     def export_state(self) -> CanonicalState:
         return self._require_engine().export_state()
 
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return self._require_engine().export_weights()
+
     def import_state(self, state: CanonicalState) -> None:
         self._require_engine().import_state(state)
 

@@ -17,6 +17,7 @@ class StepMetrics:
     learning_rate: float
     step_time_s: float
     tokens: int
+    peak_host_memory_gb: float = 0.0  # the largest worker's peak resident memory so far
 
     @property
     def tokens_per_s(self) -> float:

@@ -19,6 +19,7 @@ BENCHMARK_MODULES: dict[str, str] = {
     "serve": "baige_ray.bench.serve",
     "moe": "baige_ray.bench.moe",
     "pd": "baige_ray.bench.pd",
+    "scale": "baige_ray.bench.scale",
 }
 
 

@@ -15,6 +15,13 @@ from baige_ray.models.plugin import SampleSource, stage_ranges
 from baige_ray.runtime.train_loop import TrainJob, learning_rate_at, replica_sample_range
 
 
+def peak_host_memory_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 class SlowChipEmulator:
     """Makes a module behave like a chip `speed` times as fast as this one, forward and backward alike.
 
@@ -141,6 +148,7 @@ class Engine(ABC):
             "learning_rate": learning_rate,
             "tokens": inputs.numel() if counts_tokens else 0,
             "compute_s": compute_s,
+            "peak_host_memory_bytes": peak_host_memory_bytes(),
         }
         if self.expert_layers:
             metrics.update(self.take_expert_traffic())
@@ -208,6 +216,11 @@ class Engine(ABC):
     @abstractmethod
     def export_state(self) -> CanonicalState:
         """Collective: every rank calls it; owners of a name return it, others an empty part."""
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Collective: the full weights on the owners of their names, nothing elsewhere. Unlike
+        export_state, no optimizer state and no full copy on ranks that do not keep it."""
+        return self.export_state()["model"]
 
     @abstractmethod
     def import_state(self, state: CanonicalState) -> None: ...

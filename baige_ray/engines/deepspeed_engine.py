@@ -141,6 +141,16 @@ class DeepSpeedEngine(Engine):
         state = self.snapshot_state()
         return state if self.owns_state else {"model": {}, "optimizer": {}}
 
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        weights = {}
+        for name, param in self.module.named_parameters():
+            full = self._canonical(name, safe_get_full_fp32_param(param))  # collective under ZeRO-3
+            if self.owns_state:
+                weights[name] = full
+        return weights
+
     def snapshot_state(self, into: CanonicalState | None = None) -> CanonicalState:
         """Collective: every rank gets the full fp32 weights and Adam moments (fresh tensors)."""
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state

@@ -70,3 +70,8 @@ def merge_states(parts: list[CanonicalState]) -> CanonicalState:
             for name, value in part.get(section, {}).items():
                 merged[section].setdefault(name, value)
     return merged
+
+
+def merge_weights(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Union of the weights each rank owns (one part per rank, empty on ranks that keep none)."""
+    return merge_states([{"model": part} for part in parts])["model"]

@@ -25,7 +25,7 @@ from baige_ray.engines import parallelize
 from baige_ray.engines.base import Engine, SlowChipEmulator
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.pipeline_schedule import ScheduleRunAhead1F1B
-from baige_ray.engines.state import CanonicalState, export_module_state, import_module_state
+from baige_ray.engines.state import CanonicalState, export_module_state, full_tensor, import_module_state
 from baige_ray.models.aux_loss import auxiliary_losses, mark_forward
 from baige_ray.runtime.train_loop import TrainJob, build_optimizer
 
@@ -272,6 +272,14 @@ class TorchEngine(Engine):
     def export_state(self) -> CanonicalState:
         state = export_module_state(self.module, self.optimizer)
         return self._strip_prefix(state) if self.owns_state else {"model": {}, "optimizer": {}}
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        weights = {}
+        for name, param in self.module.named_parameters():
+            full = full_tensor(param)  # collective for a sharded parameter: every rank takes part
+            if self.owns_state:
+                weights[name] = full
+        return self._strip_prefix({"model": weights})["model"]
 
     def import_state(self, state: CanonicalState) -> None:
         import_module_state(self.module, self.optimizer, self._add_prefix(state))

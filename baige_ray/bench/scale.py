@@ -1,0 +1,170 @@
+"""A real model size: Qwen2.5-0.5B's published config trained by `fit` on 2 workers against plain torchrun.
+
+The model is built from `examples/models/qwen2.5-0.5b.json` (494M parameters, tied embeddings, 24
+layers, hidden 896, 14 heads with 2 KV heads, vocabulary 151,936) with fresh weights, saved once with
+`save_pretrained` under `--work-dir`; its data is a TokenDataset of standard-library text tokenized by a
+BPE tokenizer trained here (the model's vocabulary stays the config's). Per layout (FSDP2, DeepSpeed
+ZeRO-3; bf16 mixed precision by default), on the same 2 cores, one after the other:
+
+- `torchrun`: bench/torchrun_sharded.py, the same model, wrapping, data and mathematics in a plain loop;
+- `baige`: `fit(HFModel(dir), layout=ParallelLayout(dp=2, data_parallel=...))` on a local Ray.
+
+Reported per layout: the median steady step time of each (the first `--warmup` steps left out) and
+their ratio `vs_torchrun`; each worker's peak resident memory against the planner's memory model for
+that layout (`memory_error`, relative). The headline keys are the worst layout's.
+
+Not measured yet (null in the JSON, `unmeasured` lists them): snapshot stall and bytes, recovery
+from a killed worker, persistence throughput, and serving the export with vLLM (issue #28).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from baige_ray.bench.measure import steady_median
+
+CONFIG = Path(__file__).resolve().parents[2] / "examples" / "models" / "qwen2.5-0.5b.json"
+UNMEASURED = ("stall_frac", "persist_vs_write", "steps_lost", "recovery_s", "vllm_vs_direct")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="4 steps per system (1 warm-up) instead of --steps")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--global-batch-size", type=int, default=2)
+    parser.add_argument("--layouts", default="fsdp2,zero3", help="comma-separated: fsdp2, zero3")
+    parser.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "fp32"])
+    parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "baige-bench-scale"))
+
+
+def prepare(work_dir: Path, seq_len: int) -> tuple[Path, Path]:
+    """(model directory, dataset directory), built once and reused."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from baige_ray.models.hf.tiny import write_text_documents
+    from baige_ray.models.token_dataset import METADATA_FILE, TokenDataset
+    from baige_ray.models.tokenizer import train_bpe_tokenizer
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    files = sorted((work_dir / "text").glob("*.txt")) or write_text_documents(work_dir / "text", max_bytes=2 << 20)
+    tokenizer_dir = work_dir / "tokenizer"
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        train_bpe_tokenizer(files, tokenizer_dir, vocab_size=8192)
+    model_dir = work_dir / "qwen2.5-0.5b"
+    if not (model_dir / "config.json").is_file():
+        config = AutoConfig.from_pretrained(CONFIG)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
+    data_dir = work_dir / f"data-{seq_len}"
+    if not (data_dir / METADATA_FILE).is_file():
+        TokenDataset.build(files, tokenizer=tokenizer_dir, seq_len=seq_len, directory=data_dir)
+    return model_dir, data_dir
+
+
+def predicted_bytes(model_dir: Path, seq_len: int, global_batch: int, data_parallel: str, precision: str) -> float:
+    """The memory model's bytes per worker for dp=2 under `data_parallel` (ZeRO-3 for both)."""
+    import numpy as np
+
+    from baige_ray.models.hf import HFModel
+    from baige_ray.models.plugin import plugin_for
+    from baige_ray.planner.memory import activation_bytes, model_state_bytes
+
+    dtype_bytes = 2 if precision == "bf16-mixed" else 4
+    spec = plugin_for(HFModel(model_dir, seq_len=seq_len)).model_spec(global_batch=global_batch,
+                                                                    dtype_bytes=dtype_bytes)
+    layers = np.array([spec.num_layers])
+    states = model_state_bytes(spec, layers, tp=1, dp=2, ep=[1], zero=[3])
+    activations = activation_bytes(spec, layers, tp=1, pp=1, micro_batch=[global_batch // 2], recompute=[0],
+                                   num_micro_batches=[1])
+    return float((states + activations).max())
+
+
+def _torchrun(settings, out: Path) -> dict:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "baige_ray.bench.torchrun_sharded", "--settings", settings.to_json(), "--out", str(out)]
+    completed = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                               timeout=3600)
+    if completed.returncode != 0:
+        raise RuntimeError(f"torchrun baseline exited with {completed.returncode}\n{completed.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def _baige(model_dir: Path, data_dir: Path, data_parallel: str, args, storage: Path) -> dict:
+    from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
+    from baige_ray.engines.layout import ParallelLayout
+    from baige_ray.models.hf import HFModel
+    from baige_ray.models.token_dataset import TokenDataset
+    from baige_ray.runtime.fit import fit
+
+    dataset = TokenDataset.open(data_dir)
+    result = fit(HFModel(model_dir, seq_len=dataset.seq_len), data=dataset,
+                 train=TrainConfig(num_steps=args.steps, global_batch_size=args.global_batch_size, seed=0,
+                                   precision=args.precision),
+                 scaling=ScalingConfig(num_workers=2, accelerator="cpu"),
+                 run=RunConfig(name=f"scale-{data_parallel}", storage_path=storage, show_progress=False),
+                 layout=ParallelLayout(dp=2, data_parallel=data_parallel))
+    return {"step_times_s": [m.step_time_s for m in result.metrics], "losses": [m.loss for m in result.metrics],
+            "peak_host_memory_bytes": max(m.peak_host_memory_gb for m in result.metrics) * 1e9}
+
+
+def measure_layout(data_parallel: str, model_dir: Path, data_dir: Path, args, tmp: Path) -> dict[str, Any]:
+    import ray
+
+    from baige_ray.bench.torchrun_sharded import ShardedSettings
+
+    settings = ShardedSettings(model_dir=str(model_dir), dataset_dir=str(data_dir), seq_len=args.seq_len,
+                               data_parallel=data_parallel, num_steps=args.steps,
+                               global_batch_size=args.global_batch_size, precision=args.precision)
+    plain = _torchrun(settings, tmp / f"torchrun-{data_parallel}.json")
+    ray.init(address="local", num_cpus=2, logging_level="WARNING", include_dashboard=False)
+    try:
+        baige = _baige(model_dir, data_dir, data_parallel, args, tmp)
+    finally:
+        ray.shutdown()
+    predicted = predicted_bytes(model_dir, args.seq_len, args.global_batch_size, data_parallel, args.precision)
+    baige_peak = baige["peak_host_memory_bytes"]
+    torchrun_step = steady_median(plain["step_times_s"], args.warmup)
+    baige_step = steady_median(baige["step_times_s"], args.warmup)
+    return {
+        "torchrun_step_s": round(torchrun_step, 3), "baige_step_s": round(baige_step, 3),
+        "vs_torchrun": round(baige_step / torchrun_step, 4),
+        "torchrun_losses": [round(x, 4) for x in plain["losses"]], "baige_losses": [round(x, 4) for x in baige["losses"]],
+        "baige_peak_gb": round(baige_peak / 1e9, 3),
+        "torchrun_peak_gb": round(max(plain["peak_host_memory_bytes"]) / 1e9, 3),
+        "predicted_gb": round(predicted / 1e9, 3),
+        "memory_error": round(abs(baige_peak - predicted) / predicted, 4),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.quick:
+        args.steps, args.warmup = 4, 1
+    model_dir, data_dir = prepare(Path(args.work_dir), args.seq_len)
+    layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {name: measure_layout(name, model_dir, data_dir, args, Path(tmp)) for name in layouts}
+    worst = max(results.values(), key=lambda r: r["vs_torchrun"])
+    return {
+        "benchmark": "scale", "model": "qwen2.5-0.5b", "workers": 2, "seq_len": args.seq_len,
+        "global_batch_size": args.global_batch_size, "precision": args.precision, "steps": args.steps,
+        "layouts": results, "vs_torchrun": worst["vs_torchrun"],
+        "memory_error": max(r["memory_error"] for r in results.values()),
+        **{key: None for key in UNMEASURED}, "unmeasured": list(UNMEASURED),
+    }
+
+
+def summarize(result: dict[str, Any]) -> str:
+    lines = ["layout  torchrun_s  baige_s  vs_torchrun  peak_gb  predicted_gb  memory_error"]
+    for name, r in result["layouts"].items():
+        lines.append(f"{name:<7} {r['torchrun_step_s']:>10.2f} {r['baige_step_s']:>8.2f} {r['vs_torchrun']:>12.3f} "
+                     f"{r['baige_peak_gb']:>8.2f} {r['predicted_gb']:>13.2f} {r['memory_error']:>13.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,157 @@
+"""Plain sharded training of a `transformers` model under torchrun: the baseline of `bench scale`.
+
+`python -m torch.distributed.run --standalone --nproc_per_node 2 -m baige_ray.bench.torchrun_sharded
+--settings JSON --out FILE`. What a competent user writes without baige-ray, for the same model, data
+and mathematics as `fit` with ParallelLayout(dp=N, data_parallel=...):
+
+- "fsdp2": `fully_shard` on every decoder layer, then on the model (torchtitan's wrapping), with
+  FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) under bf16-mixed;
+- "zero3": `deepspeed.initialize` with ZeRO stage 3 (and its bf16 mode under bf16-mixed).
+
+AdamW from `build_optimizer`, the same learning-rate schedule, clipping and samples per rank. Rank 0
+writes each step's time (from the end of the previous step) and every rank's peak resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from dataclasses import asdict, dataclass
+
+
+@dataclass(kw_only=True)
+class ShardedSettings:
+    model_dir: str
+    dataset_dir: str
+    seq_len: int
+    data_parallel: str  # "fsdp2" or "zero3"
+    num_steps: int
+    global_batch_size: int
+    precision: str = "bf16-mixed"
+    seed: int = 0
+    num_threads: int = 1
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def _train_config(settings: ShardedSettings):
+    from baige_ray.api.configs import TrainConfig
+
+    return TrainConfig(num_steps=settings.num_steps, global_batch_size=settings.global_batch_size,
+                       seed=settings.seed, precision=settings.precision)
+
+
+def _fsdp2(model, train):
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from baige_ray.runtime.train_loop import build_optimizer
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if train.precision == "bf16-mixed" else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    optimizer = build_optimizer(model, train)
+
+    def step(inputs, targets, learning_rate) -> float:
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate
+        loss = _loss(model(inputs).logits, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def _zero3(model, train, per_rank_batch: int):
+    import os
+
+    import deepspeed
+    import torch.distributed as dist
+
+    from baige_ray.runtime.train_loop import build_optimizer
+
+    os.environ.setdefault("LOCAL_RANK", "0")
+    config = {"train_micro_batch_size_per_gpu": per_rank_batch, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
+              "gradient_clipping": train.grad_clip, "steps_per_print": 2**31,
+              "bf16": {"enabled": train.precision == "bf16-mixed"}}
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, train),
+                                                   config=config, dist_init_required=not dist.is_initialized())
+
+    def step(inputs, targets, learning_rate) -> float:
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate
+        loss = _loss(engine(inputs).logits, targets)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    return step
+
+
+def _loss(logits, targets):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def train_sharded(settings: ShardedSettings) -> tuple[list[float], list[float]]:
+    """(step times, losses) of this rank; the default process group is initialised."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from baige_ray.models.token_dataset import TokenDataset
+    from baige_ray.runtime.train_loop import learning_rate_at, sample_range
+
+    torch.set_num_threads(settings.num_threads)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train = _train_config(settings)
+    per_rank = train.per_worker_batch(world)
+    model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    data = TokenDataset.open(settings.dataset_dir)
+    step = _fsdp2(model, train) if settings.data_parallel == "fsdp2" else _zero3(model, train, per_rank)
+    times, losses = [], []
+    last = time.perf_counter()
+    for index in range(settings.num_steps):
+        inputs, targets = data.batch(sample_range(index, rank, world, train.global_batch_size), train.seed)
+        losses.append(step(inputs, targets, learning_rate_at(index, train)))
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    return times, losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", required=True, help="ShardedSettings as JSON")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    dist.init_process_group("gloo")
+    try:
+        times, losses = train_sharded(ShardedSettings(**json.loads(args.settings)))
+        peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
+        peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
+        dist.all_gather(peaks, peak)
+        if dist.get_rank() == 0:
+            with open(args.out, "w") as handle:
+                json.dump({"step_times_s": times, "losses": losses,
+                           "peak_host_memory_bytes": [int(p.item()) for p in peaks]}, handle)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
