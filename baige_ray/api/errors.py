@@ -31,11 +31,28 @@ class InfeasiblePlanError(BaigeError):
     """
 
     def __init__(self, message: str, *, needed_gb: float, available_gb: float, layout: str):
-        super().__init__(f"{message}: best layout tried ({layout}) needs {needed_gb:.1f} GB per device, "
-                         f"devices hold {available_gb:.1f} GB")
+        super().__init__(self._text(message, needed_gb, available_gb, layout))
         self.needed_gb = needed_gb
         self.available_gb = available_gb
         self.layout = layout
+
+    @staticmethod
+    def _text(message: str, needed_gb: float, available_gb: float, layout: str) -> str:
+        return (f"{message}: best layout tried ({layout}) needs {needed_gb:.1f} GB per device, "
+                f"devices hold {available_gb:.1f} GB")
+
+
+class LayoutMemoryError(InfeasiblePlanError):
+    """An explicit layout does not fit: `budget` names what it exceeds ("device memory", "host memory of
+    node 3"); the message names the layout and the bytes needed and available, and says what holds them."""
+
+    def __init__(self, message: str, *, needed_gb: float, available_gb: float, layout: str, budget: str):
+        super().__init__(message, needed_gb=needed_gb, available_gb=available_gb, layout=layout)
+        self.budget = budget
+
+    @staticmethod
+    def _text(message: str, needed_gb: float, available_gb: float, layout: str) -> str:
+        return message
 
 
 class ServingError(BaigeError):

@@ -143,10 +143,10 @@ def launch(
         raise ValueError(f"launch layout={layout!r} is invalid: expected 'ddp', 'auto' or a ParallelLayout")
     if not isinstance(layout, ParallelLayout):  # any size the job may later resize to, uneven shares included
         layout = layout_for(ParallelLayout(dp=scaling.num_workers), scaling.num_workers, job)
-    speeds = check_execution(job, scaling, layout, emulated_speeds) if planner is None else \
-        check_speeds(scaling, emulated_speeds)
     if not ray.is_initialized():
         ray.init(logging_level=logging.WARNING)
+    speeds = check_execution(job, scaling, layout, emulated_speeds, cluster=cluster, elastic=elastic) \
+        if planner is None else check_speeds(scaling, emulated_speeds)
     if kill_run_actors(run.name):
         logger.warning("killed actors left behind by an earlier run named %r", run.name)
     options = {"worker_cls": worker_cls} if worker_cls is not None else {}

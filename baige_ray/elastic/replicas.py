@@ -12,6 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from baige_ray.planner.fits import HostCopies
+
+SNAPSHOT_BUFFERS = 2  # HostSnapshotter keeps the newest snapshot and the one before it for the next copy
+REPLICA_BUFFERS = 2  # a holder keeps its replica until the next copy is whole (ElasticWorkerActor.copy_replica)
+
 
 def exposed_stages(stage_of_rank: Sequence[int], node_of_rank: Sequence[str]) -> list[int]:
     """Stages whose every holder sits on one node: that node's loss takes their live snapshot with it."""
@@ -52,3 +57,17 @@ def replica_floor(next_step: int, generation_start: int, snapshot_every: int = 1
     copied_after -= (copied_after + 1) % replicate_every  # the newest step a copy began after
     floor = copied_after - copied_after % snapshot_every  # the newest snapshot it could read
     return floor if floor >= generation_start else None
+
+
+def host_copies(stage_of_rank: Sequence[int], node_of_worker: Sequence[str], *, num_spares: int,
+                replicate: bool) -> HostCopies:
+    """What an elastic job keeps in host memory beside training, its workers placed as `node_of_worker`
+    says: members by rank, then `num_spares` spares. Replicas go where `replicate_if_due` puts them
+    (state_sources.py): to two workers on distinct nodes, idle spares first, when some stage is exposed."""
+    world = len(stage_of_rank)
+    holders: tuple[int, ...] = ()
+    if replicate and exposed_stages(stage_of_rank, node_of_worker[:world]):
+        candidates = [*range(world, world + num_spares), *range(world)]
+        holders = tuple(candidates[i] for i in replica_holders([node_of_worker[c] for c in candidates]))
+    return HostCopies(snapshot_copies=SNAPSHOT_BUFFERS, replica_workers=holders,
+                      replica_copies=REPLICA_BUFFERS if holders else 0, num_spares=num_spares)

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -23,10 +23,14 @@ from baige_ray.api.result import Result, StepMetrics
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.state import CanonicalState, merge_states
 from baige_ray.models.gpt import GPTConfig
+from baige_ray.runtime.memory_check import check_layout_memory
 from baige_ray.runtime.progress import TrainingProgress
 from baige_ray.runtime.train_loop import TrainJob
 from baige_ray.runtime.worker_group import WorkerGroup
 from baige_ray.topology.descriptor import ClusterDescriptor
+
+if TYPE_CHECKING:
+    from baige_ray.elastic.config import ElasticConfig
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +147,8 @@ def _execution_plan(
     cluster: ClusterDescriptor | None,
 ) -> ExecutionPlan:
     placement, explanation = None, ""
-    if layout == "auto":
+    planned = layout == "auto"  # the planner returns only layouts that fit its memory model
+    if planned:
         from baige_ray.planner.materialize import materialize
         from baige_ray.runtime.auto_plan import first_devices, layout_from_plan, live_graph, plan_job
 
@@ -157,16 +162,27 @@ def _execution_plan(
         raise ValueError(f"fit layout={layout!r} is invalid: expected 'ddp', 'auto' or a ParallelLayout")
     return ExecutionPlan(
         layout=layout,
-        emulated_speeds=check_execution(job, scaling, layout, speeds),
+        emulated_speeds=check_execution(job, scaling, layout, speeds, cluster=cluster, check_memory=not planned),
         placement=placement,
         explanation=explanation,
     )
 
 
 def check_execution(
-    job: TrainJob, scaling: ScalingConfig, layout: ParallelLayout, speeds: list[float] | None
+    job: TrainJob,
+    scaling: ScalingConfig,
+    layout: ParallelLayout,
+    speeds: list[float] | None,
+    *,
+    cluster: ClusterDescriptor | None = None,
+    elastic: ElasticConfig | None = None,
+    check_memory: bool = True,
 ) -> tuple[float, ...]:
-    """Fail on a layout that cannot run before any actor starts; returns per-rank speeds."""
+    """Fail on a layout that cannot run before any actor starts; returns per-rank speeds.
+
+    With `check_memory` (Ray initialized), a layout whose device or host memory does not fit the live
+    cluster raises LayoutMemoryError; `elastic`'s snapshots and replicas count against host memory.
+    """
     if layout.world_size != scaling.num_workers:
         raise ValueError(
             f"ScalingConfig.num_workers={scaling.num_workers} is invalid: layout {layout.describe()} "
@@ -175,6 +191,8 @@ def check_execution(
     layout.replica_batches(job.train)
     job.plugin.check_layout(layout)
     job.plugin.open_data(job.data)  # a missing or corrupt dataset fails before any actor starts
+    if check_memory:
+        check_layout_memory(job, scaling, layout, cluster=cluster, elastic=elastic)
     return check_speeds(scaling, speeds)
 
 

@@ -1,0 +1,85 @@
+"""Refuse, on the driver before any worker actor starts, an explicit layout whose memory does not fit.
+
+The arithmetic is planner/fits.py; this module gathers what it prices: the model as the planner
+sees it, the live resource graph (`live_graph`, workers on its first devices as `first_devices`
+assumes) and what an elastic job keeps in host memory (elastic/replicas.py). Where there is nothing
+to price the run is not blocked, and the log says why: a model the planner has no spec for (its
+plug-in's `model_spec` raises ValueError), a graph with fewer devices than workers (no descriptor and
+no probed accelerators: a CPU-only Ray), or workers holding CPU slots beside the graph's accelerators.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import ray
+
+from baige_ray.api.configs import ScalingConfig
+from baige_ray.elastic.replicas import host_copies
+from baige_ray.engines.layout import ParallelLayout
+from baige_ray.planner.fits import CPU_DEVICE, HostCopies, LayoutFit, check_fits, layout_shape
+from baige_ray.planner.model_spec import ModelSpec
+from baige_ray.runtime.auto_plan import first_devices, live_graph
+from baige_ray.runtime.train_loop import TrainJob
+from baige_ray.runtime.worker_group import choose_device_resource
+from baige_ray.topology.descriptor import ClusterDescriptor
+from baige_ray.topology.graph import ResourceGraph
+
+if TYPE_CHECKING:
+    from baige_ray.elastic.config import ElasticConfig
+
+logger = logging.getLogger(__name__)
+
+# The engines keep fp32 weights, gradients and Adam moments (16 bytes a parameter, as bf16 mixed precision's
+# master copies do) and compute in fp32: the model is priced at 4 bytes a value.
+ENGINE_DTYPE_BYTES = 4
+
+
+def check_layout_memory(job: TrainJob, scaling: ScalingConfig, layout: ParallelLayout, *,
+                        cluster: ClusterDescriptor | None = None, elastic: ElasticConfig | None = None
+                        ) -> LayoutFit | None:
+    """LayoutMemoryError when `layout` does not fit the live cluster; what it needs, or None when unpriced."""
+    model = _model_spec(job)
+    if model is None:
+        return None
+    graph = live_graph(cluster)
+    world = layout.world_size
+    if not _workers_hold_graph_devices(graph, scaling, world):
+        return None
+    spares = min(elastic.num_spares, graph.num_devices - world) if elastic is not None else 0
+    graph = first_devices(graph, world + spares)
+    shape = layout_shape(layout, job.train, job.plugin.layers_per_stage(layout),
+                         compute_dtype_bytes=ENGINE_DTYPE_BYTES)
+    return check_fits(model, graph, shape, copies=_host_copies(layout, graph, elastic, spares))
+
+
+def _model_spec(job: TrainJob) -> ModelSpec | None:
+    try:
+        return job.plugin.model_spec(global_batch=job.train.global_batch_size, dtype_bytes=ENGINE_DTYPE_BYTES)
+    except ValueError as error:
+        logger.info("memory of the layout not checked: %s", error)
+        return None
+
+
+def _workers_hold_graph_devices(graph: ResourceGraph, scaling: ScalingConfig, world: int) -> bool:
+    if graph.num_devices < world:
+        logger.info("memory of the layout not checked: the resource graph %r has %d devices for %d workers",
+                    graph.name, graph.num_devices, world)
+        return False
+    accelerators = any(p.accelerator != CPU_DEVICE and p.num_devices for p in graph.profiles)
+    # accelerator="gpu" asks for GPUs whatever the cluster has now (WorkerGroup says if it has too few).
+    resource = "GPU" if scaling.accelerator == "gpu" else choose_device_resource(scaling, ray.cluster_resources())
+    if accelerators and resource == "CPU":
+        logger.info("memory of the layout not checked: its workers hold CPU slots, not the graph's accelerators")
+        return False
+    return True
+
+
+def _host_copies(layout: ParallelLayout, graph: ResourceGraph, elastic: ElasticConfig | None,
+                 spares: int) -> HostCopies:
+    if elastic is None:
+        return HostCopies()
+    stages = [layout.coords(rank).pp for rank in range(layout.world_size)]
+    nodes = [str(node) for node in graph.devices.node]
+    return host_copies(stages, nodes, num_spares=spares, replicate=elastic.replicate_every > 0)
