@@ -31,9 +31,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# The engines keep fp32 weights, gradients and Adam moments (16 bytes a parameter, as bf16 mixed precision's
-# master copies do) and compute in fp32: the model is priced at 4 bytes a value.
-ENGINE_DTYPE_BYTES = 4
+# The engines keep fp32 weights, gradients and Adam moments under either precision (16 bytes a parameter, bf16
+# mixed precision's masters included); activations take TrainConfig.compute_dtype_bytes (2 under bf16-mixed).
+STATE_DTYPE_BYTES = 4
 
 
 def check_layout_memory(job: TrainJob, scaling: ScalingConfig, layout: ParallelLayout, *,
@@ -50,13 +50,13 @@ def check_layout_memory(job: TrainJob, scaling: ScalingConfig, layout: ParallelL
     spares = min(elastic.num_spares, graph.num_devices - world) if elastic is not None else 0
     graph = first_devices(graph, world + spares)
     shape = layout_shape(layout, job.train, job.plugin.layers_per_stage(layout),
-                         compute_dtype_bytes=ENGINE_DTYPE_BYTES)
+                         compute_dtype_bytes=job.train.compute_dtype_bytes)
     return check_fits(model, graph, shape, copies=_host_copies(layout, graph, elastic, spares))
 
 
 def _model_spec(job: TrainJob) -> ModelSpec | None:
     try:
-        return job.plugin.model_spec(global_batch=job.train.global_batch_size, dtype_bytes=ENGINE_DTYPE_BYTES)
+        return job.plugin.model_spec(global_batch=job.train.global_batch_size, dtype_bytes=STATE_DTYPE_BYTES)
     except ValueError as error:
         logger.info("memory of the layout not checked: %s", error)
         return None

@@ -84,3 +84,12 @@ def test_the_live_graph_prices_a_fitting_layout_and_its_snapshots(simulated):
     model = 12 * job.plugin.model_spec(global_batch=8, dtype_bytes=4).num_params
     assert elastic.node_ids == (0, 1)
     assert elastic.host_bytes == pytest.approx((2 * 2 * model + 2 * model, 2 * model), rel=1e-4)
+
+
+def test_bf16_mixed_precision_halves_the_activations_and_keeps_the_fp32_states(simulated):
+    layout, scaling = ParallelLayout(dp=2), ScalingConfig(num_workers=2)
+    fp32 = check_layout_memory(TrainJob(model=MODEL, train=TRAIN, data=CORPUS), scaling, layout)
+    bf16 = dataclasses.replace(TRAIN, precision="bf16-mixed")
+    mixed = check_layout_memory(TrainJob(model=MODEL, train=bf16, data=CORPUS), scaling, layout)
+    assert mixed.state_bytes == fp32.state_bytes
+    assert mixed.activation_bytes == pytest.approx(tuple(a / 2 for a in fp32.activation_bytes))
