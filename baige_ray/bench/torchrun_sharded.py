@@ -9,7 +9,8 @@ and mathematics as `fit` with ParallelLayout(dp=N, data_parallel=...):
 - "zero3": `deepspeed.initialize` with ZeRO stage 3 (and its bf16 mode under bf16-mixed).
 
 AdamW from `build_optimizer`, the same learning-rate schedule, clipping and samples per rank. Rank 0
-writes each step's time (from the end of the previous step) and every rank's peak resident memory.
+writes each step's time (from the end of the previous step), the ranks' mean loss per step and every
+rank's peak resident memory.
 """
 
 from __future__ import annotations
@@ -144,9 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
         peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
         dist.all_gather(peaks, peak)
+        mean_losses = torch.tensor(losses, dtype=torch.float64)  # each rank's own batch: report their mean, as fit
+        dist.all_reduce(mean_losses)
+        mean_losses /= dist.get_world_size()
         if dist.get_rank() == 0:
             with open(args.out, "w") as handle:
-                json.dump({"step_times_s": times, "losses": losses,
+                json.dump({"step_times_s": times, "losses": mean_losses.tolist(),
                            "peak_host_memory_bytes": [int(p.item()) for p in peaks]}, handle)
     finally:
         dist.destroy_process_group()

@@ -21,7 +21,7 @@ from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
 from baige_ray.api.errors import ClusterError
 from baige_ray.api.result import Result, StepMetrics
 from baige_ray.engines.layout import ParallelLayout
-from baige_ray.engines.state import CanonicalState, merge_states
+from baige_ray.engines.state import CanonicalState, merge_weights
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.runtime.memory_check import check_layout_memory
 from baige_ray.runtime.progress import TrainingProgress
@@ -59,6 +59,7 @@ def reduce_step_metrics(per_rank: list[dict]) -> StepMetrics:
         learning_rate=per_rank[0]["learning_rate"],
         step_time_s=sum(m["rank_step_s"] for m in per_rank) / len(per_rank),
         tokens=int(sum(m["tokens"] for m in per_rank)),
+        peak_host_memory_gb=max(m.get("peak_host_memory_bytes", 0) for m in per_rank) / 1e9,
     )
 
 
@@ -126,10 +127,10 @@ def fit(
     group = WorkerGroup(scaling, timeout_s=run.step_timeout_s, placement=execution.placement)
     try:
         metrics = train_on_group(group, job, execution, run)
-        state = merge_states(group.call("export_state"))
+        weights = merge_weights(group.call("export_weights"))
     finally:
         group.shutdown()
-    checkpoint = job.plugin.save_final(run.run_dir / "final", state["model"], step=train.num_steps)
+    checkpoint = job.plugin.save_final(run.run_dir / "final", weights, step=train.num_steps)
     return Result(
         metrics=metrics,
         checkpoint_path=checkpoint,
