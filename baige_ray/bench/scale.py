@@ -11,7 +11,8 @@ ZeRO-3; bf16 mixed precision by default), on the same 2 cores, one after the oth
 
 Reported per layout: the median steady step time of each (the first `--warmup` steps left out) and
 their ratio `vs_torchrun`; each worker's peak resident memory against the planner's memory model for
-that layout (`memory_error`, relative). The headline keys are the worst layout's.
+that layout (`memory_error`, relative); and the memory model's verdict on DDP x2 for this host (the
+check `fit` runs before any worker starts, planner/fits.py). The headline keys are the worst layout's.
 
 Not measured yet (null in the JSON, `unmeasured` lists them): snapshot stall and bytes, recovery
 from a killed worker, persistence throughput, and serving the export with vLLM (issue #28).
@@ -70,22 +71,53 @@ def prepare(work_dir: Path, seq_len: int) -> tuple[Path, Path]:
     return model_dir, data_dir
 
 
-def predicted_bytes(model_dir: Path, seq_len: int, global_batch: int, data_parallel: str, precision: str) -> float:
-    """The memory model's bytes per worker for dp=2 under `data_parallel` (ZeRO-3 for both)."""
-    import numpy as np
+def this_host(workers: int) -> "ResourceGraph":
+    """This machine as one node whose `workers` CPU devices share its memory (the host is the device)."""
+    import psutil
 
+    from baige_ray.topology.descriptor import descriptor_from_dict
+    from baige_ray.topology.graph import ResourceGraph
+
+    memory_gb = psutil.virtual_memory().total / 1e9
+    node = {"accelerator": "cpu", "num_devices": workers, "num_cpus": os.cpu_count() or 1, "memory_gb": memory_gb,
+            "chip": {"model": "host-cpu", "memory_gb": memory_gb},
+            "intra_node": {"fabric": "none", "bandwidth_gbps": 100}}
+    return ResourceGraph.from_descriptor(descriptor_from_dict(
+        {"name": "this-host", "node_types": {"host": node}, "nodes": [{"type": "host", "count": 1}]}))
+
+
+def _job(model_dir: Path, data_dir: Path, data_parallel: str, args):
+    from baige_ray.api.configs import TrainConfig
+    from baige_ray.engines.layout import ParallelLayout
     from baige_ray.models.hf import HFModel
-    from baige_ray.models.plugin import plugin_for
-    from baige_ray.planner.memory import activation_bytes, model_state_bytes
+    from baige_ray.models.token_dataset import TokenDataset
+    from baige_ray.runtime.train_loop import TrainJob
 
-    dtype_bytes = 2 if precision == "bf16-mixed" else 4
-    spec = plugin_for(HFModel(model_dir, seq_len=seq_len)).model_spec(global_batch=global_batch,
-                                                                    dtype_bytes=dtype_bytes)
-    layers = np.array([spec.num_layers])
-    states = model_state_bytes(spec, layers, tp=1, dp=2, ep=[1], zero=[3])
-    activations = activation_bytes(spec, layers, tp=1, pp=1, micro_batch=[global_batch // 2], recompute=[0],
-                                   num_micro_batches=[1])
-    return float((states + activations).max())
+    dataset = TokenDataset.open(data_dir)
+    train = TrainConfig(num_steps=args.steps, global_batch_size=args.global_batch_size, seed=0,
+                        precision=args.precision)
+    layout = ParallelLayout(dp=2, data_parallel=data_parallel)
+    return TrainJob(model=HFModel(model_dir, seq_len=dataset.seq_len), train=train, data=dataset), layout
+
+
+def memory_verdict(model_dir: Path, data_dir: Path, data_parallel: str, args) -> dict[str, Any]:
+    """The memory model's bytes per worker for this layout, and its verdict on this host (fits.py)."""
+    from baige_ray.api.errors import LayoutMemoryError
+    from baige_ray.planner.fits import WORKER_PROCESS_BYTES, check_fits, device_bytes, layout_shape
+    from baige_ray.runtime.memory_check import STATE_DTYPE_BYTES
+
+    job, layout = _job(model_dir, data_dir, data_parallel, args)
+    spec = job.plugin.model_spec(global_batch=job.train.global_batch_size, dtype_bytes=STATE_DTYPE_BYTES)
+    shape = layout_shape(layout, job.train, job.plugin.layers_per_stage(layout),
+                         compute_dtype_bytes=job.train.compute_dtype_bytes)
+    states, activations = device_bytes(spec, shape)
+    try:
+        check_fits(spec, this_host(layout.world_size), shape)
+        verdict = "fits"
+    except LayoutMemoryError as refusal:
+        verdict = str(refusal)
+    # a CPU worker's resident memory: what it computes with, and the process itself
+    return {"predicted_bytes": float((states + activations).max()) + WORKER_PROCESS_BYTES, "verdict": verdict}
 
 
 def _torchrun(settings, out: Path) -> dict:
@@ -99,19 +131,12 @@ def _torchrun(settings, out: Path) -> dict:
 
 
 def _baige(model_dir: Path, data_dir: Path, data_parallel: str, args, storage: Path) -> dict:
-    from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
-    from baige_ray.engines.layout import ParallelLayout
-    from baige_ray.models.hf import HFModel
-    from baige_ray.models.token_dataset import TokenDataset
+    from baige_ray.api.configs import RunConfig, ScalingConfig
     from baige_ray.runtime.fit import fit
 
-    dataset = TokenDataset.open(data_dir)
-    result = fit(HFModel(model_dir, seq_len=dataset.seq_len), data=dataset,
-                 train=TrainConfig(num_steps=args.steps, global_batch_size=args.global_batch_size, seed=0,
-                                   precision=args.precision),
-                 scaling=ScalingConfig(num_workers=2, accelerator="cpu"),
-                 run=RunConfig(name=f"scale-{data_parallel}", storage_path=storage, show_progress=False),
-                 layout=ParallelLayout(dp=2, data_parallel=data_parallel))
+    job, layout = _job(model_dir, data_dir, data_parallel, args)
+    result = fit(job.model, data=job.data, train=job.train, scaling=ScalingConfig(num_workers=2, accelerator="cpu"),
+                 run=RunConfig(name=f"scale-{data_parallel}", storage_path=storage, show_progress=False), layout=layout)
     return {"step_times_s": [m.step_time_s for m in result.metrics], "losses": [m.loss for m in result.metrics],
             "peak_host_memory_bytes": max(m.peak_host_memory_gb for m in result.metrics) * 1e9}
 
@@ -130,7 +155,7 @@ def measure_layout(data_parallel: str, model_dir: Path, data_dir: Path, args, tm
         baige = _baige(model_dir, data_dir, data_parallel, args, tmp)
     finally:
         ray.shutdown()
-    predicted = predicted_bytes(model_dir, args.seq_len, args.global_batch_size, data_parallel, args.precision)
+    predicted = memory_verdict(model_dir, data_dir, data_parallel, args)["predicted_bytes"]
     baige_peak = baige["peak_host_memory_bytes"]
     torchrun_step = steady_median(plain["step_times_s"], args.warmup)
     baige_step = steady_median(baige["step_times_s"], args.warmup)
@@ -150,6 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.steps, args.warmup = 4, 1
     model_dir, data_dir = prepare(Path(args.work_dir), args.seq_len)
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
+    ddp = memory_verdict(model_dir, data_dir, "ddp", args)
     with tempfile.TemporaryDirectory() as tmp:
         results = {name: measure_layout(name, model_dir, data_dir, args, Path(tmp)) for name in layouts}
     worst = max(results.values(), key=lambda r: r["vs_torchrun"])
@@ -157,6 +183,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "scale", "model": "qwen2.5-0.5b", "workers": 2, "seq_len": args.seq_len,
         "global_batch_size": args.global_batch_size, "precision": args.precision, "steps": args.steps,
         "layouts": results, "vs_torchrun": worst["vs_torchrun"],
+        "ddp_predicted_gb": round(ddp["predicted_bytes"] / 1e9, 3), "ddp_verdict": ddp["verdict"],
         "memory_error": max(r["memory_error"] for r in results.values()),
         **{key: None for key in UNMEASURED}, "unmeasured": list(UNMEASURED),
     }
@@ -167,4 +194,5 @@ def summarize(result: dict[str, Any]) -> str:
     for name, r in result["layouts"].items():
         lines.append(f"{name:<7} {r['torchrun_step_s']:>10.2f} {r['baige_step_s']:>8.2f} {r['vs_torchrun']:>12.3f} "
                      f"{r['baige_peak_gb']:>8.2f} {r['predicted_gb']:>13.2f} {r['memory_error']:>13.3f}")
+    lines.append(f"DDP x2: {result['ddp_predicted_gb']:.2f} GB per worker predicted; {result['ddp_verdict']}")
     return "\n".join(lines)

@@ -14,20 +14,21 @@ configuration it names. Assumptions:
     their layers add up, and its activations are priced as 1F1B's (which keeps fewer micro-batches in
     flight, as does a schedule without `pipeline_run_ahead`).
   * memory.py's activation coefficients count 16-bit values (Korthikanti et al. 2022); they scale by
-    `compute_dtype_bytes / 2`, the fp32 logits term too (standing in for the log-softmax the loss keeps).
+    `compute_dtype_bytes / 2`, all but the logits the loss holds (fp32 under either precision).
   * Usable device memory is the device's `memory_gb` x `PlanOptions.usable_memory_fraction`, as the
     planner's; a node's host memory counts whole (`host_memory_gb`, descriptor NodeType.memory_gb).
   * Workers take the graph's devices in node order, ranks first, then an elastic job's spares: the
     order `first_devices` assumes and `fit`'s PACK placement group follows.
   * A node's host memory holds, summed over the workers placed on it:
-      - on CPU devices (accelerator "cpu") the device memory *is* host memory: model states and
-        activations count against the node; on accelerators they do not;
+      - on CPU devices (accelerator "cpu") the device memory *is* host memory: model states,
+        activations and the worker process itself (WORKER_PROCESS_BYTES) count against the node; on
+        accelerators they do not;
       - an elastic job's snapshots (elastic/snapshot.py): every member keeps `snapshot_copies` copies of
         its pipeline rank's full state, gathered over TP, ZeRO/FSDP and EP (weights and Adam's two
         moments: `dtype_bytes + optimizer_bytes_per_param` bytes per parameter);
       - its replicas (elastic/replicas.py): each of `replica_workers` keeps every stage's full state,
         `replica_copies` times.
-    Not counted: Ray's object store, the worker processes themselves, transient copies (snapshot reads
+    Not counted: Ray's object store, the worker processes on accelerator nodes, transient copies (snapshot reads
     in flight, the whole model a plug-in builds on CPU before keeping its stages), DDP's gradient buckets.
 """
 
@@ -41,7 +42,9 @@ import numpy as np
 
 from baige_ray.api.errors import LayoutMemoryError
 from baige_ray.api.validation import require_choice, require_int
-from baige_ray.planner.memory import activation_bytes, model_state_bytes, optimizer_bytes_per_param, stage_param_counts
+from baige_ray.planner.memory import (
+    activation_bytes, logit_bytes, model_state_bytes, optimizer_bytes_per_param, stage_param_counts,
+)
 from baige_ray.planner.model_spec import ModelSpec
 from baige_ray.planner.options import PlanOptions
 from baige_ray.topology.graph import ResourceGraph
@@ -52,6 +55,9 @@ if TYPE_CHECKING:
 
 ZERO_STAGE_OF = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3}
 CPU_DEVICE = "cpu"
+# A worker process before it builds anything: Python, torch, transformers, DeepSpeed and Ray's worker
+# (0.585 GB resident measured on a Ray actor after those imports, torch 2.13 CPU).
+WORKER_PROCESS_BYTES = 0.6e9
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -144,7 +150,8 @@ def device_bytes(model: ModelSpec, shape: LayoutShape) -> tuple[np.ndarray, np.n
         states = states + whole * (1 - shape.ep / shape.dp)  # what the ZeRO-3 pricing took off
     activations = activation_bytes(model, layers, tp=shape.tp, pp=shape.pp, micro_batch=[shape.micro_batch],
                                    recompute=[0], num_micro_batches=[shape.num_micro_batches])[0]
-    return states, activations * (shape.compute_dtype_bytes / 2)
+    logits = logit_bytes(model, shape.pp)[0] * shape.micro_batch  # in fp32 for the loss whatever the compute
+    return states, (activations - logits) * (shape.compute_dtype_bytes / 2) + logits
 
 
 def snapshot_bytes(model: ModelSpec, shape: LayoutShape) -> np.ndarray:
@@ -204,7 +211,7 @@ def _host_bytes_per_worker(model: ModelSpec, graph: ResourceGraph, shape: Layout
     on_cpu = np.array([graph.profiles[int(p)].accelerator == CPU_DEVICE for p in graph.devices.profile[rows]])
     stage = rows[:world] // (shape.dp * shape.tp)
     training = np.zeros(len(rows))
-    training[:world] = np.where(on_cpu[:world], stage_device_bytes[stage], 0.0)
+    training[:world] = np.where(on_cpu[:world], stage_device_bytes[stage] + WORKER_PROCESS_BYTES, 0.0)
     snapshot = snapshot_bytes(model, shape)
     snapshots = np.zeros(len(rows))
     snapshots[:world] = copies.snapshot_copies * snapshot[stage]
@@ -238,7 +245,7 @@ def _host_error(model: ModelSpec, graph: ResourceGraph, shape: LayoutShape, copi
     needed = sum(parts.values())
     held = []
     if parts["training"]:
-        held.append(f"model states+activations on cpu devices {_gb(parts['training'])}")
+        held.append(f"workers on cpu devices (process, model states, activations) {_gb(parts['training'])}")
     if parts["snapshots"]:
         held.append(f"snapshots {_gb(parts['snapshots'])} ({copies.snapshot_copies} per worker)")
     if parts["replicas"]:

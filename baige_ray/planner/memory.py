@@ -16,8 +16,13 @@ Assumptions (stated, each a knob of the formulas below):
     full recomputation keeps only each layer's 2sbh input plus one layer's working set.
   * 1F1B keeps up to (pp - stage) micro-batches in flight on a stage, at most the number
     of micro-batches (Narayanan et al. 2021, sec. 2.2.1), so stage 0 holds the most.
-  * The last stage keeps fp32 logits for the loss, 4*s*b*vocab bytes: the vocabulary-parallel head
-    gathers its logits on every TP rank (no loss parallelism, unlike Korthikanti sec. 4.3's vocab/t).
+  * The last stage holds LOGIT_BYTES per logit at the loss: the head's logits, their fp32 copy for
+    the loss, its log-softmax (kept for backward) and the gradient, 12 bytes (measured on CPU with a
+    151,936-token vocabulary). The vocabulary-parallel head gathers its logits on every TP rank (no
+    loss parallelism, unlike Korthikanti sec. 4.3's vocab/t).
+  * ZeRO-3 (FSDP2, DeepSpeed) also gathers the weights outside the layers (embedding, head) whole,
+    and their gradient before it is reduce-scattered: in `dtype_bytes`, plus an fp32 copy of the
+    gradient (the reduction's precision). With a 151,936-token vocabulary that unit is 9x a layer.
   * A fraction of device memory (CUDA context, NCCL buffers, allocator fragmentation) is
     not usable; `PlanOptions.usable_memory_fraction`.
 """
@@ -29,6 +34,7 @@ import numpy as np
 from baige_ray.planner.model_spec import ModelSpec
 
 RECOMPUTE = ("none", "selective", "full")
+LOGIT_BYTES = 12.0
 
 
 def optimizer_bytes_per_param(model: ModelSpec) -> int:
@@ -76,7 +82,16 @@ def model_state_bytes(model: ModelSpec, stage_layers: np.ndarray, *, tp: int, dp
     dtype = model.dtype_bytes
     states = dtype * sharded(3) + dtype * sharded(2) + optimizer_bytes_per_param(model) * sharded(1)
     gathered_layer = (model.dense_layer_params + model.expert_layer_params / ep) / tp
-    return states + np.where(zero >= 3, 2.0 * dtype * gathered_layer, 0.0)
+    outside = outside_layer_params(model, stage_layers)[None, :] / tp
+    gathered = 2.0 * dtype * gathered_layer + (2.0 * dtype + 4.0) * outside
+    return states + np.where(zero >= 3, gathered, 0.0)
+
+
+def outside_layer_params(model: ModelSpec, stage_layers: np.ndarray) -> np.ndarray:
+    """Parameters each stage holds outside its decoder layers: the embedding on the first, the head
+    on the last (the embedding's copy there when tied and apart)."""
+    dense, _ = stage_param_counts(model, stage_layers)
+    return dense - np.asarray(stage_layers, dtype=np.float64) * model.dense_layer_params
 
 
 def activation_bytes(model: ModelSpec, stage_layers: np.ndarray, *, tp: int, pp: int, micro_batch, recompute,
@@ -90,6 +105,11 @@ def activation_bytes(model: ModelSpec, stage_layers: np.ndarray, *, tp: int, pp:
     # Full recomputation re-materializes one layer at a time during backward.
     working = np.where(recompute == 2, activation_bytes_per_layer(model, b, np.zeros_like(recompute), tp), 0.0)
     stored = in_flight * layers * per_layer + working
+    return stored + logit_bytes(model, pp) * b
+
+
+def logit_bytes(model: ModelSpec, pp: int) -> np.ndarray:
+    """Bytes per sequence the loss holds on each stage, shape (1, pp): the last stage's logits."""
     logits = np.zeros((1, pp))
-    logits[0, -1] = 4.0 * model.seq_len * model.vocab_size
-    return stored + logits * b
+    logits[0, -1] = LOGIT_BYTES * model.seq_len * model.vocab_size
+    return logits

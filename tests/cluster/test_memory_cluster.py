@@ -18,6 +18,7 @@ from baige_ray.api.errors import InfeasiblePlanError
 from baige_ray.elastic.workers import NAMESPACE
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.models.corpus import CorpusConfig
+from baige_ray.planner.memory import logit_bytes
 from baige_ray.runtime.memory_check import check_layout_memory
 from baige_ray.runtime.train_loop import TrainJob
 from baige_ray.topology.descriptor import load_descriptor
@@ -86,10 +87,12 @@ def test_the_live_graph_prices_a_fitting_layout_and_its_snapshots(simulated):
     assert elastic.host_bytes == pytest.approx((2 * 2 * model + 2 * model, 2 * model), rel=1e-4)
 
 
-def test_bf16_mixed_precision_halves_the_activations_and_keeps_the_fp32_states(simulated):
+def test_bf16_mixed_precision_halves_the_layer_activations_and_keeps_the_fp32_states_and_logits(simulated):
     layout, scaling = ParallelLayout(dp=2), ScalingConfig(num_workers=2)
     fp32 = check_layout_memory(TrainJob(model=MODEL, train=TRAIN, data=CORPUS), scaling, layout)
     bf16 = dataclasses.replace(TRAIN, precision="bf16-mixed")
     mixed = check_layout_memory(TrainJob(model=MODEL, train=bf16, data=CORPUS), scaling, layout)
     assert mixed.state_bytes == fp32.state_bytes
-    assert mixed.activation_bytes == pytest.approx(tuple(a / 2 for a in fp32.activation_bytes))
+    spec = TrainJob(model=MODEL, train=TRAIN, data=CORPUS).plugin.model_spec(global_batch=TRAIN.global_batch_size)
+    logits = tuple(logit_bytes(spec, 1)[0] * TRAIN.global_batch_size / 2)  # fp32 for the loss either way
+    assert mixed.activation_bytes == pytest.approx(tuple((a - l) / 2 + l for a, l in zip(fp32.activation_bytes, logits)))

@@ -49,7 +49,8 @@ def test_zero_stages_shard_16_bytes_per_parameter():
     layers = np.array([1])
     psi = model.num_params
     bytes_per_stage = model_state_bytes(model, layers, tp=1, dp=4, ep=np.ones(4), zero=np.arange(4))[:, 0]
-    gathered = 2 * 2 * model.dense_layer_params
+    # ZeRO-3 gathers two layers, and the weights outside the layers with their gradient (+ its fp32 copy)
+    gathered = 2 * 2 * model.dense_layer_params + (2 * 2 + 4) * (model.embedding_params + model.output_params)
     expected = [16 * psi, 4 * psi + 12 * psi / 4, 2 * psi + 14 * psi / 4, 16 * psi / 4 + gathered]
     assert bytes_per_stage == pytest.approx(expected)
 
