@@ -15,6 +15,9 @@ configuration it names. Assumptions:
     flight, as does a schedule without `pipeline_run_ahead`).
   * memory.py's activation coefficients count 16-bit values (Korthikanti et al. 2022); they scale by
     `compute_dtype_bytes / 2`, all but the logits the loss holds (fp32 under either precision).
+  * DeepSpeed's ZeRO-3 adds its bf16 copy of each weight partition under mixed precision and its
+    gradient bucket (DEEPSPEED_REDUCE_BUCKET elements in the compute dtype; measured at 494M
+    parameters). ZeRO-1/2's buckets are not counted yet.
   * Usable device memory is the device's `memory_gb` x `PlanOptions.usable_memory_fraction`, as the
     planner's; a node's host memory counts whole (`host_memory_gb`, descriptor NodeType.memory_gb).
   * Workers take the graph's devices in node order, ranks first, then an elastic job's spares: the
@@ -58,6 +61,9 @@ CPU_DEVICE = "cpu"
 # A worker process before it builds anything: Python, torch, transformers, DeepSpeed and Ray's worker
 # (0.585 GB resident measured on a Ray actor after those imports, torch 2.13 CPU).
 WORKER_PROCESS_BYTES = 0.6e9
+# DeepSpeed ZeRO-3's gradient bucket (`reduce_bucket_size`, its default, which the engine keeps): one
+# buffer of that many elements in the reduction's dtype, filled whole once the model is larger.
+DEEPSPEED_REDUCE_BUCKET = 5e8
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -75,6 +81,7 @@ class LayoutShape:
     stage_layers: tuple[int, ...]
     experts_sharded: bool = True  # over their data-parallel group when zero_stage shards anything
     compute_dtype_bytes: int = 2
+    deepspeed: bool = False  # ZeRO by DeepSpeed rather than FSDP2
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "ep", "micro_batch", "num_micro_batches"):
@@ -137,7 +144,8 @@ def layout_shape(layout: ParallelLayout, train: TrainConfig, stage_layers: Seque
     return LayoutShape(name=layout.describe(), tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep,
                        zero_stage=ZERO_STAGE_OF[layout.data_parallel] if layout.dp > 1 else 0,
                        micro_batch=micro, num_micro_batches=num_micro, stage_layers=per_rank,
-                       experts_sharded=layout.data_parallel != "fsdp2", compute_dtype_bytes=compute_dtype_bytes)
+                       experts_sharded=layout.data_parallel != "fsdp2", compute_dtype_bytes=compute_dtype_bytes,
+                       deepspeed=layout.data_parallel.startswith("zero"))
 
 
 def device_bytes(model: ModelSpec, shape: LayoutShape) -> tuple[np.ndarray, np.ndarray]:
@@ -148,10 +156,21 @@ def device_bytes(model: ModelSpec, shape: LayoutShape) -> tuple[np.ndarray, np.n
         _, expert = stage_param_counts(model, layers)
         whole = expert / (shape.tp * shape.ep) * (2 * model.dtype_bytes + optimizer_bytes_per_param(model))
         states = states + whole * (1 - shape.ep / shape.dp)  # what the ZeRO-3 pricing took off
+    if shape.deepspeed and shape.zero_stage == 3:
+        states = states + _deepspeed_zero3_extra_bytes(model, shape, layers)
     activations = activation_bytes(model, layers, tp=shape.tp, pp=shape.pp, micro_batch=[shape.micro_batch],
                                    recompute=[0], num_micro_batches=[shape.num_micro_batches])[0]
     logits = logit_bytes(model, shape.pp)[0] * shape.micro_batch  # in fp32 for the loss whatever the compute
     return states, (activations - logits) * (shape.compute_dtype_bytes / 2) + logits
+
+
+def _deepspeed_zero3_extra_bytes(model: ModelSpec, shape: LayoutShape, layers: np.ndarray) -> np.ndarray:
+    """What DeepSpeed's ZeRO-3 holds beyond the 16 bytes a parameter: under mixed precision its
+    low-precision copy of each weight partition beside the fp32 master, and its gradient bucket."""
+    dense, expert = stage_param_counts(model, layers)
+    params = (dense + expert) / shape.tp
+    low_precision_copy = shape.compute_dtype_bytes * params / shape.dp if shape.compute_dtype_bytes < 4 else 0.0
+    return low_precision_copy + shape.compute_dtype_bytes * np.minimum(DEEPSPEED_REDUCE_BUCKET, params)
 
 
 def snapshot_bytes(model: ModelSpec, shape: LayoutShape) -> np.ndarray:
