@@ -9,8 +9,9 @@ ZeRO-3; bf16 mixed precision by default), on the same 2 cores, one after the oth
 - `torchrun`: bench/torchrun_sharded.py, the same model, wrapping, data and mathematics in a plain loop;
 - `baige`: `fit(HFModel(dir), layout=ParallelLayout(dp=2, data_parallel=...))` on a local Ray.
 
-Reported per layout: the median steady step time of each (the first `--warmup` steps left out) and
-their ratio `vs_torchrun`; each worker's peak resident memory against the planner's memory model for
+Reported per layout, over `--rounds` rounds whose order alternates (ABBA, as the overhead bench does): the
+median steady step time of each (the first `--warmup` steps of a run left out), and `vs_torchrun`, the
+geometric mean of the rounds' ratios; each worker's peak resident memory against the planner's memory model for
 that layout (`memory_error`, relative); and the memory model's verdict on DDP x2 for this host (the
 check `fit` runs before any worker starts, planner/fits.py). The headline keys are the worst layout's.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -42,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--global-batch-size", type=int, default=2)
     parser.add_argument("--layouts", default="fsdp2,zero3", help="comma-separated: fsdp2, zero3")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of torchrun and fit, alternating their order")
     parser.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "fp32"])
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "baige-bench-scale"))
 
@@ -141,30 +144,43 @@ def _baige(model_dir: Path, data_dir: Path, data_parallel: str, args, storage: P
             "peak_host_memory_bytes": max(m.peak_host_memory_gb for m in result.metrics) * 1e9}
 
 
-def measure_layout(data_parallel: str, model_dir: Path, data_dir: Path, args, tmp: Path) -> dict[str, Any]:
+def _baige_in_fresh_ray(model_dir: Path, data_dir: Path, data_parallel: str, args, tmp: Path) -> dict:
     import ray
 
+    ray.init(address="local", num_cpus=2, logging_level="WARNING", include_dashboard=False)
+    try:
+        return _baige(model_dir, data_dir, data_parallel, args, tmp)
+    finally:
+        ray.shutdown()
+
+
+def measure_layout(data_parallel: str, model_dir: Path, data_dir: Path, args, tmp: Path) -> dict[str, Any]:
+    """`args.rounds` rounds of torchrun and fit; odd rounds run fit first (ABBA), so a drift of the
+    machine's speed that is linear over a pair of rounds weighs on both alike."""
     from baige_ray.bench.torchrun_sharded import ShardedSettings
 
     settings = ShardedSettings(model_dir=str(model_dir), dataset_dir=str(data_dir), seq_len=args.seq_len,
                                data_parallel=data_parallel, num_steps=args.steps,
                                global_batch_size=args.global_batch_size, precision=args.precision)
-    plain = _torchrun(settings, tmp / f"torchrun-{data_parallel}.json")
-    ray.init(address="local", num_cpus=2, logging_level="WARNING", include_dashboard=False)
-    try:
-        baige = _baige(model_dir, data_dir, data_parallel, args, tmp)
-    finally:
-        ray.shutdown()
+    rounds = []
+    for index in range(args.rounds):
+        systems = {"torchrun": lambda: _torchrun(settings, tmp / f"torchrun-{data_parallel}.json"),
+                   "baige": lambda: _baige_in_fresh_ray(model_dir, data_dir, data_parallel, args, tmp)}
+        order = ["torchrun", "baige"] if index % 2 == 0 else ["baige", "torchrun"]
+        rounds.append({name: systems[name]() for name in order})
+    plain, baige = rounds[0]["torchrun"], rounds[0]["baige"]
+    ratios = [steady_median(r["baige"]["step_times_s"], args.warmup)
+              / steady_median(r["torchrun"]["step_times_s"], args.warmup) for r in rounds]
     predicted = memory_verdict(model_dir, data_dir, data_parallel, args)["predicted_bytes"]
-    baige_peak = baige["peak_host_memory_bytes"]
-    torchrun_step = steady_median(plain["step_times_s"], args.warmup)
-    baige_step = steady_median(baige["step_times_s"], args.warmup)
+    baige_peak = max(r["baige"]["peak_host_memory_bytes"] for r in rounds)
     return {
-        "torchrun_step_s": round(torchrun_step, 3), "baige_step_s": round(baige_step, 3),
-        "vs_torchrun": round(baige_step / torchrun_step, 4),
+        "torchrun_step_s": round(steady_median([t for r in rounds for t in r["torchrun"]["step_times_s"][args.warmup:]], 0), 3),
+        "baige_step_s": round(steady_median([t for r in rounds for t in r["baige"]["step_times_s"][args.warmup:]], 0), 3),
+        "vs_torchrun": round(math.prod(ratios) ** (1 / len(ratios)), 4),
+        "rounds": [round(ratio, 4) for ratio in ratios],
         "torchrun_losses": [round(x, 4) for x in plain["losses"]], "baige_losses": [round(x, 4) for x in baige["losses"]],
         "baige_peak_gb": round(baige_peak / 1e9, 3),
-        "torchrun_peak_gb": round(max(plain["peak_host_memory_bytes"]) / 1e9, 3),
+        "torchrun_peak_gb": round(max(max(r["torchrun"]["peak_host_memory_bytes"]) for r in rounds) / 1e9, 3),
         "predicted_gb": round(predicted / 1e9, 3),
         "memory_error": round(abs(baige_peak - predicted) / predicted, 4),
     }
@@ -172,7 +188,7 @@ def measure_layout(data_parallel: str, model_dir: Path, data_dir: Path, args, tm
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
-        args.steps, args.warmup = 4, 1
+        args.steps, args.warmup, args.rounds = 4, 1, 1
     model_dir, data_dir = prepare(Path(args.work_dir), args.seq_len)
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
     ddp = memory_verdict(model_dir, data_dir, "ddp", args)
