@@ -29,16 +29,19 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from baige_ray.bench.measure import steady_median
+
+if TYPE_CHECKING:
+    from baige_ray.topology.graph import ResourceGraph
 
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "models" / "qwen2.5-0.5b.json"
 UNMEASURED = ("stall_frac", "persist_vs_write", "steps_lost", "recovery_s", "vllm_vs_direct")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="4 steps per system (1 warm-up) instead of --steps")
+    parser.add_argument("--quick", action="store_true", help="one round of 4 steps per system (1 warm-up)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -74,7 +77,7 @@ def prepare(work_dir: Path, seq_len: int) -> tuple[Path, Path]:
     return model_dir, data_dir
 
 
-def this_host(workers: int) -> "ResourceGraph":
+def this_host(workers: int) -> ResourceGraph:
     """This machine as one node whose `workers` CPU devices share its memory (the host is the device)."""
     import psutil
 

@@ -99,6 +99,7 @@ def _zero3(model, train, per_rank_batch: int):
 
 
 def _loss(logits, targets):
+    """Next-token cross entropy in fp32, as fit's loss (ModelPlugin.loss) computes it."""
     import torch.nn.functional as F
 
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))

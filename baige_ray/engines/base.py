@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -17,8 +18,6 @@ from baige_ray.runtime.train_loop import TrainJob, learning_rate_at, replica_sam
 
 def peak_host_memory_bytes() -> int:
     """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

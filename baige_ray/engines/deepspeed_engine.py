@@ -194,7 +194,8 @@ class DeepSpeedEngine(Engine):
                 base_state["step"] = steps[0].clone() if torch.is_tensor(base_state["step"]) else int(steps[0])
 
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Set the model's weights, then re-derive ZeRO's fp32 master partitions from them."""
+        """Set the model's weights and ZeRO's fp32 master partitions (re-derived from the weights in fp32,
+        set from `weights` under bf16, whose copies are rounded)."""
         import deepspeed
         from deepspeed.utils import safe_set_full_fp32_param
 
@@ -206,8 +207,9 @@ class DeepSpeedEngine(Engine):
                     param.data.copy_(full)
             else:
                 param.data.copy_(full)
-        self.engine.optimizer.refresh_fp32_params()
-        if self.job.train.precision == "bf16-mixed":
-            # the bf16 weights just copied are rounded: the fp32 masters take the full-precision values
-            for name, param in self.module.named_parameters():
-                safe_set_full_fp32_param(param, self._cut(name, weights[name]).to(self.device, torch.float32))
+        if self.job.train.precision != "bf16-mixed":
+            self.engine.optimizer.refresh_fp32_params()
+            return
+        # the bf16 weights just copied are rounded: the fp32 masters take the full-precision values
+        for name, param in self.module.named_parameters():
+            safe_set_full_fp32_param(param, self._cut(name, weights[name]).to(self.device, torch.float32))

@@ -17,8 +17,8 @@ Assumptions (stated, each a knob of the formulas below):
   * 1F1B keeps up to (pp - stage) micro-batches in flight on a stage, at most the number
     of micro-batches (Narayanan et al. 2021, sec. 2.2.1), so stage 0 holds the most.
   * The last stage holds LOGIT_BYTES per logit at the loss: the head's logits, their fp32 copy for
-    the loss, its log-softmax (kept for backward) and the gradient, 12 bytes (measured on CPU with a
-    151,936-token vocabulary). The vocabulary-parallel head gathers its logits on every TP rank (no
+    the loss, its log-softmax (kept for backward) and the gradient: 12 bytes, counted from what the
+    loss allocates, not measured apart (bench scale measures only each worker's whole peak). The vocabulary-parallel head gathers its logits on every TP rank (no
     loss parallelism, unlike Korthikanti sec. 4.3's vocab/t).
   * ZeRO-3 (FSDP2, DeepSpeed) also gathers the weights outside the layers (embedding, head) whole,
     and their gradient before it is reduce-scattered: in `dtype_bytes`, plus an fp32 copy of the

@@ -4,8 +4,9 @@ The arithmetic is planner/fits.py; this module gathers what it prices: the model
 sees it, the live resource graph (`live_graph`, workers on its first devices as `first_devices`
 assumes) and what an elastic job keeps in host memory (elastic/replicas.py). Where there is nothing
 to price the run is not blocked, and the log says why: a model the planner has no spec for (its
-plug-in's `model_spec` raises ValueError), a graph with fewer devices than workers (no descriptor and
-no probed accelerators: a CPU-only Ray), or workers holding CPU slots beside the graph's accelerators.
+plug-in's `model_spec` raises ValueError), CPU workers on a cluster with neither a descriptor nor a
+simulation (probed nodes list no CPU devices; the probe is skipped), a graph with fewer devices than
+workers, or workers holding CPU slots beside the graph's accelerators.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from baige_ray.runtime.train_loop import TrainJob
 from baige_ray.runtime.worker_group import choose_device_resource
 from baige_ray.topology.descriptor import ClusterDescriptor
 from baige_ray.topology.graph import ResourceGraph
+from baige_ray.topology.simulated import SimulatedCluster
 
 if TYPE_CHECKING:
     from baige_ray.elastic.config import ElasticConfig
@@ -43,9 +45,15 @@ def check_layout_memory(job: TrainJob, scaling: ScalingConfig, layout: ParallelL
     model = _model_spec(job)
     if model is None:
         return None
+    # accelerator="gpu" asks for GPUs whatever the cluster has now (WorkerGroup says if it has too few).
+    resource = "GPU" if scaling.accelerator == "gpu" else choose_device_resource(scaling, ray.cluster_resources())
+    if resource == "CPU" and cluster is None and SimulatedCluster.active() is None:
+        # A probed node lists no CPU devices: nothing to price, so skip the probe (seconds, once a session).
+        logger.info("memory of the layout not checked: CPU workers on a cluster without a descriptor")
+        return None
     graph = live_graph(cluster)
     world = layout.world_size
-    if not _workers_hold_graph_devices(graph, scaling, world):
+    if not _workers_hold_graph_devices(graph, resource, world):
         return None
     spares = min(elastic.num_spares, graph.num_devices - world) if elastic is not None else 0
     graph = first_devices(graph, world + spares)
@@ -62,14 +70,12 @@ def _model_spec(job: TrainJob) -> ModelSpec | None:
         return None
 
 
-def _workers_hold_graph_devices(graph: ResourceGraph, scaling: ScalingConfig, world: int) -> bool:
+def _workers_hold_graph_devices(graph: ResourceGraph, resource: str, world: int) -> bool:
     if graph.num_devices < world:
         logger.info("memory of the layout not checked: the resource graph %r has %d devices for %d workers",
                     graph.name, graph.num_devices, world)
         return False
     accelerators = any(p.accelerator != CPU_DEVICE and p.num_devices for p in graph.profiles)
-    # accelerator="gpu" asks for GPUs whatever the cluster has now (WorkerGroup says if it has too few).
-    resource = "GPU" if scaling.accelerator == "gpu" else choose_device_resource(scaling, ray.cluster_resources())
     if accelerators and resource == "CPU":
         logger.info("memory of the layout not checked: its workers hold CPU slots, not the graph's accelerators")
         return False
