@@ -20,6 +20,7 @@ from torch import nn
 
 from baige_ray.engines.base import Engine, SlowChipEmulator
 from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.shards import Box, ShardedPart, copy_local
 from baige_ray.engines.state import ADAM_KEYS, CanonicalState
 from baige_ray.models.aux_loss import auxiliary_losses
 from baige_ray.runtime.train_loop import TrainJob, build_optimizer
@@ -52,6 +53,7 @@ class DeepSpeedEngine(Engine):
         self.expert_layers = self.plugin.expert_modules(model)
         self.zero_stage = int(layout.data_parallel.removeprefix("zero"))
         self.expert_shards = self._shard_experts(model) if layout.ep > 1 else None
+        self._boxes: dict[str, Box] | None = None  # where this rank's ZeRO-3 partitions sit (_local_boxes)
         self.engine, _, _, _ = deepspeed.initialize(
             model=self._deepspeed_view(model),
             optimizer=build_optimizer(model, job.train, regroup=self._optimizer_regroup()),
@@ -138,7 +140,7 @@ class DeepSpeedEngine(Engine):
             optimizer._lazy_init_hp_params_optimizer_state()
 
     def export_state(self) -> CanonicalState:
-        state = self.snapshot_state()
+        state = self._gathered_state()
         return state if self.owns_state else {"model": {}, "optimizer": {}}
 
     def export_weights(self) -> dict[str, torch.Tensor]:
@@ -151,7 +153,23 @@ class DeepSpeedEngine(Engine):
                 weights[name] = full
         return weights
 
-    def snapshot_state(self, into: CanonicalState | None = None) -> CanonicalState:
+    @property
+    def snapshot_is_sharded(self) -> bool:
+        # ZeRO-3 keeps 1/dp of every fp32 master and Adam moment here: the pieces are snapshotted, not dp
+        # gathered copies. ZeRO-1/2 (full weights on every rank) and expert parallelism keep the gathered path.
+        return self.zero_stage == 3 and self.layout.dp > 1 and self.expert_shards is None
+
+    @property
+    def snapshot_is_local(self) -> bool:
+        return self.snapshot_is_sharded
+
+    def snapshot_state(self, into: CanonicalState | ShardedPart | None = None) -> CanonicalState | ShardedPart:
+        """This rank's pieces when sharded (no communication); otherwise the gathered state (collective)."""
+        if self.snapshot_is_sharded:
+            return self._local_part(into if isinstance(into, ShardedPart) else None)
+        return self._gathered_state()
+
+    def _gathered_state(self) -> CanonicalState:
         """Collective: every rank gets the full fp32 weights and Adam moments (fresh tensors)."""
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
@@ -167,6 +185,56 @@ class DeepSpeedEngine(Engine):
                 adam[name].update({key: self._canonical(name, value) for key, value in moments.items()})
         return {"model": model, "optimizer": adam}
 
+    def _local_part(self, into: ShardedPart | None = None) -> ShardedPart:
+        """This rank's slices of the flattened fp32 masters and Adam moments, with no communication.
+
+        ZeRO-3 cuts each parameter flattened and padded to a multiple of its partition group's size into
+        equal contiguous partitions, rank r holding [r * n, (r + 1) * n) with n = ceil(numel / size): the
+        padding past numel (the last ranks' tails, or a whole partition of a tiny parameter) is dropped.
+        `into`, an earlier part of the same names, is written over instead of allocating.
+        """
+        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+        boxes = self._local_boxes()
+        old_model = into.state["model"] if into is not None else {}
+        old_adam = into.state["optimizer"] if into is not None else {}
+        base_states = self._base_optimizer_states()
+        model, adam = {}, {}
+        for name, param in self.module.named_parameters():
+            length = boxes[name].size[0]
+            model[name] = copy_local(self._trim(param, safe_get_local_fp32_param(param), length), old_model.get(name))
+            if base_states:
+                old = old_adam.get(name, {})
+                step = torch.as_tensor(base_states[0]["step"], dtype=torch.float32)
+                adam[name] = {"step": copy_local(step, old.get("step"))}
+                adam[name].update({
+                    key: copy_local(self._trim(param, safe_get_local_optimizer_state(param, key), length), old.get(key))
+                    for key in ADAM_KEYS})
+        return ShardedPart({"model": model, "optimizer": adam}, dict(boxes))
+
+    def _local_boxes(self) -> dict[str, Box]:
+        """Where this rank's partition of each parameter sits in its flattened full tensor (fixed for the
+        engine's life: computed once, from DeepSpeed's own partitioning rule in partition_parameters.py)."""
+        if self._boxes is None:
+            import deepspeed.comm as ds_dist
+
+            boxes = {}
+            for name, param in self.module.named_parameters():
+                per_rank = param.ds_tensor.ds_numel  # ceil(ds_numel / group size): the padded partition
+                start = per_rank * ds_dist.get_rank(group=param.ds_process_group)
+                length = max(0, min(per_rank, param.ds_numel - start))
+                boxes[name] = Box(tuple(param.ds_shape), (min(start, param.ds_numel),), (length,), flat=True)
+            self._boxes = boxes
+        return self._boxes
+
+    @staticmethod
+    def _trim(param: nn.Parameter, local: torch.Tensor | None, length: int) -> torch.Tensor:
+        if local is None:
+            raise ValueError(f"ZeRO-3 keeps no fp32 partition of a frozen parameter ({tuple(param.ds_shape)})")
+        if local.numel() != param.ds_tensor.ds_numel:
+            raise RuntimeError(f"a local ZeRO-3 partition of {local.numel()} elements, not {param.ds_tensor.ds_numel}")
+        return local.narrow(0, 0, length)
+
     def _canonical(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """A fresh full CPU copy: expert slices gathered over the expert group (collective)."""
         if self.expert_shards is not None:
@@ -177,8 +245,6 @@ class DeepSpeedEngine(Engine):
         return full if self.expert_shards is None else self.expert_shards.cut(name, full)
 
     def import_state(self, state: CanonicalState) -> None:
-        from deepspeed.utils import safe_set_full_optimizer_state
-
         self._load_weights(state["model"])
         if state["optimizer"]:
             self._create_optimizer_state()
@@ -187,7 +253,7 @@ class DeepSpeedEngine(Engine):
             saved = state["optimizer"].get(name)
             if saved is not None:
                 for key in ADAM_KEYS:
-                    safe_set_full_optimizer_state(param, self._cut(name, saved[key]).to(self.device), key)
+                    self._set_master(name, param, saved[key], key)
         steps = [saved["step"] for saved in state["optimizer"].values()]
         for base_state in self._base_optimizer_states():
             if steps:
@@ -197,7 +263,6 @@ class DeepSpeedEngine(Engine):
         """Set the model's weights and ZeRO's fp32 master partitions (re-derived from the weights in fp32,
         set from `weights` under bf16, whose copies are rounded)."""
         import deepspeed
-        from deepspeed.utils import safe_set_full_fp32_param
 
         for name, param in self.module.named_parameters():
             full = self._cut(name, weights[name]).to(self.device)
@@ -212,4 +277,27 @@ class DeepSpeedEngine(Engine):
             return
         # the bf16 weights just copied are rounded: the fp32 masters take the full-precision values
         for name, param in self.module.named_parameters():
-            safe_set_full_fp32_param(param, self._cut(name, weights[name]).to(self.device, torch.float32))
+            self._set_master(name, param, weights[name])
+
+    def _set_master(self, name: str, param: nn.Parameter, full: torch.Tensor, key: str | None = None) -> None:
+        """Set this rank's part of a parameter's fp32 master (`key` None) or Adam moment from its full tensor.
+
+        Under ZeRO-3 the part is written locally, padded to the partition: DeepSpeed's full setter narrows
+        past the end of a tensor whose size its partition group does not divide (the last rank's padding).
+        """
+        from deepspeed.utils import (safe_set_full_fp32_param, safe_set_full_optimizer_state,
+                                     safe_set_local_fp32_param, safe_set_local_optimizer_state)
+
+        full = self._cut(name, full)
+        if self.zero_stage == 3:
+            box = self._local_boxes()[name]
+            piece = torch.zeros(param.ds_tensor.ds_numel, dtype=torch.float32, device=self.device)
+            piece[:box.size[0]] = full.reshape(-1).narrow(0, box.start[0], box.size[0])
+            if key is None:
+                safe_set_local_fp32_param(param, piece)
+            else:
+                safe_set_local_optimizer_state(param, piece, key)
+        elif key is None:
+            safe_set_full_fp32_param(param, full.to(self.device, torch.float32))
+        else:
+            safe_set_full_optimizer_state(param, full.to(self.device, torch.float32), key)
