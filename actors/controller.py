@@ -62,7 +62,8 @@ class ElasticController(RecoveryMixin):
         self.speeds = list(speeds or [1.0] * scaling.num_workers)
         self.machine = StateMachine()
         self.events = EventLog(run.run_dir / "events.jsonl")
-        self.pool = WorkerPool(scaling, run.name, choose_device_resource(scaling, ray.cluster_resources()), worker_cls)
+        self.pool = WorkerPool(scaling, run.name, choose_device_resource(scaling, ray.cluster_resources()), worker_cls,
+                               snapshot_slots=self.elastic.snapshot_slots)
         self.min_workers, self.max_workers = elastic.bounds(scaling.num_workers)
         self.target_workers = scaling.num_workers
         self.planner = planner

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import datetime
 import os
+import shutil
 import socket
 import time
 
@@ -23,11 +24,13 @@ from baige_ray.accelerator import AcceleratorSpec, DeviceProbe, detect_accelerat
 from baige_ray.api.device import DeviceInfo
 from baige_ray.elastic.faults import Fault, carry_out
 from baige_ray.elastic.replicas import stages_behind
+from baige_ray.elastic.shelf import SnapshotShelf, read_shelf, run_shelves, shelf_directory, shelf_steps
 from baige_ray.elastic.snapshot import HostSnapshotter
 from baige_ray.engines.base import Engine
 from baige_ray.engines.factory import build_engine
 from baige_ray.engines.layout import ParallelLayout
-from baige_ray.engines.state import CanonicalState, merge_states
+from baige_ray.engines.shards import ShardedPart, assemble
+from baige_ray.engines.state import CanonicalState
 from baige_ray.runtime.distributed import (
     STEP_ABORT,
     GroupMembership,
@@ -194,9 +197,12 @@ class ElasticWorkerActor(WorkerActor):
     """A worker under the elastic controller: heartbeats, step aborts and snapshot reads answered on a
     "control" thread while a step runs, replica copies on a "replica" thread (ELASTIC_WORKER_THREADS)."""
 
-    def __init__(self, *, num_threads: int = 1, probe: DeviceProbe | None = None, cpu_niceness: int = 0):
+    def __init__(self, *, num_threads: int = 1, probe: DeviceProbe | None = None, cpu_niceness: int = 0,
+                 snapshot_slots: int = 2):
         super().__init__(num_threads=num_threads, probe=probe, cpu_niceness=cpu_niceness)
         self.snapshots: HostSnapshotter | None = None
+        self.snapshot_slots = snapshot_slots
+        self._shelf: SnapshotShelf | None = None
         self._collective_timeout_s: float | None = None
         self._failed_generation: int | None = None
         self._abandoned_generation = -1
@@ -231,8 +237,14 @@ class ElasticWorkerActor(WorkerActor):
     def build_engine(self, job: TrainJob, layout: ParallelLayout, emulated_speed: float = 1.0) -> dict:
         report = super().build_engine(job, layout, emulated_speed)
         previous = self.snapshots.latest() if self.snapshots is not None else None
-        self.snapshots = HostSnapshotter(self.engine, latest=previous)
+        if self.engine.snapshot_is_sharded and self._shelf is None:
+            self._shelf = self._open_shelf()
+        self.snapshots = HostSnapshotter(self.engine, latest=previous, shelf=self._shelf)
         return report
+
+    def _open_shelf(self) -> SnapshotShelf | None:
+        name = ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None
+        return SnapshotShelf(shelf_directory(name), slots=self.snapshot_slots) if name else None
 
     def rejoin(
         self, membership: GroupMembership, job: TrainJob, layout: ParallelLayout, emulated_speed: float,
@@ -249,7 +261,8 @@ class ElasticWorkerActor(WorkerActor):
         report = self.build_engine(job, layout, emulated_speed)
         if state_parts:
             parts = ray.get(list(state_parts))
-            self.import_state(parts[0] if len(parts) == 1 else merge_states(parts))
+            whole = len(parts) == 1 and not isinstance(parts[0], ShardedPart)
+            self.import_state(parts[0] if whole else assemble(parts))
         return report
 
     def elastic_step(
@@ -322,6 +335,25 @@ class ElasticWorkerActor(WorkerActor):
             raise RuntimeError("this worker holds no snapshot")
         return latest[1]
 
+    @ray.method(concurrency_group="control")
+    def shelf_steps_of(self, worker_name: str) -> list[int]:
+        """The steps of the whole sharded snapshots on the shelf of `worker_name`, a worker of this node
+        (this one, or one that died), newest first."""
+        return shelf_steps(shelf_directory(worker_name))
+
+    @ray.method(concurrency_group="control")
+    def read_shelf_of(self, worker_name: str, step: int) -> ShardedPart:
+        found = read_shelf(shelf_directory(worker_name), step)
+        if found is None:
+            raise RuntimeError(f"the shelf of {worker_name} holds no snapshot of step {step}")
+        return found[1]
+
+    @ray.method(concurrency_group="control")
+    def discard_shelves(self, run_name: str) -> None:
+        """Remove every shelf of run `run_name` on this node (the run is over)."""
+        self._shelf = None
+        shutil.rmtree(run_shelves(run_name), ignore_errors=True)
+
     @ray.method(concurrency_group="replica")
     def copy_replica(self, holders: dict[int, ray.actor.ActorHandle], timeout_s: float = 60.0) -> int | None:
         """Copy every stage's newest snapshot (from one holder each) here, on a thread of its own so
@@ -345,7 +377,7 @@ class ElasticWorkerActor(WorkerActor):
         except Exception:  # a holder died or lost its snapshot: the replica held stays, the next copy tries again
             parts = None
         if parts is not None:
-            self.replica = (next(iter(parts.values()))[0], merge_states([part[1] for part in parts.values()]))
+            self.replica = (next(iter(parts.values()))[0], assemble([part[1] for part in parts.values()]))
         return self.replica[0] if self.replica is not None else None
 
     @ray.method(concurrency_group="control")

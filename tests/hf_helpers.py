@@ -127,8 +127,9 @@ def plain_transformers_losses(model_dir: Path, dataset, train, num_steps: int | 
 
 
 def elastic_hf_run(name: str, storage_path, tiny: TinyHF, *, num_workers: int, num_steps: int, elastic,
-                   global_batch_size: int = 24, learning_rate: float = 3e-3, faults=None):
-    """The tiny Llama as an elastic job (constant learning rate, pure data parallel); returns the TrainingJob."""
+                   global_batch_size: int = 24, learning_rate: float = 3e-3, faults=None, layout=None):
+    """The tiny model as an elastic job (constant learning rate; pure data parallel unless `layout` says
+    otherwise); returns the TrainingJob."""
     from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
     from baige_ray.elastic.job import launch
     from baige_ray.models.hf import HFModel
@@ -143,4 +144,5 @@ def elastic_hf_run(name: str, storage_path, tiny: TinyHF, *, num_workers: int, n
         run=RunConfig(name=name, storage_path=storage_path, show_progress=False),
         elastic=elastic,
         faults=faults,
+        layout=layout,
     )

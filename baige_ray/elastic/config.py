@@ -34,6 +34,10 @@ class ElasticConfig:
     straggler_patience: int = 5
     evict_stragglers: bool = True
     snapshot_every: int = 1
+    # Sharded snapshots (FSDP2, ZeRO-3) keep the newest two in node shared memory (shelf.py). One halves
+    # that memory, but a worker killed while copying (a fraction of a step) then leaves no whole snapshot
+    # of its shards: recovery falls back to a replica or the persisted checkpoint.
+    snapshot_slots: int = 2
     # Copies of the snapshot on two other nodes, every this many steps, for layouts where some
     # stage lives on one node only (0: never; a lost node then falls back to the persisted checkpoint).
     replicate_every: int = 1
@@ -60,6 +64,9 @@ class ElasticConfig:
         require_number("ElasticConfig", "straggler_threshold", self.straggler_threshold, minimum=1, exclusive_minimum=True)
         require_int("ElasticConfig", "straggler_patience", self.straggler_patience, minimum=1)
         require_int("ElasticConfig", "snapshot_every", self.snapshot_every, minimum=1)
+        require_int("ElasticConfig", "snapshot_slots", self.snapshot_slots, minimum=1)
+        if self.snapshot_slots > 2:
+            raise ValueError(f"ElasticConfig.snapshot_slots={self.snapshot_slots!r} is invalid: expected 1 or 2")
         require_int("ElasticConfig", "replicate_every", self.replicate_every, minimum=0)
         require_int("ElasticConfig", "persist_every", self.persist_every, minimum=0)
         if self.persist_every and self.persist_path is None:

@@ -8,6 +8,7 @@ crash and resumes from the surviving workers' snapshots.
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
 from baige_ray.api.result import Result, StepMetrics
 from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.faults import FaultPlan
+from baige_ray.elastic.shelf import run_shelves
 from baige_ray.elastic.sizing import layout_for
 from baige_ray.elastic.workers import NAMESPACE
 from baige_ray.engines.layout import ParallelLayout
@@ -106,6 +108,8 @@ def kill_run_actors(run_name: str) -> int:
                 killed += 1
             except ValueError:  # gone meanwhile
                 pass
+    # Their snapshot shelves on this node go too (other nodes' go with a run that ends normally).
+    shutil.rmtree(run_shelves(run_name), ignore_errors=True)
     return killed
 
 

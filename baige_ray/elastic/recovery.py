@@ -57,7 +57,8 @@ class RecoveryMixin:
         readable = set(outcome.wedged) if outcome is not None else set(lost)
         departing = [(rank, self.members[rank]) for rank in sorted(readable & set(lost))]
         replicas = self.state_sources.readable_replicas(self.members, lost, readable)
-        step, state = self.state_sources.newest_snapshot(survivors + departing, self.layout, replicas)
+        step, state = self.state_sources.newest_snapshot(survivors + departing, self.layout, replicas,
+                                                         members=list(enumerate(self.members)))
         settle_parts(state)
         marks["gathered"] = time.monotonic()
         self._drop_dead_spares()
@@ -358,7 +359,9 @@ class RecoveryMixin:
 
     def _release_everything(self) -> None:
         incoming = self._harvest_request.incoming if self._harvest_request is not None else []
-        self.pool.stop([w for w in self.members + self.spares + incoming if w.actor is not None])
+        everyone = [w for w in self.members + self.spares + incoming if w.actor is not None]
+        WorkerPool.discard_shelves(everyone, self.run_config.name)
+        self.pool.stop(everyone)
         self.members, self.spares = list(self.members), []
         _internal_kv_del(self._record_key())
 

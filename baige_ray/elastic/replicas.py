@@ -18,8 +18,11 @@ SNAPSHOT_BUFFERS = 2  # HostSnapshotter keeps the newest snapshot and the one be
 REPLICA_BUFFERS = 2  # a holder keeps its replica until the next copy is whole (ElasticWorkerActor.copy_replica)
 
 
-def exposed_stages(stage_of_rank: Sequence[int], node_of_rank: Sequence[str]) -> list[int]:
-    """Stages whose every holder sits on one node: that node's loss takes their live snapshot with it."""
+def exposed_stages(stage_of_rank: Sequence[int], node_of_rank: Sequence[str], sharded: bool = False) -> list[int]:
+    """Stages whose every holder sits on one node: that node's loss takes their live snapshot with it.
+    Sharded snapshots hold each shard once, so a stage spread over several nodes is exposed too."""
+    if sharded:
+        return sorted(set(stage_of_rank))
     nodes_of_stage: dict[int, set[str]] = {}
     for stage, node in zip(stage_of_rank, node_of_rank):
         nodes_of_stage.setdefault(stage, set()).add(node)

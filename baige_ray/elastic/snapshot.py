@@ -3,9 +3,11 @@
 The copy runs on a background thread while the next step's forward and backward
 read (but do not write) the weights. Only the optimizer update writes them, so the
 engine runs `fence()` just before it: the stall is the part of the copy that did
-not fit under forward and backward, usually none. Engines whose state is sharded
-(DTensor, ZeRO) need a collective to assemble it, which must stay on the training
-thread in step order; their snapshot is taken synchronously and counted as stall.
+not fit under forward and backward, usually none. Under FSDP2 and ZeRO-3 each rank
+copies only its own shards (engines/shards.py) into its shelf in node shared memory
+(shelf.py), where they outlive the worker. Engines whose snapshot needs a collective
+(tensor- or expert-parallel DTensors gathered whole) take it on the training thread in
+step order, synchronously, and it counts as stall.
 """
 
 from __future__ import annotations
@@ -13,14 +15,19 @@ from __future__ import annotations
 import threading
 import time
 
+from baige_ray.elastic.shelf import SnapshotShelf
 from baige_ray.engines.base import Engine
+from baige_ray.engines.shards import ShardedPart
 from baige_ray.engines.state import CanonicalState
 
 
 class HostSnapshotter:
-    def __init__(self, engine: Engine, *, latest: tuple[int, CanonicalState] | None = None):
-        """`latest` carries the newest snapshot over from the engine of an earlier generation."""
+    def __init__(self, engine: Engine, *, latest: tuple[int, CanonicalState | ShardedPart] | None = None,
+                 shelf: SnapshotShelf | None = None):
+        """`latest` carries the newest snapshot over from the engine of an earlier generation; `shelf`
+        keeps sharded snapshots (those of engines whose `snapshot_is_sharded`) outside this process."""
         self.engine = engine
+        self.shelf = shelf if engine.snapshot_is_sharded else None
         self.last_stall_s = 0.0
         self._latest = latest
         # Double buffering: the next copy overwrites the snapshot before the latest, which no one
@@ -36,26 +43,34 @@ class HostSnapshotter:
     def after_step(self, step: int) -> None:
         """Start snapshotting the state as it is after `step` (waits for a previous copy first)."""
         self.fence()
+        source = self.engine.snapshot_source()  # looked up here, on the training thread
         if not self.engine.snapshot_is_local:
             started = time.perf_counter()
-            with self._buffers:
-                self._publish(step, self.engine.snapshot_state(self._spare))
+            self._take(step, source)
             self.last_stall_s = time.perf_counter() - started
             return
-        self._copying = threading.Thread(target=self._copy, args=(step,), name=f"snapshot-{step}", daemon=True)
+        self._copying = threading.Thread(target=self._copy, args=(step, source), name=f"snapshot-{step}",
+                                         daemon=True)
         self._copying.start()
 
-    def _copy(self, step: int) -> None:
+    def _copy(self, step: int, source) -> None:
         try:
-            with self._buffers:
-                self._publish(step, self.engine.snapshot_state(self._spare))
+            self._take(step, source)
         except BaseException as error:  # surfaced by fence() on the training thread
             self._failure = error
+
+    def _take(self, step: int, source) -> None:
+        with self._buffers:
+            if self.shelf is None:
+                self._publish(step, source(self._spare))
+                return
+            self._latest = (step, self.shelf.commit(step, source(self.shelf.begin())))
 
     def _publish(self, step: int, state: CanonicalState) -> None:
         previous = self._latest
         self._latest = (step, state)
-        self._spare = previous[1] if previous is not None and previous[1] is not state else None
+        reusable = previous is not None and previous[1] is not state and not isinstance(previous[1], ShardedPart)
+        self._spare = previous[1] if reusable else None  # a shelf's part stays on the shelf
 
     def fence(self) -> float:
         """Wait for an in-flight copy; returns the seconds waited."""
@@ -90,7 +105,9 @@ class HostSnapshotter:
             if self._latest is None:
                 return None
             step, state = self._latest
-            return step, {section: _clone_tree(part) for section, part in state.items()}
+            if isinstance(state, ShardedPart):
+                return step, ShardedPart(_clone_tree(state.state), dict(state.boxes))
+            return step, _clone_tree(state)
 
     def drop(self) -> None:
         """Forget the engine (a new generation builds a new one); the latest snapshot is kept."""

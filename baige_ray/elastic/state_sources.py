@@ -19,7 +19,7 @@ from baige_ray.elastic.replica_copies import ReplicaCopies
 from baige_ray.elastic.replicas import exposed_stages, replica_floor, replica_holders
 from baige_ray.elastic.workers import Worker
 from baige_ray.engines.layout import ParallelLayout
-from baige_ray.engines.state import merge_states
+from baige_ray.engines.shards import assemble
 from baige_ray.ops.events import EventLog
 
 CALL_TIMEOUT_S = 120.0
@@ -37,30 +37,27 @@ class StateSources:
         self._replica_behind = False  # the last wait for replicas gave up
 
     def newest_snapshot(self, holders: list[tuple[int, Worker]], layout: ParallelLayout,
-                        replicas: list[Worker] = ()):
-        """(step, refs to one canonical part per pipeline stage) of the newest snapshot every stage still has,
-        live in the holders or in a replica (all stages at one step) held on another node.
+                        replicas: list[Worker] = (), members: list[tuple[int, Worker]] | None = None):
+        """(step, refs to the parts to assemble) of the newest snapshot every stage still has: live in the
+        holders (sharded layouts: on the shelves of every rank in `members`, dead or alive, read by a live
+        holder on its node) or in a replica (all stages at one step) held on another node.
 
         Falls back to the newest good persisted checkpoint; (None, None) when there is neither.
         The parts stay in the object store: workers fetch them from each other.
         """
-        refs = [w.actor.snapshot_step.remote() for _, w in holders] + [w.actor.replica_step.remote() for w in replicas]
-        answers = answers_or_none(refs)  # None: no snapshot, or dead
-        steps, replica_steps = answers[:len(holders)], answers[len(holders):]
-        by_step: dict[int, dict[int, Worker]] = {}
-        for (rank, worker), step in zip(holders, steps):
-            if step is not None:
-                by_step.setdefault(step, {}).setdefault(layout.coords(rank).pp, worker)
-        complete = [step for step, stages in by_step.items() if len(stages) == layout.pp]
-        live = max(complete, default=None)
+        if layout.snapshots_are_sharded:
+            live = newest_on_shelves(members or holders, [w for _, w in holders])
+        else:
+            live = newest_live(holders, layout)
+        replica_steps = answers_or_none([w.actor.replica_step.remote() for w in replicas])
         replica = max(((step, w) for step, w in zip(replica_steps, replicas) if step is not None),
                       key=lambda pair: pair[0], default=None)
-        if replica is not None and (live is None or replica[0] > live):
+        if replica is not None and (live is None or replica[0] > live[0]):
             self.events.record("checkpoint", f"restored the replica of step {replica[0]}", step=replica[0])
             return replica[0], [replica[1].actor.replica_state.remote()]
         if live is None:
             return self.persisted_state()
-        return live, [w.actor.snapshot_state.remote() for w in by_step[live].values()]
+        return live
 
     def readable_replicas(self, members: list[Worker], lost: dict[int, str], readable: set[int]) -> list[Worker]:
         """Replica holders still reachable: none of the lost members, unless they still answer."""
@@ -76,14 +73,14 @@ class StateSources:
             return
         nodes = [w.info.node_id for w in members]
         stages = [layout.coords(rank).pp for rank in range(len(members))]
-        if not exposed_stages(stages, nodes):
+        if not exposed_stages(stages, nodes, sharded=layout.snapshots_are_sharded):
             self.replica_copies.clear()
             return
         candidates = idle_spares + members  # idle spares first
         holders = [candidates[i] for i in replica_holders([w.info.node_id for w in candidates])]
         sources = {}
-        for rank, worker in enumerate(members):
-            sources.setdefault(stages[rank], worker.actor)
+        for rank, worker in enumerate(members):  # one source per stage; every rank's shards when sharded
+            sources.setdefault(rank if layout.snapshots_are_sharded else stages[rank], worker.actor)
         self.replica_copies.start(holders, sources)
 
     def await_replicas(self, next_step: int, generation_start: int, wait_s: float) -> None:
@@ -103,16 +100,18 @@ class StateSources:
 
     @staticmethod
     def gather_state(holders: list[tuple[int, Worker]], layout: ParallelLayout):
-        """(step, merged canonical state) of one snapshot per pipeline stage, fetched here while training
-        may go on: each part comes with its own step, and parts of different steps are not merged."""
-        per_stage: dict[int, Worker] = {}
+        """(step, canonical state) assembled from one snapshot per pipeline stage (every rank's shards when
+        sharded), fetched here while training may go on: each part comes with its own step, and parts of
+        different steps are not merged."""
+        sharded = layout.snapshots_are_sharded
+        sources: dict[int, Worker] = {}
         for rank, worker in holders:
-            per_stage.setdefault(layout.coords(rank).pp, worker)
-        parts = answers_or_none([w.actor.snapshot_with_step.remote() for w in per_stage.values()])
+            sources.setdefault(rank if sharded else layout.coords(rank).pp, worker)
+        parts = answers_or_none([w.actor.snapshot_with_step.remote() for w in sources.values()])
         steps = {part[0] for part in parts if part is not None}
-        if None in parts or len(steps) != 1 or len(per_stage) != layout.pp:
+        if None in parts or len(steps) != 1 or len(sources) != (layout.world_size if sharded else layout.pp):
             return None, None  # a stage missing or mid-step: the next attempt will do
-        return steps.pop(), merge_states([part[1] for part in parts])
+        return steps.pop(), assemble([part[1] for part in parts])
 
     def persisted_state(self):
         if self.elastic.persist_path is None:
@@ -145,6 +144,41 @@ class StateSources:
         """Let checkpoints being written finish."""
         if self._persister is not None:
             self._persister.close(timeout=timeout_s)
+
+
+def newest_live(holders: list[tuple[int, Worker]], layout: ParallelLayout):
+    """(step, refs to one whole part per stage) of the newest snapshot every stage has in a holder; None."""
+    steps = answers_or_none([w.actor.snapshot_step.remote() for _, w in holders])  # None: no snapshot, or dead
+    by_step: dict[int, dict[int, Worker]] = {}
+    for (rank, worker), step in zip(holders, steps):
+        if step is not None:
+            by_step.setdefault(step, {}).setdefault(layout.coords(rank).pp, worker)
+    complete = [step for step, stages in by_step.items() if len(stages) == layout.pp]
+    if not complete:
+        return None
+    newest = max(complete)
+    return newest, [w.actor.snapshot_state.remote() for w in by_step[newest].values()]
+
+
+def newest_on_shelves(members: list[tuple[int, Worker]], readers: list[Worker]):
+    """(step, refs to every rank's part) of the newest sharded snapshot that every rank's shelf holds;
+    None when one has none whole or no live worker is left on its node to read it."""
+    on_node = {}
+    for worker in readers:
+        on_node.setdefault(worker.info.node_id, worker)
+    live = {worker.name for worker in readers}
+    askers = [worker if worker.name in live else on_node.get(worker.info.node_id) for _, worker in members]
+    if None in askers:
+        return None
+    steps = answers_or_none([asker.actor.shelf_steps_of.remote(worker.name)
+                             for asker, (_, worker) in zip(askers, members)])
+    if None in steps:
+        return None
+    common = set.intersection(*(set(found) for found in steps))
+    if not common:
+        return None
+    step = max(common)
+    return step, [asker.actor.read_shelf_of.remote(worker.name, step) for asker, (_, worker) in zip(askers, members)]
 
 
 def settle_parts(parts: list | None, timeout_s: float = CALL_TIMEOUT_S) -> None:

@@ -35,8 +35,10 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, scaling: ScalingConfig, run_name: str, resource: str, worker_cls: type = ElasticWorkerActor):
+    def __init__(self, scaling: ScalingConfig, run_name: str, resource: str, worker_cls: type = ElasticWorkerActor,
+                 snapshot_slots: int = 2):
         self.scaling = scaling
+        self.snapshot_slots = snapshot_slots
         self.run_name = run_name
         self.resource = resource
         self._remote_cls = ray.remote(**ELASTIC_WORKER_THREADS)(worker_cls)
@@ -62,7 +64,7 @@ class WorkerPool:
                 num_cpus=bundle.get("CPU", 0.0),
                 num_gpus=bundle.get("GPU", 0.0),
                 resources=custom,
-            ).remote(cpu_niceness=self.scaling.cpu_niceness)
+            ).remote(cpu_niceness=self.scaling.cpu_niceness, snapshot_slots=self.snapshot_slots)
             worker = Worker(actor=actor, name=name, speed=(speeds or [1.0] * count)[index], share=share)
             worker.ready_ref = actor.device_info.remote()
             started.append(worker)
@@ -114,6 +116,14 @@ class WorkerPool:
                 ray.kill(worker.actor, no_restart=True)
             except Exception:  # already gone
                 pass
+
+    @staticmethod
+    def discard_shelves(workers: list[Worker], run_name: str, timeout_s: float = 10.0) -> None:
+        """Remove the run's snapshot shelves (shelf.py) from every node that has one of `workers`."""
+        on_node = {w.info.node_id: w for w in workers if w.info is not None}
+        refs = [w.actor.discard_shelves.remote(run_name) for w in on_node.values()]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
     @staticmethod
     def by_locality(workers: list[Worker]) -> list[Worker]:

@@ -188,9 +188,20 @@ class Engine(ABC):
         """
         return self.export_state()
 
+    def snapshot_source(self) -> Callable:
+        """Called on the training thread after a step: what the snapshot copy calls, perhaps on another
+        thread beside the next step, with the buffers to write into (`snapshot_state`'s `into`)."""
+        return self.snapshot_state
+
     @property
     def snapshot_is_local(self) -> bool:
         """True when `snapshot_state` needs no collective, so it may run beside the next step."""
+        return False
+
+    @property
+    def snapshot_is_sharded(self) -> bool:
+        """True when `snapshot_state` returns this rank's pieces only (a `ShardedPart`): restoring a stage
+        then needs the part of every rank of that stage (shards.assemble)."""
         return False
 
     @property

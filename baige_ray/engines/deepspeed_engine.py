@@ -157,7 +157,7 @@ class DeepSpeedEngine(Engine):
     def snapshot_is_sharded(self) -> bool:
         # ZeRO-3 keeps 1/dp of every fp32 master and Adam moment here: the pieces are snapshotted, not dp
         # gathered copies. ZeRO-1/2 (full weights on every rank) and expert parallelism keep the gathered path.
-        return self.zero_stage == 3 and self.layout.dp > 1 and self.expert_shards is None
+        return self.layout.snapshots_are_sharded
 
     @property
     def snapshot_is_local(self) -> bool:

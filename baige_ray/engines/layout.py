@@ -115,6 +115,12 @@ class ParallelLayout:
         return self.dp * self.tp * self.pp
 
     @property
+    def snapshots_are_sharded(self) -> bool:
+        """FSDP2 and ZeRO-3 keep 1/dp of every tensor on a rank, which snapshots only its own pieces
+        (engines/shards.py): restoring a stage then needs the part of each of its ranks."""
+        return self.dp > 1 and self.ep == 1 and self.data_parallel in ("fsdp2", "zero3")
+
+    @property
     def stages_per_rank(self) -> int:
         return 2 if self.pipeline_schedule == "interleaved-1f1b" and self.pp > 1 else 1
 

@@ -14,6 +14,8 @@ import torch
 from baige_ray.checkpoint.store import list_checkpoints
 from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.faults import FaultPlan
+from baige_ray.elastic.shelf import run_shelves
+from baige_ray.engines.layout import ParallelLayout
 from baige_ray.topology.simulated import SimulatedCluster
 from tests.cluster.test_elastic_nodes import wait_for
 from tests.hf_helpers import build_tiny_hf, elastic_hf_run, qwen2_tied_config
@@ -47,6 +49,24 @@ def test_a_crashed_worker_of_a_hf_model_is_replaced_from_a_spare_and_training_is
     final, expected = final_weights(result), final_weights(reference)
     assert final.keys() == expected.keys() and "model.layers.0.self_attn.k_proj.weight" in final
     for name in expected:  # the world size is kept, so the result is bitwise the fault-free one
+        assert torch.equal(final[name], expected[name]), name
+
+
+def test_a_crashed_fsdp2_worker_is_restored_from_the_shards_it_left_in_shared_memory(tiny, tmp_path):
+    """Under FSDP2 each rank snapshots only its own shards, to its shelf in node shared memory: the
+    crashed rank's shards are read from there by a peer on its node (no replica: replicate_every=0)."""
+    layout = ParallelLayout(dp=4, data_parallel="fsdp2")
+    elastic = ElasticConfig(num_spares=1, replicate_every=0)
+    result = elastic_hf_run("elastic-hf-fsdp2", tmp_path, tiny, num_workers=4, num_steps=10, elastic=elastic,
+                            layout=layout, faults=FaultPlan().crash(rank=2, step=6)).wait()
+    assert [m.step for m in result.metrics] == list(range(10))
+    # The crash comes as step 6 begins, while the rank still copies step 5: its whole snapshot is step 4's.
+    assert len(result.recoveries) == 1 and result.recoveries[0]["lost_steps"] <= 2
+    assert not run_shelves("elastic-hf-fsdp2").exists()  # the run's shelves go with it
+    reference = elastic_hf_run("elastic-hf-fsdp2-reference", tmp_path, tiny, num_workers=4, num_steps=10,
+                               elastic=elastic, layout=layout).wait()
+    final, expected = final_weights(result), final_weights(reference)
+    for name in expected:
         assert torch.equal(final[name], expected[name]), name
 
 

@@ -41,10 +41,10 @@ def _run(rank: int, port: int, results, model_dir: str, data_dir: str) -> None:
         layout = ParallelLayout(dp=2, data_parallel=kind)
         engine = build_engine(job, layout, rank)
         losses = [engine.train_step(step)["loss"] for step in range(2)]
-        state = engine.snapshot_state()
+        state = _full_state(engine)
         fresh = build_engine(job, layout, rank)
         fresh.import_state(state)
-        moved = fresh.snapshot_state()
+        moved = _full_state(fresh)
         outcome[kind] = {
             "losses": losses,
             "dtypes": sorted({str(t.dtype) for t in state["model"].values()}),
@@ -53,6 +53,15 @@ def _run(rank: int, port: int, results, model_dir: str, data_dir: str) -> None:
         }
     results[rank] = outcome
     dist.destroy_process_group()
+
+
+def _full_state(engine):
+    """The canonical state from every rank's snapshot (its own shards where the engine shards it)."""
+    from baige_ray.engines.shards import assemble
+
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, engine.snapshot_state())
+    return assemble(parts)
 
 
 def test_bf16_mixed_keeps_fp32_state_and_moves_it_exactly(tmp_path):

@@ -1,0 +1,164 @@
+"""One rank's own pieces of the canonical state, and the canonical state assembled from every rank's.
+
+A sharded engine (FSDP2, ZeRO-3) holds 1/dp of each tensor. Gathering the full state on every rank to
+snapshot it costs a collective in step order and dp full copies where one would do; instead each rank
+copies only its pieces, with no communication, and records where each piece sits in its full tensor
+(a `Box`). Whoever restores assembles the full tensors from the pieces of every rank of a stage.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from baige_ray.engines.state import ADAM_KEYS, CanonicalState
+
+
+@dataclass(frozen=True)
+class Box:
+    """Where a piece sits in its full tensor of `shape`: `start` and `size` per dimension of the index
+    space, which is the tensor's own (DTensor shards) or, with `flat`, the flattened tensor (ZeRO-3)."""
+
+    shape: tuple[int, ...]
+    start: tuple[int, ...]
+    size: tuple[int, ...]
+    flat: bool = False
+
+    @classmethod
+    def whole(cls, shape) -> Box:
+        shape = tuple(shape)
+        return cls(shape, (0,) * len(shape), shape)
+
+    @property
+    def volume(self) -> int:
+        return math.prod(self.size)
+
+    def write(self, full: torch.Tensor, piece: torch.Tensor) -> None:
+        """Copy `piece` into its place in `full` (a tensor of `shape`)."""
+        target = full.view(-1) if self.flat else full
+        index = tuple(slice(s, s + n) for s, n in zip(self.start, self.size))
+        target[index].copy_(piece.reshape(self.size))
+
+
+@dataclass
+class ShardedPart:
+    """One rank's pieces: `state` is canonical in form (names, sections) but each tensor is the piece
+    `boxes[name]` of its full tensor; the Adam moments of a parameter share its box."""
+
+    state: CanonicalState
+    boxes: dict[str, Box]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in _tensors(self.state))
+
+
+def assemble(parts: Iterable[CanonicalState | ShardedPart]) -> CanonicalState:
+    """The canonical state of the parts' union: whole parts as they are, pieces written into full tensors.
+
+    Raises ValueError when the pieces of a tensor do not cover it (a rank's part is missing)."""
+    merged: CanonicalState = {"model": {}, "optimizer": {}}
+    sharded: list[ShardedPart] = []
+    for part in parts:
+        if isinstance(part, ShardedPart):
+            sharded.append(part)
+            continue
+        for section in ("model", "optimizer"):
+            for name, value in part.get(section, {}).items():
+                merged[section].setdefault(name, value)
+    for name, boxes in _pieces_by_name(sharded).items():
+        if name in merged["model"]:
+            continue
+        _require_cover(name, [box for box, _ in boxes])
+        merged["model"][name] = _fill(boxes, lambda state: state["model"][name])
+        with_adam = [(box, part) for box, part in boxes if name in part["optimizer"]]
+        if with_adam:
+            adam = {"step": with_adam[0][1]["optimizer"][name]["step"].clone()}
+            adam.update({key: _fill(with_adam, lambda state, key=key: state["optimizer"][name][key])
+                         for key in ADAM_KEYS})
+            merged["optimizer"][name] = adam
+    return merged
+
+
+def _pieces_by_name(parts: list[ShardedPart]) -> dict[str, list[tuple[Box, CanonicalState]]]:
+    """Each name's distinct boxes with the state holding them (replicated boxes are taken once)."""
+    found: dict[str, dict[tuple, tuple[Box, CanonicalState]]] = {}
+    for part in parts:
+        for name, box in part.boxes.items():
+            found.setdefault(name, {}).setdefault((box.start, box.size), (box, part.state))
+    return {name: list(boxes.values()) for name, boxes in found.items()}
+
+
+def _require_cover(name: str, boxes: list[Box]) -> None:
+    covered = sum(box.volume for box in boxes)
+    needed = math.prod(boxes[0].shape)
+    if covered != needed:
+        raise ValueError(f"the pieces of {name!r} cover {covered} of its {needed} elements: a rank's part is missing")
+
+
+def _fill(boxes: list[tuple[Box, CanonicalState]], pick) -> torch.Tensor:
+    first_box, first_state = boxes[0]
+    sample = pick(first_state)
+    full = torch.empty(first_box.shape, dtype=sample.dtype)
+    for box, state in boxes:
+        box.write(full, pick(state))
+    return full
+
+
+def _tensors(state: CanonicalState):
+    for section in state.values():
+        for value in section.values():
+            if isinstance(value, dict):
+                yield from value.values()
+            else:
+                yield value
+
+
+def box_of(tensor: torch.Tensor) -> Box:
+    """Where this rank's piece of `tensor` sits: a DTensor's local shard, or the whole of a plain tensor."""
+    if isinstance(tensor, DTensor):
+        size, start = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        return Box(tuple(tensor.shape), tuple(start), tuple(size))
+    return Box.whole(tensor.shape)
+
+
+@dataclass
+class LocalSources:
+    """This rank's sharded tensors by canonical name, looked up on the training thread: FSDP2 swaps the
+    unsharded parameters into the module during forward and backward, so a copy running beside the next
+    step must not look the parameters up itself."""
+
+    params: dict[str, torch.Tensor]
+    adam: dict[str, dict[str, torch.Tensor]]
+
+    @classmethod
+    def of(cls, module: nn.Module, optimizer: torch.optim.Optimizer) -> LocalSources:
+        params = dict(module.named_parameters())
+        adam = {name: {key: state[key] for key in ("step", *ADAM_KEYS)}
+                for name, param in params.items() if (state := optimizer.state.get(param))}
+        return cls(params, adam)
+
+    def copy(self, into: ShardedPart | None = None) -> ShardedPart:
+        """This rank's pieces of the weights and Adam state, copied without communication; `into`, an
+        earlier part of the same names, is written over instead of allocating."""
+        old_model = into.state["model"] if into is not None else {}
+        old_adam = into.state["optimizer"] if into is not None else {}
+        model = {name: copy_local(param, old_model.get(name)) for name, param in self.params.items()}
+        adam = {name: {key: copy_local(value, old_adam.get(name, {}).get(key)) for key, value in state.items()}
+                for name, state in self.adam.items()}
+        return ShardedPart({"model": model, "optimizer": adam},
+                           {name: box_of(param) for name, param in self.params.items()})
+
+
+def copy_local(tensor: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    """A CPU copy of this rank's piece of `tensor`, written into `into` when it fits."""
+    local = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
+    if into is not None and into.shape == local.shape and into.dtype == local.dtype:
+        return into.copy_(local)
+    return local.cpu().clone()
