@@ -345,6 +345,7 @@ class ElasticController(RecoveryMixin):
             "tokens": per_rank[0]["group_tokens"],
             "num_workers": len(per_rank),
             "snapshot_stall_s": max(m["snapshot_stall_s"] for m in per_rank),
+            "peak_host_memory_bytes": max(m.get("peak_host_memory_bytes", 0) for m in per_rank),
         })
         self._export_metrics(per_rank, seconds)
         self.step_times.append(seconds)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import gc
 import os
 import shutil
 import socket
@@ -24,12 +25,19 @@ from baige_ray.accelerator import AcceleratorSpec, DeviceProbe, detect_accelerat
 from baige_ray.api.device import DeviceInfo
 from baige_ray.elastic.faults import Fault, carry_out
 from baige_ray.elastic.replicas import stages_behind
-from baige_ray.elastic.shelf import SnapshotShelf, read_shelf, run_shelves, shelf_directory, shelf_steps
+from baige_ray.elastic.shelf import (
+    ShelfRef,
+    SnapshotShelf,
+    read_shelf,
+    run_shelves,
+    shelf_directory,
+    shelf_steps,
+)
 from baige_ray.elastic.snapshot import HostSnapshotter
 from baige_ray.engines.base import Engine
 from baige_ray.engines.factory import build_engine
 from baige_ray.engines.layout import ParallelLayout
-from baige_ray.engines.shards import ShardedPart, assemble
+from baige_ray.engines.shards import ShardedPart, assemble, assemble_lazily
 from baige_ray.engines.state import CanonicalState
 from baige_ray.runtime.distributed import (
     STEP_ABORT,
@@ -233,6 +241,7 @@ class ElasticWorkerActor(WorkerActor):
         if self.snapshots is not None:
             self.snapshots.drop()
         super()._drop_engine()
+        gc.collect()  # modules hold reference cycles: free the old engine before a new one is built
 
     def build_engine(self, job: TrainJob, layout: ParallelLayout, emulated_speed: float = 1.0) -> dict:
         report = super().build_engine(job, layout, emulated_speed)
@@ -260,10 +269,20 @@ class ElasticWorkerActor(WorkerActor):
         self.join_group(membership)
         report = self.build_engine(job, layout, emulated_speed)
         if state_parts:
-            parts = ray.get(list(state_parts))
+            parts = [self._fetch_part(part) for part in state_parts]
             whole = len(parts) == 1 and not isinstance(parts[0], ShardedPart)
-            self.import_state(parts[0] if whole else assemble(parts))
+            self.import_state(parts[0] if whole else assemble_lazily(parts))
         return report
+
+    def _fetch_part(self, part):
+        """An ObjectRef's value, or a shelf's snapshot: mapped in place when the shelf is on this node."""
+        if not isinstance(part, ShelfRef):
+            return ray.get(part)
+        if part.node_id == _ray_placement()[0]:
+            found = read_shelf(shelf_directory(part.worker_name), part.step)
+            if found is not None:
+                return found[1]
+        return ray.get(part.reader.read_shelf_of.remote(part.worker_name, part.step))
 
     def elastic_step(
         self, step: int, *, snapshot: bool = True, fault: Fault | None = None, collective_timeout_s: float | None = None
@@ -347,6 +366,11 @@ class ElasticWorkerActor(WorkerActor):
         if found is None:
             raise RuntimeError(f"the shelf of {worker_name} holds no snapshot of step {step}")
         return found[1]
+
+    @ray.method(concurrency_group="control")
+    def discard_shelf_of(self, worker_name: str) -> None:
+        """Remove the shelf a worker of this node left (it died, and its snapshot has been restored)."""
+        shutil.rmtree(shelf_directory(worker_name), ignore_errors=True)
 
     @ray.method(concurrency_group="control")
     def discard_shelves(self, run_name: str) -> None:

@@ -15,8 +15,14 @@ geometric mean of the rounds' ratios; each worker's peak resident memory against
 that layout (`memory_error`, relative); and the memory model's verdict on DDP x2 for this host (the
 check `fit` runs before any worker starts, planner/fits.py). The headline keys are the worst layout's.
 
-Not measured yet (null in the JSON, `unmeasured` lists them): snapshot stall and bytes, recovery
-from a killed worker, persistence throughput, and serving the export with vLLM (issue #28).
+Then, per layout in `--elastic-layouts` (FSDP2 by default), the model as an elastic job (`launch`) with
+sharded snapshots in node shared memory, and one worker SIGKILLed mid-step (bench/scale_faults.py):
+the snapshot stall as a fraction of the step (`stall_frac`), the snapshots' bytes, detection and
+recovery time, steps redone (`steps_lost`), and the loss curve against fit's fault-free run.
+
+Not measured yet (null in the JSON, `unmeasured` lists them): persistence throughput (persisting
+gathers the whole state in the controller, 12 GB at this size beside training: it needs per-rank
+sharded persistence), and serving the export with vLLM (issue #28).
 """
 
 from __future__ import annotations
@@ -32,16 +38,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from baige_ray.bench.measure import steady_median
+from baige_ray.bench.scale_faults import measure_elastic
 
 if TYPE_CHECKING:
     from baige_ray.topology.graph import ResourceGraph
 
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "models" / "qwen2.5-0.5b.json"
-UNMEASURED = ("stall_frac", "persist_vs_write", "steps_lost", "recovery_s", "vllm_vs_direct")
+UNMEASURED = ("persist_vs_write", "vllm_vs_direct")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="one round of 4 steps per system (1 warm-up)")
+    parser.add_argument("--quick", action="store_true", help="one round of 5 steps per system (1 warm-up)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -49,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layouts", default="fsdp2,zero3", help="comma-separated: fsdp2, zero3")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of torchrun and fit, alternating their order")
     parser.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "fp32"])
+    parser.add_argument("--elastic-layouts", default="fsdp2",
+                        help="comma-separated layouts run as an elastic job with a worker killed ('' for none)")
+    parser.add_argument("--kill-step", type=int, default=4, help="the step in whose middle a worker is killed")
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "baige-bench-scale"))
 
 
@@ -191,21 +201,35 @@ def measure_layout(data_parallel: str, model_dir: Path, data_dir: Path, args, tm
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
-        args.steps, args.warmup, args.rounds = 4, 1, 1
+        args.steps, args.warmup, args.rounds = 5, 1, 1
+    args.kill_step = min(args.kill_step, args.steps - 2)  # a step to kill in and one after it
     model_dir, data_dir = prepare(Path(args.work_dir), args.seq_len)
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
     ddp = memory_verdict(model_dir, data_dir, "ddp", args)
+    elastic_layouts = [name.strip() for name in args.elastic_layouts.split(",") if name.strip()]
     with tempfile.TemporaryDirectory() as tmp:
         results = {name: measure_layout(name, model_dir, data_dir, args, Path(tmp)) for name in layouts}
-    worst = max(results.values(), key=lambda r: r["vs_torchrun"])
+        for name in elastic_layouts:
+            reference = results[name]["baige_losses"] if name in results else []
+            results.setdefault(name, {})["elastic"] = measure_elastic(name, model_dir, data_dir, args, Path(tmp),
+                                                                      reference)
+    worst = max((r for r in results.values() if "vs_torchrun" in r), key=lambda r: r["vs_torchrun"])
+    elastic = [r["elastic"] for r in results.values() if "elastic" in r]
     return {
         "benchmark": "scale", "model": "qwen2.5-0.5b", "workers": 2, "seq_len": args.seq_len,
         "global_batch_size": args.global_batch_size, "precision": args.precision, "steps": args.steps,
         "layouts": results, "vs_torchrun": worst["vs_torchrun"],
         "ddp_predicted_gb": round(ddp["predicted_bytes"] / 1e9, 3), "ddp_verdict": ddp["verdict"],
-        "memory_error": max(r["memory_error"] for r in results.values()),
+        "memory_error": max(r["memory_error"] for r in results.values() if "memory_error" in r),
+        "stall_frac": _worst(elastic, "stall_frac"), "steps_lost": _worst(elastic, "steps_lost"),
+        "recovery_s": _worst(elastic, "recovery_s"), "detection_s": _worst(elastic, "detection_s"),
         **{key: None for key in UNMEASURED}, "unmeasured": list(UNMEASURED),
     }
+
+
+def _worst(measured: list[dict], key: str):
+    values = [m[key] for m in measured if m.get(key) is not None]
+    return max(values) if values else None
 
 
 def summarize(result: dict[str, Any]) -> str:
@@ -214,4 +238,11 @@ def summarize(result: dict[str, Any]) -> str:
         lines.append(f"{name:<7} {r['torchrun_step_s']:>10.2f} {r['baige_step_s']:>8.2f} {r['vs_torchrun']:>12.3f} "
                      f"{r['baige_peak_gb']:>8.2f} {r['predicted_gb']:>13.2f} {r['memory_error']:>13.3f}")
     lines.append(f"DDP x2: {result['ddp_predicted_gb']:.2f} GB per worker predicted; {result['ddp_verdict']}")
+    for name, r in result["layouts"].items():
+        if "elastic" in r:
+            e = r["elastic"]
+            lines.append(f"{name} elastic: stall {e['stall_frac']} of a step, snapshots {e['snapshot_host_gb']} GB, "
+                         f"killed in step {e['killed_step']}: detected in {e['detection_s']} s, recovered in "
+                         f"{e['recovery_s']} s, {e['steps_lost']} step(s) redone, loss max |diff| "
+                         f"{e['loss_max_abs_diff']} vs fit")
     return "\n".join(lines)

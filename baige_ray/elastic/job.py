@@ -77,7 +77,9 @@ class TrainingJob:
         return Result(
             metrics=[
                 StepMetrics(step=m["step"], loss=m["loss"], learning_rate=m["learning_rate"],
-                            step_time_s=m["step_time_s"], tokens=m["tokens"])
+                            step_time_s=m["step_time_s"], tokens=m["tokens"],
+                            peak_host_memory_gb=m.get("peak_host_memory_bytes", 0) / 1e9,
+                            snapshot_stall_s=m.get("snapshot_stall_s", 0.0))
                 for m in outcome["metrics"]
             ],
             checkpoint_path=Path(outcome["checkpoint_path"]) if outcome["checkpoint_path"] else None,

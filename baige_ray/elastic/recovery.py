@@ -88,6 +88,7 @@ class RecoveryMixin:
             self._regroup(members, state)
         except Exception as error:  # a member died while regrouping: recover again without it
             return self._lost_during_regroup(members, error)
+        self.state_sources.release_shelves(state, members)
         marks["regrouped"] = time.monotonic()
         self._recovery_marks = marks
         self._resume_at(step, self._furthest_started_step(survivors, failed_step))

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from baige_ray.planner.fits import HostCopies
 
-SNAPSHOT_BUFFERS = 2  # HostSnapshotter keeps the newest snapshot and the one before it for the next copy
+SNAPSHOT_BUFFERS = 2  # HostSnapshotter keeps the newest snapshot and the one before it (ElasticConfig.snapshot_slots)
 REPLICA_BUFFERS = 2  # a holder keeps its replica until the next copy is whole (ElasticWorkerActor.copy_replica)
 
 
@@ -63,14 +63,14 @@ def replica_floor(next_step: int, generation_start: int, snapshot_every: int = 1
 
 
 def host_copies(stage_of_rank: Sequence[int], node_of_worker: Sequence[str], *, num_spares: int,
-                replicate: bool) -> HostCopies:
+                replicate: bool, sharded: bool = False, snapshot_slots: int = SNAPSHOT_BUFFERS) -> HostCopies:
     """What an elastic job keeps in host memory beside training, its workers placed as `node_of_worker`
     says: members by rank, then `num_spares` spares. Replicas go where `replicate_if_due` puts them
     (state_sources.py): to two workers on distinct nodes, idle spares first, when some stage is exposed."""
     world = len(stage_of_rank)
     holders: tuple[int, ...] = ()
-    if replicate and exposed_stages(stage_of_rank, node_of_worker[:world]):
+    if replicate and exposed_stages(stage_of_rank, node_of_worker[:world], sharded=sharded):
         candidates = [*range(world, world + num_spares), *range(world)]
         holders = tuple(candidates[i] for i in replica_holders([node_of_worker[c] for c in candidates]))
-    return HostCopies(snapshot_copies=SNAPSHOT_BUFFERS, replica_workers=holders,
+    return HostCopies(snapshot_copies=snapshot_slots, replica_workers=holders,
                       replica_copies=REPLICA_BUFFERS if holders else 0, num_spares=num_spares)

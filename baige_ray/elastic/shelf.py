@@ -18,7 +18,9 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,6 +51,17 @@ def run_shelves(run_name: str, root: Path | None = None) -> Path:
 
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+@dataclass(frozen=True)
+class ShelfRef:
+    """A rank's sharded snapshot of `step` on the shelf of `worker_name` (alive or dead) on node `node_id`:
+    a worker on that node maps it directly (no copy); one elsewhere asks `reader`, a live worker there."""
+
+    worker_name: str
+    node_id: str
+    step: int
+    reader: Any  # the reader's ActorHandle
 
 
 class SnapshotShelf:

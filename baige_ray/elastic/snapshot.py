@@ -26,7 +26,7 @@ class HostSnapshotter:
                  shelf: SnapshotShelf | None = None):
         """`latest` carries the newest snapshot over from the engine of an earlier generation; `shelf`
         keeps sharded snapshots (those of engines whose `snapshot_is_sharded`) outside this process."""
-        self.engine = engine
+        self.engine: Engine | None = engine
         self.shelf = shelf if engine.snapshot_is_sharded else None
         self.last_stall_s = 0.0
         self._latest = latest
@@ -112,8 +112,12 @@ class HostSnapshotter:
     def drop(self) -> None:
         """Forget the engine (a new generation builds a new one); the latest snapshot is kept."""
         self.fence()
+        if self.engine is None:
+            return
         if self._fence_for_update in self.engine.before_update_hooks:
             self.engine.before_update_hooks.remove(self._fence_for_update)
+        self.engine = None  # its memory goes before the next generation builds its own
+        self._spare = None
 
 
 def _clone_tree(tree):

@@ -17,6 +17,7 @@ from baige_ray.checkpoint.store import load_latest_good
 from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.replica_copies import ReplicaCopies
 from baige_ray.elastic.replicas import exposed_stages, replica_floor, replica_holders
+from baige_ray.elastic.shelf import ShelfRef
 from baige_ray.elastic.workers import Worker
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.shards import assemble
@@ -58,6 +59,15 @@ class StateSources:
         if live is None:
             return self.persisted_state()
         return live
+
+    @staticmethod
+    def release_shelves(parts: list | None, kept: list[Worker], timeout_s: float = 10.0) -> None:
+        """Once restored, remove the shelves that workers no longer in `kept` (dead ones) left behind."""
+        names = {worker.name for worker in kept}
+        refs = [part.reader.discard_shelf_of.remote(part.worker_name) for part in parts or []
+                if isinstance(part, ShelfRef) and part.worker_name not in names]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
     def readable_replicas(self, members: list[Worker], lost: dict[int, str], readable: set[int]) -> list[Worker]:
         """Replica holders still reachable: none of the lost members, unless they still answer."""
@@ -178,7 +188,8 @@ def newest_on_shelves(members: list[tuple[int, Worker]], readers: list[Worker]):
     if not common:
         return None
     step = max(common)
-    return step, [asker.actor.read_shelf_of.remote(worker.name, step) for asker, (_, worker) in zip(askers, members)]
+    return step, [ShelfRef(worker.name, worker.info.node_id, step, asker.actor)
+                  for asker, (_, worker) in zip(askers, members)]
 
 
 def settle_parts(parts: list | None, timeout_s: float = CALL_TIMEOUT_S) -> None:

@@ -9,7 +9,7 @@ copies only its pieces, with no communication, and records where each piece sits
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +63,14 @@ def assemble(parts: Iterable[CanonicalState | ShardedPart]) -> CanonicalState:
     """The canonical state of the parts' union: whole parts as they are, pieces written into full tensors.
 
     Raises ValueError when the pieces of a tensor do not cover it (a rank's part is missing)."""
-    merged: CanonicalState = {"model": {}, "optimizer": {}}
+    lazy = assemble_lazily(parts)
+    return {"model": dict(lazy["model"]), "optimizer": dict(lazy["optimizer"])}
+
+
+def assemble_lazily(parts: Iterable[CanonicalState | ShardedPart]) -> CanonicalState:
+    """`assemble`, but each full tensor is built when it is looked up and not kept: importing a state
+    one tensor at a time then holds one full tensor beside the parts, not the whole state twice."""
+    whole: CanonicalState = {"model": {}, "optimizer": {}}
     sharded: list[ShardedPart] = []
     for part in parts:
         if isinstance(part, ShardedPart):
@@ -71,19 +78,45 @@ def assemble(parts: Iterable[CanonicalState | ShardedPart]) -> CanonicalState:
             continue
         for section in ("model", "optimizer"):
             for name, value in part.get(section, {}).items():
-                merged[section].setdefault(name, value)
-    for name, boxes in _pieces_by_name(sharded).items():
-        if name in merged["model"]:
-            continue
+                whole[section].setdefault(name, value)
+    pieces = {name: boxes for name, boxes in _pieces_by_name(sharded).items() if name not in whole["model"]}
+    for name, boxes in pieces.items():
         _require_cover(name, [box for box, _ in boxes])
-        merged["model"][name] = _fill(boxes, lambda state: state["model"][name])
-        with_adam = [(box, part) for box, part in boxes if name in part["optimizer"]]
-        if with_adam:
-            adam = {"step": with_adam[0][1]["optimizer"][name]["step"].clone()}
-            adam.update({key: _fill(with_adam, lambda state, key=key: state["optimizer"][name][key])
-                         for key in ADAM_KEYS})
-            merged["optimizer"][name] = adam
-    return merged
+    adam = {name: with_adam for name, boxes in pieces.items()
+            if (with_adam := [(box, state) for box, state in boxes if name in state["optimizer"]])}
+    return {"model": _Assembled(whole["model"], pieces, _full_weight),
+            "optimizer": _Assembled(whole["optimizer"], adam, _full_moments)}
+
+
+class _Assembled(Mapping):
+    """Whole tensors as given, and full tensors filled from pieces on every lookup."""
+
+    def __init__(self, whole: dict, pieces: dict[str, list[tuple[Box, CanonicalState]]], fill):
+        self._whole, self._pieces, self._fill = whole, pieces, fill
+
+    def __getitem__(self, name: str):
+        if name in self._whole:
+            return self._whole[name]
+        if name not in self._pieces:
+            raise KeyError(name)
+        return self._fill(name, self._pieces[name])
+
+    def __iter__(self):
+        yield from self._whole
+        yield from self._pieces
+
+    def __len__(self) -> int:
+        return len(self._whole) + len(self._pieces)
+
+
+def _full_weight(name: str, boxes: list[tuple[Box, CanonicalState]]) -> torch.Tensor:
+    return _fill(boxes, lambda state: state["model"][name])
+
+
+def _full_moments(name: str, boxes: list[tuple[Box, CanonicalState]]) -> dict[str, torch.Tensor]:
+    moments = {"step": boxes[0][1]["optimizer"][name]["step"].clone()}
+    moments.update({key: _fill(boxes, lambda state, key=key: state["optimizer"][name][key]) for key in ADAM_KEYS})
+    return moments
 
 
 def _pieces_by_name(parts: list[ShardedPart]) -> dict[str, list[tuple[Box, CanonicalState]]]:

@@ -27,8 +27,9 @@ configuration it names. Assumptions:
         activations and the worker process itself (WORKER_PROCESS_BYTES) count against the node; on
         accelerators they do not;
       - an elastic job's snapshots (elastic/snapshot.py): every member keeps `snapshot_copies` copies of
-        its pipeline rank's full state, gathered over TP, ZeRO/FSDP and EP (weights and Adam's two
-        moments: `dtype_bytes + optimizer_bytes_per_param` bytes per parameter);
+        its pipeline rank's state (weights and Adam's two moments: `dtype_bytes + optimizer_bytes_per_param`
+        bytes per parameter): its own 1/dp shards under FSDP2 and ZeRO-3 (in node shared memory,
+        elastic/shelf.py), otherwise the whole stage gathered over TP and EP;
       - its replicas (elastic/replicas.py): each of `replica_workers` keeps every stage's full state,
         `replica_copies` times.
     Not counted: Ray's object store, the worker processes on accelerator nodes, transient copies (snapshot reads
@@ -173,10 +174,18 @@ def _deepspeed_zero3_extra_bytes(model: ModelSpec, shape: LayoutShape, layers: n
     return low_precision_copy + shape.compute_dtype_bytes * np.minimum(DEEPSPEED_REDUCE_BUCKET, params)
 
 
-def snapshot_bytes(model: ModelSpec, shape: LayoutShape) -> np.ndarray:
-    """One snapshot of each pipeline rank's full state (every TP, ZeRO and EP shard gathered), in bytes."""
+def stage_state_bytes(model: ModelSpec, shape: LayoutShape) -> np.ndarray:
+    """Each pipeline rank's whole state (weights and Adam moments, every shard gathered), in bytes."""
     dense, expert = stage_param_counts(model, np.asarray(shape.stage_layers))
     return (dense + expert) * (model.dtype_bytes + optimizer_bytes_per_param(model))
+
+
+def snapshot_bytes(model: ModelSpec, shape: LayoutShape) -> np.ndarray:
+    """One snapshot of each pipeline rank, in bytes: a rank's own shards where ZeRO-3/FSDP2 shard the state
+    (engines/shards.py, as ParallelLayout.snapshots_are_sharded says), else the whole stage."""
+    sharded = shape.zero_stage == 3 and shape.dp > 1 and shape.ep == 1
+    whole = stage_state_bytes(model, shape)
+    return whole / shape.dp if sharded else whole
 
 
 def worker_positions(graph: ResourceGraph, num_workers: int) -> np.ndarray:
@@ -239,7 +248,7 @@ def _host_bytes_per_worker(model: ModelSpec, graph: ResourceGraph, shape: Layout
         if not 0 <= worker < len(rows):
             raise ValueError(f"HostCopies.replica_workers={copies.replica_workers!r} is invalid: expected "
                              f"indices below {len(rows)} (members, then spares)")
-        replicas[worker] += copies.replica_copies * snapshot.sum()
+        replicas[worker] += copies.replica_copies * stage_state_bytes(model, shape).sum()
     return {"training": training, "snapshots": snapshots, "replicas": replicas}
 
 

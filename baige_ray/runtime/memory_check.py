@@ -88,4 +88,5 @@ def _host_copies(layout: ParallelLayout, graph: ResourceGraph, elastic: ElasticC
         return HostCopies()
     stages = [layout.coords(rank).pp for rank in range(layout.world_size)]
     nodes = [str(node) for node in graph.devices.node]
-    return host_copies(stages, nodes, num_spares=spares, replicate=elastic.replicate_every > 0)
+    return host_copies(stages, nodes, num_spares=spares, replicate=elastic.replicate_every > 0,
+                       sharded=layout.snapshots_are_sharded, snapshot_slots=elastic.snapshot_slots)

@@ -95,6 +95,21 @@ def test_snapshot_copies_add_host_bytes_per_worker_on_its_node():
         check_fits(QWEN, _sim_4x2(host_gb=20), shape, copies=HostCopies(snapshot_copies=2))
 
 
+def test_sharded_snapshots_take_a_dp_th_of_the_state_per_worker_and_their_slots_count():
+    graph = _sim_4x2()
+    fsdp = dataclasses.replace(_ddp(4), name="DP4 (fsdp2)", zero_stage=3)
+    whole = snapshot_bytes(QWEN, _ddp(4))[0]
+    assert snapshot_bytes(QWEN, fsdp)[0] == pytest.approx(whole / 4)
+    one_slot = check_fits(QWEN, graph, fsdp, copies=HostCopies(snapshot_copies=1))
+    assert one_slot.host_bytes == pytest.approx((2 * whole / 4, 2 * whole / 4))
+    # A sharded stage spans every rank, so with two nodes it is exposed and replicas (whole) are kept.
+    copies = host_copies([0, 0, 0, 0], ["0", "0", "1", "1"], num_spares=0, replicate=True, sharded=True,
+                         snapshot_slots=1)
+    assert copies.snapshot_copies == 1 and copies.replica_workers == (0, 2)
+    fit = check_fits(QWEN, graph, fsdp, copies=copies)
+    assert fit.host_bytes == pytest.approx((2 * whole / 4 + REPLICA_BUFFERS * whole,) * 2)
+
+
 def test_replicas_count_on_the_workers_that_hold_them():
     graph, shape = _sim_4x2(), _ddp(2)
     copies = HostCopies(snapshot_copies=2, replica_workers=(2,), replica_copies=2, num_spares=1)
