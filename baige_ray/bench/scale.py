@@ -59,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--elastic-layouts", default="fsdp2",
                         help="comma-separated layouts run as an elastic job with a worker killed ('' for none)")
     parser.add_argument("--kill-step", type=int, default=4, help="the step in whose middle a worker is killed")
+    parser.add_argument("--serve-tokens", type=int, default=32,
+                        help="max_tokens of each request when fit's export is served with vLLM (scale_serve.py)")
+    parser.add_argument("--serve-requests", type=int, default=3,
+                        help="requests per stream at 1 and at 8 streams, served and with vllm.LLM")
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "baige-bench-scale"))
 
 
