@@ -16,6 +16,7 @@ import os
 import shutil
 import socket
 import time
+import traceback
 
 import ray
 import torch
@@ -34,7 +35,7 @@ from baige_ray.elastic.shelf import (
     shelf_steps,
 )
 from baige_ray.elastic.snapshot import HostSnapshotter
-from baige_ray.engines.base import Engine
+from baige_ray.engines.base import Engine, return_freed_memory
 from baige_ray.engines.factory import build_engine
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.shards import ShardedPart, assemble, assemble_lazily
@@ -152,6 +153,7 @@ class WorkerActor:
         self.engine = build_engine(
             job, layout, membership.rank, device=self._device(), emulated_speed=emulated_speed
         )
+        return_freed_memory()
         return {
             "num_parameters": sum(p.numel() for p in self.engine.parameters),
             "data": self.engine.data.fingerprint if self.engine.data else None,
@@ -199,6 +201,10 @@ class WorkerActor:
         if self.group.membership is None:
             raise RuntimeError("this worker has not joined a process group")
         return self.group.membership
+
+
+class StepFailed(RuntimeError):
+    """A step that raised, with its traceback as text (the original's frames are let go)."""
 
 
 class ElasticWorkerActor(WorkerActor):
@@ -272,6 +278,8 @@ class ElasticWorkerActor(WorkerActor):
             parts = [self._fetch_part(part) for part in state_parts]
             whole = len(parts) == 1 and not isinstance(parts[0], ShardedPart)
             self.import_state(parts[0] if whole else assemble_lazily(parts))
+            del parts
+            gc.collect()  # unmap the shelves read, so a dead worker's is freed once it is removed
         return report
 
     def _fetch_part(self, part):
@@ -299,9 +307,13 @@ class ElasticWorkerActor(WorkerActor):
         try:
             metrics = engine.train_step(step)
             metrics.update(self._group_totals(metrics))
-        except BaseException:
+        except BaseException as error:
             self._failed_generation = self.group.membership.generation
-            raise
+            if not isinstance(error, Exception):
+                raise
+            # Raised anew without the traceback: its frames hold the aborted step's tensors (the engine,
+            # activations), which must go before the next generation builds its engine.
+            raise StepFailed(f"step {step} failed: {error!r}\n{traceback.format_exc()}") from None
         if snapshot:
             self.snapshots.after_step(step)
         metrics["snapshot_stall_s"] = self.snapshots.last_stall_s

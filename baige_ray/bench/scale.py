@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from baige_ray.bench.measure import steady_median
 from baige_ray.bench.scale_faults import measure_elastic
+from baige_ray.bench.scale_serve import measure_vllm
 
 if TYPE_CHECKING:
     from baige_ray.topology.graph import ResourceGraph
@@ -59,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--elastic-layouts", default="fsdp2",
                         help="comma-separated layouts run as an elastic job with a worker killed ('' for none)")
     parser.add_argument("--kill-step", type=int, default=4, help="the step in whose middle a worker is killed")
+    parser.add_argument("--no-serve", dest="serve", action="store_false",
+                        help="skip serving fit's export with vLLM against vllm.LLM")
     parser.add_argument("--serve-tokens", type=int, default=32,
                         help="max_tokens of each request when fit's export is served with vLLM (scale_serve.py)")
     parser.add_argument("--serve-requests", type=int, default=3,
@@ -117,12 +120,16 @@ def _job(model_dir: Path, data_dir: Path, data_parallel: str, args):
     train = TrainConfig(num_steps=args.steps, global_batch_size=args.global_batch_size, seed=0,
                         precision=args.precision)
     layout = ParallelLayout(dp=2, data_parallel=data_parallel)
-    return TrainJob(model=HFModel(model_dir, seq_len=dataset.seq_len), train=train, data=dataset), layout
+    model = HFModel(model_dir, seq_len=dataset.seq_len, tokenizer=model_dir.parent / "tokenizer")
+    return TrainJob(model=model, train=train, data=dataset), layout
 
 
-def memory_verdict(model_dir: Path, data_dir: Path, data_parallel: str, args) -> dict[str, Any]:
-    """The memory model's bytes per worker for this layout, and its verdict on this host (fits.py)."""
+def memory_verdict(model_dir: Path, data_dir: Path, data_parallel: str, args,
+                   snapshot_slots: int = 0) -> dict[str, Any]:
+    """The memory model's bytes per worker for this layout, and its verdict on this host (fits.py): as
+    `fit` runs it, or with `snapshot_slots` > 0 as an elastic job keeping that many snapshots."""
     from baige_ray.api.errors import LayoutMemoryError
+    from baige_ray.elastic.replicas import host_copies
     from baige_ray.planner.fits import WORKER_PROCESS_BYTES, check_fits, device_bytes, layout_shape
     from baige_ray.runtime.memory_check import STATE_DTYPE_BYTES
 
@@ -131,8 +138,10 @@ def memory_verdict(model_dir: Path, data_dir: Path, data_parallel: str, args) ->
     shape = layout_shape(layout, job.train, job.plugin.layers_per_stage(layout),
                          compute_dtype_bytes=job.train.compute_dtype_bytes)
     states, activations = device_bytes(spec, shape)
+    copies = host_copies([0] * layout.world_size, ["0"] * layout.world_size, num_spares=0, replicate=False,
+                         sharded=layout.snapshots_are_sharded, snapshot_slots=snapshot_slots)
     try:
-        check_fits(spec, this_host(layout.world_size), shape)
+        check_fits(spec, this_host(layout.world_size), shape, copies=copies)
         verdict = "fits"
     except LayoutMemoryError as refusal:
         verdict = str(refusal)
@@ -158,7 +167,8 @@ def _baige(model_dir: Path, data_dir: Path, data_parallel: str, args, storage: P
     result = fit(job.model, data=job.data, train=job.train, scaling=ScalingConfig(num_workers=2, accelerator="cpu"),
                  run=RunConfig(name=f"scale-{data_parallel}", storage_path=storage, show_progress=False), layout=layout)
     return {"step_times_s": [m.step_time_s for m in result.metrics], "losses": [m.loss for m in result.metrics],
-            "peak_host_memory_bytes": max(m.peak_host_memory_gb for m in result.metrics) * 1e9}
+            "peak_host_memory_bytes": max(m.peak_host_memory_gb for m in result.metrics) * 1e9,
+            "export_dir": str(result.checkpoint_path) if result.checkpoint_path else None}
 
 
 def _baige_in_fresh_ray(model_dir: Path, data_dir: Path, data_parallel: str, args, tmp: Path) -> dict:
@@ -200,6 +210,7 @@ def measure_layout(data_parallel: str, model_dir: Path, data_dir: Path, args, tm
         "torchrun_peak_gb": round(max(max(r["torchrun"]["peak_host_memory_bytes"]) for r in rounds) / 1e9, 3),
         "predicted_gb": round(predicted / 1e9, 3),
         "memory_error": round(abs(baige_peak - predicted) / predicted, 4),
+        "export_dir": rounds[-1]["baige"]["export_dir"],  # fit's final Hugging Face directory
     }
 
 
@@ -209,25 +220,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.kill_step = min(args.kill_step, args.steps - 2)  # a step to kill in and one after it
     model_dir, data_dir = prepare(Path(args.work_dir), args.seq_len)
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
-    ddp = memory_verdict(model_dir, data_dir, "ddp", args)
     elastic_layouts = [name.strip() for name in args.elastic_layouts.split(",") if name.strip()]
+    ddp = memory_verdict(model_dir, data_dir, "ddp", args)
+    # What launch's memory check says before any actor starts, snapshots counted.
+    elastic_verdicts = {f"{name} x2, {slots} snapshot slot(s)": memory_verdict(model_dir, data_dir, name, args,
+                                                                               snapshot_slots=slots)["verdict"]
+                        for name in ("ddp", "fsdp2", "zero3") for slots in (2, 1)}
+    serving = None
     with tempfile.TemporaryDirectory() as tmp:
         results = {name: measure_layout(name, model_dir, data_dir, args, Path(tmp)) for name in layouts}
         for name in elastic_layouts:
             reference = results[name]["baige_losses"] if name in results else []
             results.setdefault(name, {})["elastic"] = measure_elastic(name, model_dir, data_dir, args, Path(tmp),
                                                                       reference)
-    worst = max((r for r in results.values() if "vs_torchrun" in r), key=lambda r: r["vs_torchrun"])
+        exports = [r["export_dir"] for r in results.values() if r.get("export_dir")]
+        if args.serve and exports:
+            serving = measure_vllm(Path(exports[0]), args, Path(tmp))
+    timed = [r for r in results.values() if "vs_torchrun" in r]
     elastic = [r["elastic"] for r in results.values() if "elastic" in r]
+    unmeasured = [key for key in UNMEASURED if key != "vllm_vs_direct" or serving is None]
     return {
         "benchmark": "scale", "model": "qwen2.5-0.5b", "workers": 2, "seq_len": args.seq_len,
         "global_batch_size": args.global_batch_size, "precision": args.precision, "steps": args.steps,
-        "layouts": results, "vs_torchrun": worst["vs_torchrun"],
+        "layouts": results, "serving": serving,
+        "vs_torchrun": _worst(timed, "vs_torchrun"), "memory_error": _worst(timed, "memory_error"),
         "ddp_predicted_gb": round(ddp["predicted_bytes"] / 1e9, 3), "ddp_verdict": ddp["verdict"],
-        "memory_error": max(r["memory_error"] for r in results.values() if "memory_error" in r),
+        "elastic_verdicts": elastic_verdicts,
         "stall_frac": _worst(elastic, "stall_frac"), "steps_lost": _worst(elastic, "steps_lost"),
         "recovery_s": _worst(elastic, "recovery_s"), "detection_s": _worst(elastic, "detection_s"),
-        **{key: None for key in UNMEASURED}, "unmeasured": list(UNMEASURED),
+        "vllm_vs_direct": serving["vllm_vs_direct"] if serving else None,
+        **{key: None for key in unmeasured}, "unmeasured": unmeasured,
     }
 
 
@@ -238,10 +260,12 @@ def _worst(measured: list[dict], key: str):
 
 def summarize(result: dict[str, Any]) -> str:
     lines = ["layout  torchrun_s  baige_s  vs_torchrun  peak_gb  predicted_gb  memory_error"]
-    for name, r in result["layouts"].items():
+    for name, r in ((n, r) for n, r in result["layouts"].items() if "vs_torchrun" in r):
         lines.append(f"{name:<7} {r['torchrun_step_s']:>10.2f} {r['baige_step_s']:>8.2f} {r['vs_torchrun']:>12.3f} "
                      f"{r['baige_peak_gb']:>8.2f} {r['predicted_gb']:>13.2f} {r['memory_error']:>13.3f}")
     lines.append(f"DDP x2: {result['ddp_predicted_gb']:.2f} GB per worker predicted; {result['ddp_verdict']}")
+    for name, verdict in result["elastic_verdicts"].items():
+        lines.append(f"launch {name}: {verdict}")
     for name, r in result["layouts"].items():
         if "elastic" in r:
             e = r["elastic"]
@@ -249,4 +273,9 @@ def summarize(result: dict[str, Any]) -> str:
                          f"killed in step {e['killed_step']}: detected in {e['detection_s']} s, recovered in "
                          f"{e['recovery_s']} s, {e['steps_lost']} step(s) redone, loss max |diff| "
                          f"{e['loss_max_abs_diff']} vs fit")
+    if result["serving"]:
+        v = result["serving"]
+        lines.append(f"vLLM: serve() loads in {v['serve_load_s']} s, vllm.LLM in {v['direct_load_s']} s; tokens/s "
+                     f"served {v['serve_tokens_per_s']} vs direct {v['direct_tokens_per_s']}: "
+                     f"vllm_vs_direct {v['vllm_vs_direct']}")
     return "\n".join(lines)

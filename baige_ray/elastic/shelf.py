@@ -76,30 +76,23 @@ class SnapshotShelf:
         newest = _newest_slot(self.directory, slots)
         self._newest = newest[0] if newest is not None else None
 
-    def begin(self) -> ShardedPart | None:
-        """Invalidate the slot the next snapshot goes to and return its tensors to write into (None until
-        it has been written once: the engine then allocates, and `commit` copies)."""
+    def begin(self, layout: ShardedPart | None = None) -> ShardedPart | None:
+        """Invalidate the slot the next snapshot goes to and return its tensors to write into, laid out as
+        `layout` (meta tensors) says; None when it has none yet and no layout is given (the engine then
+        allocates, and `commit` copies: twice the memory for a moment)."""
         slot = self._next_slot()
         _manifest(self.directory, slot).unlink(missing_ok=True)
         if self._newest == slot:
             self._newest = None
+        if layout is not None:
+            return self._mapped_as(slot, layout)[1]
         mapped = self._mapped.get(slot)
         return mapped[1] if mapped is not None else None
 
     def commit(self, step: int, part: ShardedPart) -> ShardedPart:
         """Store `part` as the snapshot after `step` in the slot `begin` opened; returns it as stored."""
         slot = self._next_slot()
-        key = _layout_key(part)
-        mapped = self._mapped.get(slot)
-        if mapped is None or mapped[0] != key:
-            # A new file: the old one may still be mapped (the engine may have written into it), and
-            # truncating a mapped file faults every access past its new end.
-            self._generation += 1
-            data = f"slot{slot}-{os.getpid()}-{self._generation}.bin"
-            mapped = self._mapped[slot] = (key, _map(self.directory / data, part, create=True), data)
-            for stale in self.directory.glob(f"slot{slot}-*.bin"):
-                if stale.name != data:
-                    stale.unlink(missing_ok=True)
+        mapped = self._mapped_as(slot, part)
         stored = mapped[1]
         for (_, _, target), (_, _, source) in zip(_entries(stored), _entries(part)):
             if target.data_ptr() != source.data_ptr():
@@ -107,6 +100,22 @@ class SnapshotShelf:
         _write_manifest(self.directory, slot, step, part, data=mapped[2])
         self._newest = slot
         return stored
+
+    def _mapped_as(self, slot: int, like: ShardedPart) -> tuple[tuple, ShardedPart, str]:
+        """The slot's tensors, laid out as `like`'s (a new file when they are not)."""
+        key = _layout_key(like)
+        mapped = self._mapped.get(slot)
+        if mapped is not None and mapped[0] == key:
+            return mapped
+        # A new file: the old one may still be mapped (the engine may have written into it), and
+        # truncating a mapped file faults every access past its new end.
+        self._generation += 1
+        data = f"slot{slot}-{os.getpid()}-{self._generation}.bin"
+        mapped = self._mapped[slot] = (key, _map(self.directory / data, like, create=True), data)
+        for stale in self.directory.glob(f"slot{slot}-*.bin"):
+            if stale.name != data:
+                stale.unlink(missing_ok=True)
+        return mapped
 
     def remove(self) -> None:
         self._mapped.clear()

@@ -177,7 +177,8 @@ def newest_on_shelves(members: list[tuple[int, Worker]], readers: list[Worker]):
     for worker in readers:
         on_node.setdefault(worker.info.node_id, worker)
     live = {worker.name for worker in readers}
-    askers = [worker if worker.name in live else on_node.get(worker.info.node_id) for _, worker in members]
+    askers = [worker if worker.name in live else on_node.get(worker.info.node_id) if worker.info else None
+              for _, worker in members]
     if None in askers:
         return None
     steps = answers_or_none([asker.actor.shelf_steps_of.remote(worker.name)

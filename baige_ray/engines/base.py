@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import resource
 import time
 from abc import ABC, abstractmethod
@@ -19,6 +20,15 @@ from baige_ray.runtime.train_loop import TrainJob, learning_rate_at, replica_sam
 def peak_host_memory_bytes() -> int:
     """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def return_freed_memory() -> None:
+    """Hand memory freed on the heap back to the system (glibc keeps it otherwise): building an engine
+    frees the whole model it loaded, which would stay resident beside the shards kept."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class SlowChipEmulator:

@@ -20,7 +20,7 @@ from torch import nn
 
 from baige_ray.engines.base import Engine, SlowChipEmulator
 from baige_ray.engines.layout import ParallelLayout
-from baige_ray.engines.shards import Box, ShardedPart, copy_local
+from baige_ray.engines.shards import Box, ShardCopy, ShardedPart, copy_local, meta_part
 from baige_ray.engines.state import ADAM_KEYS, CanonicalState
 from baige_ray.models.aux_loss import auxiliary_losses
 from baige_ray.runtime.train_loop import TrainJob, build_optimizer
@@ -184,6 +184,21 @@ class DeepSpeedEngine(Engine):
                 adam[name] = {"step": torch.as_tensor(step[0], dtype=torch.float32).clone()}
                 adam[name].update({key: self._canonical(name, value) for key, value in moments.items()})
         return {"model": model, "optimizer": adam}
+
+    def snapshot_source(self):
+        if not self.snapshot_is_sharded:
+            return self.snapshot_state
+        return ShardCopy(layout=self._local_layout, copy=self._local_part)
+
+    def _local_layout(self) -> ShardedPart:
+        """The shapes `_local_part` copies (fp32 slices, a scalar step), as meta tensors."""
+        boxes = self._local_boxes()
+        slices = {name: torch.empty(box.size, dtype=torch.float32, device="meta") for name, box in boxes.items()}
+        adam = {}
+        if self._base_optimizer_states():
+            adam = {name: {"step": torch.empty((), dtype=torch.float32, device="meta"),
+                           **{key: piece for key in ADAM_KEYS}} for name, piece in slices.items()}
+        return meta_part({"model": slices, "optimizer": adam}, boxes)
 
     def _local_part(self, into: ShardedPart | None = None) -> ShardedPart:
         """This rank's slices of the flattened fp32 masters and Adam moments, with no communication.

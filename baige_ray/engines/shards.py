@@ -9,7 +9,7 @@ copies only its pieces, with no communication, and records where each piece sits
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -162,6 +162,26 @@ def box_of(tensor: torch.Tensor) -> Box:
 
 
 @dataclass
+class ShardCopy:
+    """How a sharded engine's snapshot is taken: `layout()` gives the part's shapes and dtypes (meta
+    tensors, nothing copied) so its buffers can be laid out before the first copy; `copy(into)` copies."""
+
+    layout: Callable[[], ShardedPart]
+    copy: Callable[[ShardedPart | None], ShardedPart]
+
+
+def meta_part(part_state: CanonicalState, boxes: dict[str, Box]) -> ShardedPart:
+    """A part of meta tensors shaped as `part_state`'s (given as tensors or as the DTensors they are pieces of)."""
+    def meta(tensor: torch.Tensor) -> torch.Tensor:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return torch.empty(local.shape, dtype=local.dtype, device="meta")
+
+    return ShardedPart({"model": {name: meta(t) for name, t in part_state["model"].items()},
+                        "optimizer": {name: {key: meta(t) for key, t in adam.items()}
+                                      for name, adam in part_state["optimizer"].items()}}, dict(boxes))
+
+
+@dataclass
 class LocalSources:
     """This rank's sharded tensors by canonical name, looked up on the training thread: FSDP2 swaps the
     unsharded parameters into the module during forward and backward, so a copy running beside the next
@@ -176,6 +196,10 @@ class LocalSources:
         adam = {name: {key: state[key] for key in ("step", *ADAM_KEYS)}
                 for name, param in params.items() if (state := optimizer.state.get(param))}
         return cls(params, adam)
+
+    def layout(self) -> ShardedPart:
+        return meta_part({"model": self.params, "optimizer": self.adam},
+                         {name: box_of(param) for name, param in self.params.items()})
 
     def copy(self, into: ShardedPart | None = None) -> ShardedPart:
         """This rank's pieces of the weights and Adam state, copied without communication; `into`, an

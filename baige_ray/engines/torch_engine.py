@@ -25,7 +25,7 @@ from baige_ray.engines import parallelize
 from baige_ray.engines.base import Engine, SlowChipEmulator
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.pipeline_schedule import ScheduleRunAhead1F1B
-from baige_ray.engines.shards import LocalSources, ShardedPart
+from baige_ray.engines.shards import LocalSources, ShardCopy, ShardedPart
 from baige_ray.engines.state import CanonicalState, export_module_state, full_tensor, import_module_state
 from baige_ray.models.aux_loss import auxiliary_losses, mark_forward
 from baige_ray.runtime.train_loop import TrainJob, build_optimizer
@@ -297,7 +297,7 @@ class TorchEngine(Engine):
 
     def snapshot_state(self, into: CanonicalState | ShardedPart | None = None) -> CanonicalState | ShardedPart:
         if self.snapshot_is_sharded:
-            return self.snapshot_source()(into)
+            return self.snapshot_source().copy(into)
         # Every rank keeps its stages' full state (gathered when sharded), so any survivor can restore them.
         reuse = self._add_prefix(into, partial=True) if into else None
         return self._strip_prefix(export_module_state(self.module, self.optimizer, reuse))
@@ -308,7 +308,8 @@ class TorchEngine(Engine):
         prefixed = LocalSources.of(self.module, self.optimizer)
         sources = LocalSources(self._strip_prefix({"model": prefixed.params})["model"],
                                self._strip_prefix({"optimizer": prefixed.adam})["optimizer"])
-        return lambda into=None: sources.copy(into if isinstance(into, ShardedPart) else None)
+        return ShardCopy(layout=sources.layout,
+                         copy=lambda into=None: sources.copy(into if isinstance(into, ShardedPart) else None))
 
     def _strip_prefix(self, state: CanonicalState) -> CanonicalState:
         # Names inside the ModuleList are "<stage slot>.<canonical name>".

@@ -3,7 +3,7 @@
 import torch
 
 from baige_ray.elastic.shelf import SnapshotShelf, read_shelf, shelf_directory, shelf_steps
-from baige_ray.engines.shards import Box, ShardedPart
+from baige_ray.engines.shards import Box, ShardedPart, meta_part
 
 
 def _part(value: float) -> ShardedPart:
@@ -64,3 +64,16 @@ def test_a_restarted_shelf_resumes_after_its_newest_slot_and_removes_its_files(t
     again.remove()
     assert not (tmp_path / "w").exists()
     assert shelf_directory("baige-worker:my run:ab12", tmp_path) == tmp_path / "my_run" / "ab12"
+
+
+def test_a_layout_lays_the_slot_out_before_the_first_copy_so_the_engine_writes_straight_into_it(tmp_path):
+    shelf = SnapshotShelf(tmp_path / "w", slots=1)
+    layout = meta_part(_part(0.0).state, _part(0.0).boxes)
+    into = shelf.begin(layout)
+    assert into.state["model"]["w"].device.type == "cpu" and into.state["model"]["b"].dtype == torch.bfloat16
+    for tensor in (into.state["model"]["w"], into.state["model"]["b"], *into.state["optimizer"]["w"].values()):
+        tensor.fill_(4.0)
+    stored = shelf.commit(0, into)  # nothing left to copy
+    assert stored.state["model"]["w"].data_ptr() == into.state["model"]["w"].data_ptr()
+    assert read_shelf(tmp_path / "w")[1].state["optimizer"]["w"]["exp_avg"].eq(4.0).all()
+    assert len(list((tmp_path / "w").glob("*.bin"))) == 1

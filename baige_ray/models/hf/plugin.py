@@ -141,15 +141,14 @@ class HFPlugin(ModelPlugin):
 
     def _materialize(self, stage: DecoderStage, device: torch.device) -> None:
         """Allocate the stage on `device` and fill it from the checkpoint; nothing else is read."""
-        from baige_ray.models.hf.weights import read_tensors
+        from baige_ray.models.hf.weights import iter_tensors
 
         stage.to_empty(device=device)
         stage.tie_embeddings()
-        names = [name for name, _ in stage.named_parameters()]
-        tensors = read_tensors(weight_files(self.config.path), names)
-        with torch.no_grad():
-            for name, param in stage.named_parameters():
-                param.copy_(tensors[name])
+        params = dict(stage.named_parameters())
+        with torch.no_grad():  # one tensor read at a time: a whole checkpoint beside the stage would double it
+            for name, tensor in iter_tensors(weight_files(self.config.path), list(params)):
+                params[name].copy_(tensor)
         rotary = stage.base.rotary_emb  # its inverse frequencies are buffers computed at construction
         stage.base.rotary_emb = type(rotary)(config=stage.config).to(device)
 
