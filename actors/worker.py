@@ -304,6 +304,7 @@ class ElasticWorkerActor(WorkerActor):
         if self._failed_generation == self.group.membership.generation:
             raise RuntimeError(f"step {step} refused: an earlier step of this process-group generation failed")
         self.current_step = step
+        failure = None
         try:
             metrics = engine.train_step(step)
             metrics.update(self._group_totals(metrics))
@@ -311,9 +312,12 @@ class ElasticWorkerActor(WorkerActor):
             self._failed_generation = self.group.membership.generation
             if not isinstance(error, Exception):
                 raise
-            # Raised anew without the traceback: its frames hold the aborted step's tensors (the engine,
-            # activations), which must go before the next generation builds its engine.
-            raise StepFailed(f"step {step} failed: {error!r}\n{traceback.format_exc()}") from None
+            failure = f"step {step} failed: {error!r}\n{traceback.format_exc()}"
+        if failure is not None:
+            # Raised outside the handler, as text: the error's frames (and a new exception's context)
+            # would hold the aborted step's tensors, which must go before the next engine is built.
+            del engine
+            raise StepFailed(failure)
         if snapshot:
             self.snapshots.after_step(step)
         metrics["snapshot_stall_s"] = self.snapshots.last_stall_s

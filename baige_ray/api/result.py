@@ -35,7 +35,7 @@ class Result:
     layout: str = ""
     elapsed_s: float = 0.0
     recoveries: list[dict] = field(default_factory=list)  # elastic runs: one record per recovery
-    final_state: object | None = None  # elastic runs: ObjectRef to the final canonical state
+    final_state: object | None = None  # elastic runs: ObjectRef to the final weights, {"model": {name: tensor}}
 
     @property
     def num_workers(self) -> int:

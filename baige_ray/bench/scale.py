@@ -18,11 +18,15 @@ check `fit` runs before any worker starts, planner/fits.py). The headline keys a
 Then, per layout in `--elastic-layouts` (FSDP2 by default), the model as an elastic job (`launch`) with
 sharded snapshots in node shared memory, and one worker SIGKILLed mid-step (bench/scale_faults.py):
 the snapshot stall as a fraction of the step (`stall_frac`), the snapshots' bytes, detection and
-recovery time, steps redone (`steps_lost`), and the loss curve against fit's fault-free run.
+recovery time, steps redone (`steps_lost`), and the loss curve against fit's fault-free run. On this
+24 GiB machine the recovery and the end of the elastic run still run out of memory at 494M (two
+rebuilt engines each materialize the whole model before sharding it); `--kill-step -1` runs without
+the kill. Last, fit's exported directory served by `serve(..., engine="vllm")` against `vllm.LLM`
+(bench/scale_serve.py).
 
 Not measured yet (null in the JSON, `unmeasured` lists them): persistence throughput (persisting
 gathers the whole state in the controller, 12 GB at this size beside training: it needs per-rank
-sharded persistence), and serving the export with vLLM (issue #28).
+sharded persistence).
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "fp32"])
     parser.add_argument("--elastic-layouts", default="fsdp2",
                         help="comma-separated layouts run as an elastic job with a worker killed ('' for none)")
-    parser.add_argument("--kill-step", type=int, default=4, help="the step in whose middle a worker is killed")
+    parser.add_argument("--kill-step", type=int, default=4,
+                        help="the step in whose middle a worker is killed (-1: none, snapshots only)")
     parser.add_argument("--no-serve", dest="serve", action="store_false",
                         help="skip serving fit's export with vLLM against vllm.LLM")
     parser.add_argument("--serve-tokens", type=int, default=32,
@@ -217,7 +222,7 @@ def measure_layout(data_parallel: str, model_dir: Path, data_dir: Path, args, tm
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
         args.steps, args.warmup, args.rounds = 5, 1, 1
-    args.kill_step = min(args.kill_step, args.steps - 2)  # a step to kill in and one after it
+    args.kill_step = min(args.kill_step, args.steps - 2)  # a step to kill in and one after it (-1: none)
     model_dir, data_dir = prepare(Path(args.work_dir), args.seq_len)
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
     elastic_layouts = [name.strip() for name in args.elastic_layouts.split(",") if name.strip()]

@@ -48,10 +48,21 @@ def _run_and_kill(data_parallel: str, model_dir: Path, data_dir: Path, args, sto
     elastic = ElasticConfig(snapshot_slots=1, replicate_every=0, first_steps_timeout_s=1800)
     handle = launch(job.model, data=job.data, train=job.train, layout=layout, run=run, elastic=elastic,
                     scaling=ScalingConfig(num_workers=2, accelerator="cpu", placement_timeout_s=900))
-    kill = _kill_mid_step(handle, args.kill_step)
+    kill = _kill_mid_step(handle, args.kill_step) if args.kill_step >= 0 else _shelf_bytes_at(handle, 1)
     result = handle.wait()
     events = [json.loads(line) for line in (run.run_dir / "events.jsonl").read_text().splitlines() if line]
     return _report(result, events, kill, reference_losses, args.warmup)
+
+
+def _shelf_bytes_at(handle, step: int) -> dict[str, Any]:
+    """No kill: the snapshots' bytes once `step` has begun (every worker has taken one by then)."""
+    from baige_ray.elastic.shelf import run_shelves
+
+    while (status := handle.status())["step"] < step:
+        time.sleep(POLL_S)
+    shelves = run_shelves(status["name"])
+    return {"step": None, "time": None, "pid": None,
+            "shelf_bytes": sum(f.stat().st_size for f in shelves.rglob("*.bin")) if shelves.exists() else 0}
 
 
 def _kill_mid_step(handle, step: int) -> dict[str, Any]:
@@ -73,7 +84,8 @@ def _kill_mid_step(handle, step: int) -> dict[str, Any]:
 def _report(result, events: list[dict], kill: dict, reference_losses: list[float], warmup: int) -> dict[str, Any]:
     steady = [m for m in result.metrics[warmup:] if m.step_time_s == m.step_time_s]  # no NaN (unreported)
     stalls = [m.snapshot_stall_s / m.step_time_s for m in steady if m.step_time_s > 0]
-    failure = next((e for e in events if e["kind"] == "failure" and e["time"] >= kill["time"]), None)
+    failure = next((e for e in events if kill["time"] and e["kind"] == "failure" and e["time"] >= kill["time"]),
+                   None)
     recovery = result.recoveries[0] if result.recoveries else {}
     losses = [m.loss for m in result.metrics]
     compared = min(len(losses), len(reference_losses))

@@ -18,7 +18,7 @@ from baige_ray.elastic.state_sources import CALL_TIMEOUT_S, answers_or_none, set
 from baige_ray.elastic.watch import StepOutcome
 from baige_ray.elastic.workers import NAMESPACE, Worker, WorkerPool
 from baige_ray.engines.layout import ParallelLayout
-from baige_ray.engines.state import merge_states
+from baige_ray.engines.state import merge_weights
 from baige_ray.policies.failure import FailureAction, FailureObservation, decide_failure
 from baige_ray.policies.scaling import GrowthObservation, grow_to, spares_to_start
 
@@ -348,12 +348,13 @@ class RecoveryMixin:
                   "layout": self.layout.describe(), "workers": [w.info for w in self.members],
                   "elapsed_s": time.time() - self.started_at, "checkpoint_path": None, "status": self.status()}
         if self.machine.phase is Phase.FINISHED and self.members:
-            parts = ray.get([w.actor.export_state.remote() for w in self.members], timeout=CALL_TIMEOUT_S)
-            state = merge_states(parts)
-            result["checkpoint_path"] = self.job.plugin.save_final(
-                self.run_config.run_dir / "final", state["model"], step=self.step
-            )
-            result["final_state"] = ray.put(state)
+            # Weights only: Adam's moments would triple what every owner gathers, and the final
+            # directory keeps weights (snapshots and persisted checkpoints keep the rest).
+            parts = ray.get([w.actor.export_weights.remote() for w in self.members], timeout=CALL_TIMEOUT_S)
+            weights = merge_weights(parts)
+            result["checkpoint_path"] = self.job.plugin.save_final(self.run_config.run_dir / "final", weights,
+                                                                   step=self.step)
+            result["final_state"] = ray.put({"model": weights, "optimizer": {}})
         self.state_sources.close()
         self.step_log.close()
         return result
