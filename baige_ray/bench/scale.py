@@ -236,8 +236,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results = {name: measure_layout(name, model_dir, data_dir, args, Path(tmp)) for name in layouts}
         for name in elastic_layouts:
             reference = results[name]["baige_losses"] if name in results else []
-            results.setdefault(name, {})["elastic"] = measure_elastic(name, model_dir, data_dir, args, Path(tmp),
-                                                                      reference)
+            job, layout = _job(model_dir, data_dir, name, args)
+            results.setdefault(name, {})["elastic"] = measure_elastic(job, layout, args, Path(tmp), reference)
         exports = [r["export_dir"] for r in results.values() if r.get("export_dir")]
         if args.serve and exports:
             serving = measure_vllm(Path(exports[0]), args, Path(tmp))

@@ -20,8 +20,8 @@ from typing import Any
 POLL_S = 0.5
 
 
-def measure_elastic(data_parallel: str, model_dir: Path, data_dir: Path, args, storage: Path,
-                    reference_losses: list[float]) -> dict[str, Any]:
+def measure_elastic(job, layout, args, storage: Path, reference_losses: list[float]) -> dict[str, Any]:
+    """`job` (a TrainJob) trained in `layout` as an elastic job on a fresh local Ray."""
     import ray
 
     # Ray kills workers above 95% of the node's memory by default, a margin for shared hosts; this one
@@ -29,20 +29,17 @@ def measure_elastic(data_parallel: str, model_dir: Path, data_dir: Path, args, s
     os.environ.setdefault("RAY_memory_usage_threshold", "0.98")
     ray.init(address="local", num_cpus=2, logging_level="WARNING", include_dashboard=False)
     try:
-        return _run_and_kill(data_parallel, model_dir, data_dir, args, storage, reference_losses)
+        return _run_and_kill(job, layout, args, storage, reference_losses)
     finally:
         ray.shutdown()
 
 
-def _run_and_kill(data_parallel: str, model_dir: Path, data_dir: Path, args, storage: Path,
-                  reference_losses: list[float]) -> dict[str, Any]:
+def _run_and_kill(job, layout, args, storage: Path, reference_losses: list[float]) -> dict[str, Any]:
     from baige_ray.api.configs import RunConfig, ScalingConfig
-    from baige_ray.bench.scale import _job
     from baige_ray.elastic.config import ElasticConfig
     from baige_ray.elastic.job import launch
 
-    job, layout = _job(model_dir, data_dir, data_parallel, args)
-    run = RunConfig(name=f"scale-elastic-{data_parallel}", storage_path=storage, show_progress=False)
+    run = RunConfig(name=f"scale-elastic-{layout.data_parallel}", storage_path=storage, show_progress=False)
     # One snapshot slot: two do not fit beside two workers of this model in 24 GiB (the memory check
     # prices them); a kill while a worker copies (a few percent of a step) then falls back further.
     elastic = ElasticConfig(snapshot_slots=1, replicate_every=0, first_steps_timeout_s=1800)
