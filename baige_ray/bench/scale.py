@@ -15,7 +15,7 @@ geometric mean of the rounds' ratios; each worker's peak resident memory against
 that layout (`memory_error`, relative); and the memory model's verdict on DDP x2 for this host (the
 check `fit` runs before any worker starts, planner/fits.py). The headline keys are the worst layout's.
 
-Then, per layout in `--elastic-layouts` (FSDP2 by default), the model as an elastic job (`launch`) with
+Then, per layout in `--elastic-layouts` (none by default), the model as an elastic job (`launch`) with
 sharded snapshots in node shared memory, and one worker SIGKILLed mid-step (bench/scale_faults.py):
 the snapshot stall as a fraction of the step (`stall_frac`), the snapshots' bytes, detection and
 recovery time, steps redone (`steps_lost`), and the loss curve against fit's fault-free run. On this
@@ -61,8 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layouts", default="fsdp2,zero3", help="comma-separated: fsdp2, zero3")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of torchrun and fit, alternating their order")
     parser.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "fp32"])
-    parser.add_argument("--elastic-layouts", default="fsdp2",
-                        help="comma-separated layouts run as an elastic job with a worker killed ('' for none)")
+    # Off by default: at 494M the elastic run does not yet fit this 24 GiB machine to its end (README).
+    parser.add_argument("--elastic-layouts", default="",
+                        help="comma-separated layouts also run as an elastic job with a worker killed, e.g. fsdp2")
     parser.add_argument("--kill-step", type=int, default=4,
                         help="the step in whose middle a worker is killed (-1: none, snapshots only)")
     parser.add_argument("--no-serve", dest="serve", action="store_false",
@@ -237,7 +238,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name in elastic_layouts:
             reference = results[name]["baige_losses"] if name in results else []
             job, layout = _job(model_dir, data_dir, name, args)
-            results.setdefault(name, {})["elastic"] = measure_elastic(job, layout, args, Path(tmp), reference)
+            try:
+                elastic = measure_elastic(job, layout, args, Path(tmp), reference)
+            except Exception as error:  # the other stages' figures stand; this one says why it has none
+                elastic = {"error": f"{type(error).__name__}: {str(error)[:500]}"}
+            results.setdefault(name, {})["elastic"] = elastic
         exports = [r["export_dir"] for r in results.values() if r.get("export_dir")]
         if args.serve and exports:
             serving = measure_vllm(Path(exports[0]), args, Path(tmp))
@@ -272,7 +277,9 @@ def summarize(result: dict[str, Any]) -> str:
     for name, verdict in result["elastic_verdicts"].items():
         lines.append(f"launch {name}: {verdict}")
     for name, r in result["layouts"].items():
-        if "elastic" in r:
+        if "elastic" in r and "error" in r["elastic"]:
+            lines.append(f"{name} elastic: {r['elastic']['error']}")
+        elif "elastic" in r:
             e = r["elastic"]
             lines.append(f"{name} elastic: stall {e['stall_frac']} of a step, snapshots {e['snapshot_host_gb']} GB, "
                          f"killed in step {e['killed_step']}: detected in {e['detection_s']} s, recovered in "

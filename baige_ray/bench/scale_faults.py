@@ -51,27 +51,32 @@ def _run_and_kill(job, layout, args, storage: Path, reference_losses: list[float
     return _report(result, events, kill, reference_losses, args.warmup)
 
 
-def _shelf_bytes_at(handle, step: int) -> dict[str, Any]:
-    """No kill: the snapshots' bytes once `step` has begun (every worker has taken one by then)."""
-    from baige_ray.elastic.shelf import run_shelves
-
+def _wait_for_step(handle, step: int) -> dict[str, Any]:
+    """The job's status once `step` has begun."""
     while (status := handle.status())["step"] < step:
         time.sleep(POLL_S)
-    shelves = run_shelves(status["name"])
-    return {"step": None, "time": None, "pid": None,
-            "shelf_bytes": sum(f.stat().st_size for f in shelves.rglob("*.bin")) if shelves.exists() else 0}
+    return status
+
+
+def _shelf_bytes(run_name: str) -> int:
+    """What the run's snapshot shelves hold in node shared memory now."""
+    from baige_ray.elastic.shelf import run_shelves
+
+    shelves = run_shelves(run_name)
+    return sum(f.stat().st_size for f in shelves.rglob("*.bin")) if shelves.exists() else 0
+
+
+def _shelf_bytes_at(handle, step: int) -> dict[str, Any]:
+    """No kill: the snapshots' bytes once `step` has begun (every worker has taken one by then)."""
+    status = _wait_for_step(handle, step)
+    return {"step": None, "time": None, "pid": None, "shelf_bytes": _shelf_bytes(status["name"])}
 
 
 def _kill_mid_step(handle, step: int) -> dict[str, Any]:
     """Wait until `step` has run for half a step, then SIGKILL the worker of rank 1."""
-    from baige_ray.elastic.shelf import run_shelves
-
-    while (status := handle.status())["step"] < step:
-        time.sleep(POLL_S)
-    step_s = 1 / status["steps_per_s"] if status["steps_per_s"] else 0.0
-    time.sleep(step_s / 2)
-    shelves = run_shelves(status["name"])
-    shelf_bytes = sum(f.stat().st_size for f in shelves.rglob("*.bin")) if shelves.exists() else 0
+    status = _wait_for_step(handle, step)
+    time.sleep(1 / status["steps_per_s"] / 2 if status["steps_per_s"] else 0.0)
+    shelf_bytes = _shelf_bytes(status["name"])
     victim = status["workers"][1]["pid"]
     killed_at = time.time()
     os.kill(victim, signal.SIGKILL)

@@ -25,9 +25,8 @@
 The OpenAI layer has no `ignore_eos`: a served request may stop at the tokenizer's end-of-text token
 before max_tokens, so both sides count the tokens generated, and `mean_tokens` shows how many a request got.
 
-`fit` exports the tokenizer of the model it trained (HFModel.tokenizer); bench scale's model directory
-holds none (its tokenizer is trained beside it, `<work-dir>/tokenizer`), so the export is completed
-with those files first: vLLM and serve's replica both read the tokenizer from the model's directory.
+`fit` exports the tokenizer of the model it trained (HFModel.tokenizer, which bench scale points at the
+tokenizer it trains beside the model): vLLM and serve's replica both read it from the exported directory.
 """
 
 from __future__ import annotations
@@ -94,32 +93,18 @@ def engine_settings(model_dir: Path) -> EngineSettings:
                           max_num_seqs=SERVE_BATCH, kv_cache_gib=KV_CACHE_GIB)
 
 
-def complete_directory(model_dir: Path, tokenizer_dir: Path) -> list[str]:
-    """Save the tokenizer of `tokenizer_dir` into `model_dir` when it holds none; the files added."""
-    from baige_ray.models.hf.model import has_tokenizer
-    from baige_ray.models.tokenizer import load_tokenizer
-
-    if has_tokenizer(model_dir):
-        return []
-    before = set(os.listdir(model_dir))
-    load_tokenizer(tokenizer_dir).save_pretrained(model_dir)
-    return sorted(set(os.listdir(model_dir)) - before)
-
-
 def measure_vllm(model_dir: Path, args, tmp: Path) -> dict[str, Any]:
     """Serve `model_dir` (fit's exported Hugging Face directory) with `serve(..., engine="vllm")` in a fresh
     local Ray, then load it with plain `vllm.LLM` in a subprocess; load times, tokens/s at 1 and 8 streams,
     and `vllm_vs_direct` (served / direct tokens/s at 8 streams)."""
     model_dir = Path(model_dir)
-    added = complete_directory(model_dir, Path(args.work_dir) / "tokenizer")
     load, settings = load_of(args), engine_settings(model_dir)
     served = _serve_in_fresh_ray(model_dir, load)
     direct = _direct_in_subprocess(settings, load, Path(tmp) / "vllm-direct.json")
-    return summary(served, direct, load, settings, tokenizer_added=added)
+    return summary(served, direct, load, settings)
 
 
-def summary(served: dict, direct: dict, load: Load, settings: EngineSettings, *,
-            tokenizer_added: list[str]) -> dict[str, Any]:
+def summary(served: dict, direct: dict, load: Load, settings: EngineSettings) -> dict[str, Any]:
     ratios = {str(n): _ratio(served["levels"][str(n)]["tokens_per_s"], direct["levels"][str(n)]["tokens_per_s"])
               for n in load.streams}
     return {
@@ -128,7 +113,7 @@ def summary(served: dict, direct: dict, load: Load, settings: EngineSettings, *,
         "direct_tokens_per_s": {n: r["tokens_per_s"] for n, r in direct["levels"].items()},
         "vllm_vs_direct": ratios[str(max(load.streams))], "vllm_vs_direct_by_streams": ratios,
         "serve": served, "direct": direct,
-        "load": asdict(load), "engine": asdict(settings), "tokenizer_added": tokenizer_added,
+        "load": asdict(load), "engine": asdict(settings),
     }
 
 

@@ -252,9 +252,10 @@ class RecoveryMixin:
             self._regroup(members, state)
         except Exception as error:
             self._resize_done.set()
-            return self._lost_during_regroup(members, error)
-        finally:
             self.pool.stop(released)
+            return self._lost_during_regroup(members, error)
+        self.state_sources.release_shelves(state, members)  # the released remove their own, then go
+        self.pool.stop(released)
         self._resume_at(step, None)
         return None
 

@@ -73,8 +73,7 @@ class SnapshotShelf:
         self.slots = slots
         self._mapped: dict[int, tuple[tuple, ShardedPart, str]] = {}  # slot -> (layout key, its tensors, file)
         self._generation = 0  # numbers the data files this shelf creates
-        newest = _newest_slot(self.directory, slots)
-        self._newest = newest[0] if newest is not None else None
+        self._newest = _newest_slot(self.directory, slots)
 
     def begin(self, layout: ShardedPart | None = None) -> ShardedPart | None:
         """Invalidate the slot the next snapshot goes to and return its tensors to write into, laid out as
@@ -150,9 +149,9 @@ def read_shelf(directory: Path, step: int | None = None) -> tuple[int, ShardedPa
     return None
 
 
-def _newest_slot(directory: Path, slots: int) -> tuple[int, int] | None:
+def _newest_slot(directory: Path, slots: int) -> int | None:
     found = [(meta["step"], slot) for slot in range(slots) if (meta := _read_manifest(directory, slot)) is not None]
-    return (max(found)[1], max(found)[0]) if found else None
+    return max(found)[1] if found else None
 
 
 def _entries(part: ShardedPart):

@@ -17,7 +17,7 @@ import time
 
 from baige_ray.elastic.shelf import SnapshotShelf
 from baige_ray.engines.base import Engine
-from baige_ray.engines.shards import ShardCopy, ShardedPart
+from baige_ray.engines.shards import ShardedPart
 from baige_ray.engines.state import CanonicalState
 
 
@@ -62,10 +62,10 @@ class HostSnapshotter:
     def _take(self, step: int, source) -> None:
         with self._buffers:
             if self.shelf is None:
-                self._publish(step, source.copy(self._spare) if isinstance(source, ShardCopy) else source(self._spare))
+                self._publish(step, source(self._spare))
                 return
             into = self.shelf.begin(source.layout())
-            self._latest = (step, self.shelf.commit(step, source.copy(into)))
+            self._latest = (step, self.shelf.commit(step, source(into)))
 
     def _publish(self, step: int, state: CanonicalState) -> None:
         previous = self._latest

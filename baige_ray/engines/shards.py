@@ -169,6 +169,9 @@ class ShardCopy:
     layout: Callable[[], ShardedPart]
     copy: Callable[[ShardedPart | None], ShardedPart]
 
+    def __call__(self, into: ShardedPart | None = None) -> ShardedPart:
+        return self.copy(into)
+
 
 def meta_part(part_state: CanonicalState, boxes: dict[str, Box]) -> ShardedPart:
     """A part of meta tensors shaped as `part_state`'s (given as tensors or as the DTensors they are pieces of)."""

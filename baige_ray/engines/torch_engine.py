@@ -297,7 +297,7 @@ class TorchEngine(Engine):
 
     def snapshot_state(self, into: CanonicalState | ShardedPart | None = None) -> CanonicalState | ShardedPart:
         if self.snapshot_is_sharded:
-            return self.snapshot_source().copy(into)
+            return self.snapshot_source()(into)
         # Every rank keeps its stages' full state (gathered when sharded), so any survivor can restore them.
         reuse = self._add_prefix(into, partial=True) if into else None
         return self._strip_prefix(export_module_state(self.module, self.optimizer, reuse))

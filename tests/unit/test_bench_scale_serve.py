@@ -1,24 +1,9 @@
-"""bench scale's serving part without Ray or vLLM: fit's export gets the tokenizer vLLM reads, and the summary's
-ratios. The measurement itself (serve and vllm.LLM on a tiny Qwen2, about 50 s) is run by hand, not here."""
+"""bench scale's serving part without Ray or vLLM: the summary's ratios. The measurement itself (serve and
+vllm.LLM on a tiny Qwen2, about 50 s) is run by hand, not here."""
 
 import pytest
 
-from baige_ray.bench.scale_serve import EngineSettings, Load, complete_directory, summary
-from baige_ray.models.hf.model import has_tokenizer
-from baige_ray.models.tokenizer import load_tokenizer, train_bpe_tokenizer
-
-
-def test_an_export_without_a_tokenizer_gets_the_benchs_and_one_with_keeps_its_own(tmp_path):
-    text = tmp_path / "text.txt"
-    text.write_text("def parse(text):\n    return text.split()\n" * 50)
-    tokenizer_dir = train_bpe_tokenizer([text], tmp_path / "tokenizer", vocab_size=300)
-    export = tmp_path / "export"
-    export.mkdir()
-    (export / "config.json").write_text("{}")
-    added = complete_directory(export, tokenizer_dir)
-    assert has_tokenizer(export) and "tokenizer.json" in added
-    assert load_tokenizer(export).encode("def parse") == load_tokenizer(tokenizer_dir).encode("def parse")
-    assert complete_directory(export, tmp_path / "absent") == []  # already complete: nothing read or written
+from baige_ray.bench.scale_serve import EngineSettings, Load, summary
 
 
 def test_the_ratio_is_served_over_direct_tokens_per_s_at_the_most_streams():
@@ -28,12 +13,11 @@ def test_the_ratio_is_served_over_direct_tokens_per_s_at_the_most_streams():
     served = {"load_s": 40.0, "levels": {"1": level(9.0), "8": level(30.0)}}
     direct = {"load_s": 25.0, "levels": {"1": level(10.0), "8": level(40.0)}}
     settings = EngineSettings(model="m", dtype="float32", max_model_len=128, max_num_seqs=32, kv_cache_gib=1)
-    result = summary(served, direct, Load(), settings, tokenizer_added=[])
+    result = summary(served, direct, Load(), settings)
     assert result["vllm_vs_direct"] == 0.75
     assert result["vllm_vs_direct_by_streams"] == {"1": 0.9, "8": 0.75}
     assert (result["serve_load_s"], result["direct_load_s"]) == (40.0, 25.0)
     assert result["engine"]["dtype"] == "float32" and result["load"]["streams"] == (1, 8)
-    assert summary(served, {**direct, "levels": {"1": level(0.0), "8": level(0.0)}}, Load(), settings,
-                   tokenizer_added=[])["vllm_vs_direct"] is None
+    assert summary(served, {**direct, "levels": {"1": level(0.0), "8": level(0.0)}}, Load(), settings)["vllm_vs_direct"] is None
     with pytest.raises(KeyError):  # a level the direct run did not measure is an error, not a silent gap
-        summary(served, {**direct, "levels": {"1": level(10.0)}}, Load(), settings, tokenizer_added=[])
+        summary(served, {**direct, "levels": {"1": level(10.0)}}, Load(), settings)

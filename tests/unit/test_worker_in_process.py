@@ -1,11 +1,13 @@
 """The worker and its process-group membership, in this process, without Ray."""
 
+import gc
 import os
+import weakref
 
 import pytest
 import torch.distributed as dist
 
-from baige_ray.actors.worker import ElasticWorkerActor, WorkerActor
+from baige_ray.actors.worker import ElasticWorkerActor, StepFailed, WorkerActor
 from baige_ray.api.configs import TrainConfig
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.models.corpus import CorpusConfig
@@ -74,6 +76,29 @@ def test_an_elastic_worker_reports_group_totals_and_keeps_a_snapshot():
         elastic = worker.elastic_step(0)  # the step's totals over the group come with each rank's own metrics
         assert elastic["group_loss"] == pytest.approx(elastic["loss"]) and elastic["group_tokens"] == 4 * 16
         assert worker.snapshot_step() == 0 and worker.heartbeat()["step"] == 0
+    finally:
+        worker.leave_group()
+
+
+def test_a_failed_step_lets_its_engine_go_while_its_error_is_still_held():
+    """Ray keeps a failed call's error until it is sent; the engine (weights, activations) must not be
+    kept with it, or the next generation's engine is built beside the old one."""
+    worker = ElasticWorkerActor()
+    try:
+        _join(worker, 0)
+        worker.build_engine(tiny_gpt_job(), ParallelLayout())
+        worker.elastic_step(0)
+        old = weakref.ref(worker.engine)
+
+        def peer_died(step):
+            raise RuntimeError("connection closed by peer")
+
+        worker.engine.train_step = peer_died
+        with pytest.raises(StepFailed, match="connection closed by peer") as failed:
+            worker.elastic_step(1)
+        _join(worker, 1)  # the next generation drops the engine
+        gc.collect()
+        assert old() is None and "Traceback" in str(failed.value)
     finally:
         worker.leave_group()
 
