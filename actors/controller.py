@@ -318,10 +318,12 @@ class ElasticController(RecoveryMixin):
                                           min(self._deadline(), self.elastic.heartbeat_timeout_s))
         due = self.faults.arm(step)
         timeout = self._deadline() if len(self.step_times) >= WARMUP_STEPS and self._generation_steps > 0 else None
-        snapshot = step % self.elastic.snapshot_every == 0
+        persist_to = self.state_sources.persist_target(step, self.layout)
+        snapshot = step % self.elastic.snapshot_every == 0 or persist_to is not None
         self._dispatched_at = time.monotonic()
         return [
-            worker.actor.elastic_step.remote(step, snapshot=snapshot, fault=due.get(rank), collective_timeout_s=timeout)
+            worker.actor.elastic_step.remote(step, snapshot=snapshot, fault=due.get(rank), collective_timeout_s=timeout,
+                                             persist_to=persist_to)
             for rank, worker in enumerate(self.members)
         ]
 

@@ -10,6 +10,7 @@ step aborts, in-memory snapshots and replicas, answered on threads of their own.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import datetime
 import gc
 import os
@@ -17,6 +18,7 @@ import shutil
 import socket
 import time
 import traceback
+from pathlib import Path
 
 import ray
 import torch
@@ -24,6 +26,7 @@ import torch.distributed as dist
 
 from baige_ray.accelerator import AcceleratorSpec, DeviceProbe, detect_accelerator
 from baige_ray.api.device import DeviceInfo
+from baige_ray.checkpoint.sharded import write_rank_part
 from baige_ray.elastic.faults import Fault, carry_out
 from baige_ray.elastic.replicas import stages_behind
 from baige_ray.elastic.shelf import (
@@ -57,7 +60,7 @@ from baige_ray.runtime.train_loop import TrainJob
 # copies on a "replica" thread so a slow copy delays neither. `fit`'s workers need none of that and
 # stay single-threaded actors: in a threaded one, Ray's main thread wakes every 10 ms to check for
 # signals, which took 2% off the steps of 4 workers sharing 2 cores (bench overhead).
-ELASTIC_WORKER_THREADS = {"max_concurrency": 1, "concurrency_groups": {"control": 1, "replica": 1}}
+ELASTIC_WORKER_THREADS = {"max_concurrency": 1, "concurrency_groups": {"control": 1, "replica": 1, "persist": 1}}
 REPLICA_REREAD_PAUSE_S = 0.02  # how often a replica copy re-reads the stages behind the others
 
 
@@ -223,6 +226,7 @@ class ElasticWorkerActor(WorkerActor):
         self.replica: tuple[int, CanonicalState] | None = None  # every stage at one step, for a lost node
         # A restarted controller reads the steps finished while it was down from here.
         self._recent_metrics: collections.deque[dict] = collections.deque(maxlen=16)
+        self._persisting: dict[int, concurrent.futures.Future] = {}  # step -> this rank's checkpoint files
 
     @ray.method(concurrency_group="control")
     def heartbeat(self) -> dict:
@@ -248,6 +252,7 @@ class ElasticWorkerActor(WorkerActor):
             self.snapshots.drop()
         super()._drop_engine()
         gc.collect()  # modules hold reference cycles: free the old engine before a new one is built
+        return_freed_memory()
 
     def build_engine(self, job: TrainJob, layout: ParallelLayout, emulated_speed: float = 1.0) -> dict:
         report = super().build_engine(job, layout, emulated_speed)
@@ -280,6 +285,7 @@ class ElasticWorkerActor(WorkerActor):
             self.import_state(parts[0] if whole else assemble_lazily(parts))
             del parts
             gc.collect()  # unmap the shelves read, so a dead worker's is freed once it is removed
+            return_freed_memory()
         return report
 
     def _fetch_part(self, part):
@@ -293,9 +299,11 @@ class ElasticWorkerActor(WorkerActor):
         return ray.get(part.reader.read_shelf_of.remote(part.worker_name, part.step))
 
     def elastic_step(
-        self, step: int, *, snapshot: bool = True, fault: Fault | None = None, collective_timeout_s: float | None = None
+        self, step: int, *, snapshot: bool = True, fault: Fault | None = None, collective_timeout_s: float | None = None,
+        persist_to: str | None = None,
     ) -> dict:
-        """One step under the elastic controller: armed faults first, then the step, then a snapshot."""
+        """One step under the elastic controller: armed faults first, then the step, then a snapshot, and
+        with `persist_to` this rank's pieces of it written there (`persisted` says when)."""
         engine = self._require_engine()
         if collective_timeout_s is not None and collective_timeout_s != self._collective_timeout_s:
             self._set_collective_timeout(collective_timeout_s)
@@ -319,7 +327,7 @@ class ElasticWorkerActor(WorkerActor):
             del engine
             raise StepFailed(failure)
         if snapshot:
-            self.snapshots.after_step(step)
+            self.snapshots.after_step(step, then=self._persist_after_copy(step, persist_to) if persist_to else None)
         metrics["snapshot_stall_s"] = self.snapshots.last_stall_s
         self._recent_metrics.append(metrics)
         return metrics
@@ -390,9 +398,43 @@ class ElasticWorkerActor(WorkerActor):
 
     @ray.method(concurrency_group="control")
     def discard_shelves(self, run_name: str) -> None:
-        """Remove every shelf of run `run_name` on this node (the run is over)."""
+        """Remove every shelf of run `run_name` on this node and forget this worker's snapshots (the run
+        is over): a removed shelf's memory is freed once no worker maps it."""
+        if self.snapshots is not None:
+            self.snapshots.forget()
         self._shelf = None
+        gc.collect()
         shutil.rmtree(run_shelves(run_name), ignore_errors=True)
+
+    @ray.method(concurrency_group="persist")
+    def persisted(self, step: int, timeout_s: float = 1800.0) -> tuple[dict[str, dict], float]:
+        """(manifest records, seconds) of this rank's files of the checkpoint after `step`, once written."""
+        writing = self._persisting.get(step)
+        if writing is None:
+            raise RuntimeError(f"this worker was not asked to persist step {step}")
+        try:
+            return writing.result(timeout=timeout_s)
+        finally:
+            self._persisting.pop(step, None)
+
+    def _persist_after_copy(self, step: int, directory: str):
+        """What the snapshot copy of `step` calls with its part, still holding it: write this rank's pieces
+        into the checkpoint's staging `directory` (checkpoint/sharded.py), beside the next step."""
+        writing = self._persisting[step] = concurrent.futures.Future()
+        rank = self.group.membership.rank
+
+        def write(part) -> None:
+            started = time.perf_counter()
+            try:
+                if part is None:
+                    raise RuntimeError(f"the snapshot copy of step {step} failed")
+                if not isinstance(part, ShardedPart):
+                    raise RuntimeError(f"the snapshot of step {step} is whole: the controller persists it")
+                writing.set_result((write_rank_part(Path(directory), rank, part), time.perf_counter() - started))
+            except Exception as error:  # reported to the committer, never to the step
+                writing.set_exception(error)
+
+        return write
 
     @ray.method(concurrency_group="replica")
     def copy_replica(self, holders: dict[int, ray.actor.ActorHandle], timeout_s: float = 60.0) -> int | None:

@@ -4,6 +4,11 @@
         model.safetensors       {name: full tensor}
         optimizer.safetensors   {"<name>/<key>": tensor}, e.g. "blocks.0.up.weight/exp_avg"
         meta.json               step, write time and the caller's meta (layout, model config, ...)
+
+or, written by every rank of a sharded engine in parallel (sharded.py), the pieces it keeps:
+        rank-00000.safetensors  {"model/<name>": piece, "optimizer/<name>/<key>": piece}
+        rank-00000.json         where each piece sits in its full tensor
+        ...
         manifest.json           size and SHA-256 of each file above
         COMMITTED               the manifest's SHA-256, written last
 
@@ -29,6 +34,8 @@ import torch
 from baige_ray.api.errors import CheckpointError
 from baige_ray.checkpoint.files import file_record, fsync_path, sha256_file, write_json_atomically
 from baige_ray.checkpoint.tensor_file import read_tensor_file, write_tensor_file
+from baige_ray.checkpoint.sharded import read_rank_part, sharded_files
+from baige_ray.engines.shards import assemble
 from baige_ray.engines.state import CanonicalState
 
 logger = logging.getLogger(__name__)
@@ -76,17 +83,47 @@ def write_checkpoint(
     root: Path, step: int, state: CanonicalState, *, meta: dict, keep_last: int | None = None
 ) -> Path:
     """Persist `state` as root/step-{step:08d}/ and commit it; then keep only the newest `keep_last`."""
+    staging = begin_checkpoint(root, step)
+    try:
+        files = {
+            MODEL_FILE: write_tensor_file(staging / MODEL_FILE, state["model"]),
+            OPTIMIZER_FILE: write_tensor_file(staging / OPTIMIZER_FILE, flatten_optimizer(state["optimizer"])),
+        }
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return commit_checkpoint(root, staging, step, files, meta=meta, keep_last=keep_last)
+
+
+def begin_checkpoint(root: Path, step: int) -> Path:
+    """A fresh hidden staging directory under `root` for the files of step `step`'s checkpoint."""
     if step < 0:
         raise ValueError(f"step={step} is invalid: expected >= 0")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    meta_record = {"format_version": FORMAT_VERSION, "step": step, "written_unix_s": time.time(), "meta": meta}
-    json.dumps(meta_record)  # refuse unserializable meta before anything touches the disk
-    final = root / checkpoint_dir_name(step)
-    staging = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging = root / f".{checkpoint_dir_name(step)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
+    return staging
+
+
+def commit_checkpoint(
+    root: Path, staging: Path, step: int, files: dict[str, dict], *, meta: dict, keep_last: int | None = None,
+    ranks: int | None = None,
+) -> Path:
+    """Add meta and manifest to the data `files` written into `staging` (their records by name), move it
+    into place as root/step-{step:08d}/ and commit it. `ranks`: the files are that many ranks' pieces
+    (sharded.py), not whole tensors. The staging directory is removed if anything fails."""
+    meta_record = {"format_version": FORMAT_VERSION, "step": step, "written_unix_s": time.time(), "meta": meta}
+    final = Path(root) / checkpoint_dir_name(step)
     try:
-        manifest_sha256 = _write_files(staging, step, state, meta_record)
+        json.dumps(meta_record)  # refuse unserializable meta before the manifest is written
+        write_json_atomically(staging / META_FILE, meta_record)
+        manifest = {"format_version": FORMAT_VERSION, "step": step,
+                    "files": {**files, META_FILE: file_record(staging / META_FILE)}}
+        if ranks is not None:
+            manifest["ranks"] = ranks
+        write_json_atomically(staging / MANIFEST_FILE, manifest)
+        manifest_sha256 = sha256_file(staging / MANIFEST_FILE)
         fsync_path(staging)
         _move_into_place(staging, final)
     except BaseException:
@@ -97,19 +134,6 @@ def write_checkpoint(
     if keep_last is not None:
         prune_checkpoints(root, keep_last)
     return final
-
-
-def _write_files(directory: Path, step: int, state: CanonicalState, meta_record: dict) -> str:
-    """Every data file plus the manifest; returns the manifest's SHA-256."""
-    files = {
-        MODEL_FILE: write_tensor_file(directory / MODEL_FILE, state["model"]),
-        OPTIMIZER_FILE: write_tensor_file(directory / OPTIMIZER_FILE, flatten_optimizer(state["optimizer"])),
-    }
-    write_json_atomically(directory / META_FILE, meta_record)
-    files[META_FILE] = file_record(directory / META_FILE)
-    manifest = {"format_version": FORMAT_VERSION, "step": step, "files": files}
-    write_json_atomically(directory / MANIFEST_FILE, manifest)
-    return sha256_file(directory / MANIFEST_FILE)
 
 
 def _move_into_place(staging: Path, final: Path) -> None:
@@ -203,7 +227,11 @@ def verify_checkpoint(path: Path) -> dict:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{manifest_path} has format_version={manifest.get('format_version')!r}, "
                               f"expected {FORMAT_VERSION}")
-    missing = [name for name in DATA_FILES if name not in manifest.get("files", {})]
+    ranks = manifest.get("ranks")
+    if ranks is not None and (not isinstance(ranks, int) or ranks < 1):
+        raise CheckpointError(f"{manifest_path} has ranks={ranks!r}, expected a positive integer: corrupted")
+    expected = DATA_FILES if ranks is None else [*sharded_files(ranks), META_FILE]
+    missing = [name for name in expected if name not in manifest.get("files", {})]
     if missing:
         raise CheckpointError(f"{manifest_path} does not list {missing}")
     for name, expected in manifest["files"].items():
@@ -215,10 +243,11 @@ def load_checkpoint(path: Path) -> tuple[int, CanonicalState, dict]:
     """Verify, then read: (step, canonical state, the meta the writer was given)."""
     path = Path(path)
     manifest = verify_checkpoint(path)
-    state: CanonicalState = {
-        "model": read_tensor_file(path / MODEL_FILE),
-        "optimizer": unflatten_optimizer(read_tensor_file(path / OPTIMIZER_FILE)),
-    }
+    if "ranks" in manifest:
+        state = assemble([read_rank_part(path, rank) for rank in range(manifest["ranks"])])
+    else:
+        state = {"model": read_tensor_file(path / MODEL_FILE),
+                 "optimizer": unflatten_optimizer(read_tensor_file(path / OPTIMIZER_FILE))}
     meta_record = _read_json(path / META_FILE, "the checkpoint has no meta")
     return manifest["step"], state, meta_record["meta"]
 

@@ -351,8 +351,14 @@ class RecoveryMixin:
         if self.machine.phase is Phase.FINISHED and self.members:
             # Weights only: Adam's moments would triple what every owner gathers, and the final
             # directory keeps weights (snapshots and persisted checkpoints keep the rest).
+            # Training is over: the snapshots go before the full weights are gathered, and the workers
+            # before those are written and handed on; beside them they would not fit a host sized for
+            # training (bench scale).
+            WorkerPool.discard_shelves(self.members, self.run_config.name)
             parts = ray.get([w.actor.export_weights.remote() for w in self.members], timeout=CALL_TIMEOUT_S)
+            self._release_everything()
             weights = merge_weights(parts)
+            del parts
             result["checkpoint_path"] = self.job.plugin.save_final(self.run_config.run_dir / "final", weights,
                                                                    step=self.step)
             result["final_state"] = ray.put({"model": weights, "optimizer": {}})

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from baige_ray.elastic.shelf import SnapshotShelf
 from baige_ray.engines.base import Engine
@@ -40,32 +41,40 @@ class HostSnapshotter:
         self._failure: BaseException | None = None
         engine.before_update_hooks.append(self._fence_for_update)
 
-    def after_step(self, step: int) -> None:
-        """Start snapshotting the state as it is after `step` (waits for a previous copy first)."""
+    def after_step(self, step: int, then: Callable | None = None) -> None:
+        """Start snapshotting the state as it is after `step` (waits for a previous copy first); `then`
+        is called with the snapshot once taken, before any later copy may overwrite it (a checkpoint
+        written from it: the next copy, and the update after it, wait for it)."""
         self.fence()
         source = self.engine.snapshot_source()  # looked up here, on the training thread
         if not self.engine.snapshot_is_local:
             started = time.perf_counter()
-            self._take(step, source)
+            self._take(step, source, then)
             self.last_stall_s = time.perf_counter() - started
             return
-        self._copying = threading.Thread(target=self._copy, args=(step, source), name=f"snapshot-{step}",
+        self._copying = threading.Thread(target=self._copy, args=(step, source, then), name=f"snapshot-{step}",
                                          daemon=True)
         self._copying.start()
 
-    def _copy(self, step: int, source) -> None:
+    def _copy(self, step: int, source, then: Callable | None) -> None:
         try:
-            self._take(step, source)
+            self._take(step, source, then)
         except BaseException as error:  # surfaced by fence() on the training thread
             self._failure = error
 
-    def _take(self, step: int, source) -> None:
+    def _take(self, step: int, source, then: Callable | None = None) -> None:
         with self._buffers:
-            if self.shelf is None:
-                self._publish(step, source(self._spare))
-                return
-            into = self.shelf.begin(source.layout())
-            self._latest = (step, self.shelf.commit(step, source(into)))
+            taken = None
+            try:
+                if self.shelf is None:
+                    self._publish(step, source(self._spare))
+                else:
+                    into = self.shelf.begin(source.layout())
+                    self._latest = (step, self.shelf.commit(step, source(into)))
+                taken = self._latest[1]
+            finally:
+                if then is not None:
+                    then(taken)  # None: the copy failed
 
     def _publish(self, step: int, state: CanonicalState) -> None:
         previous = self._latest
@@ -119,6 +128,13 @@ class HostSnapshotter:
             self.engine.before_update_hooks.remove(self._fence_for_update)
         self.engine = None  # its memory goes before the next generation builds its own
         self._spare = None
+
+
+    def forget(self) -> None:
+        """Let go of every snapshot, a shelf's mapping included (the run is over)."""
+        self._await_copy()
+        with self._buffers:
+            self._latest, self._spare, self.shelf = None, None, None
 
 
 def _clone_tree(tree):

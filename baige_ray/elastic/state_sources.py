@@ -8,12 +8,13 @@ survivors' snapshots, the replicas and the persisted checkpoints.
 
 from __future__ import annotations
 
+import shutil
 import threading
 
 import ray
 
 from baige_ray.checkpoint.persister import AsyncPersister
-from baige_ray.checkpoint.store import load_latest_good
+from baige_ray.checkpoint.store import begin_checkpoint, commit_checkpoint, load_latest_good
 from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.replica_copies import ReplicaCopies
 from baige_ray.elastic.replicas import exposed_stages, replica_floor, replica_holders
@@ -24,6 +25,7 @@ from baige_ray.engines.shards import assemble
 from baige_ray.ops.events import EventLog
 
 CALL_TIMEOUT_S = 120.0
+PERSIST_TIMEOUT_S = 1800.0  # every rank writing its pieces of a checkpoint
 
 
 class StateSources:
@@ -35,6 +37,9 @@ class StateSources:
         self.events = events
         self.replica_copies = ReplicaCopies()
         self._persister: AsyncPersister | None = None
+        self._sharded_writer: threading.Thread | None = None  # commits the sharded checkpoint being written
+        self._sharded_step: int | None = None
+        self._staged: dict = {}  # step -> the staging directory its ranks write into
         self._replica_behind = False  # the last wait for replicas gave up
 
     def newest_snapshot(self, holders: list[tuple[int, Worker]], layout: ParallelLayout,
@@ -138,10 +143,13 @@ class StateSources:
         every = self.elastic.persist_every
         if not every or (step + 1) % every:
             return
+        meta = {"layout": layout.describe(), "run": self.run_name}
+        if layout.snapshots_are_sharded:
+            self._commit_sharded(step, members, meta)
+            return
         if self._persister is None:
             self._persister = AsyncPersister(self.elastic.persist_path, keep_last=self.elastic.keep_checkpoints)
         persister, holders = self._persister, list(enumerate(members))
-        meta = {"layout": layout.describe(), "run": self.run_name}
 
         def gather_and_submit() -> None:  # off the training loop: fetching the snapshot takes a while
             gathered_step, state = self.gather_state(holders, layout)
@@ -150,10 +158,53 @@ class StateSources:
 
         threading.Thread(target=gather_and_submit, daemon=True).start()
 
+    def persist_target(self, step: int, layout: ParallelLayout) -> str | None:
+        """Where the ranks of a sharded layout write their pieces of step `step`'s snapshot, when a
+        checkpoint is due after it (None otherwise). Asked when the step is dispatched: each rank then
+        writes right after its snapshot copy, before the next copy may overwrite it (checkpoint/sharded.py)."""
+        every = self.elastic.persist_every
+        if not layout.snapshots_are_sharded or not every or (step + 1) % every:
+            return None
+        if self._sharded_writer is not None and self._sharded_writer.is_alive():
+            self.events.record("checkpoint", f"skipped persisting step {step}: step "
+                               f"{self._sharded_step} is still being written", step=step)
+            return None
+        self._staged[step] = begin_checkpoint(self.elastic.persist_path, step)
+        return str(self._staged[step])
+
+    def _commit_sharded(self, step: int, members: list[Worker], meta: dict) -> None:
+        """A thread waits for every rank's files of step `step` and commits the checkpoint; a lost worker
+        or a full disk leaves it uncommitted (pruned later) and the next one is tried as usual."""
+        staging = self._staged.pop(step, None)
+        if staging is None:  # not due, or skipped while the last was still being written
+            return
+        root, ranks = self.elastic.persist_path, list(members)
+
+        def commit() -> None:
+            try:
+                written = ray.get([w.actor.persisted.remote(step) for w in ranks], timeout=PERSIST_TIMEOUT_S)
+                files = {name: record for records, _ in written for name, record in records.items()}
+                commit_checkpoint(root, staging, step, files, meta=meta, keep_last=self.elastic.keep_checkpoints,
+                                  ranks=len(ranks))
+            except Exception as error:
+                shutil.rmtree(staging, ignore_errors=True)
+                self.events.record("checkpoint", f"persisting step {step} failed: {error}", step=step)
+                return
+            nbytes = sum(record["bytes"] for record in files.values())
+            seconds = max(took for _, took in written)
+            self.events.record("checkpoint", f"persisted step {step}: {nbytes / 1e9:.2f} GB by {len(ranks)} ranks "
+                               f"in {seconds:.1f} s", step=step, bytes=nbytes, seconds=round(seconds, 3))
+
+        self._sharded_step = step
+        self._sharded_writer = threading.Thread(target=commit, name=f"persist-{step}", daemon=True)
+        self._sharded_writer.start()
+
     def close(self, timeout_s: float = 60.0) -> None:
         """Let checkpoints being written finish."""
         if self._persister is not None:
             self._persister.close(timeout=timeout_s)
+        if self._sharded_writer is not None:
+            self._sharded_writer.join(timeout=timeout_s)
 
 
 def newest_live(holders: list[tuple[int, Worker]], layout: ParallelLayout):

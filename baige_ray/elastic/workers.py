@@ -119,9 +119,9 @@ class WorkerPool:
 
     @staticmethod
     def discard_shelves(workers: list[Worker], run_name: str, timeout_s: float = 10.0) -> None:
-        """Remove the run's snapshot shelves (shelf.py) from every node that has one of `workers`."""
-        on_node = {w.info.node_id: w for w in workers if w.info is not None}
-        refs = [w.actor.discard_shelves.remote(run_name) for w in on_node.values()]
+        """Remove the run's snapshot shelves (shelf.py) from every node that has one of `workers`; each
+        of `workers` lets go of its snapshots, so their memory is freed, not only their files."""
+        refs = [w.actor.discard_shelves.remote(run_name) for w in workers if w.actor is not None]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 

@@ -20,7 +20,8 @@ from torch import nn
 
 from baige_ray.engines.base import Engine, SlowChipEmulator
 from baige_ray.engines.layout import ParallelLayout
-from baige_ray.engines.shards import Box, ShardCopy, ShardedPart, copy_local, meta_part
+from baige_ray.engines.boxes import Box
+from baige_ray.engines.shards import ShardCopy, ShardedPart, copy_local, meta_part
 from baige_ray.engines.state import ADAM_KEYS, CanonicalState
 from baige_ray.models.aux_loss import auxiliary_losses
 from baige_ray.runtime.train_loop import TrainJob, build_optimizer
@@ -269,10 +270,11 @@ class DeepSpeedEngine(Engine):
             if saved is not None:
                 for key in ADAM_KEYS:
                     self._set_master(name, param, saved[key], key)
-        steps = [saved["step"] for saved in state["optimizer"].values()]
+        first = next(iter(state["optimizer"]), None)  # every parameter's Adam has taken the same steps
+        step = state["optimizer"][first]["step"] if first is not None else None
         for base_state in self._base_optimizer_states():
-            if steps:
-                base_state["step"] = steps[0].clone() if torch.is_tensor(base_state["step"]) else int(steps[0])
+            if step is not None:
+                base_state["step"] = step.clone() if torch.is_tensor(base_state["step"]) else int(step)
 
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Set the model's weights and ZeRO's fp32 master partitions (re-derived from the weights in fp32,

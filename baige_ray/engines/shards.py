@@ -9,41 +9,16 @@ copies only its pieces, with no communication, and records where each piece sits
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from baige_ray.engines.boxes import Box, Pieces, box_of, piece_of
 from baige_ray.engines.state import ADAM_KEYS, CanonicalState
 
-
-@dataclass(frozen=True)
-class Box:
-    """Where a piece sits in its full tensor of `shape`: `start` and `size` per dimension of the index
-    space, which is the tensor's own (DTensor shards) or, with `flat`, the flattened tensor (ZeRO-3)."""
-
-    shape: tuple[int, ...]
-    start: tuple[int, ...]
-    size: tuple[int, ...]
-    flat: bool = False
-
-    @classmethod
-    def whole(cls, shape) -> Box:
-        shape = tuple(shape)
-        return cls(shape, (0,) * len(shape), shape)
-
-    @property
-    def volume(self) -> int:
-        return math.prod(self.size)
-
-    def write(self, full: torch.Tensor, piece: torch.Tensor) -> None:
-        """Copy `piece` into its place in `full` (a tensor of `shape`)."""
-        target = full.view(-1) if self.flat else full
-        index = tuple(slice(s, s + n) for s, n in zip(self.start, self.size))
-        target[index].copy_(piece.reshape(self.size))
 
 
 @dataclass
@@ -84,12 +59,12 @@ def assemble_lazily(parts: Iterable[CanonicalState | ShardedPart]) -> CanonicalS
         _require_cover(name, [box for box, _ in boxes])
     adam = {name: with_adam for name, boxes in pieces.items()
             if (with_adam := [(box, state) for box, state in boxes if name in state["optimizer"]])}
-    return {"model": _Assembled(whole["model"], pieces, _full_weight),
-            "optimizer": _Assembled(whole["optimizer"], adam, _full_moments)}
+    return {"model": _Assembled(whole["model"], pieces, _weight), "optimizer": _Assembled(whole["optimizer"], adam, _moments)}
 
 
-class _Assembled(Mapping):
-    """Whole tensors as given, and full tensors filled from pieces on every lookup."""
+class _Assembled(Pieces):
+    """Whole tensors as given, and tensors filled from pieces on every lookup: whole ones by name, one
+    rank's box by `piece` (what a sharded engine keeps, built without the rest)."""
 
     def __init__(self, whole: dict, pieces: dict[str, list[tuple[Box, CanonicalState]]], fill):
         self._whole, self._pieces, self._fill = whole, pieces, fill
@@ -99,7 +74,18 @@ class _Assembled(Mapping):
             return self._whole[name]
         if name not in self._pieces:
             raise KeyError(name)
-        return self._fill(name, self._pieces[name])
+        return self._fill(name, self._pieces[name], None)
+
+    def piece(self, name: str, box: Box):
+        if name in self._whole:
+            return piece_of(self._whole, name, box)
+        if name not in self._pieces:
+            raise KeyError(name)
+        return self._fill(name, self._pieces[name], box)
+
+    def __contains__(self, name: object) -> bool:
+        # Mapping's own __contains__ looks the key up, which here would build the full tensor.
+        return name in self._whole or name in self._pieces
 
     def __iter__(self):
         yield from self._whole
@@ -109,13 +95,14 @@ class _Assembled(Mapping):
         return len(self._whole) + len(self._pieces)
 
 
-def _full_weight(name: str, boxes: list[tuple[Box, CanonicalState]]) -> torch.Tensor:
-    return _fill(boxes, lambda state: state["model"][name])
+def _weight(name: str, boxes: list[tuple[Box, CanonicalState]], target: Box | None) -> torch.Tensor:
+    return _fill(boxes, lambda state: state["model"][name], target)
 
 
-def _full_moments(name: str, boxes: list[tuple[Box, CanonicalState]]) -> dict[str, torch.Tensor]:
+def _moments(name: str, boxes: list[tuple[Box, CanonicalState]], target: Box | None) -> dict[str, torch.Tensor]:
     moments = {"step": boxes[0][1]["optimizer"][name]["step"].clone()}
-    moments.update({key: _fill(boxes, lambda state, key=key: state["optimizer"][name][key]) for key in ADAM_KEYS})
+    moments.update({key: _fill(boxes, lambda state, key=key: state["optimizer"][name][key], target)
+                    for key in ADAM_KEYS})
     return moments
 
 
@@ -135,13 +122,35 @@ def _require_cover(name: str, boxes: list[Box]) -> None:
         raise ValueError(f"the pieces of {name!r} cover {covered} of its {needed} elements: a rank's part is missing")
 
 
-def _fill(boxes: list[tuple[Box, CanonicalState]], pick) -> torch.Tensor:
+def _fill(boxes: list[tuple[Box, CanonicalState]], pick, target: Box | None = None) -> torch.Tensor:
+    """The full tensor from its pieces, or only its `target` box: the piece itself when a rank kept
+    exactly that box, else the overlaps of the pieces with it."""
+    if target is not None:
+        same = next((state for box, state in boxes if (box.start, box.size, box.flat) ==
+                     (target.start, target.size, target.flat)), None)
+        if same is not None:
+            return pick(same)
+        if target.flat or any(box.flat for box, _ in boxes):  # flat and shaped boxes do not intersect simply
+            return target.read(_fill(boxes, pick)).clone()
+        return _fill_box(boxes, pick, target)
     first_box, first_state = boxes[0]
-    sample = pick(first_state)
-    full = torch.empty(first_box.shape, dtype=sample.dtype)
+    full = torch.empty(first_box.shape, dtype=pick(first_state).dtype)
     for box, state in boxes:
         box.write(full, pick(state))
     return full
+
+
+def _fill_box(boxes: list[tuple[Box, CanonicalState]], pick, target: Box) -> torch.Tensor:
+    out = torch.empty(target.size, dtype=pick(boxes[0][1]).dtype)
+    covered = 0
+    for box, state in boxes:
+        shared = target.overlap(box)
+        if shared is not None:
+            shared.relative_to(target).write(out, shared.relative_to(box).read(pick(state)))
+            covered += shared.volume
+    if covered != target.volume:
+        raise ValueError(f"the pieces cover {covered} of the {target.volume} elements asked for")
+    return out
 
 
 def _tensors(state: CanonicalState):
@@ -151,14 +160,6 @@ def _tensors(state: CanonicalState):
                 yield from value.values()
             else:
                 yield value
-
-
-def box_of(tensor: torch.Tensor) -> Box:
-    """Where this rank's piece of `tensor` sits: a DTensor's local shard, or the whole of a plain tensor."""
-    if isinstance(tensor, DTensor):
-        size, start = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-        return Box(tuple(tensor.shape), tuple(start), tuple(size))
-    return Box.whole(tensor.shape)
 
 
 @dataclass

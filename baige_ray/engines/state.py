@@ -10,9 +10,13 @@ communication: each rank cuts its own shard from the full tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+
+from baige_ray.engines.boxes import box_of, piece_of
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 CanonicalState = dict[str, dict]
@@ -24,13 +28,6 @@ def full_tensor(tensor: torch.Tensor, into: torch.Tensor | None = None) -> torch
     if into is not None and into.shape == full.shape and into.dtype == full.dtype:
         return into.copy_(full.detach())
     return full.detach().cpu().clone()
-
-
-def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`full` laid out as `like` is: the same DTensor placements, or a plain tensor on its device."""
-    if isinstance(like, DTensor):
-        return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
-    return full.to(like.device).clone()
 
 
 def export_module_state(
@@ -49,17 +46,36 @@ def export_module_state(
     return {"model": model, "optimizer": adam}
 
 
-def import_module_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: CanonicalState) -> None:
-    missing = [name for name, _ in module.named_parameters() if name not in state["model"]]
+def import_module_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, state: CanonicalState, canonical: Callable[[str], str] = str,
+) -> None:
+    """Load `state` into the module's parameters and Adam, each rank taking only the box of each tensor it
+    keeps (a sharded snapshot's pieces are never assembled whole). `canonical` maps the module's names
+    to the state's."""
+    model, adam = state["model"], state["optimizer"]
+    names = {name: canonical(name) for name, _ in module.named_parameters()}
+    missing = [key for key in names.values() if key not in model]
     if missing:
         raise KeyError(f"canonical state lacks parameters {missing[:5]}")
     with torch.no_grad():
         for name, param in module.named_parameters():
-            param.copy_(shard_like(state["model"][name], param))
-            saved = state["optimizer"].get(name)
-            if saved is not None:
+            box = box_of(param)
+            _local(param).copy_(piece_of(model, names[name], box).reshape(box.size))
+            if names[name] in adam:
+                saved = piece_of(adam, names[name], box)
                 optimizer.state[param] = {"step": saved["step"].clone()}
-                optimizer.state[param].update({key: shard_like(saved[key], param) for key in ADAM_KEYS})
+                optimizer.state[param].update({key: _local_copy(param, saved[key]) for key in ADAM_KEYS})
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _local_copy(like: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+    """A tensor laid out as `like` (the same DTensor placements) whose local part is `piece`."""
+    made = torch.empty_like(like, requires_grad=False)
+    _local(made).copy_(piece.reshape(_local(made).shape))
+    return made
 
 
 def merge_states(parts: list[CanonicalState]) -> CanonicalState:

@@ -283,7 +283,7 @@ class TorchEngine(Engine):
         return self._strip_prefix({"model": weights})["model"]
 
     def import_state(self, state: CanonicalState) -> None:
-        import_module_state(self.module, self.optimizer, self._add_prefix(state))
+        import_module_state(self.module, self.optimizer, state, canonical=_canonical_name)
 
     @property
     def snapshot_is_sharded(self) -> bool:
@@ -299,7 +299,7 @@ class TorchEngine(Engine):
         if self.snapshot_is_sharded:
             return self.snapshot_source()(into)
         # Every rank keeps its stages' full state (gathered when sharded), so any survivor can restore them.
-        reuse = self._add_prefix(into, partial=True) if into else None
+        reuse = self._add_prefix(into) if into else None
         return self._strip_prefix(export_module_state(self.module, self.optimizer, reuse))
 
     def snapshot_source(self):
@@ -312,16 +312,21 @@ class TorchEngine(Engine):
                          copy=lambda into=None: sources.copy(into if isinstance(into, ShardedPart) else None))
 
     def _strip_prefix(self, state: CanonicalState) -> CanonicalState:
-        # Names inside the ModuleList are "<stage slot>.<canonical name>".
-        return {section: {name.split(".", 1)[1]: v for name, v in part.items()} for section, part in state.items()}
+        return {section: {_canonical_name(name): v for name, v in part.items()} for section, part in state.items()}
 
-    def _add_prefix(self, state: CanonicalState, partial: bool = False) -> CanonicalState:
+    def _add_prefix(self, state: CanonicalState) -> CanonicalState:
+        """`state`'s tensors under the ModuleList's names (those it has)."""
         prefixed: CanonicalState = {"model": {}, "optimizer": {}}
         for slot, stage in enumerate(self.stages):
             for name, _ in stage.named_parameters():
-                if partial and name not in state["model"]:
+                if name not in state["model"]:
                     continue
                 prefixed["model"][f"{slot}.{name}"] = state["model"][name]
                 if name in state["optimizer"]:
                     prefixed["optimizer"][f"{slot}.{name}"] = state["optimizer"][name]
         return prefixed
+
+
+def _canonical_name(name: str) -> str:
+    """Names inside the ModuleList are "<stage slot>.<canonical name>"."""
+    return name.split(".", 1)[1]

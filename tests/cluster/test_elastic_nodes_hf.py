@@ -107,13 +107,17 @@ def test_a_lost_node_shrinks_a_hf_job_and_training_agrees_with_a_fault_free_run(
 
 
 def test_a_hf_job_that_loses_every_worker_resumes_from_its_persisted_checkpoint(tiny, tmp_path):
+    """Under FSDP2 every rank writes its own pieces of the checkpoint (checkpoint/sharded.py)."""
     num_steps = 30
+    layout = ParallelLayout(dp=2, data_parallel="fsdp2")
     persisted = ElasticConfig(num_spares=0, persist_every=3, persist_path=tmp_path / "checkpoints")
     job = elastic_hf_run("elastic-hf-all-lost", tmp_path, tiny, num_workers=2, num_steps=num_steps,
-                         elastic=persisted)
+                         elastic=persisted, layout=layout)
     wait_for(job, lambda s: s["step"] >= 7 and bool(list_checkpoints(tmp_path / "checkpoints")), 180,
              "a persisted checkpoint")
     assert job.status()["step"] < num_steps, "the job finished before the workers could be lost"
+    written = list_checkpoints(tmp_path / "checkpoints")[-1][1]
+    assert (written / "rank-00001.safetensors").is_file() and not (written / "model.safetensors").exists()
     for worker in ray.util.list_named_actors(all_namespaces=True):
         if worker["name"].startswith("baige-worker:elastic-hf-all-lost:"):
             ray.kill(ray.get_actor(worker["name"], namespace=worker["namespace"]), no_restart=True)
@@ -121,7 +125,7 @@ def test_a_hf_job_that_loses_every_worker_resumes_from_its_persisted_checkpoint(
     assert "restored persisted step" in (tmp_path / "elastic-hf-all-lost" / "events.jsonl").read_text()
     assert [m.step for m in result.metrics] == list(range(num_steps)), "steps after the checkpoint are redone once each"
     reference = elastic_hf_run("elastic-hf-all-lost-reference", tmp_path, tiny, num_workers=2, num_steps=num_steps,
-                               elastic=ElasticConfig(num_spares=0)).wait()
+                               elastic=ElasticConfig(num_spares=0), layout=layout).wait()
     final, expected = final_weights(result), final_weights(reference)
     assert "model.layers.0.mlp.gate_proj.weight" in final
     for name in expected:  # the persisted state is exact and the world size the same: bitwise

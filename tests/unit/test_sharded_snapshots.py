@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from baige_ray import TrainConfig
-from baige_ray.engines.shards import Box, ShardedPart, assemble
+from baige_ray.engines.boxes import Box
+from baige_ray.engines.shards import ShardedPart, assemble, assemble_lazily
 from tests.helpers import spawn_ranks
 
 
@@ -24,6 +25,27 @@ def test_pieces_of_every_rank_assemble_to_the_full_tensor_and_a_missing_one_is_n
     assert torch.equal(assemble([rows[0], rows[0], rows[1]])["model"]["w"], full)  # replicas counted once
     with pytest.raises(ValueError, match="'w' cover 18 of its 30"):
         assemble(rows[:1])
+
+
+def test_a_box_of_an_assembled_tensor_is_built_from_the_pieces_it_meets_and_nothing_else():
+    full = torch.arange(30.0).reshape(5, 6)
+    rows = [ShardedPart({"model": {"w": full[:3].clone()}, "optimizer": {"w": {"step": torch.tensor(4.0),
+             "exp_avg": -full[:3].clone(), "exp_avg_sq": full[:3] ** 2}}}, {"w": Box((5, 6), (0, 0), (3, 6))}),
+            ShardedPart({"model": {"w": full[3:].clone()}, "optimizer": {"w": {"step": torch.tensor(4.0),
+             "exp_avg": -full[3:].clone(), "exp_avg_sq": full[3:] ** 2}}}, {"w": Box((5, 6), (3, 0), (2, 6))})]
+    flat = [ShardedPart({"model": {"w": full.view(-1)[:16].clone()}, "optimizer": {}}, {"w": Box((5, 6), (0,), (16,), flat=True)}),
+            ShardedPart({"model": {"w": full.view(-1)[16:].clone()}, "optimizer": {}}, {"w": Box((5, 6), (16,), (14,), flat=True)})]
+    state = assemble_lazily(rows)
+    kept = state["model"].piece("w", Box((5, 6), (3, 0), (2, 6)))
+    assert kept.data_ptr() == rows[1].state["model"]["w"].data_ptr()  # the rank's own piece, not a copy
+    straddling = Box((5, 6), (2, 1), (2, 3))
+    assert torch.equal(state["model"].piece("w", straddling), full[2:4, 1:4])
+    moments = state["optimizer"].piece("w", straddling)
+    assert torch.equal(moments["exp_avg"], -full[2:4, 1:4]) and torch.equal(moments["exp_avg_sq"], full[2:4, 1:4] ** 2)
+    assert moments["step"].item() == 4.0
+    assert torch.equal(state["model"].piece("w", Box((5, 6), (10,), (12,), flat=True)), full.view(-1)[10:22])
+    assert torch.equal(assemble_lazily(flat)["model"].piece("w", straddling), full[2:4, 1:4])
+    assert "w" in state["model"] and "v" not in state["model"]
 
 
 def _run(rank: int, port: int, results, model_dir: str, data_dir: str) -> None:
@@ -53,7 +75,7 @@ def _run(rank: int, port: int, results, model_dir: str, data_dir: str) -> None:
     gathered = engine.export_state()
     assembled = assemble(parts)
     fresh = build_engine(job, layout, rank)
-    fresh.import_state(assembled)
+    fresh.import_state(assemble_lazily(parts))  # each rank fills only its own boxes, as a recovery does
     results[rank] = {
         "sharded": engine.snapshot_is_sharded and engine.snapshot_is_local and isinstance(part, ShardedPart),
         "reused": all(part.state["model"][n].data_ptr() == first.state["model"][n].data_ptr() for n in part.boxes),
