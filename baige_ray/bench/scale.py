@@ -15,18 +15,17 @@ geometric mean of the rounds' ratios; each worker's peak resident memory against
 that layout (`memory_error`, relative); and the memory model's verdict on DDP x2 for this host (the
 check `fit` runs before any worker starts, planner/fits.py). The headline keys are the worst layout's.
 
-Then, per layout in `--elastic-layouts` (none by default), the model as an elastic job (`launch`) with
-sharded snapshots in node shared memory, and one worker SIGKILLed mid-step (bench/scale_faults.py):
-the snapshot stall as a fraction of the step (`stall_frac`), the snapshots' bytes, detection and
-recovery time, steps redone (`steps_lost`), and the loss curve against fit's fault-free run. On this
-24 GiB machine the recovery and the end of the elastic run still run out of memory at 494M (two
-rebuilt engines each materialize the whole model before sharding it); `--kill-step -1` runs without
-the kill. Last, fit's exported directory served by `serve(..., engine="vllm")` against `vllm.LLM`
-(bench/scale_serve.py).
+Then, per layout in `--elastic-layouts` (FSDP2 by default), the model as an elastic job (`launch`) with
+sharded snapshots in node shared memory, a sharded checkpoint every `--persist-every` steps, and one
+worker SIGKILLed mid-step (bench/scale_faults.py): the snapshot stall as a fraction of the step
+(`stall_frac`), the snapshots' bytes, detection and recovery time, steps redone (`steps_lost`), the loss
+curve against fit's fault-free run, and the checkpoint's throughput, written by both ranks beside
+training, against a plain sequential write of as many bytes to the same disk (`persist_vs_write`);
+`--kill-step -1` runs without the kill. Last, fit's exported directory served by
+`serve(..., engine="vllm")` against `vllm.LLM` (bench/scale_serve.py).
 
-Not measured yet (null in the JSON, `unmeasured` lists them): persistence throughput (persisting
-gathers the whole state in the controller, 12 GB at this size beside training: it needs per-rank
-sharded persistence).
+A headline key that a stage left unmeasured (skipped, or failed: its error is in the JSON) is null and
+named in `unmeasured`.
 """
 
 from __future__ import annotations
@@ -49,7 +48,6 @@ if TYPE_CHECKING:
     from baige_ray.topology.graph import ResourceGraph
 
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "models" / "qwen2.5-0.5b.json"
-UNMEASURED = ("persist_vs_write", "vllm_vs_direct")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,9 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layouts", default="fsdp2,zero3", help="comma-separated: fsdp2, zero3")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of torchrun and fit, alternating their order")
     parser.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "fp32"])
-    # Off by default: at 494M the elastic run does not yet fit this 24 GiB machine to its end (README).
-    parser.add_argument("--elastic-layouts", default="",
+    parser.add_argument("--elastic-layouts", default="fsdp2",
                         help="comma-separated layouts also run as an elastic job with a worker killed, e.g. fsdp2")
+    parser.add_argument("--persist-every", type=int, default=3,
+                        help="the elastic job persists a sharded checkpoint after every this many steps")
     parser.add_argument("--kill-step", type=int, default=4,
                         help="the step in whose middle a worker is killed (-1: none, snapshots only)")
     parser.add_argument("--no-serve", dest="serve", action="store_false",
@@ -248,19 +247,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             serving = measure_vllm(Path(exports[0]), args, Path(tmp))
     timed = [r for r in results.values() if "vs_torchrun" in r]
     elastic = [r["elastic"] for r in results.values() if "elastic" in r]
-    unmeasured = [key for key in UNMEASURED if key != "vllm_vs_direct" or serving is None]
+    headline = {
+        "vs_torchrun": _worst(timed, "vs_torchrun"), "memory_error": _worst(timed, "memory_error"),
+        "stall_frac": _worst(elastic, "stall_frac"), "steps_lost": _worst(elastic, "steps_lost"),
+        "recovery_s": _worst(elastic, "recovery_s"), "detection_s": _worst(elastic, "detection_s"),
+        "persist_vs_write": _least(elastic, "persist_vs_write"),
+        "vllm_vs_direct": serving["vllm_vs_direct"] if serving else None,
+    }
     return {
         "benchmark": "scale", "model": "qwen2.5-0.5b", "workers": 2, "seq_len": args.seq_len,
         "global_batch_size": args.global_batch_size, "precision": args.precision, "steps": args.steps,
         "layouts": results, "serving": serving,
-        "vs_torchrun": _worst(timed, "vs_torchrun"), "memory_error": _worst(timed, "memory_error"),
         "ddp_predicted_gb": round(ddp["predicted_bytes"] / 1e9, 3), "ddp_verdict": ddp["verdict"],
-        "elastic_verdicts": elastic_verdicts,
-        "stall_frac": _worst(elastic, "stall_frac"), "steps_lost": _worst(elastic, "steps_lost"),
-        "recovery_s": _worst(elastic, "recovery_s"), "detection_s": _worst(elastic, "detection_s"),
-        "vllm_vs_direct": serving["vllm_vs_direct"] if serving else None,
-        **{key: None for key in unmeasured}, "unmeasured": unmeasured,
+        "elastic_verdicts": elastic_verdicts, **headline,
+        "unmeasured": [key for key, value in headline.items() if value is None],
     }
+
+
+def _least(measured: list[dict], key: str):
+    values = [m[key] for m in measured if m.get(key) is not None]
+    return min(values) if values else None
 
 
 def _worst(measured: list[dict], key: str):
@@ -285,6 +291,10 @@ def summarize(result: dict[str, Any]) -> str:
                          f"killed in step {e['killed_step']}: detected in {e['detection_s']} s, recovered in "
                          f"{e['recovery_s']} s, {e['steps_lost']} step(s) redone, loss max |diff| "
                          f"{e['loss_max_abs_diff']} vs fit")
+            if e.get("persist_vs_write") is not None:
+                lines.append(f"{name} persistence: {e['persisted_gb']} GB in {e['persist_s']} s by 2 ranks beside "
+                             f"training ({e['persist_gbps']} GB/s) vs a plain write in {e['write_s']} s "
+                             f"({e['write_gbps']} GB/s): {e['persist_vs_write']}x")
     if result["serving"]:
         v = result["serving"]
         lines.append(f"vLLM: serve() loads in {v['serve_load_s']} s, vllm.LLM in {v['direct_load_s']} s; tokens/s "

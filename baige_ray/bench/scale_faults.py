@@ -42,13 +42,54 @@ def _run_and_kill(job, layout, args, storage: Path, reference_losses: list[float
     run = RunConfig(name=f"scale-elastic-{layout.data_parallel}", storage_path=storage, show_progress=False)
     # One snapshot slot: two do not fit beside two workers of this model in 24 GiB (the memory check
     # prices them); a kill while a worker copies (a few percent of a step) then falls back further.
-    elastic = ElasticConfig(snapshot_slots=1, replicate_every=0, first_steps_timeout_s=1800)
+    elastic = ElasticConfig(snapshot_slots=1, replicate_every=0, first_steps_timeout_s=1800,
+                            persist_every=args.persist_every, persist_path=storage / "checkpoints", keep_checkpoints=1)
     handle = launch(job.model, data=job.data, train=job.train, layout=layout, run=run, elastic=elastic,
                     scaling=ScalingConfig(num_workers=2, accelerator="cpu", placement_timeout_s=900))
     kill = _kill_mid_step(handle, args.kill_step) if args.kill_step >= 0 else _shelf_bytes_at(handle, 1)
     result = handle.wait()
     events = [json.loads(line) for line in (run.run_dir / "events.jsonl").read_text().splitlines() if line]
-    return _report(result, events, kill, reference_losses, args.warmup)
+    report = _report(result, events, kill, reference_losses, args.warmup)
+    report.update(_persistence(events, storage / "plain"))
+    return report
+
+
+def _after_kill(failure: dict | None, kill: dict, phases: dict) -> float | None:
+    if failure is None or "regrouped" not in phases or "detected" not in phases:
+        return None
+    return round(failure["time"] - kill["time"] + phases["regrouped"] - phases["detected"], 3)
+
+
+def _persistence(events: list[dict], scratch: Path) -> dict[str, Any]:
+    """The fastest sharded checkpoint the run wrote (bytes over the slowest rank's seconds, written beside
+    training), against one plain sequential write of as many bytes to the same disk, fsynced, after it."""
+    persisted = [e for e in events if e["kind"] == "checkpoint" and "bytes" in e]
+    if not persisted:
+        failed = [e["reason"] for e in events if e["kind"] == "checkpoint"]
+        return {"persist_vs_write": None, "persist_note": failed[-1] if failed else "no checkpoint was due"}
+    best = min(persisted, key=lambda e: e["seconds"] / e["bytes"])
+    plain_s = _plain_write_s(scratch, best["bytes"])
+    return {"persisted_gb": round(best["bytes"] / 1e9, 3), "persist_s": best["seconds"],
+            "persist_gbps": round(best["bytes"] / best["seconds"] / 1e9, 3), "checkpoints_written": len(persisted),
+            "write_s": round(plain_s, 3), "write_gbps": round(best["bytes"] / plain_s / 1e9, 3),
+            "persist_vs_write": round(plain_s / best["seconds"], 3)}
+
+
+def _plain_write_s(directory: Path, nbytes: int, chunk_bytes: int = 64 << 20) -> float:
+    """Seconds to write `nbytes` into one new file in big sequential writes, then fsync it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "plain.bin"
+    chunk = os.urandom(chunk_bytes)
+    started = time.perf_counter()
+    with path.open("wb") as handle:
+        left = nbytes
+        while left > 0:
+            left -= handle.write(memoryview(chunk)[:min(left, chunk_bytes)])
+        handle.flush()
+        os.fsync(handle.fileno())
+    seconds = time.perf_counter() - started
+    path.unlink()
+    return seconds
 
 
 def _wait_for_step(handle, step: int) -> dict[str, Any]:
@@ -105,6 +146,8 @@ def _report(result, events: list[dict], kill: dict, reference_losses: list[float
         "recovery_s": round(recovery["recovery_s"], 3) if recovery else None,
         "steps_lost": recovery.get("lost_steps"),
         "recovery_phases_s": recovery.get("phases_s"),
+        # The phases count from the failed step's start: from the kill, the group is whole again after
+        "regrouped_after_kill_s": _after_kill(failure, kill, recovery.get("phases_s") or {}),
         "losses": [round(x, 4) for x in losses],
         "loss_max_abs_diff": round(max(abs(a - b) for a, b in zip(losses[:compared], reference_losses)), 6)
         if compared else None,

@@ -15,9 +15,11 @@ configuration it names. Assumptions:
     flight, as does a schedule without `pipeline_run_ahead`).
   * memory.py's activation coefficients count 16-bit values (Korthikanti et al. 2022); they scale by
     `compute_dtype_bytes / 2`, all but the logits the loss holds (fp32 under either precision).
-  * DeepSpeed's ZeRO-3 adds its bf16 copy of each weight partition under mixed precision and its
-    gradient bucket (DEEPSPEED_REDUCE_BUCKET elements in the compute dtype; measured at 494M
-    parameters). ZeRO-1/2's buckets are not counted yet.
+  * DeepSpeed's ZeRO-3 adds its bf16 copy of each weight partition under mixed precision, its
+    gradient bucket (DEEPSPEED_REDUCE_BUCKET elements in the compute dtype) and, in its optimizer
+    step, the fp32 flat copy of each sub-group's gradient partition (up to DEEPSPEED_SUB_GROUP
+    elements; at 494M over 2 ranks it stays resident: 1 GB more after a step than the 16 bytes a
+    parameter and the bf16 copies, measured). ZeRO-1/2's buckets are not counted yet.
   * Usable device memory is the device's `memory_gb` x `PlanOptions.usable_memory_fraction`, as the
     planner's; a node's host memory counts whole (`host_memory_gb`, descriptor NodeType.memory_gb).
   * Workers take the graph's devices in node order, ranks first, then an elastic job's spares: the
@@ -65,6 +67,9 @@ WORKER_PROCESS_BYTES = 0.6e9
 # DeepSpeed ZeRO-3's gradient bucket (`reduce_bucket_size`, its default, which the engine keeps): one
 # buffer of that many elements in the reduction's dtype, filled whole once the model is larger.
 DEEPSPEED_REDUCE_BUCKET = 5e8
+# ZeRO-3's optimizer step works on sub-groups of a rank's partition of at most this many elements
+# (`sub_group_size`, its default), each with an fp32 flat copy of its gradients.
+DEEPSPEED_SUB_GROUP = 1e9
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -167,11 +172,13 @@ def device_bytes(model: ModelSpec, shape: LayoutShape) -> tuple[np.ndarray, np.n
 
 def _deepspeed_zero3_extra_bytes(model: ModelSpec, shape: LayoutShape, layers: np.ndarray) -> np.ndarray:
     """What DeepSpeed's ZeRO-3 holds beyond the 16 bytes a parameter: under mixed precision its
-    low-precision copy of each weight partition beside the fp32 master, and its gradient bucket."""
+    low-precision copy of each weight partition beside the fp32 master, its gradient bucket, and the
+    fp32 copy of a sub-group's gradient partition its optimizer step makes."""
     dense, expert = stage_param_counts(model, layers)
     params = (dense + expert) / shape.tp
     low_precision_copy = shape.compute_dtype_bytes * params / shape.dp if shape.compute_dtype_bytes < 4 else 0.0
-    return low_precision_copy + shape.compute_dtype_bytes * np.minimum(DEEPSPEED_REDUCE_BUCKET, params)
+    fp32_gradient_copy = 4 * np.minimum(DEEPSPEED_SUB_GROUP, params / shape.dp)
+    return low_precision_copy + shape.compute_dtype_bytes * np.minimum(DEEPSPEED_REDUCE_BUCKET, params) + fp32_gradient_copy
 
 
 def stage_state_bytes(model: ModelSpec, shape: LayoutShape) -> np.ndarray:

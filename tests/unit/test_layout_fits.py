@@ -10,7 +10,7 @@ from baige_ray.api.errors import InfeasiblePlanError
 from baige_ray.elastic.replicas import REPLICA_BUFFERS, SNAPSHOT_BUFFERS, host_copies
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.planner.fits import (
-    DEEPSPEED_REDUCE_BUCKET, WORKER_PROCESS_BYTES, HostCopies, LayoutShape, check_fits, device_bytes, layout_shape, snapshot_bytes,
+    DEEPSPEED_REDUCE_BUCKET, DEEPSPEED_SUB_GROUP, WORKER_PROCESS_BYTES, HostCopies, LayoutShape, check_fits, device_bytes, layout_shape, snapshot_bytes,
 )
 from baige_ray.planner.model_spec import load_model_spec
 from baige_ray.topology.descriptor import descriptor_from_dict
@@ -156,10 +156,11 @@ def test_layout_shape_fields_are_validated():
         HostCopies(snapshot_copies=-1)
 
 
-def test_deepspeed_zero3_adds_its_bf16_partition_copy_and_gradient_bucket():
+def test_deepspeed_zero3_adds_its_bf16_partition_copy_gradient_bucket_and_fp32_gradient_copy():
     fsdp = dataclasses.replace(_ddp(2, "DP2 (fsdp2)"), zero_stage=3, compute_dtype_bytes=2)
     deepspeed = dataclasses.replace(fsdp, name="DP2 (zero3)", deepspeed=True)
     (fsdp_states, fsdp_activations), (ds_states, ds_activations) = device_bytes(QWEN, fsdp), device_bytes(QWEN, deepspeed)
     assert ds_activations == pytest.approx(fsdp_activations)
     bucket = 2 * min(DEEPSPEED_REDUCE_BUCKET, QWEN.num_params)
-    assert ds_states - fsdp_states == pytest.approx(2 * QWEN.num_params / 2 + bucket)
+    fp32_gradients = 4 * min(DEEPSPEED_SUB_GROUP, QWEN.num_params / 2)
+    assert ds_states - fsdp_states == pytest.approx(2 * QWEN.num_params / 2 + bucket + fp32_gradients)
