@@ -39,6 +39,12 @@ def small_chips(chip_gb: float):
     return dataclasses.replace(descriptor, node_types=node_types)
 
 
+def small_hosts(host_gb: float):
+    descriptor = load_descriptor(SIM_2X4)
+    node_types = {name: dataclasses.replace(node, memory_gb=host_gb) for name, node in descriptor.node_types.items()}
+    return dataclasses.replace(descriptor, node_types=node_types)
+
+
 @pytest.fixture
 def simulated(sim_cluster):
     if not sim_cluster.simulated:
@@ -69,6 +75,19 @@ def test_launch_refuses_it_too_and_leaves_no_controller_or_worker(simulated, tmp
     with pytest.raises(InfeasiblePlanError, match="DP2 \\(ddp\\) of gpt needs 0.89 GB per device"):
         launch(MODEL, train=TRAIN, scaling=ScalingConfig(num_workers=2), run=run, data=CORPUS,
                layout=ParallelLayout(dp=2), cluster=small_chips(0.5))
+    assert run_actor_names(run.name) == []
+
+
+def test_launch_refuses_a_layout_whose_snapshots_overflow_host_memory_before_any_worker_starts(simulated, tmp_path):
+    """The chips hold the model, but a host of 2 GB cannot hold two workers' two snapshots each."""
+    run = RunConfig(name="too-big-host", storage_path=tmp_path, show_progress=False)
+    with pytest.raises(InfeasiblePlanError) as refused:
+        launch(MODEL, train=TRAIN, scaling=ScalingConfig(num_workers=2), run=run, data=CORPUS,
+               layout=ParallelLayout(dp=2), cluster=small_hosts(2.0))
+    assert str(refused.value).startswith("DP2 (ddp) of gpt needs ")
+    assert "GB of host memory on node 0" in str(refused.value) and "snapshots " in str(refused.value)
+    assert str(refused.value).endswith("the node has 2.0 GB")
+    assert refused.value.budget == "host memory of node 0" and refused.value.needed_gb > refused.value.available_gb == 2.0
     assert run_actor_names(run.name) == []
 
 
