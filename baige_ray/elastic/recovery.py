@@ -367,6 +367,9 @@ class RecoveryMixin:
         return result
 
     def _release_everything(self) -> None:
+        if self._released:  # the run's end did it before writing the weights; the workers are gone
+            return
+        self._released = True
         incoming = self._harvest_request.incoming if self._harvest_request is not None else []
         everyone = [w for w in self.members + self.spares + incoming if w.actor is not None]
         WorkerPool.discard_shelves(everyone, self.run_config.name)
