@@ -36,10 +36,6 @@ class Box:
     def volume(self) -> int:
         return math.prod(self.size)
 
-    @property
-    def is_whole(self) -> bool:
-        return self.volume == math.prod(self.shape)
-
     def _index(self) -> tuple[slice, ...]:
         return tuple(slice(s, s + n) for s, n in zip(self.start, self.size))
 
