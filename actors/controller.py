@@ -99,6 +99,7 @@ class ElasticController(RecoveryMixin):
         self._failed_step_metrics: list[dict | None] = []  # what the survivors of the failed step reported
         self._evicting: dict[int, str] = {}  # rank -> why: a straggler being evicted
         self._released = False  # workers stopped and shelves removed: at the run's end, once
+        self._shelves_discarded = False  # the run's end removes them before it gathers the weights
         self._restarted = False  # this controller replaced a dead one; steps it did not see are recovered
         self._regroup_failures = 0  # consecutive regroups that failed with every worker alive
         self._redo_steps = 0  # steps the current recovery does again

@@ -402,8 +402,9 @@ class ElasticWorkerActor(WorkerActor):
         is over): a removed shelf's memory is freed once no worker maps it."""
         if self.snapshots is not None:
             self.snapshots.forget()
-        self._shelf = None
-        gc.collect()
+        if self._shelf is not None:
+            self._shelf = None
+            gc.collect()  # a mapping kept alive by a reference cycle would keep the shelf's memory
         shutil.rmtree(run_shelves(run_name), ignore_errors=True)
 
     @ray.method(concurrency_group="persist")

@@ -354,7 +354,7 @@ class RecoveryMixin:
             # Training is over: the snapshots go before the full weights are gathered, and the workers
             # before those are written and handed on; beside them they would not fit a host sized for
             # training (bench scale).
-            WorkerPool.discard_shelves(self.members, self.run_config.name)
+            self._discard_shelves()
             parts = ray.get([w.actor.export_weights.remote() for w in self.members], timeout=CALL_TIMEOUT_S)
             self._release_everything()
             weights = merge_weights(parts)
@@ -372,10 +372,16 @@ class RecoveryMixin:
         self._released = True
         incoming = self._harvest_request.incoming if self._harvest_request is not None else []
         everyone = [w for w in self.members + self.spares + incoming if w.actor is not None]
-        WorkerPool.discard_shelves(everyone, self.run_config.name)
+        if not self._shelves_discarded:
+            self._discard_shelves()
         self.pool.stop(everyone)
         self.members, self.spares = list(self.members), []
         _internal_kv_del(self._record_key())
+
+    def _discard_shelves(self) -> None:
+        # Only members hold snapshots; a spare may still be starting, and asking it would wait for that.
+        WorkerPool.discard_shelves(self.members, self.run_config.name)
+        self._shelves_discarded = True
 
     def _record_key(self) -> str:
         return f"baige:job:{self.run_config.name}"
