@@ -23,7 +23,7 @@ A lend takes effect only once its replica is up, so the loop measures how long i
 the request rate that far ahead, from the trend of the rates it observed over `trend_window_s`.
 
 `ArbiterLoop` holds the decision loop and talks to the two sides through small interfaces, so it
-is tested without Ray; `JobTrainingSide` and `ServeServingSide` are the real sides and
+is tested without Ray; `JobTrainingSide` and the serving sides (serving_sides.py) are the real ones and
 `PoolArbiter` the Ray actor that runs the loop on a thread.
 """
 
@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from baige_ray.actors.serving_sides import serving_side
 from baige_ray.api.validation import require_int, require_number
 from baige_ray.ops.events import EventLog
 from baige_ray.policies.lending import (
@@ -292,57 +293,13 @@ class JobTrainingSide:
         return self._ray.get(self._controller.latest_model_state.remote())
 
 
-class ServeServingSide:
-    """The serving side: a `serve()` application scaled and refreshed in place."""
-
-    def __init__(self, info: Any, model_config: Any):
-        self.info, self.model_config = info, model_config
-
-    def num_replicas(self) -> int:
-        from baige_ray.serving.app import replica_states
-
-        return replica_states(self.info).get("RUNNING", 0)
-
-    def load(self, window_s: float) -> dict:
-        from baige_ray.serving.app import serving_load
-
-        return serving_load(self.info, window_s)
-
-    def scale(self, num_replicas: int) -> None:
-        from baige_ray.serving.app import scale_replicas
-
-        scale_replicas(self.info, num_replicas)
-
-    def reload(self, step: int, state_ref: Any) -> None:
-        from baige_ray.serving.app import reload_weights
-
-        # A lend's new replica loads the published weights as it starts; the running ones swap
-        # at their next report, so the lend does not wait for them.
-        reload_weights(self.info, (step, state_ref), model_config=self.model_config, wait=False)
-
-    def rebalance(self) -> str | None:
-        return None  # one role: nothing to re-split
-
-
-def _serving_side(info: Any, model_config: Any, config: ArbiterConfig) -> ServingSide:
-    if not info.disaggregated:
-        return ServeServingSide(info, model_config)
-    if config.min_infer_devices < info.split.min_replicas:
-        raise ValueError(f"ArbiterConfig.min_infer_devices={config.min_infer_devices} is invalid for a disaggregated "
-                         f"application: expected at least its split's minimum prefill + decode replicas "
-                         f"({info.split.min_replicas})")
-    from baige_ray.actors.disaggregated_serving import DisaggregatedServingSide
-
-    return DisaggregatedServingSide(info, model_config)
-
-
 class PoolArbiter:
     """Ray actor running an ArbiterLoop on a thread; create it with `start_pool_arbiter`."""
 
     def __init__(self, job_name: str, serve_info: Any, model_config: Any, config: ArbiterConfig):
         from baige_ray.ops.metrics import JobMetrics
 
-        self._loop = ArbiterLoop(JobTrainingSide(job_name), _serving_side(serve_info, model_config, config), config)
+        self._loop = ArbiterLoop(JobTrainingSide(job_name), serving_side(serve_info, model_config, config.min_infer_devices), config)
         self._metrics = JobMetrics(job=job_name)
         self._lock = threading.Lock()
         self._stop = threading.Event()

@@ -101,3 +101,16 @@ def final_parameters(result) -> dict:
     import ray
 
     return ray.get(result.final_state)["model"]
+
+
+def kill_runs_named(prefix: str) -> int:
+    """Kill what every run whose name starts with `prefix` left behind (a failed test's detached actors)."""
+    import ray
+
+    from baige_ray.elastic.job import kill_run_actors
+    from baige_ray.elastic.workers import NAMESPACE
+
+    runs = {entry["name"].split(":")[1] for entry in ray.util.list_named_actors(all_namespaces=True)
+            if entry["namespace"] == NAMESPACE and entry["name"].startswith(("baige-worker:", "baige-controller:"))
+            and entry["name"].split(":")[1].startswith(prefix)}
+    return sum(kill_run_actors(run) for run in runs)

@@ -13,18 +13,9 @@ workers and regroups; what to regroup with is `harvest_regroup`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
+from baige_ray.elastic.commands import Harvest
 from baige_ray.elastic.workers import Worker, WorkerPool
-
-
-@dataclass
-class HarvestRequest:
-    """Harvest ranks wanted, the new ones already started for it, and why (for the event log)."""
-
-    wanted: int
-    incoming: list[Worker] = field(default_factory=list)
-    reason: str = ""
 
 
 def whole_members(members: Sequence[Worker]) -> list[Worker]:
@@ -47,11 +38,11 @@ def check_harvest(count: int, share: float, *, num_whole: int, sizes: Sequence[i
                          f"{count} would be {total} ranks; expected a size in {list(sizes)}")
 
 
-def harvest_regroup(members: Sequence[Worker], request: HarvestRequest) -> tuple[list[Worker], list[Worker]]:
+def harvest_regroup(members: Sequence[Worker], request: Harvest) -> tuple[list[Worker], list[Worker]]:
     """(members to regroup with, workers to stop): the whole workers, the harvest ranks kept (oldest
     first) and as many incoming ones as `request.wanted` still needs; the rest are released."""
     harvest = harvest_members(members)
     kept, released = harvest[:request.wanted], harvest[request.wanted:]
     joining = max(0, request.wanted - len(kept))
-    regrouped = WorkerPool.by_locality(whole_members(members) + kept + request.incoming[:joining])
-    return regrouped, released + request.incoming[joining:]
+    regrouped = WorkerPool.by_locality(whole_members(members) + kept + list(request.incoming[:joining]))
+    return regrouped, released + list(request.incoming[joining:])

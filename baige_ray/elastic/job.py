@@ -139,6 +139,21 @@ def launch(
     scaling = scaling or ScalingConfig()
     run = run or RunConfig()
     elastic = elastic or ElasticConfig()
+    planner, layout = _planner_and_layout(job, scaling, layout, cluster)
+    if not ray.is_initialized():
+        ray.init(logging_level=logging.WARNING)
+    speeds = check_execution(job, scaling, layout, emulated_speeds, cluster=cluster, elastic=elastic) \
+        if planner is None else check_speeds(scaling, emulated_speeds)
+    if kill_run_actors(run.name):
+        logger.warning("killed actors left behind by an earlier run named %r", run.name)
+    controller = _start_controller(job, scaling, run, elastic, layout, speeds=list(speeds), faults=faults,
+                                   planner=planner, worker_cls=worker_cls)
+    return TrainingJob(controller, run.name, job.model)
+
+
+def _planner_and_layout(job: TrainJob, scaling: ScalingConfig, layout: ParallelLayout | str | None,
+                        cluster: ClusterDescriptor | None) -> tuple[ElasticPlanner | None, ParallelLayout]:
+    """The planner that lays out the devices (layout "auto"), or None, and the layout to start with."""
     planner = None
     if layout == "auto":
         if cluster is None and SimulatedCluster.active() is not None:
@@ -149,14 +164,14 @@ def launch(
         raise ValueError(f"launch layout={layout!r} is invalid: expected 'ddp', 'auto' or a ParallelLayout")
     if not isinstance(layout, ParallelLayout):  # any size the job may later resize to, uneven shares included
         layout = layout_for(ParallelLayout(dp=scaling.num_workers), scaling.num_workers, job)
-    if not ray.is_initialized():
-        ray.init(logging_level=logging.WARNING)
-    speeds = check_execution(job, scaling, layout, emulated_speeds, cluster=cluster, elastic=elastic) \
-        if planner is None else check_speeds(scaling, emulated_speeds)
-    if kill_run_actors(run.name):
-        logger.warning("killed actors left behind by an earlier run named %r", run.name)
-    options = {"worker_cls": worker_cls} if worker_cls is not None else {}
-    controller = ray.remote(**CONTROLLER_THREADS)(ElasticController).options(
+    return planner, layout
+
+
+def _start_controller(job: TrainJob, scaling: ScalingConfig, run: RunConfig, elastic: ElasticConfig,
+                      layout: ParallelLayout, *, worker_cls: type | None, **options):
+    if worker_cls is not None:
+        options["worker_cls"] = worker_cls
+    return ray.remote(**CONTROLLER_THREADS)(ElasticController).options(
         name=f"baige-controller:{run.name}",
         namespace=NAMESPACE,
         lifetime="detached",
@@ -166,5 +181,4 @@ def launch(
         scheduling_strategy=NodeAffinitySchedulingStrategy(head_node_id(), soft=False),
         max_restarts=CONTROLLER_RESTARTS,
         max_task_retries=CONTROLLER_RESTARTS,
-    ).remote(job, scaling, run, elastic, layout, speeds=list(speeds), faults=faults, planner=planner, **options)
-    return TrainingJob(controller, run.name, job.model)
+    ).remote(job, scaling, run, elastic, layout, **options)

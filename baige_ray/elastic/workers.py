@@ -33,6 +33,15 @@ class Worker:
     share: float = 1.0  # the fraction of its device it holds: < 1 for a rank harvesting a serving device
     ready_ref: ray.ObjectRef | None = field(default=None, repr=False)
 
+    def describe(self, rank: int) -> dict:
+        """What the job's status says of it, at rank `rank`."""
+        info = self.info
+        if info is None:  # lost, or not found after a controller restart
+            return {"rank": rank, "node_id": None, "node_ip": None, "device_index": None, "pid": None,
+                    "speed": self.speed, "share": self.share}
+        return {"rank": rank, "node_id": info.node_id, "node_ip": info.node_ip,
+                "device_index": info.device_index, "pid": info.pid, "speed": self.speed, "share": self.share}
+
 
 class WorkerPool:
     def __init__(self, scaling: ScalingConfig, run_name: str, resource: str, worker_cls: type = ElasticWorkerActor,
@@ -124,6 +133,29 @@ class WorkerPool:
         refs = [w.actor.discard_shelves.remote(run_name) for w in workers if w.actor is not None]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
+    def stop_strays(self, known: set[str]) -> int:
+        """Stop this run's live workers whose names are not in `known`: spares or harvest ranks an
+        earlier controller started, which one Ray restarted does not know. Returns how many."""
+        prefix = f"baige-worker:{self.run_name}:"
+        strays = [entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
+                  if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix) and entry["name"] not in known]
+        for name in strays:
+            try:
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            except ValueError:  # gone meanwhile
+                pass
+        return len(strays)
+
+    @staticmethod
+    def find(name: str, speed: float, share: float = 1.0) -> Worker:
+        """The live worker named `name` (after a controller restart); without actor and info if it is gone."""
+        try:
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+            info = ray.get(actor.device_info.remote(), timeout=10)
+            return Worker(actor=actor, name=name, speed=speed, share=share, info=info)
+        except Exception:
+            return Worker(actor=None, name=name, speed=speed, share=share)
 
     @staticmethod
     def by_locality(workers: list[Worker]) -> list[Worker]:

@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from baige_ray.planner.model_spec import load_model_spec
     from baige_ray.planner.options import PlanOptions
     from baige_ray.planner.plan import plan
+    from baige_ray.planner.report import explain_text, plan_to_dict
     from baige_ray.topology.descriptor import load_descriptor
     from baige_ray.topology.graph import ResourceGraph
 
@@ -42,5 +43,5 @@ def run(args: argparse.Namespace) -> int:
     except InfeasiblePlanError as error:
         print(f"baige-ray plan: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(chosen.to_dict()) if args.json else chosen.explain())
+    print(json.dumps(plan_to_dict(chosen)) if args.json else explain_text(chosen))
     return 0

@@ -85,16 +85,6 @@ class PlacementPlan:
     def stage_of_rank(self, rank: int) -> int:
         return rank // (self.tp * self.dp)
 
-    def explain(self) -> str:
-        from baige_ray.planner.report import explain_text
-
-        return explain_text(self)
-
-    def to_dict(self) -> dict[str, Any]:
-        from baige_ray.planner.report import plan_to_dict
-
-        return plan_to_dict(self)
-
 
 def plan(model: ModelSpec, graph: ResourceGraph, options: PlanOptions | None = None) -> PlacementPlan:
     """The fastest layout of `model` on `graph` under the cost model; raises InfeasiblePlanError."""

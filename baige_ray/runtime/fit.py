@@ -151,10 +151,11 @@ def _execution_plan(
     planned = layout == "auto"  # the planner returns only layouts that fit its memory model
     if planned:
         from baige_ray.planner.materialize import materialize
+        from baige_ray.planner.report import explain_text
         from baige_ray.runtime.auto_plan import first_devices, layout_from_plan, live_graph, plan_job
 
         chosen = plan_job(job, first_devices(live_graph(cluster), scaling.num_workers))
-        layout, explanation = layout_from_plan(chosen), chosen.explain()
+        layout, explanation = layout_from_plan(chosen), explain_text(chosen)
         scaling = dataclasses.replace(scaling, num_workers=layout.world_size)
         placement = materialize(chosen, cpus_per_device=scaling.cpus_per_worker)
     elif layout == "ddp":

@@ -34,9 +34,9 @@ from baige_ray.models.plugin import plugin_for
 from baige_ray.policies.disaggregation import SplitPolicy
 from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.deployment import WARMUP_TOKENS, ModelServer
-from baige_ray.serving.engine import EngineFull, TokenEvent
+from baige_ray.serving.engine import EngineFull, PrefilledRequest, TokenEvent
 from baige_ray.serving.engine_runner import EngineRunner
-from baige_ray.serving.prefill import PrefilledRequest, PrefillEngine
+from baige_ray.serving.prefill import PrefillEngine
 
 PREFILL_DEPLOYMENT = "PrefillServer"
 DECODE_DEPLOYMENT = "DecodeServer"

@@ -27,15 +27,13 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from baige_ray.serving.causal_lm_generation import SamplingParams
-from baige_ray.serving.engine import EventSink, TokenEvent
+from baige_ray.serving.engine import EventSink, PrefilledRequest, TokenEvent
 from baige_ray.serving.generators import TextCodec, TextOutput
 from baige_ray.serving.openai_api import StopScanner
 
-if TYPE_CHECKING:
-    from baige_ray.serving.prefill import PrefilledRequest
 
 IDLE_WAIT_S = 0.05
 

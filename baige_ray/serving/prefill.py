@@ -24,31 +24,9 @@ from baige_ray.serving.causal_lm_generation import FinishReason, Generation, Sam
 from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.decoders import KVDecoder
 from baige_ray.serving.engine import (
-    ContinuousBatchingEngine, EngineLimits, GenerationCollector, RequestQueue, TokenEvent,
+    ContinuousBatchingEngine, EngineLimits, GenerationCollector, PrefilledRequest, RequestQueue,
 )
-from baige_ray.serving.kv_batch import KV
 from baige_ray.serving.sampling import sample_token, seeded_generator
-
-
-@dataclass(kw_only=True, frozen=True)
-class PrefilledRequest:
-    params: SamplingParams
-    prompt_length: int  # tokens of the prompt the cache holds
-    budget: int  # new tokens the request may have, the first one included
-    first_token: int  # the end-of-text token when finish_reason is "stop"
-    finish_reason: FinishReason | None  # set when the first token already ended the request: nothing to decode
-    kv: KV  # per layer (keys, values), each [1, kv_heads, prompt_length, head_dim], on the CPU; empty when finished
-    generator_state: torch.Tensor  # the request's sampling generator after its first token
-    weights_version: int = 0  # of the weights that ran the prompt (the server sets it)
-
-    def first_events(self) -> list[TokenEvent]:
-        """What the client sees of the prefill: the first token, and the end if that token brought it."""
-        if self.finish_reason == "stop":  # an end-of-text token is not reported as text
-            return [TokenEvent(None, "stop")]
-        events = [TokenEvent(self.first_token)]
-        if self.finish_reason == "length":
-            events.append(TokenEvent(None, "length"))
-        return events
 
 
 PrefillSink = Callable[[PrefilledRequest], None]

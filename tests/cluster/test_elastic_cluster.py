@@ -23,9 +23,9 @@ from tests.helpers import elastic_mlp_run, final_parameters
 def no_leftover_actors(sim_cluster):
     """A failed test must not leave detached workers holding the next test's devices."""
     yield
-    from baige_ray.elastic.job import kill_run_actors
+    from tests.helpers import kill_runs_named
 
-    kill_run_actors("elastic-")
+    kill_runs_named("elastic-")
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,11 @@ def test_the_controller_resumes_after_its_own_crash(reference, tmp_path):
     ray.kill(job.controller, no_restart=False)  # Ray restarts it; the pending run() is retried on it
     result = job.wait()
     assert [m.step for m in result.metrics] == list(range(15)), "the history from before the restart is kept"
+    deadline = time.monotonic() + 10  # ray.kill returns before the actor is gone
+    while left := [entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
+                   if entry["name"].startswith("baige-worker:elastic-controller-crash:")]:
+        assert time.monotonic() < deadline, f"workers outlived the job (the dead controller's spare?): {left}"
+        time.sleep(0.2)
     final = final_parameters(result)
     for name in reference:
         torch.testing.assert_close(final[name], reference[name], rtol=1e-5, atol=0)

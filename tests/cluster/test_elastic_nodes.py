@@ -38,9 +38,9 @@ def wait_for(job, predicate, timeout_s: float, what: str) -> dict:
 @pytest.fixture(autouse=True)
 def no_leftover_actors(sim_cluster_4x2):
     yield
-    from baige_ray.elastic.job import kill_run_actors
+    from tests.helpers import kill_runs_named
 
-    kill_run_actors("elastic-")
+    kill_runs_named("elastic-")
 
 
 def test_a_removed_node_shrinks_the_job_and_a_returning_node_grows_it_back(sim_cluster_4x2, tmp_path):

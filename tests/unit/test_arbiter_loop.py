@@ -139,16 +139,15 @@ def test_serving_re_splits_its_replicas_only_while_the_arbiter_holds(pool):
 
 
 def test_a_disaggregated_application_needs_room_for_both_sides():
-    from baige_ray.actors.arbiter import _serving_side
-    from baige_ray.actors.disaggregated_serving import DisaggregatedServingSide
+    from baige_ray.actors.serving_sides import DisaggregatedServingSide, serving_side
     from baige_ray.policies.disaggregation import SplitPolicy
     from baige_ray.serving.app import ServeHandleInfo
 
     info = ServeHandleInfo(url="http://127.0.0.1:8000", app_name="pd", deployment_name="DecodeServer",
                            prefill_deployment_name="PrefillServer", split=SplitPolicy())
     with pytest.raises(ValueError, match="ArbiterConfig.min_infer_devices=1.*prefill \\+ decode replicas \\(2\\)"):
-        _serving_side(info, None, ArbiterConfig(slo_p99_s=1.0, replica_capacity=1.0))
-    side = _serving_side(info, None, ArbiterConfig(slo_p99_s=1.0, replica_capacity=1.0, min_infer_devices=2))
+        serving_side(info, None, ArbiterConfig(slo_p99_s=1.0, replica_capacity=1.0).min_infer_devices)
+    side = serving_side(info, None, ArbiterConfig(slo_p99_s=1.0, replica_capacity=1.0, min_infer_devices=2).min_infer_devices)
     assert isinstance(side, DisaggregatedServingSide)
 
 

@@ -3,7 +3,8 @@
 import pytest
 
 from baige_ray.api.device import DeviceInfo
-from baige_ray.elastic.harvest import HarvestRequest, check_harvest, harvest_members, harvest_regroup, whole_members
+from baige_ray.elastic.commands import Harvest
+from baige_ray.elastic.harvest import check_harvest, harvest_members, harvest_regroup, whole_members
 from baige_ray.elastic.workers import Worker
 
 
@@ -18,7 +19,7 @@ WHOLE = [worker("w0", "a", 0), worker("w1", "a", 1)]
 
 def test_new_harvest_ranks_join_in_locality_order_beside_the_whole_workers():
     incoming = [worker("h1", "b", 1, 0.5), worker("h0", "b", 0, 0.5)]
-    members, released = harvest_regroup(WHOLE, HarvestRequest(wanted=2, incoming=incoming))
+    members, released = harvest_regroup(WHOLE, Harvest(wanted=2, incoming=tuple(incoming)))
     assert [w.name for w in members] == ["w0", "w1", "h0", "h1"] and released == []
     assert [w.name for w in whole_members(members)] == ["w0", "w1"]
     assert [w.name for w in harvest_members(members)] == ["h0", "h1"]
@@ -26,10 +27,10 @@ def test_new_harvest_ranks_join_in_locality_order_beside_the_whole_workers():
 
 def test_giving_devices_back_releases_the_newest_harvest_ranks_and_surplus_incoming_ones():
     held = WHOLE + [worker("h0", "b", 0, 0.5), worker("h1", "b", 1, 0.5)]
-    members, released = harvest_regroup(held, HarvestRequest(wanted=1))
+    members, released = harvest_regroup(held, Harvest(wanted=1))
     assert [w.name for w in members] == ["w0", "w1", "h0"] and [w.name for w in released] == ["h1"]
     extra = [worker("h2", "c", 0, 0.5)]
-    members, released = harvest_regroup(held, HarvestRequest(wanted=2, incoming=extra))
+    members, released = harvest_regroup(held, Harvest(wanted=2, incoming=tuple(extra)))
     assert [w.name for w in members] == ["w0", "w1", "h0", "h1"] and [w.name for w in released] == ["h2"]
 
 

@@ -105,6 +105,7 @@ def test_stages_keep_the_checkpoint_names_and_materialize_only_their_own_weights
 
 
 def test_the_planner_prices_a_hf_model_from_its_config_and_the_model_can_run_its_pick():
+    from baige_ray.planner.report import explain_text
     from baige_ray.runtime.auto_plan import layout_from_plan, plan_job
     from baige_ray.topology.descriptor import load_descriptor
     from baige_ray.topology.graph import ResourceGraph
@@ -114,7 +115,7 @@ def test_the_planner_prices_a_hf_model_from_its_config_and_the_model_can_run_its
     job = TrainJob(model=HFModel.from_config(config, seq_len=4096), train=TrainConfig(num_steps=1, global_batch_size=256))
     graph = ResourceGraph.from_descriptor(load_descriptor(REPO_ROOT / "clusters" / "dgx-a100-superpod.yaml"))
     chosen = plan_job(job, graph)
-    assert "8.0B params" in chosen.explain()
+    assert "8.0B params" in explain_text(chosen)
     layout = layout_from_plan(chosen)
     job.plugin.check_layout(layout)  # the planner's degrees divide the model's heads, KV heads and FFN
     assert layout.tp in (1, 2, 4, 8) and layout.world_size <= graph.num_devices

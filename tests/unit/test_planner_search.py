@@ -8,6 +8,7 @@ from baige_ray.planner.evaluate import row_grid
 from baige_ray.planner.model_spec import ModelSpec, load_model_spec
 from baige_ray.planner.options import PlanOptions
 from baige_ray.planner.plan import plan
+from baige_ray.planner.report import explain_text
 from baige_ray.planner.search import Hardware, search
 from baige_ray.topology.descriptor import load_descriptor
 from baige_ray.topology.graph import ResourceGraph
@@ -40,7 +41,7 @@ def test_alternatives_are_distinct_slower_and_explained():
     assert len(degrees) == len(chosen.alternatives) == 5
     assert (chosen.tp, chosen.pp, chosen.dp, chosen.ep) not in degrees
     assert all(a.step_time_s >= chosen.step_time_s and "step time" in a.why_lost for a in chosen.alternatives)
-    text = chosen.explain()
+    text = explain_text(chosen)
     assert "why they lost" in text and "MFU" in text
 
 

@@ -15,8 +15,8 @@ from baige_ray.serving.app import ServeOptions
 from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.decoders import GPTDecoder, HFDecoder
 from baige_ray.serving.disaggregation import DisaggregationOptions
-from baige_ray.serving.engine import ContinuousBatchingEngine, EngineLimits, TokenEvent, generate_all
-from baige_ray.serving.prefill import PrefilledRequest, PrefillEngine, generate_disaggregated
+from baige_ray.serving.engine import ContinuousBatchingEngine, EngineLimits, PrefilledRequest, TokenEvent, generate_all
+from baige_ray.serving.prefill import PrefillEngine, generate_disaggregated
 from tests.hf_helpers import VOCAB_SIZE, llama_config
 
 # Equal lengths (9, 9, 9) share a prefill forward; a budget of 1 ends at the prefill.
