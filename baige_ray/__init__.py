@@ -1,70 +1,65 @@
-"""baige-ray: elastic, topology-aware training and serving of large models on Ray."""
+"""baige-ray: elastic, topology-aware training and serving of large models on Ray.
 
-from baige_ray.api import (
-    BaigeError,
-    CheckpointError,
-    ClusterError,
-    InfeasiblePlanError,
-    LayoutMemoryError,
-    Result,
-    RunConfig,
-    ScalingConfig,
-    ServingError,
-    StepMetrics,
-    TrainConfig,
-    WorkerError,
-)
-from baige_ray.api.device import DeviceInfo
-from baige_ray.models.corpus import CorpusConfig
-from baige_ray.models.gpt import GPTConfig
-from baige_ray.models.hf import HFModel
-from baige_ray.models.plugin import ModelPlugin, register_model
-from baige_ray.models.token_dataset import TokenDataset
-from baige_ray.models.tokenizer import load_tokenizer, train_bpe_tokenizer
-from baige_ray.runtime.checkpoint_io import load_model
-from baige_ray.elastic.config import ElasticConfig
-from baige_ray.elastic.faults import FaultPlan
-from baige_ray.elastic.job import TrainingJob, launch
-from baige_ray.runtime.fit import fit
-from baige_ray.serving import DisaggregationOptions, ExpertParallelServing, ServeHandleInfo, serve
-from baige_ray.topology.connect import ClusterSession, open_cluster
-from baige_ray.topology.descriptor import load_descriptor
+Names are imported on first use (PEP 562): a worker process that only trains does not pay for Ray
+Serve, and `import baige_ray` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BaigeError",
-    "CheckpointError",
-    "ClusterError",
-    "ClusterSession",
-    "CorpusConfig",
-    "DeviceInfo",
-    "DisaggregationOptions",
-    "ExpertParallelServing",
-    "ElasticConfig",
-    "FaultPlan",
-    "GPTConfig",
-    "HFModel",
-    "InfeasiblePlanError",
-    "LayoutMemoryError",
-    "ModelPlugin",
-    "Result",
-    "RunConfig",
-    "ScalingConfig",
-    "ServeHandleInfo",
-    "ServingError",
-    "StepMetrics",
-    "TokenDataset",
-    "TrainConfig",
-    "TrainingJob",
-    "WorkerError",
-    "fit",
-    "launch",
-    "load_descriptor",
-    "load_model",
-    "load_tokenizer",
-    "open_cluster",
-    "register_model",
-    "serve",
-    "train_bpe_tokenizer",
-]
+_EXPORTS = {
+    "BaigeError": "baige_ray.api",
+    "CheckpointError": "baige_ray.api",
+    "ClusterError": "baige_ray.api",
+    "ClusterSession": "baige_ray.topology.connect",
+    "CorpusConfig": "baige_ray.models.corpus",
+    "DeviceInfo": "baige_ray.api.device",
+    "DisaggregationOptions": "baige_ray.serving",
+    "ElasticConfig": "baige_ray.elastic.config",
+    "ExpertParallelServing": "baige_ray.serving",
+    "FaultPlan": "baige_ray.elastic.faults",
+    "GPTConfig": "baige_ray.models.gpt",
+    "HFModel": "baige_ray.models.hf",
+    "InfeasiblePlanError": "baige_ray.api",
+    "LayoutMemoryError": "baige_ray.api",
+    "ModelPlugin": "baige_ray.models.plugin",
+    "Result": "baige_ray.api",
+    "RunConfig": "baige_ray.api",
+    "ScalingConfig": "baige_ray.api",
+    "ServeHandleInfo": "baige_ray.serving",
+    "ServingError": "baige_ray.api",
+    "StepMetrics": "baige_ray.api",
+    "TokenDataset": "baige_ray.models.token_dataset",
+    "TrainConfig": "baige_ray.api",
+    "TrainingJob": "baige_ray.elastic.job",
+    "WorkerError": "baige_ray.api",
+    "fit": "baige_ray.runtime.fit",
+    "launch": "baige_ray.elastic.job",
+    "load_descriptor": "baige_ray.topology.descriptor",
+    "load_model": "baige_ray.runtime.checkpoint_io",
+    "load_tokenizer": "baige_ray.models.tokenizer",
+    "open_cluster": "baige_ray.topology.connect",
+    "register_model": "baige_ray.models.plugin",
+    "serve": "baige_ray.serving",
+    "train_bpe_tokenizer": "baige_ray.models.tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'baige_ray' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
