@@ -36,16 +36,11 @@ class Harvest:
 
 
 @dataclass(frozen=True)
-class Grow:
-    """Look for capacity to grow back to the target now, instead of at the next periodic check."""
-
-
-@dataclass(frozen=True)
 class Stop:
     """Finish after the step in progress."""
 
 
-Command = Union[Resize, Harvest, Grow, Stop]
+Command = Union[Resize, Harvest, Stop]
 
 
 class JobOver(RuntimeError):

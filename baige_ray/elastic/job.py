@@ -22,7 +22,7 @@ from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.faults import FaultPlan
 from baige_ray.elastic.shelf import run_shelves
 from baige_ray.elastic.sizing import layout_for
-from baige_ray.elastic.workers import NAMESPACE
+from baige_ray.elastic.workers import NAMESPACE, kill_named_actors
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.elastic.planning import ElasticPlanner
@@ -101,15 +101,7 @@ def head_node_id() -> str:
 
 def kill_run_actors(run_name: str) -> int:
     """Kill the detached actors a run left behind (a crashed driver, a failed test); returns how many."""
-    prefixes = (f"baige-worker:{run_name}:", f"baige-controller:{run_name}")
-    killed = 0
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefixes):
-            try:
-                ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
-                killed += 1
-            except ValueError:  # gone meanwhile
-                pass
+    killed = kill_named_actors((f"baige-worker:{run_name}:", f"baige-controller:{run_name}"))
     # Their snapshot shelves on this node go too (other nodes' go with a run that ends normally).
     shutil.rmtree(run_shelves(run_name), ignore_errors=True)
     return killed

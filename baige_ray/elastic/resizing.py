@@ -1,4 +1,4 @@
-"""Resizing: the control thread's commands (resize, harvest, grow, stop) and capacity coming back.
+"""Resizing: the control thread's commands (resize, harvest, stop) and capacity coming back.
 
 The loop hands the resizer the commands at a step boundary; a command that changes who trains
 becomes the RESIZING phase's payload and is carried out in one regroup from the members' newest
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from baige_ray.elastic.accounts import StepAccounts
-from baige_ray.elastic.commands import Command, CommandQueue, Grow, Harvest, Pending, Resize, Stop
+from baige_ray.elastic.commands import Command, CommandQueue, Harvest, Pending, Resize, Stop
 from baige_ray.elastic.crew import Crew
 from baige_ray.elastic.harvest import harvest_members, harvest_regroup, whole_members
 from baige_ray.elastic.machine import Phase
@@ -54,7 +54,6 @@ class Resizer:
                 self._resizing = pending
             else:
                 self.stopping = self.stopping or isinstance(command, Stop)
-                self._last_growth_check = 0.0 if isinstance(command, Grow) else self._last_growth_check
                 pending.answer.set_result(None)
         self._answer_growth_waiters()
 

@@ -137,15 +137,7 @@ class WorkerPool:
     def stop_strays(self, known: set[str]) -> int:
         """Stop this run's live workers whose names are not in `known`: spares or harvest ranks an
         earlier controller started, which one Ray restarted does not know. Returns how many."""
-        prefix = f"baige-worker:{self.run_name}:"
-        strays = [entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
-                  if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix) and entry["name"] not in known]
-        for name in strays:
-            try:
-                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
-            except ValueError:  # gone meanwhile
-                pass
-        return len(strays)
+        return kill_named_actors((f"baige-worker:{self.run_name}:",), keep=known)
 
     @staticmethod
     def find(name: str, speed: float, share: float = 1.0) -> Worker:
@@ -185,6 +177,21 @@ class WorkerPool:
         """Release the workers still waiting to join `generation` (answered on their control threads)."""
         refs = [worker.actor.abandon_generation.remote(generation) for worker in workers]
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
+
+def kill_named_actors(prefixes: tuple[str, ...], keep: set[str] = frozenset()) -> int:
+    """Kill baige's named actors whose names start with one of `prefixes`, except those in `keep`;
+    returns how many."""
+    killed = 0
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"]
+        if entry["namespace"] == NAMESPACE and name.startswith(prefixes) and name not in keep:
+            try:
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+                killed += 1
+            except ValueError:  # gone meanwhile
+                pass
+    return killed
 
 
 def get_failing_fast(refs: list[ray.ObjectRef], timeout_s: float) -> list:

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from baige_ray.elastic.commands import CommandQueue, Grow, Harvest, JobOver, Resize, Stop
+from baige_ray.elastic.commands import CommandQueue, Harvest, JobOver, Resize, Stop
 
 
 def test_commands_are_taken_in_order_and_each_caller_gets_its_own_answer():
@@ -32,8 +32,8 @@ def test_a_caller_on_another_thread_waits_until_the_loop_answers():
 
 def test_closing_hands_back_what_was_never_taken_and_refuses_later_commands():
     queue = CommandQueue()
-    queue.submit(Grow())
+    queue.submit(Stop())
     left = queue.close("finished")
-    assert [p.command for p in left] == [Grow()] and not queue
+    assert [p.command for p in left] == [Stop()] and not queue
     with pytest.raises(JobOver, match="finished"):
         queue.submit(Resize(4)).result(timeout=0)
