@@ -89,7 +89,8 @@ def build_tiny_hf(root: Path, *, seed: int = 0, family=llama_config, **config_ov
     return TinyHF(root / "model", Path(tokenizer_dir), Path(dataset.directory), tuple(files))
 
 
-def plain_transformers_losses(model_dir: Path, dataset, train, num_steps: int | None = None) -> list[float]:
+def plain_transformers_losses(model_dir: Path, dataset, train, num_steps: int | None = None,
+                              device: str = "cpu") -> list[float]:
     """Losses of the `transformers` model trained by a plain PyTorch loop over the global batch, in
     micro-batches of `train.micro_batch_size` (default: all of it) whose gradients accumulate. A
     mixture-of-experts model adds its load-balancing loss per micro-batch, as transformers' forward
@@ -98,7 +99,7 @@ def plain_transformers_losses(model_dir: Path, dataset, train, num_steps: int | 
 
     from baige_ray.runtime.train_loop import build_optimizer, learning_rate_at
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.train()
     optimizer = build_optimizer(model, train)
     losses = []
@@ -106,7 +107,7 @@ def plain_transformers_losses(model_dir: Path, dataset, train, num_steps: int | 
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(step, train)
         batch = range(step * train.global_batch_size, (step + 1) * train.global_batch_size)
-        inputs, targets = dataset.batch(batch, train.seed)
+        inputs, targets = (tensor.to(device) for tensor in dataset.batch(batch, train.seed))
         micro = train.micro_batch_size or train.global_batch_size
         loss = 0.0
         for start in range(0, train.global_batch_size, micro):

@@ -18,6 +18,7 @@ class StepMetrics:
     step_time_s: float
     tokens: int
     peak_host_memory_gb: float = 0.0  # the largest worker's peak resident memory so far
+    peak_device_memory_gb: float = 0.0  # the largest worker's peak allocated accelerator memory (0 on CPU)
     snapshot_stall_s: float = 0.0  # the longest a worker's step waited for its in-memory snapshot (launch)
 
     @property

@@ -4,7 +4,8 @@ The model is built from `examples/models/qwen2.5-0.5b.json` (494M parameters, ti
 layers, hidden 896, 14 heads with 2 KV heads, vocabulary 151,936) with fresh weights, saved once with
 `save_pretrained` under `--work-dir`; its data is a TokenDataset of standard-library text tokenized by a
 BPE tokenizer trained here (the model's vocabulary stays the config's). Per layout (FSDP2, DeepSpeed
-ZeRO-3; bf16 mixed precision by default), on the same 2 cores, one after the other:
+ZeRO-3; bf16 mixed precision by default), on the same 2 cores (or on a GPU host one worker per GPU,
+`--workers` to choose, NCCL, memory read as the peak allocated on the device), one after the other:
 
 - `torchrun`: bench/torchrun_sharded.py, the same model, wrapping, data and mathematics in a plain loop;
 - `baige`: `fit(HFModel(dir), layout=ParallelLayout(dp=2, data_parallel=...))` on a local Ray.
@@ -71,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="max_tokens of each request when fit's export is served with vLLM (scale_serve.py)")
     parser.add_argument("--serve-requests", type=int, default=3,
                         help="requests per stream at 1 and at 8 streams, served and with vllm.LLM")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="workers of fit and processes of torchrun (0: one per GPU on a GPU host, else 2)")
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "baige-bench-scale"))
 
 
@@ -99,17 +102,29 @@ def prepare(work_dir: Path, seq_len: int) -> tuple[Path, Path]:
     return model_dir, data_dir
 
 
+def on_gpus() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
 def this_host(workers: int) -> ResourceGraph:
-    """This machine as one node whose `workers` CPU devices share its memory (the host is the device)."""
+    """This machine as one node: `workers` of its GPUs, or on a CPU host `workers` CPU devices that share
+    its memory (the host is the device)."""
     import psutil
 
     from baige_ray.topology.descriptor import descriptor_from_dict
     from baige_ray.topology.graph import ResourceGraph
 
     memory_gb = psutil.virtual_memory().total / 1e9
-    node = {"accelerator": "cpu", "num_devices": workers, "num_cpus": os.cpu_count() or 1, "memory_gb": memory_gb,
-            "chip": {"model": "host-cpu", "memory_gb": memory_gb},
-            "intra_node": {"fabric": "none", "bandwidth_gbps": 100}}
+    chip = {"model": "host-cpu", "memory_gb": memory_gb}
+    if on_gpus():
+        import torch
+
+        properties = torch.cuda.get_device_properties(0)
+        chip = {"model": properties.name, "memory_gb": properties.total_memory / 1e9}
+    node = {"accelerator": "cuda" if on_gpus() else "cpu", "num_devices": workers, "num_cpus": os.cpu_count() or 1,
+            "memory_gb": memory_gb, "chip": chip, "intra_node": {"fabric": "none", "bandwidth_gbps": 100}}
     return ResourceGraph.from_descriptor(descriptor_from_dict(
         {"name": "this-host", "node_types": {"host": node}, "nodes": [{"type": "host", "count": 1}]}))
 
@@ -124,7 +139,7 @@ def _job(model_dir: Path, data_dir: Path, data_parallel: str, args):
     dataset = TokenDataset.open(data_dir)
     train = TrainConfig(num_steps=args.steps, global_batch_size=args.global_batch_size, seed=0,
                         precision=args.precision)
-    layout = ParallelLayout(dp=2, data_parallel=data_parallel)
+    layout = ParallelLayout(dp=args.workers, data_parallel=data_parallel)
     model = HFModel(model_dir, seq_len=dataset.seq_len, tokenizer=model_dir.parent / "tokenizer")
     return TrainJob(model=model, train=train, data=dataset), layout
 
@@ -150,12 +165,14 @@ def memory_verdict(model_dir: Path, data_dir: Path, data_parallel: str, args,
         verdict = "fits"
     except LayoutMemoryError as refusal:
         verdict = str(refusal)
-    # a CPU worker's resident memory: what it computes with, and the process itself
-    return {"predicted_bytes": float((states + activations).max()) + WORKER_PROCESS_BYTES, "verdict": verdict}
+    # a GPU worker's allocated device memory is what it computes with; a CPU worker's resident memory
+    # holds the process itself too
+    process = 0 if on_gpus() else WORKER_PROCESS_BYTES
+    return {"predicted_bytes": float((states + activations).max()) + process, "verdict": verdict}
 
 
-def _torchrun(settings, out: Path) -> dict:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+def _torchrun(settings, out: Path, workers: int) -> dict:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
                "-m", "baige_ray.bench.torchrun_sharded", "--settings", settings.to_json(), "--out", str(out)]
     completed = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                                timeout=3600)
@@ -169,17 +186,20 @@ def _baige(model_dir: Path, data_dir: Path, data_parallel: str, args, storage: P
     from baige_ray.runtime.fit import fit
 
     job, layout = _job(model_dir, data_dir, data_parallel, args)
-    result = fit(job.model, data=job.data, train=job.train, scaling=ScalingConfig(num_workers=2, accelerator="cpu"),
+    accelerator = "gpu" if on_gpus() else "cpu"
+    result = fit(job.model, data=job.data, train=job.train,
+                 scaling=ScalingConfig(num_workers=args.workers, accelerator=accelerator),
                  run=RunConfig(name=f"scale-{data_parallel}", storage_path=storage, show_progress=False), layout=layout)
     return {"step_times_s": [m.step_time_s for m in result.metrics], "losses": [m.loss for m in result.metrics],
             "peak_host_memory_bytes": max(m.peak_host_memory_gb for m in result.metrics) * 1e9,
+            "peak_device_memory_bytes": max(m.peak_device_memory_gb for m in result.metrics) * 1e9,
             "export_dir": str(result.checkpoint_path) if result.checkpoint_path else None}
 
 
 def _baige_in_fresh_ray(model_dir: Path, data_dir: Path, data_parallel: str, args, tmp: Path) -> dict:
     import ray
 
-    ray.init(address="local", num_cpus=2, logging_level="WARNING", include_dashboard=False)
+    ray.init(address="local", num_cpus=None if on_gpus() else 2, logging_level="WARNING", include_dashboard=False)
     try:
         return _baige(model_dir, data_dir, data_parallel, args, tmp)
     finally:
@@ -196,7 +216,7 @@ def measure_layout(data_parallel: str, model_dir: Path, data_dir: Path, args, tm
                                global_batch_size=args.global_batch_size, precision=args.precision)
     rounds = []
     for index in range(args.rounds):
-        systems = {"torchrun": lambda: _torchrun(settings, tmp / f"torchrun-{data_parallel}.json"),
+        systems = {"torchrun": lambda: _torchrun(settings, tmp / f"torchrun-{data_parallel}.json", args.workers),
                    "baige": lambda: _baige_in_fresh_ray(model_dir, data_dir, data_parallel, args, tmp)}
         order = ["torchrun", "baige"] if index % 2 == 0 else ["baige", "torchrun"]
         rounds.append({name: systems[name]() for name in order})
@@ -204,7 +224,8 @@ def measure_layout(data_parallel: str, model_dir: Path, data_dir: Path, args, tm
     ratios = [steady_median(r["baige"]["step_times_s"], args.warmup)
               / steady_median(r["torchrun"]["step_times_s"], args.warmup) for r in rounds]
     predicted = memory_verdict(model_dir, data_dir, data_parallel, args)["predicted_bytes"]
-    baige_peak = max(r["baige"]["peak_host_memory_bytes"] for r in rounds)
+    peak_key = "peak_device_memory_bytes" if on_gpus() else "peak_host_memory_bytes"
+    baige_peak = max(r["baige"][peak_key] for r in rounds)
     return {
         "torchrun_step_s": round(steady_median([t for r in rounds for t in r["torchrun"]["step_times_s"][args.warmup:]], 0), 3),
         "baige_step_s": round(steady_median([t for r in rounds for t in r["baige"]["step_times_s"][args.warmup:]], 0), 3),
@@ -212,7 +233,8 @@ def measure_layout(data_parallel: str, model_dir: Path, data_dir: Path, args, tm
         "rounds": [round(ratio, 4) for ratio in ratios],
         "torchrun_losses": [round(x, 4) for x in plain["losses"]], "baige_losses": [round(x, 4) for x in baige["losses"]],
         "baige_peak_gb": round(baige_peak / 1e9, 3),
-        "torchrun_peak_gb": round(max(max(r["torchrun"]["peak_host_memory_bytes"]) for r in rounds) / 1e9, 3),
+        "torchrun_peak_gb": round(max(max(r["torchrun"][peak_key]) for r in rounds) / 1e9, 3),
+        "memory": "allocated on the GPU" if on_gpus() else "resident on the host",
         "predicted_gb": round(predicted / 1e9, 3),
         "memory_error": round(abs(baige_peak - predicted) / predicted, 4),
         "export_dir": rounds[-1]["baige"]["export_dir"],  # fit's final Hugging Face directory
@@ -223,12 +245,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
         args.steps, args.warmup, args.rounds = 5, 1, 1
     args.kill_step = min(args.kill_step, args.steps - 2)  # a step to kill in and one after it (-1: none)
+    args.workers = args.workers or (_gpu_count() if on_gpus() else 2)
     model_dir, data_dir = prepare(Path(args.work_dir), args.seq_len)
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
-    elastic_layouts = [name.strip() for name in args.elastic_layouts.split(",") if name.strip()]
+    # The elastic stage kills one worker of two on CPU slots (scale_faults.py)
+    elastic_layouts = [name.strip() for name in args.elastic_layouts.split(",") if name.strip() and not on_gpus()]
     ddp = memory_verdict(model_dir, data_dir, "ddp", args)
     # What launch's memory check says before any actor starts, snapshots counted.
-    elastic_verdicts = {f"{name} x2, {slots} snapshot slot(s)": memory_verdict(model_dir, data_dir, name, args,
+    elastic_verdicts = {f"{name} x{args.workers}, {slots} snapshot slot(s)": memory_verdict(model_dir, data_dir, name, args,
                                                                                snapshot_slots=slots)["verdict"]
                         for name in ("ddp", "fsdp2", "zero3") for slots in (2, 1)}
     serving = None
@@ -255,13 +279,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "vllm_vs_direct": serving["vllm_vs_direct"] if serving else None,
     }
     return {
-        "benchmark": "scale", "model": "qwen2.5-0.5b", "workers": 2, "seq_len": args.seq_len,
+        "benchmark": "scale", "model": "qwen2.5-0.5b", "workers": args.workers,
+        "device": _device_name(), "seq_len": args.seq_len,
         "global_batch_size": args.global_batch_size, "precision": args.precision, "steps": args.steps,
         "layouts": results, "serving": serving,
         "ddp_predicted_gb": round(ddp["predicted_bytes"] / 1e9, 3), "ddp_verdict": ddp["verdict"],
         "elastic_verdicts": elastic_verdicts, **headline,
         "unmeasured": [key for key, value in headline.items() if value is None],
     }
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if on_gpus() else "cpu"
 
 
 def _least(measured: list[dict], key: str):
@@ -279,7 +316,7 @@ def summarize(result: dict[str, Any]) -> str:
     for name, r in ((n, r) for n, r in result["layouts"].items() if "vs_torchrun" in r):
         lines.append(f"{name:<7} {r['torchrun_step_s']:>10.2f} {r['baige_step_s']:>8.2f} {r['vs_torchrun']:>12.3f} "
                      f"{r['baige_peak_gb']:>8.2f} {r['predicted_gb']:>13.2f} {r['memory_error']:>13.3f}")
-    lines.append(f"DDP x2: {result['ddp_predicted_gb']:.2f} GB per worker predicted; {result['ddp_verdict']}")
+    lines.append(f"DDP x{result['workers']}: {result['ddp_predicted_gb']:.2f} GB per worker predicted; {result['ddp_verdict']}")
     for name, verdict in result["elastic_verdicts"].items():
         lines.append(f"launch {name}: {verdict}")
     for name, r in result["layouts"].items():

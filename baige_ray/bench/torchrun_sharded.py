@@ -6,16 +6,19 @@ and mathematics as `fit` with ParallelLayout(dp=N, data_parallel=...):
 
 - "fsdp2": `fully_shard` on every decoder layer, then on the model (torchtitan's wrapping), with
   FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) under bf16-mixed;
-- "zero3": `deepspeed.initialize` with ZeRO stage 3 (and its bf16 mode under bf16-mixed).
+- "zero3": `deepspeed.initialize` with ZeRO stage 3 (and its bf16 mode under bf16-mixed);
+- one process: no wrapper, `torch.autocast(bf16)` under bf16-mixed, as `fit` runs a layout of one rank.
 
-AdamW from `build_optimizer`, the same learning-rate schedule, clipping and samples per rank. Rank 0
-writes each step's time (from the end of the previous step), the ranks' mean loss per step and every
-rank's peak resident memory.
+AdamW from `build_optimizer`, the same learning-rate schedule, clipping and samples per rank. On a GPU
+host each process takes the GPU of its LOCAL_RANK and NCCL; otherwise gloo on CPU. Rank 0 writes each
+step's time (from the end of the previous step), the ranks' mean loss per step and every rank's peak
+resident memory (and peak allocated GPU memory).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import time
@@ -49,19 +52,35 @@ def _fsdp2(model, train):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from baige_ray.runtime.train_loop import build_optimizer
-
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if train.precision == "bf16-mixed" else MixedPrecisionPolicy()
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
+    return _plain_step(model, train, contextlib.nullcontext)
+
+
+def _single(model, train):
+    import torch
+
+    device_type = next(model.parameters()).device.type
+    if train.precision == "bf16-mixed":
+        return _plain_step(model, train, lambda: torch.autocast(device_type, dtype=torch.bfloat16))
+    return _plain_step(model, train, contextlib.nullcontext)
+
+
+def _plain_step(model, train, precision):
+    import torch
+
+    from baige_ray.runtime.train_loop import build_optimizer
+
     optimizer = build_optimizer(model, train)
 
     def step(inputs, targets, learning_rate) -> float:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate
-        loss = _loss(model(inputs).logits, targets)
+        with precision():
+            loss = _loss(model(inputs).logits, targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
         optimizer.step()
@@ -118,18 +137,35 @@ def train_sharded(settings: ShardedSettings) -> tuple[list[float], list[float]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     train = _train_config(settings)
     per_rank = train.per_worker_batch(world)
+    device = _device()
     model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model.to(device)
     data = TokenDataset.open(settings.dataset_dir)
-    step = _fsdp2(model, train) if settings.data_parallel == "fsdp2" else _zero3(model, train, per_rank)
+    if world == 1:
+        step = _single(model, train)
+    else:
+        step = _fsdp2(model, train) if settings.data_parallel == "fsdp2" else _zero3(model, train, per_rank)
     times, losses = [], []
     last = time.perf_counter()
     for index in range(settings.num_steps):
         inputs, targets = data.batch(sample_range(index, rank, world, train.global_batch_size), train.seed)
-        losses.append(step(inputs, targets, learning_rate_at(index, train)))
+        losses.append(step(inputs.to(device), targets.to(device), learning_rate_at(index, train)))
         now = time.perf_counter()
         times.append(now - last)
         last = now
     return times, losses
+
+
+def _device():
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,19 +176,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settings", required=True, help="ShardedSettings as JSON")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    dist.init_process_group("gloo")
+    device = _device()
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         times, losses = train_sharded(ShardedSettings(**json.loads(args.settings)))
-        peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
+        device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+        peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, device_peak],
+                            dtype=torch.float64, device=device)
         peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
         dist.all_gather(peaks, peak)
-        mean_losses = torch.tensor(losses, dtype=torch.float64)  # each rank's own batch: report their mean, as fit
+        mean_losses = torch.tensor(losses, dtype=torch.float64, device=device)  # each rank's own batch: their mean
         dist.all_reduce(mean_losses)
         mean_losses /= dist.get_world_size()
         if dist.get_rank() == 0:
             with open(args.out, "w") as handle:
                 json.dump({"step_times_s": times, "losses": mean_losses.tolist(),
-                           "peak_host_memory_bytes": [int(p.item()) for p in peaks]}, handle)
+                           "peak_host_memory_bytes": [int(p[0].item()) for p in peaks],
+                           "peak_device_memory_bytes": [int(p[1].item()) for p in peaks]}, handle)
     finally:
         dist.destroy_process_group()
     return 0

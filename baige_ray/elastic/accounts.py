@@ -84,6 +84,7 @@ class StepAccounts:
             "num_workers": len(per_rank),
             "snapshot_stall_s": max(m["snapshot_stall_s"] for m in per_rank),
             "peak_host_memory_bytes": max(m.get("peak_host_memory_bytes", 0) for m in per_rank),
+            "peak_device_memory_bytes": max(m.get("peak_device_memory_bytes", 0) for m in per_rank),
         })
         self._export(per_rank, seconds, places)
         self.step_times.append(seconds)

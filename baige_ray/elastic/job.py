@@ -79,6 +79,7 @@ class TrainingJob:
                 StepMetrics(step=m["step"], loss=m["loss"], learning_rate=m["learning_rate"],
                             step_time_s=m["step_time_s"], tokens=m["tokens"],
                             peak_host_memory_gb=m.get("peak_host_memory_bytes", 0) / 1e9,
+                            peak_device_memory_gb=m.get("peak_device_memory_bytes", 0) / 1e9,
                             snapshot_stall_s=m.get("snapshot_stall_s", 0.0))
                 for m in outcome["metrics"]
             ],

@@ -22,6 +22,14 @@ def peak_host_memory_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def peak_device_memory_bytes(device: torch.device) -> int:
+    """The most this process has held allocated on its accelerator so far (0 on a CPU worker, whose
+    device memory is its resident memory)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return 0
+
+
 def return_freed_memory() -> None:
     """Hand memory freed on the heap back to the system (glibc keeps it otherwise): building an engine
     frees the whole model it loaded, which would stay resident beside the shards kept."""
@@ -158,6 +166,7 @@ class Engine(ABC):
             "tokens": inputs.numel() if counts_tokens else 0,
             "compute_s": compute_s,
             "peak_host_memory_bytes": peak_host_memory_bytes(),
+            "peak_device_memory_bytes": peak_device_memory_bytes(self.device),
         }
         if self.expert_layers:
             metrics.update(self.take_expert_traffic())

@@ -60,6 +60,7 @@ def reduce_step_metrics(per_rank: list[dict]) -> StepMetrics:
         step_time_s=sum(m["rank_step_s"] for m in per_rank) / len(per_rank),
         tokens=int(sum(m["tokens"] for m in per_rank)),
         peak_host_memory_gb=max(m.get("peak_host_memory_bytes", 0) for m in per_rank) / 1e9,
+        peak_device_memory_gb=max(m.get("peak_device_memory_bytes", 0) for m in per_rank) / 1e9,
     )
 
 

@@ -76,4 +76,11 @@ def build_optimizer(model: nn.Module, config: TrainConfig,
     ]
     if regroup is not None:
         groups = regroup(groups)
-    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(0.9, 0.95), foreach=False)
+    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(0.9, 0.95), **_update_kernels(model))
+
+
+def _update_kernels(model: nn.Module) -> dict:
+    """On CUDA one fused kernel updates every tensor (torchtitan's default; a launch per parameter per
+    operation otherwise); elsewhere a loop per parameter, which holds no temporaries the size of the model."""
+    on_cuda = all(p.device.type == "cuda" for p in model.parameters())
+    return {"fused": True} if on_cuda else {"foreach": False}

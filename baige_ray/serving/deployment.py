@@ -81,6 +81,12 @@ ROUTES = {"generate": "POST", "v1/completions": "POST", "v1/chat/completions": "
 logger = logging.getLogger(__name__)
 
 
+def replica_device(gpu_ids: list[int]) -> torch.device:
+    """Where the built-in engine computes: the replica's GPU where Ray granted a real one (Ray's
+    CUDA_VISIBLE_DEVICES then shows it as device 0); the host for CPU replicas and simulated GPUs."""
+    return torch.device("cuda", 0) if gpu_ids and torch.cuda.is_available() else torch.device("cpu")
+
+
 class ModelServer:
     ROLE = "colocated"  # it prefills and decodes; serving/disaggregation.py has the split roles
 
@@ -99,6 +105,7 @@ class ModelServer:
         self._rank = getattr(context.rank, "rank", context.rank)  # the replica's rank in its deployment (events)
         self._node = ray.get_runtime_context().get_node_id()
         self._devices = [int(index) for index in ray.get_gpu_ids()]  # the (possibly shared) devices it holds
+        self._compute_device = replica_device(self._devices)
         self._metrics = ServingMetrics(app=app_name)
         self._engine_name = engine
         self._expert_parallel, self._expert_actor_options = expert_parallel, expert_actor_options or {}
@@ -150,6 +157,7 @@ class ModelServer:
                 generate_all(engine, [codec.encode(WARMUP_PROMPT)], [SamplingParams(max_new_tokens=1, temperature=0.0)])
             return EngineRunner(engine, codec)
         generator = plugin.build_text_generator(state)
+        generator.decoder.model.to(self._compute_device)
         if self._expert_parallel is not None:
             self._model = generator.decoder.model
             self._expert_ranks = ExpertRanks(plugin.inference_expert_layers(self._model), self._expert_parallel,
@@ -232,7 +240,7 @@ class ModelServer:
 
     def _health(self) -> JSONResponse:
         health = {"status": "ok", "step": self._step, "replica": self._replica, "node_id": self._node,
-                  "devices": self._devices}
+                  "devices": self._devices, "compute_device": str(self._compute_device)}
         if self._expert_ranks is not None:
             health["experts"] = self._expert_ranks.stats()
         try:

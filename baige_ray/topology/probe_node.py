@@ -113,7 +113,7 @@ def _choose_hcas(sys_root: str | Path, gpus: tuple[GpuInfo, ...], hcas: tuple) -
 
 def _host_memory_gb() -> float:
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     except (ValueError, OSError):
         return 1.0
 

@@ -44,7 +44,7 @@ def _gpu_info(nvml: Any, index: int, handle: Any) -> GpuInfo:
     return GpuInfo(
         index=index,
         name=name.decode() if isinstance(name, bytes) else str(name),
-        memory_gb=nvml.nvmlDeviceGetMemoryInfo(handle).total / 2**30,
+        memory_gb=nvml.nvmlDeviceGetMemoryInfo(handle).total / 1e9,
         pci_bus_id=normalize_bus_id(nvml.nvmlDeviceGetPciInfo(handle).busId),
         numa_node=_numa_node(nvml, handle),
     )

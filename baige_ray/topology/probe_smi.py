@@ -76,7 +76,7 @@ def parse_gpu_query(text: str) -> tuple[GpuInfo, ...]:
         if len(fields) != 4:
             raise ValueError(f"nvidia-smi query line={line!r} is invalid: expected {QUERY_FIELDS}")
         index, name, memory_mib, bus_id = fields
-        gpus.append(GpuInfo(index=int(index), name=name, memory_gb=float(memory_mib) / 1024,
+        gpus.append(GpuInfo(index=int(index), name=name, memory_gb=float(memory_mib) * 2**20 / 1e9,
                             pci_bus_id=normalize_bus_id(bus_id)))
     return tuple(gpus)
 

@@ -26,7 +26,7 @@ class PciDistance(enum.IntEnum):
 class GpuInfo:
     index: int
     name: str
-    memory_gb: float
+    memory_gb: float  # GB of 1e9 bytes, as the planner counts
     pci_bus_id: str = ""  # sysfs form, e.g. "0000:17:00.0"
     numa_node: int = -1
 
@@ -48,7 +48,7 @@ class HcaInfo:
 class NodeProbe:
     hostname: str
     num_cpus: int
-    memory_gb: float
+    memory_gb: float  # GB of 1e9 bytes
     gpus: tuple[GpuInfo, ...] = ()
     islands: tuple[tuple[int, ...], ...] = ()  # GPU indices sharing NVLink directly
     hcas: tuple[HcaInfo, ...] = ()

@@ -52,3 +52,24 @@ def test_spec_for_rejects_unknown_kind():
     assert spec_for("npu").dist_backend == "hccl"
     with pytest.raises(ValueError, match="accelerator kind='tpu'"):
         spec_for("tpu")
+
+
+def test_a_replica_computes_on_its_gpu_only_where_torch_sees_one():
+    import torch
+
+    from baige_ray.serving.deployment import replica_device
+
+    assert replica_device([]) == torch.device("cpu")
+    # Simulated GPUs (fake Ray resources) hand out ids on a host torch sees no GPU on.
+    expected = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    assert replica_device([3]) == expected
+
+
+def test_the_update_runs_one_fused_kernel_on_cuda_and_a_loop_elsewhere():
+    import torch
+
+    from baige_ray.api.configs import TrainConfig
+    from baige_ray.runtime.train_loop import build_optimizer
+
+    optimizer = build_optimizer(torch.nn.Linear(4, 4), TrainConfig(num_steps=1, global_batch_size=1))
+    assert optimizer.defaults["foreach"] is False and not optimizer.defaults["fused"]

@@ -60,7 +60,7 @@ def test_parse_topo_rejects_text_without_a_matrix():
 def test_gpu_query_csv():
     gpus = parse_gpu_query((FIXTURES / "nvidia_smi_query_h100.csv").read_text())
     assert len(gpus) == 8 and gpus[0].name == "NVIDIA H100 80GB HBM3"
-    assert gpus[0].memory_gb == pytest.approx(79.6, abs=0.1)
+    assert gpus[0].memory_gb == pytest.approx(85.5, abs=0.1)  # 81559 MiB, in GB (1e9 bytes) as the planner counts
     assert gpus[1].pci_bus_id == "0000:2a:00.0"
 
 
@@ -114,7 +114,7 @@ def test_nvml_probe_with_a_fake_library():
     pairs = {frozenset((a, b)) for a in range(4) for b in range(4) if a != b}
     gpus, islands = probe_nvml(_fake_nvml(4, pairs, [f"0000:{0x17 + i:02x}:00.0" for i in range(4)]))
     assert [g.pci_bus_id for g in gpus] == ["0000:17:00.0", "0000:18:00.0", "0000:19:00.0", "0000:1a:00.0"]
-    assert islands == ((0, 1, 2, 3),) and gpus[0].memory_gb == 80.0
+    assert islands == ((0, 1, 2, 3),) and gpus[0].memory_gb == pytest.approx(85.9, abs=0.1)  # 80 GiB
 
 
 def test_nvml_absent_or_failing_returns_none():
