@@ -10,7 +10,7 @@ to Ray and answers the control thread, which reaches the loop only through the c
 from __future__ import annotations
 
 import time
-import warnings
+from collections.abc import Callable
 
 import ray
 
@@ -31,7 +31,7 @@ from baige_ray.elastic.resizing import Resizer
 from baige_ray.elastic.sizing import valid_sizes
 from baige_ray.elastic.state_sources import StateSources
 from baige_ray.elastic.stepping import StepRunner
-from baige_ray.elastic.workers import Worker, WorkerPool
+from baige_ray.elastic.workers import Worker, WorkerPool, restarted_by_ray
 from baige_ray.engines.layout import ParallelLayout
 from baige_ray.ops.events import EventLog
 from baige_ray.runtime.train_loop import TrainJob
@@ -54,14 +54,20 @@ class ElasticController:
         faults: FaultPlan | None = None,
         worker_cls: type = ElasticWorkerActor,
         planner: ElasticPlanner | None = None,
+        pool: WorkerPool | None = None,
+        record: JobRecord | None = None,
+        was_restarted: Callable[[], bool] | None = None,
     ):
+        """`pool`, `record` and `was_restarted` default to Ray's: worker actors, the job record in
+        Ray's key-value store, Ray's word on whether it restarted this actor (unit tests pass their own)."""
         self.job, self.scaling, self.run_config, self.elastic = job, scaling, run, elastic
         self.faults = faults or FaultPlan()
         self.speeds = list(speeds or [1.0] * scaling.num_workers)
         self.machine = StateMachine()
         self.events = EventLog(run.run_dir / "events.jsonl")
-        self.pool = WorkerPool(scaling, run.name, choose_device_resource(scaling, ray.cluster_resources()), worker_cls,
-                               snapshot_slots=elastic.snapshot_slots)
+        self.pool = pool or WorkerPool(scaling, run.name, choose_device_resource(scaling, ray.cluster_resources()),
+                                       worker_cls, snapshot_slots=elastic.snapshot_slots)
+        self.was_restarted = was_restarted or restarted_by_ray
         min_workers, max_workers = elastic.bounds(scaling.num_workers)
         # The planner may use any number of the devices it is given (idle ones stay as spares).
         self.sizes = (tuple(range(min_workers, max_workers + 1)) if planner is not None
@@ -69,7 +75,7 @@ class ElasticController:
         bounds = Bounds(min_workers, self.sizes, elastic.max_recoveries, scaling.placement_timeout_s)
         self.accounts = StepAccounts(run.name, elastic)
         self.state_sources = StateSources(elastic, run.name, self.events)
-        record = JobRecord(run.name)
+        record = record or JobRecord(run.name)
         self.crew = Crew(job, layout, self.pool, planner=planner, accounts=self.accounts, events=self.events,
                          faults=self.faults, record=record, placement_timeout_s=scaling.placement_timeout_s)
         self.recovery = Recovery(self.crew, self.pool, self.state_sources, self.accounts, self.events, elastic, bounds)
@@ -106,9 +112,7 @@ class ElasticController:
             self._release()
 
     def _plan(self) -> tuple[Phase, str]:
-        with warnings.catch_warnings():  # Ray warns about an internal property this one reads
-            warnings.simplefilter("ignore", DeprecationWarning)
-            restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        restarted = self.was_restarted()
         self.accounts.open(self.run_config.run_dir / "steps.jsonl", resume=restarted)
         if restarted:
             return self.recovery.resume_after_restart()
@@ -208,17 +212,10 @@ class ElasticController:
         check_harvest(count, share, num_whole=len(whole_members(members)), sizes=self.sizes,
                       planned=self.crew.planner is not None)
         missing = count - len(harvest_members(members))
-        incoming = self._start_harvest_workers(missing, share) if missing > 0 else []
+        # New ones start while training runs; one not up in time found no device share free.
+        incoming = self.pool.start_and_wait(missing, share, HARVEST_START_TIMEOUT_S) if missing > 0 else []
         wanted = len(harvest_members(members)) + len(incoming) if missing > 0 else count
         return self._ask(Harvest(wanted, tuple(incoming), reason))
-
-    def _start_harvest_workers(self, count: int, share: float) -> list[Worker]:
-        """Start `count` harvest ranks and wait for them (training runs meanwhile); those that did not
-        come up in time (no device has `share` free) are stopped."""
-        started = self.pool.start(count, share=share)
-        up = WorkerPool.ready(started, HARVEST_START_TIMEOUT_S)
-        self.pool.stop([worker for worker in started if worker not in up])
-        return up
 
     @ray.method(concurrency_group="control")
     def stop(self) -> None:
@@ -242,5 +239,5 @@ class ElasticController:
             time.sleep(0.05)
         if state is None:
             raise RuntimeError("no snapshot yet: training has not completed a step")
-        return step, ray.put(state["model"])
+        return step, self.pool.put(state["model"])
 

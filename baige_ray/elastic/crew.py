@@ -51,7 +51,7 @@ class Crew:
     def drop_dead_spares(self) -> None:
         """Forget ready spares that no longer answer (spares still starting are left alone)."""
         ready = self.ready_spares()
-        dead = [w for w, alive in zip(ready, WorkerPool.responsive(ready)) if not alive]
+        dead = [w for w, alive in zip(ready, self.pool.responsive(ready)) if not alive]
         self.pool.stop(dead)
         self.spares = [w for w in self.spares if w not in dead]
 
@@ -87,7 +87,7 @@ class Crew:
         else:
             layout = self.layout_for(len(members))
         self.generation += 1
-        reports = WorkerPool.regroup(members, self.generation, self.job, layout, state_parts or [], CALL_TIMEOUT_S,
+        reports = self.pool.regroup(members, self.generation, self.job, layout, state_parts or [], CALL_TIMEOUT_S,
                                      faults=self.faults.arm_regroup(step))
         if arrangement is not None:
             self.planner.commit(arrangement)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import ray
-
+from baige_ray.elastic import calls
 from baige_ray.elastic.crew import Crew
 from baige_ray.elastic.job_record import JobRecord
 from baige_ray.elastic.state_sources import CALL_TIMEOUT_S
@@ -30,12 +29,12 @@ class RunEnd:
         # before those are written and handed on; beside them they would not fit a host sized for
         # training (bench scale).
         self._discard_shelves()
-        parts = ray.get([w.actor.export_weights.remote() for w in self.crew.members], timeout=CALL_TIMEOUT_S)
+        parts = calls.get([w.actor.export_weights.remote() for w in self.crew.members], timeout=CALL_TIMEOUT_S)
         self.release(incoming)
         weights = merge_weights(parts)
         del parts
         path = self.job.plugin.save_final(self.run_dir / "final", weights, step=step)
-        return {"checkpoint_path": path, "final_state": ray.put({"model": weights, "optimizer": {}})}
+        return {"checkpoint_path": path, "final_state": self.pool.put({"model": weights, "optimizer": {}})}
 
     def release(self, incoming: list[Worker]) -> None:
         """Stop every worker of the run (members, spares, `incoming` harvest ranks) and forget its record."""
@@ -50,5 +49,5 @@ class RunEnd:
 
     def _discard_shelves(self) -> None:
         # Only members hold snapshots; a spare may still be starting, and asking it would wait for that.
-        WorkerPool.discard_shelves(self.crew.members, self.run_name)
+        self.pool.discard_shelves(self.crew.members, self.run_name)
         self._shelves_discarded = True

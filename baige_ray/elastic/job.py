@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from baige_ray.actors.controller import CONTROLLER_THREADS, ElasticController
 from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
+from baige_ray.api.connection import connect_ray
 from baige_ray.api.result import Result, StepMetrics
 from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.faults import FaultPlan
@@ -134,7 +135,7 @@ def launch(
     elastic = elastic or ElasticConfig()
     planner, layout = _planner_and_layout(job, scaling, layout, cluster)
     if not ray.is_initialized():
-        ray.init(logging_level=logging.WARNING)
+        connect_ray(logging_level=logging.WARNING)
     speeds = check_execution(job, scaling, layout, emulated_speeds, cluster=cluster, elastic=elastic) \
         if planner is None else check_speeds(scaling, emulated_speeds)
     if kill_run_actors(run.name):

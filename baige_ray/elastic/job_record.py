@@ -1,11 +1,13 @@
 """Who trains, in rank order, with which layout and generation: kept in Ray's internal key-value store
-(in the GCS, beside the actors) so a controller Ray restarted finds the workers its predecessor led."""
+(in the GCS, beside the actors) so a controller Ray restarted finds the workers its predecessor led.
+The controller's unit tests keep it in a dict (any store with put, get and delete)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from dataclasses import dataclass
+from typing import Protocol
 
 from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_put
 
@@ -27,18 +29,40 @@ class SavedJob:
     generation: int
 
 
+class KeyValueStore(Protocol):
+    def put(self, key: str, value: str) -> None: ...
+
+    def get(self, key: str) -> str | bytes | None: ...
+
+    def delete(self, key: str) -> None: ...
+
+
+class RayKeyValueStore:
+    """Ray's internal key-value store: it outlives the controller actor, not the cluster."""
+
+    def put(self, key: str, value: str) -> None:
+        _internal_kv_put(key, value, overwrite=True)
+
+    def get(self, key: str) -> bytes | None:
+        return _internal_kv_get(key)
+
+    def delete(self, key: str) -> None:
+        _internal_kv_del(key)
+
+
 class JobRecord:
-    def __init__(self, run_name: str):
+    def __init__(self, run_name: str, store: KeyValueStore | None = None):
         self.key = f"baige:job:{run_name}"
+        self.store = store or RayKeyValueStore()
 
     def save(self, members: list[Worker], layout: ParallelLayout, generation: int) -> None:
         record = {"workers": [w.name for w in members], "speeds": [w.speed for w in members],
                   "shares": [w.share for w in members], "layout": dataclasses.asdict(layout), "generation": generation}
-        _internal_kv_put(self.key, json.dumps(record), overwrite=True)
+        self.store.put(self.key, json.dumps(record))
 
     def load(self) -> SavedJob | None:
         """The last saved group; None if none formed before the controller restarted."""
-        raw = _internal_kv_get(self.key)
+        raw = self.store.get(self.key)
         if raw is None:
             return None
         record = json.loads(raw)
@@ -49,4 +73,4 @@ class JobRecord:
         return SavedJob(members=members, layout=layout, generation=record["generation"])
 
     def delete(self) -> None:
-        _internal_kv_del(self.key)
+        self.store.delete(self.key)

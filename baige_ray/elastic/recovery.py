@@ -76,7 +76,7 @@ class Recovery:
         saved = self.crew.record.load()
         if saved is None:
             return Phase.STARTING, "restarted before any worker group formed"
-        members = [WorkerPool.find(m.name, m.speed, m.share) for m in saved.members]
+        members = [self.pool.find(m.name, m.speed, m.share) for m in saved.members]
         lost = {rank: "gone when the controller restarted" for rank, w in enumerate(members) if w.info is None}
         # Spares the dead controller started are not in the record: they would hold devices for good.
         strays = self.pool.stop_strays({m.name for m in saved.members})
@@ -133,7 +133,7 @@ class Recovery:
         """A node's loss reaches its workers one by one: confirm those not heard from just now are still there."""
         candidates = [(rank, w) for rank, w in enumerate(self.crew.members)
                       if rank not in loss.lost and rank not in loss.failed and w.actor is not None]
-        for (rank, worker), alive in zip(candidates, WorkerPool.responsive([w for _, w in candidates])):
+        for (rank, worker), alive in zip(candidates, self.pool.responsive([w for _, w in candidates])):
             if not alive:
                 loss.lost[rank] = "did not answer after a peer failed"
                 self.events.record("failure", loss.lost[rank], rank=rank, node_id=worker.info.node_id,
@@ -196,11 +196,11 @@ class Recovery:
     def lost_during_regroup(self, members: list[Worker], error: Exception) -> tuple[Phase, str]:
         """A regroup failed part way (here or in a resize): recover again with those of `members` left."""
         # Heartbeats, not pings: the living may still be blocked in the failed rendezvous.
-        answered = WorkerPool.responsive(members, timeout_s=2.0)
+        answered = self.pool.responsive(members, timeout_s=2.0)
         dead = {rank: f"lost while regrouping ({type(error).__name__})"
                 for rank, alive in enumerate(answered) if not alive}
         # The living may wait for the dead to arrive: free them before the next regroup queues behind.
-        WorkerPool.abandon([w for w, alive in zip(members, answered) if alive], self.crew.generation)
+        self.pool.abandon([w for w, alive in zip(members, answered) if alive], self.crew.generation)
         failures = self.crew.regroup_failed(members)
         if not dead and failures > MAX_REGROUP_RETRIES:
             return Phase.FAILED, f"regrouping failed {failures} times with every worker alive: {error}"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import ray
 
+from baige_ray.elastic import calls
 from baige_ray.elastic.workers import Worker
 
 
@@ -71,11 +72,11 @@ class ReplicaCopies:
         """Record the copy in flight once it has ended; False while it runs."""
         if copy.in_flight is None:
             return True
-        ready, _ = ray.wait([copy.in_flight], timeout=timeout_s)
+        ready, _ = calls.wait([copy.in_flight], timeout=timeout_s)
         if not ready:
             return False
         try:
-            copy.step = ray.get(ready[0])
+            copy.step = calls.get(ready[0])
         except ray.exceptions.RayError:  # the holder is gone: recovery will notice it
             copy.step = None
         copy.in_flight = None

@@ -14,6 +14,7 @@ import threading
 import ray
 
 from baige_ray.checkpoint.persister import AsyncPersister
+from baige_ray.elastic import calls
 from baige_ray.checkpoint.store import begin_checkpoint, commit_checkpoint, load_latest_good
 from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.replica_copies import ReplicaCopies
@@ -72,7 +73,7 @@ class StateSources:
         refs = [part.reader.discard_shelf_of.remote(part.worker_name) for part in parts or []
                 if isinstance(part, ShelfRef) and part.worker_name not in names]
         if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            calls.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
     def readable_replicas(self, members: list[Worker], lost: dict[int, str], readable: set[int]) -> list[Worker]:
         """Replica holders still reachable: none of the lost members, unless they still answer."""
@@ -182,7 +183,7 @@ class StateSources:
 
         def commit() -> None:
             try:
-                written = ray.get([w.actor.persisted.remote(step) for w in ranks], timeout=PERSIST_TIMEOUT_S)
+                written = calls.get([w.actor.persisted.remote(step) for w in ranks], timeout=PERSIST_TIMEOUT_S)
                 files = {name: record for records, _ in written for name, record in records.items()}
                 commit_checkpoint(root, staging, step, files, meta=meta, keep_last=self.elastic.keep_checkpoints,
                                   ranks=len(ranks))
@@ -246,18 +247,18 @@ def newest_on_shelves(members: list[tuple[int, Worker]], readers: list[Worker]):
 
 def settle_parts(parts: list | None, timeout_s: float = CALL_TIMEOUT_S) -> None:
     """Wait until the gathered parts exist in the object store, so their holders may then be stopped."""
-    refs = [part for part in parts or [] if isinstance(part, ray.ObjectRef)]
+    refs = [part for part in parts or [] if calls.is_answer(part)]
     if refs:
-        ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
+        calls.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
 
 
 def answers_or_none(refs: list[ray.ObjectRef], timeout_s: float = CALL_TIMEOUT_S) -> list:
     """Each call's result, or None where the actor died or did not answer in time."""
-    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    calls.wait(refs, num_returns=len(refs), timeout=timeout_s)
     answers = []
     for ref in refs:
         try:
-            answers.append(ray.get(ref, timeout=0))
+            answers.append(calls.get(ref, timeout=0))
         except Exception:  # dead, or still silent: not a holder we can use
             answers.append(None)
     return answers

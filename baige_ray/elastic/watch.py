@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from baige_ray.elastic import calls
 from baige_ray.elastic.workers import Worker
 
 
@@ -46,7 +47,7 @@ def watch_step(workers: list[Worker], refs: list[ray.ObjectRef], times: WatchTim
     heartbeats: dict[int, tuple[ray.ObjectRef, float]] = {}
     pending = set(range(len(refs)))
     while pending:
-        ray.wait([refs[r] for r in pending], num_returns=len(pending), timeout=times.heartbeat_interval_s)
+        calls.wait([refs[r] for r in pending], num_returns=len(pending), timeout=times.heartbeat_interval_s)
         for rank in list(pending):
             if _collect(rank, refs[rank], outcome):
                 pending.discard(rank)
@@ -69,7 +70,7 @@ def watch_step(workers: list[Worker], refs: list[ray.ObjectRef], times: WatchTim
 
 def _collect(rank: int, ref: ray.ObjectRef, outcome: StepOutcome) -> bool:
     try:
-        outcome.metrics[rank] = ray.get(ref, timeout=0)
+        outcome.metrics[rank] = calls.get(ref, timeout=0)
     except GetTimeoutError:
         return False
     except RayActorError as error:
@@ -86,7 +87,7 @@ def _unresponsive(workers, pending, heartbeats, times: WatchTimes, now: float) -
         sent = heartbeats.get(rank)
         if sent is not None:
             ref, at = sent
-            ready, _ = ray.wait([ref], timeout=0)
+            ready, _ = calls.wait([ref], timeout=0)
             if not ready:
                 if now - at > times.heartbeat_timeout_s:
                     silent.append(rank)

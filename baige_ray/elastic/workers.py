@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 
 import ray
@@ -18,6 +19,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from baige_ray.actors.worker import ELASTIC_WORKER_THREADS, ElasticWorkerActor
 from baige_ray.api.configs import ScalingConfig
 from baige_ray.api.device import DeviceInfo
+from baige_ray.elastic import calls
 from baige_ray.runtime.distributed import GroupMembership
 from baige_ray.runtime.worker_group import worker_bundle
 
@@ -79,17 +81,25 @@ class WorkerPool:
             started.append(worker)
         return started
 
+    def start_and_wait(self, count: int, share: float, timeout_s: float) -> list[Worker]:
+        """Start `count` workers holding `share` of a device each and wait up to `timeout_s` for them;
+        those not up by then are stopped."""
+        started = self.start(count, share=share)
+        up = self.ready(started, timeout_s)
+        self.stop([worker for worker in started if worker not in up])
+        return up
+
     @staticmethod
     def ready(workers: list[Worker], timeout_s: float = 0.0) -> list[Worker]:
         """Those of `workers` whose actor is up (their device info arrived) within `timeout_s`."""
         pending = [w.ready_ref for w in workers if w.info is None and w.ready_ref is not None]
         if pending:
-            ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+            calls.wait(pending, num_returns=len(pending), timeout=timeout_s)
         up = []
         for worker in workers:
             if worker.info is None and worker.ready_ref is not None:
                 try:
-                    worker.info = ray.get(worker.ready_ref, timeout=0)
+                    worker.info = calls.get(worker.ready_ref, timeout=0)
                 except GetTimeoutError:
                     continue
                 except RayActorError:
@@ -103,11 +113,11 @@ class WorkerPool:
     def responsive(workers: list[Worker], timeout_s: float = 1.0) -> list[bool]:
         """Whether each worker answers a heartbeat (on its control thread, so a busy one answers too)."""
         beats = [worker.actor.heartbeat.remote() for worker in workers]
-        ray.wait(beats, num_returns=len(beats), timeout=timeout_s)
+        calls.wait(beats, num_returns=len(beats), timeout=timeout_s)
         answered = []
         for beat in beats:
             try:
-                ray.get(beat, timeout=0)
+                calls.get(beat, timeout=0)
                 answered.append(True)
             except Exception:  # dead, or silent for timeout_s
                 answered.append(False)
@@ -132,7 +142,7 @@ class WorkerPool:
         of `workers` lets go of its snapshots, so their memory is freed, not only their files."""
         refs = [w.actor.discard_shelves.remote(run_name) for w in workers if w.actor is not None]
         if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            calls.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
     def stop_strays(self, known: set[str]) -> int:
         """Stop this run's live workers whose names are not in `known`: spares or harvest ranks an
@@ -150,6 +160,11 @@ class WorkerPool:
             return Worker(actor=None, name=name, speed=speed, share=share)
 
     @staticmethod
+    def put(value) -> ray.ObjectRef:
+        """`value` in the object store, for the driver or workers to fetch."""
+        return ray.put(value)
+
+    @staticmethod
     def by_locality(workers: list[Worker]) -> list[Worker]:
         return sorted(workers, key=lambda w: w.info.location)
 
@@ -161,7 +176,7 @@ class WorkerPool:
         Returns each rank's engine report (parameter count, data fingerprint). Raises as soon as one
         member fails: the others are still waiting for it, and the caller abandons the generation."""
         first = members[0]
-        store = ray.get(first.actor.host_store.remote(first.info.node_ip), timeout=timeout_s)
+        store = calls.get(first.actor.host_store.remote(first.info.node_ip), timeout=timeout_s)
         faults = faults or {}
         refs = [
             worker.actor.rejoin.remote(
@@ -176,7 +191,14 @@ class WorkerPool:
     def abandon(workers: list[Worker], generation: int, timeout_s: float = 2.0) -> None:
         """Release the workers still waiting to join `generation` (answered on their control threads)."""
         refs = [worker.actor.abandon_generation.remote(generation) for worker in workers]
-        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        calls.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
+
+def restarted_by_ray() -> bool:
+    """Whether Ray restarted the calling actor after its process died (its first run says no)."""
+    with warnings.catch_warnings():  # Ray warns about an internal property this one reads
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return ray.get_runtime_context().was_current_actor_reconstructed
 
 
 def kill_named_actors(prefixes: tuple[str, ...], keep: set[str] = frozenset()) -> int:
@@ -199,8 +221,8 @@ def get_failing_fast(refs: list[ray.ObjectRef], timeout_s: float) -> list:
     deadline = time.monotonic() + timeout_s
     pending = list(refs)
     while pending:
-        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        done, pending = calls.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not done:
             raise GetTimeoutError(f"{len(pending)} of {len(refs)} calls unanswered after {timeout_s:.0f}s")
-        ray.get(done[0])
-    return ray.get(refs)
+        calls.get(done[0])
+    return calls.get(refs)

@@ -1,0 +1,284 @@
+"""The elastic controller driven end to end against an in-process pool (tests/fake_pool.py), no Ray:
+detect -> decide -> regroup -> restore, a controller restart, resize, harvest and growth, each
+checked by the phases it went through, the events it wrote and where training resumed. The cluster
+tests keep the real workers honest; these run in well under a second each."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from actors.controller import ElasticController
+from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
+from baige_ray.elastic.config import ElasticConfig
+from baige_ray.elastic.job_record import JobRecord
+from baige_ray.engines.layout import ParallelLayout
+from baige_ray.models.mlp import MLPConfig
+from baige_ray.runtime.train_loop import TrainJob
+from tests.fake_pool import FakeCluster, FakeWorkerPool, MemoryKeyValueStore, loss_at
+
+FAST = dict(replicate_every=0, heartbeat_interval_s=0.005, heartbeat_timeout_s=0.3, collective_timeout_floor_s=0.5,
+            first_steps_timeout_s=1.0, grow_check_interval_s=0.02)
+
+
+class ControllerCrashed(BaseException):
+    """Raised into the loop where a controller process would have died."""
+
+
+def controller(tmp_path: Path, cluster: FakeCluster, *, workers: int = 2, steps: int = 6, store=None,
+               pool: FakeWorkerPool | None = None, restarted: bool = False, **elastic) -> ElasticController:
+    job = TrainJob(model=MLPConfig(sizes=(4, 4)), train=TrainConfig(num_steps=steps, global_batch_size=12), data=None)
+    return ElasticController(
+        job, ScalingConfig(num_workers=workers, placement_timeout_s=0.5),
+        RunConfig(name="fake", storage_path=tmp_path, show_progress=False),
+        ElasticConfig(**{**FAST, **elastic}), ParallelLayout(dp=workers),
+        pool=pool or FakeWorkerPool(cluster), record=JobRecord("fake", store or MemoryKeyValueStore()),
+        was_restarted=lambda: restarted,
+    )
+
+
+def phases(ctl: ElasticController) -> list[str]:
+    return [t.target.value for t in ctl.machine.history]
+
+
+def kinds(ctl: ElasticController) -> list[str]:
+    return [e["kind"] for e in ctl.events.recent(200)]
+
+
+def losses(result: dict) -> list[float]:
+    return [m["loss"] for m in sorted(result["metrics"], key=lambda m: m["step"])]
+
+
+def fault_free(steps: int) -> list[float]:
+    return [loss_at(step) for step in range(steps)]
+
+
+def run_in_thread(ctl: ElasticController) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(result=ctl.run()), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def wait_for_step(ctl: ElasticController, step: int, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while ctl.step < step:
+        assert time.monotonic() < deadline, f"step {step} not reached"
+        time.sleep(0.005)
+
+
+def test_a_fault_free_run_trains_every_step_once(tmp_path):
+    cluster = FakeCluster({"n0": 2})
+    ctl = controller(tmp_path, cluster)
+    result = ctl.run()
+    assert phases(ctl) == ["starting", "running", "finished"]
+    assert losses(result) == fault_free(6) and result["checkpoint_path"] is not None
+    assert kinds(ctl) == ["plan", "start", "finished"]
+    assert cluster.live() == []  # the run's end stops every worker
+
+
+def test_a_killed_worker_is_replaced_by_a_spare_and_no_step_is_lost(tmp_path):
+    cluster = FakeCluster({"n0": 3})
+    cluster.scripted[1] = {"die_at": 3}
+    ctl = controller(tmp_path, cluster, num_spares=1)
+    result = ctl.run()
+    assert phases(ctl) == ["starting", "running", "recovering", "running", "finished"]
+    assert losses(result) == fault_free(6)
+    assert kinds(ctl) == ["plan", "start", "failure", "recovered", "recovered", "finished"]
+    (recovery,) = result["recoveries"]
+    assert recovery["resumed_step"] == 3 and recovery["lost_steps"] == 1
+    assert len(result["workers"]) == 2
+
+
+def test_without_a_spare_the_job_shrinks_to_the_survivors(tmp_path):
+    cluster = FakeCluster({"n0": 3})
+    cluster.scripted[2] = {"die_at": 2}
+    ctl = controller(tmp_path, cluster, workers=3, min_workers=2)
+    result = ctl.run()
+    assert phases(ctl) == ["starting", "running", "recovering", "running", "finished"]
+    assert losses(result) == fault_free(6)
+    resize = next(e for e in ctl.events.recent(200) if e["kind"] == "resize")
+    assert resize["train_devices"] == 2 and resize["resume_step"] == 2
+    assert [m["num_workers"] for m in sorted(result["metrics"], key=lambda m: m["step"])] == [3, 3, 2, 2, 2, 2]
+
+
+def test_a_frozen_worker_is_found_by_its_silent_heartbeats(tmp_path):
+    cluster = FakeCluster({"n0": 3})
+    cluster.scripted[0] = {"freeze_at": 2}
+    ctl = controller(tmp_path, cluster, num_spares=1)
+    result = ctl.run()
+    failure = next(e for e in ctl.events.recent(200) if e["kind"] == "failure")
+    assert failure["rank"] == 0 and "heartbeats" in failure["reason"]
+    assert losses(result) == fault_free(6) and result["recoveries"][0]["resumed_step"] == 2
+
+
+def test_a_hung_step_is_ended_at_the_deadline_and_its_worker_read_before_it_goes(tmp_path):
+    cluster = FakeCluster({"n0": 3})
+    cluster.scripted[1] = {"hang_at": 3}
+    ctl = controller(tmp_path, cluster, num_spares=1)
+    result = ctl.run()
+    failure = next(e for e in ctl.events.recent(200) if e["kind"] == "failure")
+    assert failure["rank"] == 1 and "still running" in failure["reason"]
+    assert phases(ctl) == ["starting", "running", "recovering", "running", "finished"]
+    assert losses(result) == fault_free(6) and result["recoveries"][0]["resumed_step"] == 3
+
+
+def test_a_straggler_is_evicted_for_a_spare_after_its_patience(tmp_path):
+    cluster = FakeCluster({"n0": 3})
+    cluster.scripted[1] = {"lag": 3.0}
+    ctl = controller(tmp_path, cluster, num_spares=1, steps=8, straggler_patience=3)
+    result = ctl.run()
+    straggler = next(e for e in ctl.events.recent(200) if e["kind"] == "straggler")
+    assert straggler["rank"] == 1
+    assert "eviction" in kinds(ctl) and losses(result) == fault_free(8)
+    assert result["recoveries"][0]["lost_steps"] == 0  # read from the straggler itself: nothing redone
+    assert all(w["pid"] != 0 for w in result["status"]["workers"])
+
+
+def test_a_worker_lost_while_the_group_reforms_is_recovered_from_again(tmp_path):
+    cluster = FakeCluster({"n0": 4})
+    cluster.scripted[1] = {"die_at": 2}
+    cluster.scripted[2] = {"die_in_rejoin": True}  # the first spare dies joining the new group
+    ctl = controller(tmp_path, cluster, num_spares=2)
+    result = ctl.run()
+    assert phases(ctl) == ["starting", "running", "recovering", "running", "finished"]
+    assert kinds(ctl).count("failure") == 2
+    assert losses(result) == fault_free(6) and len(result["workers"]) == 2
+
+
+def test_a_job_below_its_minimum_with_no_capacity_left_fails(tmp_path):
+    cluster = FakeCluster({"n0": 1, "n1": 1})
+    cluster.hooks.append(lambda worker, step: cluster.lose_node("n1") if step == 2 and "n1" in cluster.slots else None)
+    ctl = controller(tmp_path, cluster)
+    result = ctl.run()
+    assert phases(ctl) == ["starting", "running", "recovering", "failed"]
+    assert "no capacity came back" in ctl.machine.history[-1].reason and result["checkpoint_path"] is None
+    assert cluster.live() == []
+
+
+def test_a_resize_down_then_up_regroups_from_the_newest_snapshot(tmp_path):
+    cluster = FakeCluster({"n0": 3})
+    cluster.step_s = 0.01
+    ctl = controller(tmp_path, cluster, workers=3, steps=40, min_workers=1)
+    thread, out = run_in_thread(ctl)
+    wait_for_step(ctl, 3)
+    assert ctl.resize(1, "serve needs two devices") == 1
+    shrunk_at = ctl.step
+    assert ctl.resize(3, "serve is done") == 3
+    thread.join(10)
+    result = out["result"]
+    assert phases(ctl).count("resizing") == 2 and phases(ctl)[-1] == "finished"
+    assert losses(result) == fault_free(40)
+    resizes = [e for e in ctl.events.recent(200) if e["kind"] == "resize"]
+    assert [e["train_devices"] for e in resizes] == [1, 3] and resizes[0]["resume_step"] == shrunk_at
+
+
+def test_harvest_ranks_join_beside_replicas_and_are_given_back(tmp_path):
+    cluster = FakeCluster({"n0": 2, "n1": 2})
+    cluster.step_s = 0.01
+    ctl = controller(tmp_path, cluster, workers=2, steps=40, min_workers=1, max_workers=4)
+    thread, out = run_in_thread(ctl)
+    wait_for_step(ctl, 2)
+    assert ctl.harvest(2, 0.5, "replicas are idle") == 2
+    assert ctl.status()["num_harvest"] == 2 and ctl.status()["num_workers"] == 4
+    assert ctl.harvest(0, 0.5, "replicas are busy") == 0
+    thread.join(10)
+    result = out["result"]
+    assert [e["harvested_devices"] for e in ctl.events.recent(200) if e["kind"] == "harvest"] == [2, 0]
+    assert phases(ctl).count("resizing") == 2 and losses(result) == fault_free(40)
+
+
+def test_the_job_grows_back_when_capacity_returns(tmp_path):
+    cluster = FakeCluster({"n0": 1, "n1": 1})
+    cluster.step_s = 0.01
+    ctl = controller(tmp_path, cluster, workers=2, steps=60, min_workers=1)
+    thread, out = run_in_thread(ctl)
+    wait_for_step(ctl, 3)
+    cluster.lose_node("n1")
+    deadline = time.monotonic() + 5
+    while ctl.status()["num_workers"] != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    cluster.add_node("n2", 1)
+    while ctl.status()["num_workers"] != 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    thread.join(10)
+    result = out["result"]
+    assert [e["train_devices"] for e in ctl.events.recent(200) if e["kind"] == "resize"] == [1, 2]
+    assert "capacity came back" in [e["reason"] for e in ctl.events.recent(200) if e["kind"] == "resize"][-1]
+    assert losses(result) == fault_free(60)
+
+
+def test_a_stop_request_ends_the_job_at_a_step_boundary(tmp_path):
+    cluster = FakeCluster({"n0": 2})
+    cluster.step_s = 0.01
+    ctl = controller(tmp_path, cluster, steps=1000)
+    thread, out = run_in_thread(ctl)
+    wait_for_step(ctl, 2)
+    ctl.stop()
+    thread.join(10)
+    assert phases(ctl)[-1] == "finished" and ctl.machine.history[-1].reason == "stopped by request"
+    assert losses(out["result"]) == fault_free(ctl.step)
+
+
+def test_a_restarted_controller_finds_its_workers_and_resumes_where_they_are(tmp_path):
+    cluster = FakeCluster({"n0": 3})
+    store = MemoryKeyValueStore()
+    first_pool, first_store = FakeWorkerPool(cluster), store.view()
+
+    def crash(worker, step):
+        if step == 3 and not first_pool.severed:
+            first_pool.sever()
+            first_store.severed = True
+            raise ControllerCrashed
+
+    cluster.hooks.append(crash)
+    first = controller(tmp_path, cluster, num_spares=1, store=first_store, pool=first_pool)
+    with pytest.raises(ControllerCrashed):
+        first.run()
+    cluster.hooks.clear()
+    second = controller(tmp_path, cluster, num_spares=1, store=store, restarted=True)
+    result = second.run()
+    assert phases(second) == ["recovering", "running", "finished"]
+    restart = next(e for e in second.events.recent(200) if e["kind"] == "controller_restart")
+    assert restart["stopped_strays"] == 1  # the spare the first controller started
+    assert losses(result) == fault_free(6)
+    assert second.recovery.history[0]["resumed_step"] == 4
+    assert cluster.live() == []
+
+
+def test_a_restarted_controller_replaces_a_worker_lost_while_it_was_down(tmp_path):
+    cluster = FakeCluster({"n0": 3})
+    store = MemoryKeyValueStore()
+    first_pool, first_store = FakeWorkerPool(cluster), store.view()
+
+    def crash(worker, step):
+        if step == 2 and not first_pool.severed:
+            first_pool.sever()
+            first_store.severed = True
+            raise ControllerCrashed
+
+    cluster.hooks.append(crash)
+    first = controller(tmp_path, cluster, store=first_store, pool=first_pool)
+    with pytest.raises(ControllerCrashed):
+        first.run()
+    cluster.hooks.clear()
+    cluster.workers[1].kill()
+    second = controller(tmp_path, cluster, store=store, restarted=True, num_spares=1)
+    result = second.run()
+    assert "gone when the controller restarted" in [e["reason"] for e in second.events.recent(200)]
+    assert losses(result) == fault_free(6) and len(result["workers"]) == 2
+
+
+def test_a_second_failure_during_recovery_keeps_the_first_failed_step(tmp_path):
+    cluster = FakeCluster({"n0": 4})
+    cluster.scripted[0] = {"die_at": 2}
+    cluster.scripted[1] = {"die_at": 2}
+    ctl = controller(tmp_path, cluster, workers=3, num_spares=1, min_workers=2)
+    result = ctl.run()
+    assert kinds(ctl).count("failure") == 2
+    assert losses(result) == fault_free(6) and len(result["workers"]) == 2
