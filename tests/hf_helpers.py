@@ -91,7 +91,12 @@ def build_tiny_hf(root: Path, *, seed: int = 0, family=llama_config, **config_ov
 
 def plain_transformers_losses(model_dir: Path, dataset, train, num_steps: int | None = None,
                               device: str = "cpu") -> list[float]:
-    """Losses of the `transformers` model trained by a plain PyTorch loop over the global batch, in
+    return plain_transformers_training(model_dir, dataset, train, num_steps, device)[0]
+
+
+def plain_transformers_training(model_dir: Path, dataset, train, num_steps: int | None = None,
+                                device: str = "cpu") -> tuple[list[float], dict[str, torch.Tensor]]:
+    """(losses, final weights) of the `transformers` model trained by a plain PyTorch loop over the global batch, in
     micro-batches of `train.micro_batch_size` (default: all of it) whose gradients accumulate. A
     mixture-of-experts model adds its load-balancing loss per micro-batch, as transformers' forward
     adds it to each batch it sees."""
@@ -124,7 +129,7 @@ def plain_transformers_losses(model_dir: Path, dataset, train, num_steps: int | 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss)
-    return losses
+    return losses, {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
 
 
 def elastic_hf_run(name: str, storage_path, tiny: TinyHF, *, num_workers: int, num_steps: int, elastic,

@@ -151,6 +151,9 @@ def result_events(tmp_path, run_name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+PIPELINED_GPT = GPTConfig(seq_len=32, hidden=64, num_layers=4)
+
+
 def pipelined_gpt_run(name: str, tmp_path, num_steps: int):
     """PP4 x TP2 on the 4x2 cluster: each stage's two ranks on one node, so no live peer elsewhere holds it."""
     from baige_ray.engines.layout import ParallelLayout
@@ -182,5 +185,8 @@ def test_a_lost_node_holding_a_whole_pipeline_stage_is_restored_from_a_replica_o
     # A replica trails by at most one copy, which the controller waits for when copying is slower than a
     # step (replicas.replica_floor): the failed step, the one before and the one being copied (2 if it landed).
     assert result.recoveries[0]["lost_steps"] <= 3, (result.recoveries[0], restored)
-    reference = pipelined_gpt_run("elastic-replica-reference", tmp_path, num_steps).wait()
-    assert [m.loss for m in result.metrics] == [m.loss for m in reference.metrics]
+    # One process with the whole model and batch, not a second 8-worker run. PP4 x TP2 sums in another
+    # order; restoring a stage from a replica steps behind without redoing those steps is a jump of
+    # several percent at the recovery.
+    reference = reference_losses(TrainJob(model=PIPELINED_GPT, train=constant_rate_train(num_steps, 8, 2)))
+    np.testing.assert_allclose([m.loss for m in result.metrics], reference, rtol=2e-3)
