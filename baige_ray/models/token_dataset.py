@@ -40,20 +40,23 @@ _GLOB_CHARACTERS = frozenset("*?[")
 
 @dataclass(kw_only=True, frozen=True)
 class SourceFile:
-    """One input file as it was when the dataset was built; a changed size or mtime means stale tokens."""
+    """One input file as it was when the dataset was built: its contents' hash, not its modification
+    time, says whether the tokens are stale (a file written again with the same text is not)."""
 
     path: str
     size: int
-    mtime_ns: int
+    sha256: str = ""  # "" in a dataset built before contents were hashed: rebuilt once
 
     def __post_init__(self) -> None:
         require_int("SourceFile", "size", self.size, minimum=0)
-        require_int("SourceFile", "mtime_ns", self.mtime_ns)
 
     @classmethod
     def of(cls, path: Path) -> SourceFile:
-        stat = path.stat()
-        return cls(path=str(path), size=stat.st_size, mtime_ns=stat.st_mtime_ns)
+        return cls(path=str(path), size=path.stat().st_size, sha256=sha256_file(path))
+
+    @classmethod
+    def from_json(cls, data: dict) -> SourceFile:
+        return cls(path=data["path"], size=data["size"], sha256=data.get("sha256", ""))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -90,16 +93,16 @@ class TokenDatasetMetadata:
 
     @classmethod
     def from_json(cls, data: dict) -> TokenDatasetMetadata:
-        sources = tuple(SourceFile(**source) for source in data["sources"])
+        sources = tuple(SourceFile.from_json(source) for source in data["sources"])
         return cls(**{**data, "sources": sources})
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
     def differences(
-        self, *, sources: tuple[SourceFile, ...], fingerprint: str, seq_len: int, text_field: str
+        self, *, fingerprint: str, seq_len: int, text_field: str
     ) -> list[str]:
-        """What differs between this dataset and a build request; empty when it can be reused."""
+        """What differs between this dataset's settings and a build request's; empty when they agree."""
         found = []
         if seq_len != self.seq_len:
             found.append(f"seq_len {self.seq_len} != {seq_len}")
@@ -107,9 +110,16 @@ class TokenDatasetMetadata:
             found.append(f"tokenizer fingerprint {self.tokenizer_fingerprint} != {fingerprint}")
         if text_field != self.text_field:
             found.append(f"text_field {self.text_field!r} != {text_field!r}")
-        if sources != self.sources:
-            found.append("the source files (their paths, sizes or modification times) changed")
         return found
+
+    def changed_sources(self, sources: tuple[SourceFile, ...]) -> str | None:
+        """Why the tokens no longer match `sources` (None: same files, same contents)."""
+        if [s.path for s in sources] != [s.path for s in self.sources]:
+            return "the list of source files changed"
+        changed = [Path(new.path).name for new, old in zip(sources, self.sources) if new != old]
+        if changed:
+            return f"the contents of {len(changed)} source file(s) changed ({', '.join(changed[:3])})"
+        return None
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -172,14 +182,16 @@ class TokenDataset:
     def _reuse(
         cls, directory: Path, sources: tuple[SourceFile, ...], fingerprint: str, seq_len: int, text_field: str
     ) -> TokenDataset | None:
-        differences = _read_metadata(directory).differences(
-            sources=sources, fingerprint=fingerprint, seq_len=seq_len, text_field=text_field
-        )
+        metadata = _read_metadata(directory)
+        differences = metadata.differences(fingerprint=fingerprint, seq_len=seq_len, text_field=text_field)
         if differences:
             raise ValueError(
                 f"{directory} already holds a dataset built differently ({'; '.join(differences)}); "
                 "pass overwrite=True to replace it, or choose another directory"
             )
+        if (changed := metadata.changed_sources(sources)) is not None:
+            logger.warning("rebuilding the dataset in %s: %s", directory, changed)
+            return None
         try:
             return cls.open(directory, verify=True)
         except ValueError as error:

@@ -22,6 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import ray
 
+    from baige_ray.api.connection import connect_ray
     from baige_ray.constants import ray_address
     from baige_ray.ops.status import fetch_status, format_status
 
@@ -31,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     if not already_connected:
         address = ray_address() or "auto"
         try:
-            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+            connect_ray(address, logging_level=logging.WARNING, log_to_driver=False)
         except ConnectionError as error:
             raise ValueError(f"no Ray cluster at address={address!r} ({error}); set RAY_ADDRESS "
                              "or start one with `ray start --head`") from error

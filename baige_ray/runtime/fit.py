@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
+from baige_ray.api.connection import connect_ray
 from baige_ray.api.errors import ClusterError
 from baige_ray.api.result import Result, StepMetrics
 from baige_ray.engines.layout import ParallelLayout
@@ -119,7 +120,7 @@ def fit(
     scaling = scaling or ScalingConfig()
     run = run or RunConfig()
     if not ray.is_initialized():
-        ray.init(logging_level=logging.WARNING)
+        connect_ray(logging_level=logging.WARNING)
     execution = _execution_plan(job, scaling, layout, emulated_speeds, cluster)
     if execution.explanation:
         logger.info("planner: %s", execution.explanation)

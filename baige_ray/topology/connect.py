@@ -10,6 +10,7 @@ from pathlib import Path
 
 import ray
 
+from baige_ray.api.connection import connect_ray
 from baige_ray.constants import ray_address
 from baige_ray.topology.descriptor import ClusterDescriptor, load_descriptor
 from baige_ray.topology.simulated import SimulatedCluster
@@ -40,7 +41,7 @@ def open_cluster(
         descriptor = load_descriptor(descriptor)
     address = ray_address()
     if address is not None:
-        ray.init(address=address, logging_level=logging.WARNING)
+        connect_ray(address, logging_level=logging.WARNING)
         try:
             yield ClusterSession(address=address, simulated=False, descriptor=descriptor)
         finally:

@@ -156,13 +156,25 @@ def test_rebuilding_the_same_inputs_reuses_the_directory(tmp_path, tokenizer_dir
     assert TokenDataset.open(tmp_path / "out") == txt_dataset
 
 
+def test_sources_written_again_with_the_same_text_reuse_the_dataset_and_new_text_rebuilds_it(
+        tmp_path, tokenizer_dir, txt_dataset, caplog):
+    files, tokens = [tmp_path / "*.txt"], txt_dataset.directory / TOKENS_FILE
+    before = tokens.stat().st_mtime_ns
+    for path in sorted(tmp_path.glob("*.txt")):  # as a second `make demo` writes its documents again
+        path.write_text(path.read_text())
+    assert TokenDataset.build(files, tokenizer=tokenizer_dir, seq_len=16, directory=tmp_path / "out") == txt_dataset
+    assert tokens.stat().st_mtime_ns == before
+    (tmp_path / "part00.txt").write_text("changed text, a fox jumps " * 20)
+    with caplog.at_level("WARNING"):
+        rebuilt = TokenDataset.build(files, tokenizer=tokenizer_dir, seq_len=16, directory=tmp_path / "out")
+    assert "contents of 1 source file(s) changed (part00.txt)" in caplog.text
+    assert rebuilt.fingerprint != txt_dataset.fingerprint
+
+
 def test_a_different_build_needs_overwrite(tmp_path, tokenizer_dir, txt_dataset):
     files = [tmp_path / "*.txt"]
     with pytest.raises(ValueError, match="seq_len 16 != 8.*overwrite=True"):
         TokenDataset.build(files, tokenizer=tokenizer_dir, seq_len=8, directory=tmp_path / "out")
-    (tmp_path / "part00.txt").write_text("changed text, a fox jumps " * 20)
-    with pytest.raises(ValueError, match="source files"):
-        TokenDataset.build(files, tokenizer=tokenizer_dir, seq_len=16, directory=tmp_path / "out")
     rebuilt = TokenDataset.build(files, tokenizer=tokenizer_dir, seq_len=8, directory=tmp_path / "out", overwrite=True)
     assert rebuilt.seq_len == 8 and rebuilt.fingerprint != txt_dataset.fingerprint
 

@@ -1,0 +1,74 @@
+"""A driver joins a head started with `ray start`, which asks for its authentication token, with only
+the steps the README gives: RAY_ADDRESS set, the token where Ray keeps it (~/.ray/auth_token). Ray's
+own driver does not use the token for an explicit address, and is refused until it gives up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+DRIVER = """
+import ray
+from baige_ray.api.connection import connect_ray
+connect_ray(logging_level="ERROR")
+print("joined", ray.cluster_resources().get("CPU"), flush=True)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"the head's GCS did not listen on {port} within {timeout_s}s")
+
+
+@pytest.fixture
+def head(tmp_path):
+    """A head of its own (own HOME, so its token, own temp dir and ports), stopped with its process group."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
+    env["HOME"] = str(tmp_path)
+    port = free_port()
+    temp_dir = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's socket paths live under it
+    ray = Path(sys.executable).parent / "ray"
+    # A machine that ran a local `ray.init()` holds a token; `ray start` then turns token authentication on.
+    subprocess.run([str(ray), "get-auth-token", "--generate"], env=env, check=True, capture_output=True, timeout=60)
+    process = subprocess.Popen(
+        [str(ray), "start", "--head", "--block", f"--port={port}", "--num-cpus=1", "--num-gpus=0",
+         "--include-dashboard=false", f"--temp-dir={temp_dir}", "--node-ip-address=127.0.0.1"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for_port(port, 60)
+        yield env, port
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def test_a_driver_joins_a_ray_start_head_with_the_token_it_wrote(head):
+    env, port = head
+    assert (Path(env["HOME"]) / ".ray" / "auth_token").is_file()
+    driver = subprocess.run([sys.executable, "-c", DRIVER], env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
+                            capture_output=True, text=True, timeout=120)
+    assert driver.returncode == 0, driver.stderr[-2000:]
+    assert "joined 1.0" in driver.stdout
