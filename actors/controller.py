@@ -14,11 +14,11 @@ from collections.abc import Callable
 
 import ray
 
-from baige_ray.actors.worker import ElasticWorkerActor
+from baige_ray.actors.worker import ELASTIC_WORKER_THREADS, ElasticWorkerActor
 from baige_ray.api.configs import RunConfig, ScalingConfig
+from baige_ray.api.elastic import ElasticConfig
 from baige_ray.elastic.accounts import StepAccounts
 from baige_ray.elastic.commands import Command, Harvest, JobOver, Resize, Stop
-from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.crew import Crew
 from baige_ray.elastic.ending import RunEnd
 from baige_ray.elastic.faults import FaultKind, FaultPlan
@@ -32,9 +32,9 @@ from baige_ray.elastic.sizing import valid_sizes
 from baige_ray.elastic.state_sources import StateSources
 from baige_ray.elastic.stepping import StepRunner
 from baige_ray.elastic.workers import Worker, WorkerPool, restarted_by_ray
-from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.train_job import TrainJob
 from baige_ray.ops.events import EventLog
-from baige_ray.runtime.train_loop import TrainJob
+from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.runtime.worker_group import choose_device_resource
 
 CONTROLLER_THREADS = {"max_concurrency": 1, "concurrency_groups": {"loop": 1, "control": 4}}
@@ -66,7 +66,8 @@ class ElasticController:
         self.machine = StateMachine()
         self.events = EventLog(run.run_dir / "events.jsonl")
         self.pool = pool or WorkerPool(scaling, run.name, choose_device_resource(scaling, ray.cluster_resources()),
-                                       worker_cls, snapshot_slots=elastic.snapshot_slots)
+                                       ray.remote(**ELASTIC_WORKER_THREADS)(worker_cls),
+                                       snapshot_slots=elastic.snapshot_slots)
         self.was_restarted = was_restarted or restarted_by_ray
         min_workers, max_workers = elastic.bounds(scaling.num_workers)
         # The planner may use any number of the devices it is given (idle ones stay as spares).

@@ -6,7 +6,7 @@ it holds only the expert weights of the slots the replica places on it.
 
 from __future__ import annotations
 
-from baige_ray.runtime.distributed import GroupMembership, ProcessGroupMember
+from baige_ray.parallel.distributed import GroupMembership, ProcessGroupMember
 from baige_ray.serving.expert_parallel import ExpertLayerSpec, ExpertParallelServing, serve_experts
 
 

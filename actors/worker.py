@@ -28,7 +28,6 @@ from baige_ray.accelerator import AcceleratorSpec, DeviceProbe, detect_accelerat
 from baige_ray.api.device import DeviceInfo
 from baige_ray.checkpoint.sharded import write_rank_part
 from baige_ray.elastic.faults import Fault, carry_out
-from baige_ray.elastic.replicas import stages_behind
 from baige_ray.elastic.shelf import (
     ShelfRef,
     SnapshotShelf,
@@ -40,10 +39,8 @@ from baige_ray.elastic.shelf import (
 from baige_ray.elastic.snapshot import HostSnapshotter
 from baige_ray.engines.base import Engine, return_freed_memory
 from baige_ray.engines.factory import build_engine
-from baige_ray.engines.layout import ParallelLayout
-from baige_ray.engines.shards import ShardedPart, assemble, assemble_lazily
-from baige_ray.engines.state import CanonicalState
-from baige_ray.runtime.distributed import (
+from baige_ray.engines.train_job import TrainJob
+from baige_ray.parallel.distributed import (
     STEP_ABORT,
     GroupMembership,
     ProcessGroupMember,
@@ -51,11 +48,13 @@ from baige_ray.runtime.distributed import (
     abort_step,
     all_reduce_abortable,
 )
-from baige_ray.runtime.train_loop import TrainJob
-
+from baige_ray.parallel.layout import ParallelLayout
+from baige_ray.parallel.shards import ShardedPart, assemble, assemble_lazily
+from baige_ray.parallel.state import CanonicalState
+from baige_ray.planner.replicas import stages_behind
 
 # An elastic worker runs everything that touches torch.distributed on one thread: DTensor keeps
-# thread-local caches that a new generation must clear (see runtime/distributed.py). Heartbeats and
+# thread-local caches that a new generation must clear (see parallel/distributed.py). Heartbeats and
 # snapshot reads run on a separate "control" thread so they answer while a step runs, and replica
 # copies on a "replica" thread so a slow copy delays neither. `fit`'s workers need none of that and
 # stay single-threaded actors: in a threaded one, Ray's main thread wakes every 10 ms to check for

@@ -12,12 +12,12 @@ import sys
 
 # subcommand -> module that registers it
 COMMAND_MODULES = {
-    "fit": "baige_ray.runtime.fit_cli",
+    "fit": "baige_ray.commands.fit",
     "bench": "baige_ray.bench.cli",
-    "topo": "baige_ray.topology.cli",
-    "plan": "baige_ray.planner.cli",
-    "status": "baige_ray.ops.status_cli",
-    "plot": "baige_ray.ops.plot_cli",
+    "topo": "baige_ray.commands.topo",
+    "plan": "baige_ray.commands.plan",
+    "status": "baige_ray.commands.status",
+    "plot": "baige_ray.commands.plot",
 }
 
 

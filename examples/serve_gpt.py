@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import baige_ray as br
-from baige_ray.elastic.config import ElasticConfig
+from baige_ray.api.elastic import ElasticConfig
 from baige_ray.elastic.job import launch
 from baige_ray.serving import reload_weights, scale_replicas, serve, shutdown
 

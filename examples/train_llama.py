@@ -22,8 +22,8 @@ import urllib.request
 from pathlib import Path
 
 import baige_ray as br
-from baige_ray.engines.layout import parse_layout
 from baige_ray.models.hf.tiny import make_llama_tiny
+from baige_ray.parallel.layout import parse_layout
 from baige_ray.serving import serve, shutdown
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from baige_ray.actors.worker import WorkerActor
-
 from baige_ray.engines.factory import build_engine
-from baige_ray.engines.layout import ParallelLayout
-from baige_ray.runtime.train_loop import TrainJob
+from baige_ray.engines.train_job import TrainJob
+from baige_ray.parallel.layout import ParallelLayout
 
 
 def spawn_ranks(rank_main, nprocs: int, *args) -> dict:
@@ -75,7 +74,7 @@ def elastic_mlp_run(name: str, storage_path, *, num_workers: int = 4, num_steps:
                     elastic=None, global_batch_size: int = 24, sizes=(64, 128, 32)):
     """Start elastic_mlp_job as an elastic job; returns the TrainingJob."""
     from baige_ray.api.configs import RunConfig, ScalingConfig
-    from baige_ray.elastic.config import ElasticConfig
+    from baige_ray.api.elastic import ElasticConfig
     from baige_ray.elastic.job import launch
 
     job = elastic_mlp_job(num_steps, global_batch_size, sizes)

@@ -102,7 +102,7 @@ def plain_transformers_training(model_dir: Path, dataset, train, num_steps: int 
     adds it to each batch it sees."""
     from transformers import AutoModelForCausalLM
 
-    from baige_ray.runtime.train_loop import build_optimizer, learning_rate_at
+    from baige_ray.engines.train_job import build_optimizer, learning_rate_at
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.train()

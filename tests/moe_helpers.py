@@ -33,8 +33,8 @@ def skewed_moe_gpt(seed: int = 0):
 
 def greedy_tokens(model, max_new_tokens: int = 12) -> list[list[int]]:
     """Greedy continuations of PROMPTS (bytes) by the built-in engine on this process."""
+    from baige_ray.models.gpt_decoding import GPTDecoder
     from baige_ray.serving.causal_lm_generation import SamplingParams
-    from baige_ray.serving.decoders import GPTDecoder
     from baige_ray.serving.engine import ContinuousBatchingEngine, EngineLimits, generate_all
 
     engine = ContinuousBatchingEngine(GPTDecoder(model), eos_token_id=None, limits=EngineLimits(max_waiting=len(PROMPTS)))

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from baige_ray.models.generation import KV
 from baige_ray.models.gpt import GPTConfig
+from baige_ray.models.gpt_decoding import GPTDecoder
 from baige_ray.models.gpt_plugin import GPTPlugin
 from baige_ray.models.plugin import register_model
-from baige_ray.serving.decoders import GPTDecoder
-from baige_ray.serving.kv_batch import KV
 
 POISON = "\x07"  # BEL, one byte: one token for the GPT's byte codec
 FAULT_MESSAGE = "injected engine fault"
@@ -64,7 +64,5 @@ class FaultyGPTDecoder(GPTDecoder):
 class FaultyGPTPlugin(GPTPlugin):
     config: FaultyGPTConfig
 
-    def build_text_generator(self, weights: dict[str, torch.Tensor]):
-        from baige_ray.serving.generators import ByteCodec, TextGenerator
-
-        return TextGenerator(FaultyGPTDecoder(self.build_inference_model(weights), self.config), ByteCodec())
+    def build_decoder(self, weights: dict[str, torch.Tensor]):
+        return FaultyGPTDecoder(self.build_inference_model(weights), self.config)

@@ -128,10 +128,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _build_engine(args: argparse.Namespace, num_steps: int):
     from baige_ray.api.configs import TrainConfig
     from baige_ray.engines.factory import build_engine
-    from baige_ray.engines.layout import ParallelLayout
+    from baige_ray.engines.train_job import TrainJob
     from baige_ray.models.corpus import CorpusConfig
     from baige_ray.models.gpt import GPTConfig
-    from baige_ray.runtime.train_loop import TrainJob
+    from baige_ray.parallel.layout import ParallelLayout
 
     model = GPTConfig(hidden=args.hidden, num_layers=args.num_layers, num_heads=args.num_heads, seq_len=args.seq_len)
     train = TrainConfig(num_steps=num_steps, global_batch_size=args.batch, warmup_steps=1)

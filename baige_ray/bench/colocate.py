@@ -187,7 +187,7 @@ def _split(job, info, train_devices: int) -> None:
 
 def _start(args: argparse.Namespace):
     import baige_ray as br
-    from baige_ray.elastic.config import ElasticConfig
+    from baige_ray.api.elastic import ElasticConfig
     from baige_ray.elastic.job import launch
     from baige_ray.serving import serve
 
@@ -221,11 +221,11 @@ def _free_port() -> int:
 
 def _arbiter_config(args: argparse.Namespace, capacity: float):
     from baige_ray.actors.arbiter import ArbiterConfig
-    from baige_ray.elastic.sizing import valid_sizes
-    from baige_ray.engines.layout import ParallelLayout
-    from baige_ray.models.gpt import GPTConfig
-    from baige_ray.runtime.train_loop import TrainJob
     from baige_ray.api.configs import TrainConfig
+    from baige_ray.elastic.sizing import valid_sizes
+    from baige_ray.engines.train_job import TrainJob
+    from baige_ray.models.gpt import GPTConfig
+    from baige_ray.parallel.layout import ParallelLayout
     from baige_ray.policies.lending import LendingPolicy
 
     job = TrainJob(model=GPTConfig(), train=TrainConfig(num_steps=1, global_batch_size=GLOBAL_BATCH))

@@ -217,7 +217,7 @@ def _fit_alone_concurrently(model: Any, train: Any, storage: str, warmup: int) -
     import dataclasses
     from concurrent.futures import ThreadPoolExecutor
 
-    from baige_ray.engines.layout import ParallelLayout
+    from baige_ray.parallel.layout import ParallelLayout
 
     extra = round(train.num_steps * (max(SPEEDS) / min(SPEEDS) - 1))
     cases = {  # name: (steps, speed)
@@ -240,8 +240,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from baige_ray.api.configs import TrainConfig
     from baige_ray.bench.measure import bench_ray
-    from baige_ray.engines.layout import ParallelLayout
     from baige_ray.models.gpt import GPTConfig
+    from baige_ray.parallel.layout import ParallelLayout
 
     if args.steps <= args.warmup:
         raise ValueError(f"--steps={args.steps} must exceed --warmup={args.warmup}")

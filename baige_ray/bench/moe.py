@@ -47,9 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def job_of(args: argparse.Namespace, *, overlap: bool = False, chunks: int = 1):
     from baige_ray.api.configs import TrainConfig
+    from baige_ray.engines.train_job import TrainJob
     from baige_ray.models.gpt import GPTConfig
     from baige_ray.models.moe import MoEConfig
-    from baige_ray.runtime.train_loop import TrainJob
 
     model = GPTConfig(seq_len=args.seq_len, hidden=args.hidden, num_layers=args.layers, num_heads=4,
                       moe=MoEConfig(num_experts=args.experts, top_k=args.top_k, expert_ffn_hidden=args.expert_ffn,
@@ -62,7 +62,7 @@ def job_of(args: argparse.Namespace, *, overlap: bool = False, chunks: int = 1):
 
 def systems_of(args: argparse.Namespace) -> dict[str, tuple[Any, Any]]:
     """name -> (job, layout) of each system compared."""
-    from baige_ray.engines.layout import ParallelLayout
+    from baige_ray.parallel.layout import ParallelLayout
 
     sharded = ParallelLayout(dp=args.workers, ep=args.workers)
     return {"replicated": (job_of(args), ParallelLayout(dp=args.workers)), "ep": (job_of(args), sharded),

@@ -39,7 +39,6 @@ from typing import Any
 
 from baige_ray.bench.measure import steady_median
 
-
 SYSTEMS = ("torchrun", "torchrun_beside_ray", "baige", "ray_train")
 BASELINES = tuple(name for name in SYSTEMS if name != "baige")
 
@@ -253,9 +252,9 @@ def _run_torchrun(settings, workers: int, tmp: str) -> list[float]:
 
 def _run_baige(settings, workers: int, tmp: str) -> list[float]:
     from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
-    from baige_ray.engines.layout import ParallelLayout
     from baige_ray.models.corpus import CorpusConfig
     from baige_ray.models.gpt import GPTConfig
+    from baige_ray.parallel.layout import ParallelLayout
     from baige_ray.runtime.fit import fit
 
     if settings.hf_model_dir is not None:

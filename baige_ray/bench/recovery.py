@@ -76,7 +76,7 @@ def _train_config(args: argparse.Namespace):
 
 def _run_baige(args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     from baige_ray.api.configs import RunConfig, ScalingConfig
-    from baige_ray.elastic.config import ElasticConfig
+    from baige_ray.api.elastic import ElasticConfig
     from baige_ray.elastic.faults import FaultPlan
     from baige_ray.elastic.job import launch
     from baige_ray.models.mlp import MLPConfig
@@ -110,8 +110,8 @@ def _ray_train_loop(config: dict) -> None:
     import torch.distributed as dist
     from torch import nn
 
+    from baige_ray.engines.train_job import sample_range
     from baige_ray.models.mlp import MLP, MLPConfig, regression_batch
-    from baige_ray.runtime.train_loop import sample_range
 
     torch.set_num_threads(1)
     rank, world = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()

@@ -131,10 +131,10 @@ def this_host(workers: int) -> ResourceGraph:
 
 def _job(model_dir: Path, data_dir: Path, data_parallel: str, args):
     from baige_ray.api.configs import TrainConfig
-    from baige_ray.engines.layout import ParallelLayout
+    from baige_ray.engines.train_job import TrainJob
     from baige_ray.models.hf import HFModel
     from baige_ray.models.token_dataset import TokenDataset
-    from baige_ray.runtime.train_loop import TrainJob
+    from baige_ray.parallel.layout import ParallelLayout
 
     dataset = TokenDataset.open(data_dir)
     train = TrainConfig(num_steps=args.steps, global_batch_size=args.global_batch_size, seed=0,
@@ -149,8 +149,8 @@ def memory_verdict(model_dir: Path, data_dir: Path, data_parallel: str, args,
     """The memory model's bytes per worker for this layout, and its verdict on this host (fits.py): as
     `fit` runs it, or with `snapshot_slots` > 0 as an elastic job keeping that many snapshots."""
     from baige_ray.api.errors import LayoutMemoryError
-    from baige_ray.elastic.replicas import host_copies
     from baige_ray.planner.fits import WORKER_PROCESS_BYTES, check_fits, device_bytes, layout_shape
+    from baige_ray.planner.replicas import host_copies
     from baige_ray.runtime.memory_check import STATE_DTYPE_BYTES
 
     job, layout = _job(model_dir, data_dir, data_parallel, args)

@@ -65,7 +65,7 @@ class Load:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """vLLM's settings in serve's replica (HFPlugin.build_vllm_engine, vllm_engine._build_engine), which the
+    """vLLM's settings in serve's replica (vllm_engine.build_vllm_engine, vllm_engine._build_engine), which the
     direct run copies."""
 
     model: str

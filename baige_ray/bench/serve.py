@@ -89,11 +89,12 @@ class BenchSetup:
 
 
 def build_setup(model_name: str, tmp: str) -> BenchSetup:
-    import torch
-
     import sysconfig
 
+    import torch
+
     from baige_ray.models.plugin import plugin_for
+    from baige_ray.serving.generators import text_generator
 
     torch.manual_seed(0)
     if model_name == "gpt":
@@ -106,7 +107,7 @@ def build_setup(model_name: str, tmp: str) -> BenchSetup:
         config, _ = make_llama_tiny(tmp, seq_len=CONTEXT)
     plugin = plugin_for(config)
     weights = plugin.build_model().state_dict()
-    generator = plugin.build_text_generator(weights)
+    generator = text_generator(plugin, weights)
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     text = "".join((stdlib / name).read_text() for name in ("textwrap.py", "shlex.py", "string.py"))
     prompts = []

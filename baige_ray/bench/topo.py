@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from baige_ray.topology.groups import slowest_link
+
 SIZES = (1_000, 16_384, 100_000)
 DESCRIPTOR = Path(__file__).resolve().parents[2] / "clusters" / "h100-rail-2048.yaml"
 
@@ -67,7 +69,7 @@ def _child(devices: int) -> dict[str, Any]:
     build_s = time.perf_counter() - start
     build_peak = _rss_mb(resource)
     start = time.perf_counter()
-    graph.slowest_link(graph.device_ids)
+    slowest_link(graph, graph.device_ids)
     slowest_s = time.perf_counter() - start
     rng = np.random.default_rng(0)
     a, b = rng.integers(0, graph.num_devices, size=(2, 1_000_000))

@@ -53,8 +53,8 @@ def train_ddp(settings: DDPSettings, on_step: Callable[[int, float, float], None
     from torch.nn.parallel import DistributedDataParallel
 
     from baige_ray.api.configs import TrainConfig
+    from baige_ray.engines.train_job import build_optimizer, learning_rate_at, sample_range
     from baige_ray.models.gpt import language_model_loss
-    from baige_ray.runtime.train_loop import build_optimizer, learning_rate_at, sample_range
 
     torch.set_num_threads(settings.num_threads)
     rank, world = dist.get_rank(), dist.get_world_size()

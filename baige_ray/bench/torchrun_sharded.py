@@ -72,7 +72,7 @@ def _single(model, train):
 def _plain_step(model, train, precision):
     import torch
 
-    from baige_ray.runtime.train_loop import build_optimizer
+    from baige_ray.engines.train_job import build_optimizer
 
     optimizer = build_optimizer(model, train)
 
@@ -96,7 +96,7 @@ def _zero3(model, train, per_rank_batch: int):
     import deepspeed
     import torch.distributed as dist
 
-    from baige_ray.runtime.train_loop import build_optimizer
+    from baige_ray.engines.train_job import build_optimizer
 
     os.environ.setdefault("LOCAL_RANK", "0")
     config = {"train_micro_batch_size_per_gpu": per_rank_batch, "gradient_accumulation_steps": 1,
@@ -130,8 +130,8 @@ def train_sharded(settings: ShardedSettings) -> tuple[list[float], list[float]]:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from baige_ray.engines.train_job import learning_rate_at, sample_range
     from baige_ray.models.token_dataset import TokenDataset
-    from baige_ray.runtime.train_loop import learning_rate_at, sample_range
 
     torch.set_num_threads(settings.num_threads)
     rank, world = dist.get_rank(), dist.get_world_size()

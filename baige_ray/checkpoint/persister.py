@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from baige_ray.checkpoint.store import write_checkpoint
-from baige_ray.engines.state import CanonicalState
+from baige_ray.parallel.state import CanonicalState
 
 logger = logging.getLogger(__name__)
 

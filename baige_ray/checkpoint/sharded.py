@@ -18,8 +18,8 @@ from pathlib import Path
 from baige_ray.api.errors import CheckpointError
 from baige_ray.checkpoint.files import file_record, write_json_atomically
 from baige_ray.checkpoint.tensor_file import read_tensor_file, write_tensor_file
-from baige_ray.engines.boxes import Box
-from baige_ray.engines.shards import ShardedPart
+from baige_ray.parallel.boxes import Box
+from baige_ray.parallel.shards import ShardedPart
 
 SEPARATOR = "/"
 

@@ -33,10 +33,10 @@ import torch
 
 from baige_ray.api.errors import CheckpointError
 from baige_ray.checkpoint.files import file_record, fsync_path, sha256_file, write_json_atomically
-from baige_ray.checkpoint.tensor_file import read_tensor_file, write_tensor_file
 from baige_ray.checkpoint.sharded import read_rank_part, sharded_files
-from baige_ray.engines.shards import assemble
-from baige_ray.engines.state import CanonicalState
+from baige_ray.checkpoint.tensor_file import read_tensor_file, write_tensor_file
+from baige_ray.parallel.shards import assemble
+from baige_ray.parallel.state import CanonicalState
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import statistics
 import time
 from pathlib import Path
 
-from baige_ray.elastic.config import ElasticConfig
+from baige_ray.api.elastic import ElasticConfig
 from baige_ray.elastic.step_log import StepLog
 from baige_ray.ops.expert_load import expert_load, imbalance
 from baige_ray.ops.metrics import JobMetrics, estimate_mfu

@@ -15,10 +15,10 @@ from baige_ray.elastic.planning import ElasticPlanner
 from baige_ray.elastic.sizing import layout_for
 from baige_ray.elastic.state_sources import CALL_TIMEOUT_S
 from baige_ray.elastic.workers import Worker, WorkerPool
-from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.train_job import TrainJob
 from baige_ray.ops.events import EventLog
+from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.policies.scaling import spares_to_start
-from baige_ray.runtime.train_loop import TrainJob
 
 
 class Crew:

@@ -10,8 +10,8 @@ from baige_ray.elastic.crew import Crew
 from baige_ray.elastic.job_record import JobRecord
 from baige_ray.elastic.state_sources import CALL_TIMEOUT_S
 from baige_ray.elastic.workers import Worker, WorkerPool
-from baige_ray.engines.state import merge_weights
-from baige_ray.runtime.train_loop import TrainJob
+from baige_ray.engines.train_job import TrainJob
+from baige_ray.parallel.state import merge_weights
 
 
 class RunEnd:

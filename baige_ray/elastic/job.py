@@ -18,19 +18,19 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from baige_ray.actors.controller import CONTROLLER_THREADS, ElasticController
 from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
 from baige_ray.api.connection import connect_ray
+from baige_ray.api.elastic import ElasticConfig
 from baige_ray.api.result import Result, StepMetrics
-from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.faults import FaultPlan
+from baige_ray.elastic.planning import ElasticPlanner
 from baige_ray.elastic.shelf import run_shelves
 from baige_ray.elastic.sizing import layout_for
 from baige_ray.elastic.workers import NAMESPACE, kill_named_actors
-from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.gpt import GPTConfig
-from baige_ray.elastic.planning import ElasticPlanner
+from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.runtime.fit import check_execution, check_speeds
 from baige_ray.topology.descriptor import ClusterDescriptor
 from baige_ray.topology.simulated import SimulatedCluster
-from baige_ray.runtime.train_loop import TrainJob
 
 CONTROLLER_RESTARTS = 3
 logger = logging.getLogger(__name__)

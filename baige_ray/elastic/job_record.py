@@ -12,7 +12,7 @@ from typing import Protocol
 from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_put
 
 from baige_ray.elastic.workers import Worker
-from baige_ray.engines.layout import ParallelLayout
+from baige_ray.parallel.layout import ParallelLayout
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 
 from baige_ray.api.device import DeviceInfo
-from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.train_job import TrainJob
+from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.planner.plan import PlacementPlan
 from baige_ray.planner.replan import replan
 from baige_ray.runtime.auto_plan import layout_from_plan, plan_job
-from baige_ray.runtime.train_loop import TrainJob
 from baige_ray.topology.descriptor import ClusterDescriptor
 from baige_ray.topology.graph import ResourceGraph
 
@@ -83,10 +83,10 @@ class ElasticPlanner:
         self._topology = None
 
     def graph(self) -> ResourceGraph:
-        from baige_ray.actors.topology import TopologyActor
+        from baige_ray.topology.live import LiveTopology
 
         if self._topology is None:
-            self._topology = TopologyActor(descriptor=self.descriptor, start_polling=False)
+            self._topology = LiveTopology(descriptor=self.descriptor)
         else:
             self._topology.refresh()
         return self._topology.graph()

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from baige_ray.api.elastic import ElasticConfig
 from baige_ray.elastic.accounts import StepAccounts
-from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.crew import Crew
 from baige_ray.elastic.machine import Phase
 from baige_ray.elastic.state_sources import StateSources, answers_or_none, settle_parts

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from baige_ray.engines.boxes import Box
-from baige_ray.engines.shards import ShardedPart
+from baige_ray.parallel.boxes import Box
+from baige_ray.parallel.shards import ShardedPart
 
 ROOT_ENV = "BAIGE_RAY_SNAPSHOT_DIR"  # where shelves live (default: /dev/shm/baige-ray)
 ALIGN = 64

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from baige_ray.engines.layout import ParallelLayout
-from baige_ray.runtime.train_loop import TrainJob
+from baige_ray.engines.train_job import TrainJob
+from baige_ray.parallel.layout import ParallelLayout
 
 
 def replica_size(layout: ParallelLayout) -> int:

@@ -4,7 +4,7 @@ The copy runs on a background thread while the next step's forward and backward
 read (but do not write) the weights. Only the optimizer update writes them, so the
 engine runs `fence()` just before it: the stall is the part of the copy that did
 not fit under forward and backward, usually none. Under FSDP2 and ZeRO-3 each rank
-copies only its own shards (engines/shards.py) into its shelf in node shared memory
+copies only its own shards (parallel/shards.py) into its shelf in node shared memory
 (shelf.py), where they outlive the worker. Engines whose snapshot needs a collective
 (tensor- or expert-parallel DTensors gathered whole) take it on the training thread in
 step order, synchronously, and it counts as stall.
@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 from baige_ray.elastic.shelf import SnapshotShelf
 from baige_ray.engines.base import Engine
-from baige_ray.engines.shards import ShardedPart
-from baige_ray.engines.state import CanonicalState
+from baige_ray.parallel.shards import ShardedPart
+from baige_ray.parallel.state import CanonicalState
 
 
 class HostSnapshotter:

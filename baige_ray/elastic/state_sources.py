@@ -13,17 +13,17 @@ import threading
 
 import ray
 
+from baige_ray.api.elastic import ElasticConfig
 from baige_ray.checkpoint.persister import AsyncPersister
-from baige_ray.elastic import calls
 from baige_ray.checkpoint.store import begin_checkpoint, commit_checkpoint, load_latest_good
-from baige_ray.elastic.config import ElasticConfig
+from baige_ray.elastic import calls
 from baige_ray.elastic.replica_copies import ReplicaCopies
-from baige_ray.elastic.replicas import exposed_stages, replica_floor, replica_holders
 from baige_ray.elastic.shelf import ShelfRef
 from baige_ray.elastic.workers import Worker
-from baige_ray.engines.layout import ParallelLayout
-from baige_ray.engines.shards import assemble
 from baige_ray.ops.events import EventLog
+from baige_ray.parallel.layout import ParallelLayout
+from baige_ray.parallel.shards import assemble
+from baige_ray.planner.replicas import exposed_stages, replica_floor, replica_holders
 
 CALL_TIMEOUT_S = 120.0
 PERSIST_TIMEOUT_S = 1800.0  # every rank writing its pieces of a checkpoint

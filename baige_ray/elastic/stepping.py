@@ -12,8 +12,8 @@ import time
 
 import ray
 
+from baige_ray.api.elastic import ElasticConfig
 from baige_ray.elastic.accounts import StepAccounts
-from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.crew import Crew
 from baige_ray.elastic.faults import FaultPlan
 from baige_ray.elastic.machine import Phase

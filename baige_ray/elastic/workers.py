@@ -12,15 +12,15 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from baige_ray.actors.worker import ELASTIC_WORKER_THREADS, ElasticWorkerActor
 from baige_ray.api.configs import ScalingConfig
 from baige_ray.api.device import DeviceInfo
 from baige_ray.elastic import calls
-from baige_ray.runtime.distributed import GroupMembership
+from baige_ray.parallel.distributed import GroupMembership
 from baige_ray.runtime.worker_group import worker_bundle
 
 NAMESPACE = "baige"
@@ -46,13 +46,14 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, scaling: ScalingConfig, run_name: str, resource: str, worker_cls: type = ElasticWorkerActor,
+    def __init__(self, scaling: ScalingConfig, run_name: str, resource: str, remote_cls: Any,
                  snapshot_slots: int = 2):
+        """`remote_cls`: the worker actor class under `ray.remote`, with its concurrency groups."""
         self.scaling = scaling
         self.snapshot_slots = snapshot_slots
         self.run_name = run_name
         self.resource = resource
-        self._remote_cls = ray.remote(**ELASTIC_WORKER_THREADS)(worker_cls)
+        self._remote_cls = remote_cls
 
     def start(self, count: int, speeds: list[float] | None = None, share: float = 1.0) -> list[Worker]:
         """Start `count` actors without waiting for them; `ready()` collects those that came up.

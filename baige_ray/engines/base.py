@@ -11,10 +11,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from baige_ray.engines.layout import ParallelLayout, RankCoords
-from baige_ray.engines.state import CanonicalState
+from baige_ray.engines.train_job import TrainJob, learning_rate_at, replica_sample_range
 from baige_ray.models.plugin import SampleSource, stage_ranges
-from baige_ray.runtime.train_loop import TrainJob, learning_rate_at, replica_sample_range
+from baige_ray.parallel.layout import ParallelLayout, RankCoords
+from baige_ray.parallel.state import CanonicalState
 
 
 def peak_host_memory_bytes() -> int:

@@ -19,12 +19,12 @@ import torch.distributed as dist
 from torch import nn
 
 from baige_ray.engines.base import Engine, SlowChipEmulator
-from baige_ray.engines.layout import ParallelLayout
-from baige_ray.engines.boxes import Box
-from baige_ray.engines.shards import ShardCopy, ShardedPart, copy_local, meta_part
-from baige_ray.engines.state import ADAM_KEYS, CanonicalState
+from baige_ray.engines.train_job import TrainJob, build_optimizer
 from baige_ray.models.aux_loss import auxiliary_losses
-from baige_ray.runtime.train_loop import TrainJob, build_optimizer
+from baige_ray.parallel.boxes import Box
+from baige_ray.parallel.layout import ParallelLayout
+from baige_ray.parallel.shards import ShardCopy, ShardedPart, copy_local, meta_part
+from baige_ray.parallel.state import ADAM_KEYS, CanonicalState
 
 
 def deepspeed_config(job: TrainJob, per_replica_batch: int, zero_stage: int) -> dict:
@@ -302,8 +302,12 @@ class DeepSpeedEngine(Engine):
         Under ZeRO-3 the part is written locally, padded to the partition: DeepSpeed's full setter narrows
         past the end of a tensor whose size its partition group does not divide (the last rank's padding).
         """
-        from deepspeed.utils import (safe_set_full_fp32_param, safe_set_full_optimizer_state,
-                                     safe_set_local_fp32_param, safe_set_local_optimizer_state)
+        from deepspeed.utils import (
+            safe_set_full_fp32_param,
+            safe_set_full_optimizer_state,
+            safe_set_local_fp32_param,
+            safe_set_local_optimizer_state,
+        )
 
         full = self._cut(name, full)
         if self.zero_stage == 3:

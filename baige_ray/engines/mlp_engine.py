@@ -14,11 +14,11 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from baige_ray.engines.base import Engine, SlowChipEmulator
-from baige_ray.engines.layout import ParallelLayout
-from baige_ray.engines.state import CanonicalState, full_tensor
+from baige_ray.engines.train_job import TrainJob, sample_range
 from baige_ray.models.mlp import MLP, regression_batch
-from baige_ray.runtime.distributed import all_reduce_abortable
-from baige_ray.runtime.train_loop import TrainJob, sample_range
+from baige_ray.parallel.distributed import all_reduce_abortable
+from baige_ray.parallel.layout import ParallelLayout
+from baige_ray.parallel.state import CanonicalState, full_tensor
 
 MOMENTUM_KEY = "momentum_buffer"
 

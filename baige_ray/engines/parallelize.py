@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
-from baige_ray.runtime.distributed import all_reduce_abortable
+from baige_ray.parallel.distributed import all_reduce_abortable
 
 
 def apply_tensor_parallel(blocks: list[nn.Module], tp_mesh: DeviceMesh, plan: dict) -> None:

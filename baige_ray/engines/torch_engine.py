@@ -23,12 +23,12 @@ from torch.distributed.tensor import DTensor
 
 from baige_ray.engines import parallelize
 from baige_ray.engines.base import Engine, SlowChipEmulator
-from baige_ray.engines.layout import ParallelLayout
 from baige_ray.engines.pipeline_schedule import ScheduleRunAhead1F1B
-from baige_ray.engines.shards import LocalSources, ShardCopy, ShardedPart
-from baige_ray.engines.state import CanonicalState, export_module_state, full_tensor, import_module_state
+from baige_ray.engines.train_job import TrainJob, build_optimizer
 from baige_ray.models.aux_loss import auxiliary_losses, mark_forward
-from baige_ray.runtime.train_loop import TrainJob, build_optimizer
+from baige_ray.parallel.layout import ParallelLayout
+from baige_ray.parallel.shards import LocalSources, ShardCopy, ShardedPart
+from baige_ray.parallel.state import CanonicalState, export_module_state, full_tensor, import_module_state
 
 
 class TorchEngine(Engine):

@@ -8,6 +8,7 @@ layouts by name.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +121,7 @@ class GPTPlugin(ModelPlugin):
         return ModelSpec.from_gpt_config(self.config, global_batch=global_batch, dtype_bytes=dtype_bytes)
 
     def save_final(self, directory: Path, weights: dict[str, torch.Tensor], *, step: int) -> Path:
-        from baige_ray.runtime.checkpoint_io import save_model_checkpoint
+        from baige_ray.checkpoint.final import save_model_checkpoint
 
         return save_model_checkpoint(directory, weights, model_config=self.config, step=step)
 
@@ -129,35 +130,34 @@ class GPTPlugin(ModelPlugin):
         model.load_state_dict(weights)
         return model.eval()
 
-    def build_text_generator(self, weights: dict[str, torch.Tensor]):
-        from baige_ray.serving.decoders import GPTDecoder
-        from baige_ray.serving.generators import ByteCodec, TextGenerator
+    def build_decoder(self, weights: dict[str, torch.Tensor]):
+        from baige_ray.models.gpt_decoding import GPTDecoder
 
-        return TextGenerator(GPTDecoder(self.build_inference_model(weights)), ByteCodec())
+        return GPTDecoder(self.build_inference_model(weights))
+
+    def text_codec(self):
+        from baige_ray.models.gpt_decoding import ByteCodec
+
+        return ByteCodec()
 
     def check_vllm(self) -> None:
         from baige_ray.models.gpt_hf import check_gpt2_compatible
 
         check_gpt2_compatible(self.config)
 
-    def build_vllm_engine(self, weights: dict[str, torch.Tensor], limits):
-        """vLLM runs the GPT as the GPT-2 model it is (models/gpt_hf.py), with a byte-level tokenizer."""
+    @contextlib.contextmanager
+    def vllm_source(self):
+        """vLLM runs the GPT as the GPT-2 model it is (models/gpt_hf.py), with a byte-level tokenizer: a
+        directory of its config and tokenizer, which vLLM reads once while it builds its engine."""
         import tempfile
 
+        from baige_ray.models.generation import VLLMSource
         from baige_ray.models.gpt_hf import write_gpt2_directory
-        from baige_ray.serving.generators import ByteCodec
-        from baige_ray.serving.vllm_engine import VLLMEngine, VLLMSettings
 
         self.check_vllm()
-        codec = ByteCodec()
-        # vLLM reads the directory's config and tokenizer once, while it builds the engine; the weights
-        # come from memory.
         with tempfile.TemporaryDirectory(prefix="baige-gpt2-") as directory:
             write_gpt2_directory(Path(directory), self.config)
-            settings = VLLMSettings(model_dir=directory, max_context=self.config.seq_len)
-            engine = VLLMEngine(settings, weights, eos_token_id=codec.eos_token_id, limits=limits,
-                                served_weights=self.vllm_weights)
-        return engine, codec
+            yield VLLMSource(model_dir=directory, max_context=self.config.seq_len)
 
     def vllm_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         from baige_ray.models.gpt_hf import to_gpt2_weights

@@ -57,6 +57,7 @@ class MLPPlugin(ModelPlugin):
     """The MLP runs on its own data-parallel SGD engine; it has no blocks to pipeline or tensor-parallelize."""
 
     config: MLPConfig
+    engine = "mlp"  # engines/factory.py: its own data-parallel SGD engine
 
     @property
     def num_layers(self) -> int:
@@ -65,11 +66,6 @@ class MLPPlugin(ModelPlugin):
     @property
     def seq_len(self) -> int:
         return 1
-
-    def engine_class(self, layout):
-        from baige_ray.engines.mlp_engine import MLPEngine
-
-        return MLPEngine
 
     @property
     def supports_uneven_data_parallel(self) -> bool:
@@ -96,7 +92,7 @@ class MLPPlugin(ModelPlugin):
         raise ValueError("layout='auto' is invalid for MLPConfig: the planner models transformers")
 
     def save_final(self, directory, weights, *, step: int):
-        from baige_ray.runtime.checkpoint_io import save_model_checkpoint
+        from baige_ray.checkpoint.final import save_model_checkpoint
 
         return save_model_checkpoint(directory, weights, model_config=self.config, step=step)
 

@@ -18,9 +18,10 @@ its own parallelize and pipeline functions). A user-facing model config (`GPTCon
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -29,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from baige_ray.engines.base import Engine
-    from baige_ray.engines.layout import ParallelLayout
+    from baige_ray.models.generation import KVDecoder, TextCodec, VLLMSource
+    from baige_ray.parallel.layout import ParallelLayout
     from baige_ray.planner.model_spec import ModelSpec
 
 # Modules whose import registers the built-in plug-ins; looked up lazily so that importing the
@@ -49,6 +50,8 @@ class SampleSource(Protocol):
 
 class ModelPlugin(ABC):
     """One model family as the stack sees it; `config` is the user's (small, picklable) model config."""
+
+    engine: str | None = None  # an engine of the model's own (engines/factory.py); None: torch or DeepSpeed
 
     def __init__(self, config: Any):
         self.config = config
@@ -99,10 +102,6 @@ class ModelPlugin(ABC):
 
     # ---- parallelism ---------------------------------------------------------------------
 
-    def engine_class(self, layout: ParallelLayout) -> type[Engine] | None:
-        """An engine of the plug-in's own for `layout`, or None for the shared ones (torch / DeepSpeed)."""
-        return None
-
     def layer_costs(self) -> tuple[float, ...]:
         """Relative forward cost of each transformer block; equal unless blocks differ (dense and MoE)."""
         return (1.0,) * self.num_layers
@@ -110,7 +109,7 @@ class ModelPlugin(ABC):
     def layers_per_stage(self, layout: ParallelLayout) -> tuple[int, ...]:
         """Blocks of each pipeline stage: the layout's own split if it has one, else split by cost
         where blocks differ, else as evenly as possible."""
-        from baige_ray.engines.layout import balanced_stage_layers
+        from baige_ray.parallel.layout import balanced_stage_layers
 
         costs = self.layer_costs()
         if layout.stage_layers is not None or len(set(costs)) <= 1:
@@ -203,19 +202,25 @@ class ModelPlugin(ABC):
     def build_inference_model(self, weights: dict[str, torch.Tensor]) -> nn.Module:
         """A model for serving, in eval mode, with `weights` (canonical names) loaded."""
 
-    def build_text_generator(self, weights: dict[str, torch.Tensor]) -> Any:
-        """What a serving replica runs (a `baige_ray.serving.generators.TextGenerator`)."""
+    def build_decoder(self, weights: dict[str, torch.Tensor]) -> KVDecoder:
+        """The model with `weights` loaded, as the serving engine drives it (models/generation.py)."""
+        raise ValueError(f"{self.describe()} cannot be served: it does not generate text")
+
+    def text_codec(self) -> TextCodec:
+        """Between text and this model's token ids."""
         raise ValueError(f"{self.describe()} cannot be served: it does not generate text")
 
     def check_vllm(self) -> None:
         """ValueError, on the driver before any replica starts, when vLLM cannot serve this model."""
         raise ValueError(f"{self.describe()} has no vLLM implementation: serve it with engine='builtin'")
 
-    def build_vllm_engine(self, weights: dict[str, torch.Tensor], limits: Any) -> Any:
-        """(a `serving.vllm_engine.VLLMEngine` holding `weights`, its `TextCodec`), for serve(engine="vllm");
-        only for models `check_vllm` accepts."""
+    @contextlib.contextmanager
+    def vllm_source(self) -> Iterator[VLLMSource]:
+        """Where vLLM loads this model's config and tokenizer from, for serve(engine="vllm"); only for models
+        `check_vllm` accepts (the directory may last only as long as the context)."""
         self.check_vllm()
-        raise NotImplementedError(f"{self.describe()} accepts vLLM but builds no vLLM engine")
+        raise NotImplementedError(f"{self.describe()} accepts vLLM but names no directory for it")
+        yield
 
     def vllm_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Canonical weights under the names and layout of the model class vLLM runs for this model."""

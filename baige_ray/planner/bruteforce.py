@@ -2,7 +2,7 @@
 
 Independent of the planner where the planner takes shortcuts: every integer degree
 in range is tried and filtered by the validity rules (no divisor enumeration), no
-bounds prune anything, and each group's link comes from `ResourceGraph.slowest_link`
+bounds prune anything, and each group's link comes from `groups.slowest_link`
 / `tier_between` over the actual rank -> device groups (not the vectorized link
 tables). Only `evaluate` (the cost model itself) and the rank mapping are shared.
 Exponential in nothing but slow in everything: meant for grids of up to ~64 devices.
@@ -21,6 +21,7 @@ from baige_ray.planner.model_spec import ModelSpec
 from baige_ray.planner.options import PlanOptions
 from baige_ray.planner.search import Candidate, Hardware, layout_context
 from baige_ray.topology.graph import ResourceGraph
+from baige_ray.topology.groups import slowest_link
 
 
 def brute_force(model: ModelSpec, graph: ResourceGraph, options: PlanOptions | None = None) -> Candidate | None:
@@ -81,7 +82,7 @@ def _exact_links(graph: ResourceGraph, positions: np.ndarray, layout: Layout, ep
 
 
 def _worst_group(graph: ResourceGraph, groups: np.ndarray) -> GroupLink:
-    summaries = [graph.slowest_link(group) for group in groups]
+    summaries = [slowest_link(graph, group) for group in groups]
     summaries = [s for s in summaries if s is not None]
     if not summaries:
         return NO_LINK

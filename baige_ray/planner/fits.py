@@ -32,7 +32,7 @@ configuration it names. Assumptions:
         its pipeline rank's state (weights and Adam's two moments: `dtype_bytes + optimizer_bytes_per_param`
         bytes per parameter): its own 1/dp shards under FSDP2 and ZeRO-3 (in node shared memory,
         elastic/shelf.py), otherwise the whole stage gathered over TP and EP;
-      - its replicas (elastic/replicas.py): each of `replica_workers` keeps every stage's full state,
+      - its replicas (planner/replicas.py): each of `replica_workers` keeps every stage's full state,
         `replica_copies` times.
     Not counted: Ray's object store, the worker processes on accelerator nodes, transient copies (snapshot reads
     in flight, the whole model a plug-in builds on CPU before keeping its stages), DDP's gradient buckets.
@@ -49,7 +49,11 @@ import numpy as np
 from baige_ray.api.errors import LayoutMemoryError
 from baige_ray.api.validation import require_choice, require_int
 from baige_ray.planner.memory import (
-    activation_bytes, logit_bytes, model_state_bytes, optimizer_bytes_per_param, stage_param_counts,
+    activation_bytes,
+    logit_bytes,
+    model_state_bytes,
+    optimizer_bytes_per_param,
+    stage_param_counts,
 )
 from baige_ray.planner.model_spec import ModelSpec
 from baige_ray.planner.options import PlanOptions
@@ -57,7 +61,7 @@ from baige_ray.topology.graph import ResourceGraph
 
 if TYPE_CHECKING:
     from baige_ray.api.configs import TrainConfig
-    from baige_ray.engines.layout import ParallelLayout
+    from baige_ray.parallel.layout import ParallelLayout
 
 ZERO_STAGE_OF = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3}
 CPU_DEVICE = "cpu"
@@ -189,7 +193,7 @@ def stage_state_bytes(model: ModelSpec, shape: LayoutShape) -> np.ndarray:
 
 def snapshot_bytes(model: ModelSpec, shape: LayoutShape) -> np.ndarray:
     """One snapshot of each pipeline rank, in bytes: a rank's own shards where ZeRO-3/FSDP2 shard the state
-    (engines/shards.py, as ParallelLayout.snapshots_are_sharded says), else the whole stage."""
+    (parallel/shards.py, as ParallelLayout.snapshots_are_sharded says), else the whole stage."""
     sharded = shape.zero_stage == 3 and shape.dp > 1 and shape.ep == 1
     whole = stage_state_bytes(model, shape)
     return whole / shape.dp if sharded else whole

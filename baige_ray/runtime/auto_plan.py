@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.train_job import TrainJob
+from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.planner.options import PlanOptions
 from baige_ray.planner.plan import PlacementPlan, plan
-from baige_ray.runtime.train_loop import TrainJob
 from baige_ray.topology.descriptor import ClusterDescriptor
 from baige_ray.topology.graph import ResourceGraph
 from baige_ray.topology.simulated import SimulatedCluster
@@ -20,11 +20,11 @@ from baige_ray.topology.simulated import SimulatedCluster
 
 def live_graph(descriptor: ClusterDescriptor | None = None) -> ResourceGraph:
     """The graph of the Ray cluster this driver is connected to."""
-    from baige_ray.actors.topology import TopologyActor
+    from baige_ray.topology.live import LiveTopology
 
     if descriptor is None and SimulatedCluster.active() is not None:
         descriptor = SimulatedCluster.active().descriptor
-    return TopologyActor(descriptor=descriptor, start_polling=False).graph()
+    return LiveTopology(descriptor=descriptor).graph()
 
 
 def first_devices(graph: ResourceGraph, num_devices: int) -> ResourceGraph:

@@ -21,17 +21,17 @@ from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
 from baige_ray.api.connection import connect_ray
 from baige_ray.api.errors import ClusterError
 from baige_ray.api.result import Result, StepMetrics
-from baige_ray.engines.layout import ParallelLayout
-from baige_ray.engines.state import CanonicalState, merge_weights
+from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.gpt import GPTConfig
+from baige_ray.parallel.layout import ParallelLayout
+from baige_ray.parallel.state import CanonicalState, merge_weights
 from baige_ray.runtime.memory_check import check_layout_memory
 from baige_ray.runtime.progress import TrainingProgress
-from baige_ray.runtime.train_loop import TrainJob
 from baige_ray.runtime.worker_group import WorkerGroup
 from baige_ray.topology.descriptor import ClusterDescriptor
 
 if TYPE_CHECKING:
-    from baige_ray.elastic.config import ElasticConfig
+    from baige_ray.api.elastic import ElasticConfig
 
 logger = logging.getLogger(__name__)
 

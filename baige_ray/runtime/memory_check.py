@@ -2,7 +2,7 @@
 
 The arithmetic is planner/fits.py; this module gathers what it prices: the model as the planner
 sees it, the live resource graph (`live_graph`, workers on its first devices as `first_devices`
-assumes) and what an elastic job keeps in host memory (elastic/replicas.py). Where there is nothing
+assumes) and what an elastic job keeps in host memory (planner/replicas.py). Where there is nothing
 to price the run is not blocked, and the log says why: a model the planner has no spec for (its
 plug-in's `model_spec` raises ValueError), CPU workers on a cluster with neither a descriptor nor a
 simulation (probed nodes list no CPU devices; the probe is skipped), a graph with fewer devices than
@@ -17,19 +17,19 @@ from typing import TYPE_CHECKING
 import ray
 
 from baige_ray.api.configs import ScalingConfig
-from baige_ray.elastic.replicas import host_copies
-from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.train_job import TrainJob
+from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.planner.fits import CPU_DEVICE, HostCopies, LayoutFit, check_fits, layout_shape
 from baige_ray.planner.model_spec import ModelSpec
+from baige_ray.planner.replicas import host_copies
 from baige_ray.runtime.auto_plan import first_devices, live_graph
-from baige_ray.runtime.train_loop import TrainJob
 from baige_ray.runtime.worker_group import choose_device_resource
 from baige_ray.topology.descriptor import ClusterDescriptor
 from baige_ray.topology.graph import ResourceGraph
 from baige_ray.topology.simulated import SimulatedCluster
 
 if TYPE_CHECKING:
-    from baige_ray.elastic.config import ElasticConfig
+    from baige_ray.api.elastic import ElasticConfig
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,8 @@ from baige_ray.actors.worker import WorkerActor
 from baige_ray.api.configs import ScalingConfig
 from baige_ray.api.device import DeviceInfo
 from baige_ray.api.errors import ClusterError, WorkerError
+from baige_ray.parallel.distributed import GroupMembership
 from baige_ray.planner.materialize import MaterializedPlan
-from baige_ray.runtime.distributed import GroupMembership
-
 
 
 def choose_device_resource(scaling: ScalingConfig, cluster_resources: dict[str, float]) -> str:

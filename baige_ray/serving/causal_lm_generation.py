@@ -20,7 +20,6 @@ holding a prompt that does not is refused with a ValueError, never cut (serving/
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -30,6 +29,7 @@ from typing import Any, Literal
 import torch
 
 from baige_ray.api.validation import require_int, require_number
+from baige_ray.models.hf.decoding import forward_options
 from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.sampling import sample_token, seeded_generator
 
@@ -62,15 +62,6 @@ class Generation:
 
     tokens: list[int]
     finish_reason: FinishReason
-
-
-def forward_options(model: Any, use_cache: bool) -> dict[str, Any]:
-    options: dict[str, Any] = {"use_cache": use_cache}
-    # Only the last position is sampled; without this the prefill materialises
-    # prompt_length x vocab_size logits per row.
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        options["logits_to_keep"] = 1
-    return options
 
 
 def _last_logits(model: Any, input_ids: torch.Tensor, past: Any, options: dict[str, Any]) -> tuple[torch.Tensor, Any]:

@@ -56,17 +56,28 @@ from baige_ray.serving.engine import ContinuousBatchingEngine, EngineFull, Engin
 from baige_ray.serving.engine_runner import EngineFailed, EngineRunner
 from baige_ray.serving.expert_parallel import ExpertParallelServing
 from baige_ray.serving.expert_ranks import ExpertRanks
-from baige_ray.serving.generators import TextOutput
+from baige_ray.serving.generators import TextOutput, text_generator
 from baige_ray.serving.ledger import EngineLoad
 from baige_ray.serving.openai_api import (
-    CompletionLimits, completion_chunk, completion_response, error_body, models_response,
-    parse_completion_request, server_sent_event, usage_chunk,
+    CompletionLimits,
+    completion_chunk,
+    completion_response,
+    error_body,
+    models_response,
+    parse_completion_request,
+    server_sent_event,
+    usage_chunk,
 )
 from baige_ray.serving.openai_chat import chat_chunk, chat_response, parse_chat_request
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, registry_name
 from baige_ray.serving.requests import (
-    GenerateRequest, RequestError, RequestLimits, parse_generate_request, read_body,
+    GenerateRequest,
+    RequestError,
+    RequestLimits,
+    parse_generate_request,
+    read_body,
 )
+from baige_ray.serving.vllm_engine import build_vllm_engine
 
 REPORT_INTERVAL_S = 0.5
 WARMUP_TOKENS = 4
@@ -152,11 +163,11 @@ class ModelServer:
     def _build_runner(self, model_config, state: dict, *, first: bool) -> EngineRunner:
         plugin = plugin_for(model_config)
         if self._engine_name == "vllm":
-            engine, codec = plugin.build_vllm_engine(state, self._engine_limits)
+            engine, codec = build_vllm_engine(plugin, state, self._engine_limits)
             with _engine_cannot_run(plugin.describe(), "vllm"):  # one token through vLLM itself
                 generate_all(engine, [codec.encode(WARMUP_PROMPT)], [SamplingParams(max_new_tokens=1, temperature=0.0)])
             return EngineRunner(engine, codec)
-        generator = plugin.build_text_generator(state)
+        generator = text_generator(plugin, state)
         generator.decoder.model.to(self._compute_device)
         if self._expert_parallel is not None:
             self._model = generator.decoder.model

@@ -36,6 +36,7 @@ from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.deployment import WARMUP_TOKENS, ModelServer
 from baige_ray.serving.engine import EngineFull, PrefilledRequest, TokenEvent
 from baige_ray.serving.engine_runner import EngineRunner
+from baige_ray.serving.generators import text_generator
 from baige_ray.serving.prefill import PrefillEngine
 
 PREFILL_DEPLOYMENT = "PrefillServer"
@@ -68,7 +69,7 @@ class PrefillServer(ModelServer):
     ROLE = "prefill"
 
     def _build_runner(self, model_config, state: dict, *, first: bool) -> EngineRunner:
-        generator = plugin_for(model_config).build_text_generator(state)
+        generator = text_generator(plugin_for(model_config), state)
         engine = PrefillEngine(generator.decoder, eos_token_id=generator.codec.eos_token_id, limits=self._engine_limits)
         if first:  # a fresh process's first forwards are slow (see ModelServer); not on a request's time
             warmup = SamplingParams(max_new_tokens=WARMUP_TOKENS, temperature=1.0, seed=0)

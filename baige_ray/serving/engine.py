@@ -31,10 +31,10 @@ from typing import Generic, Protocol, TypeVar
 import torch
 
 from baige_ray.api.validation import require_int
+from baige_ray.models.generation import KV, KVDecoder
 from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams
 from baige_ray.serving.context_length import require_fit
-from baige_ray.serving.decoders import KVDecoder
-from baige_ray.serving.kv_batch import KV, PaddedKVBatch
+from baige_ray.serving.kv_batch import PaddedKVBatch
 from baige_ray.serving.sampling import sample_token, seeded_generator
 
 

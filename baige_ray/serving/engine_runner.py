@@ -29,11 +29,11 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
+from baige_ray.models.generation import TextCodec
 from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.engine import EventSink, PrefilledRequest, TokenEvent
-from baige_ray.serving.generators import TextCodec, TextOutput
+from baige_ray.serving.generators import TextOutput
 from baige_ray.serving.openai_api import StopScanner
-
 
 IDLE_WAIT_S = 0.05
 

@@ -12,7 +12,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from torch import nn
 
-from baige_ray.runtime.distributed import GroupMembership, ProcessGroupMember, RendezvousAbandoned
+from baige_ray.parallel.distributed import GroupMembership, ProcessGroupMember, RendezvousAbandoned
 from baige_ray.serving.expert_parallel import ExpertDispatcher, ExpertParallelServing, layer_specs
 
 # Expert ranks wait for the next forward inside a collective for as long as the replica is idle;

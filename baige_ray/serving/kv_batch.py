@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-KV = list[tuple[torch.Tensor, torch.Tensor]]
+from baige_ray.models.generation import KV
 
 
 def _left_pad(tensor: torch.Tensor, columns: int) -> torch.Tensor:

@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from baige_ray.serving.openai_api import (
-    FINISH_REASONS, CompletionLimits, _check_model, _check_unsupported, _max_tokens, _stop, _stream, _temperature,
+    FINISH_REASONS,
+    CompletionLimits,
+    _check_model,
+    _check_unsupported,
+    _max_tokens,
+    _stop,
+    _stream,
+    _temperature,
     usage,
 )
 from baige_ray.serving.requests import RequestError, decode_json_object, seed_of, truncate_prompt_tokens_of
@@ -107,6 +114,3 @@ def chat_chunk(*, request_id: str, model_name: str, created: int, delta: dict, f
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
 
 
-def plain_chat_prompt(messages: tuple[tuple[str, str], ...]) -> str:
-    """The prompt for a model whose tokenizer has no chat template: one 'role: content' line each."""
-    return "".join(f"{role}: {content}\n" for role, content in messages) + "assistant:"

@@ -20,14 +20,17 @@ from dataclasses import dataclass
 
 import torch
 
+from baige_ray.models.generation import KVDecoder
 from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams
 from baige_ray.serving.context_length import require_fit
-from baige_ray.serving.decoders import KVDecoder
 from baige_ray.serving.engine import (
-    ContinuousBatchingEngine, EngineLimits, GenerationCollector, PrefilledRequest, RequestQueue,
+    ContinuousBatchingEngine,
+    EngineLimits,
+    GenerationCollector,
+    PrefilledRequest,
+    RequestQueue,
 )
 from baige_ray.serving.sampling import sample_token, seeded_generator
-
 
 PrefillSink = Callable[[PrefilledRequest], None]
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from baige_ray.models.generation import TextCodec
 from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.engine import EngineFull, EngineLimits, EventSink, TokenEvent
@@ -195,3 +196,13 @@ def _build_engine(settings: VLLMSettings, limits: EngineLimits, *, load_format: 
     return LLMEngine.from_engine_args(arguments)
 
 
+def build_vllm_engine(plugin: Any, weights: dict[str, torch.Tensor] | None,
+                      limits: EngineLimits = EngineLimits()) -> tuple[VLLMEngine, TextCodec]:
+    """vLLM serving the model `plugin` (a ModelPlugin) holds, with `weights` from memory, and its codec."""
+    plugin.check_vllm()
+    codec = plugin.text_codec()
+    with plugin.vllm_source() as source:  # vLLM reads the directory once, while it builds its engine
+        settings = VLLMSettings(model_dir=source.model_dir, max_context=source.max_context)
+        engine = VLLMEngine(settings, weights, eos_token_id=codec.eos_token_id, limits=limits,
+                            served_weights=plugin.vllm_weights)
+    return engine, codec

@@ -236,15 +236,6 @@ class ResourceGraph:
 
     # ---- groups -----------------------------------------------------------------------------
 
-    def slowest_link(self, device_ids: ArrayLike) -> LinkSummary | None:
-        """Slowest tier, lowest pairwise bandwidth and highest latency inside a group; None below 2 devices.
-
-        Vectorized over the group (sorting, no pairs): see `groups.slowest_link`.
-        """
-        from baige_ray.topology.groups import slowest_link
-
-        return slowest_link(self, self.positions(np.atleast_1d(device_ids)))
-
     # ---- sub-graphs ---------------------------------------------------------------------------
 
     def without_devices(self, device_ids: ArrayLike) -> ResourceGraph:

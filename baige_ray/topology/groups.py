@@ -10,17 +10,16 @@ other nodes), because every pair is seen from both ends.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
+from numpy.typing import ArrayLike
 
-from baige_ray.topology.graph import LinkSummary, LinkTier
-
-if TYPE_CHECKING:
-    from baige_ray.topology.graph import ResourceGraph
+from baige_ray.topology.graph import LinkSummary, LinkTier, ResourceGraph
 
 
-def slowest_link(graph: ResourceGraph, positions: np.ndarray) -> LinkSummary | None:
+def slowest_link(graph: ResourceGraph, device_ids: ArrayLike) -> LinkSummary | None:
+    """Slowest tier, lowest pairwise bandwidth and highest latency inside a group of `graph`'s devices;
+    None below 2 devices. Vectorized over the group (sorting, no pairs)."""
+    positions = graph.positions(np.atleast_1d(device_ids))
     if len(positions) < 2:
         return None
     candidates = [_intra_node(graph, positions), _cross_node(graph, positions)]

@@ -13,8 +13,8 @@ import pytest
 import ray
 import torch
 
+from baige_ray.api.elastic import ElasticConfig
 from baige_ray.checkpoint.store import list_checkpoints
-from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.faults import FaultPlan
 from tests.helpers import elastic_mlp_run, final_parameters
 

@@ -17,13 +17,13 @@ import ray
 import torch
 
 from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
-from baige_ray.elastic.config import ElasticConfig
+from baige_ray.api.elastic import ElasticConfig
 from baige_ray.elastic.faults import FaultPlan
 from baige_ray.engines.factory import build_engine
-from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.models.moe import MoEConfig
-from baige_ray.runtime.train_loop import TrainJob
+from baige_ray.parallel.layout import ParallelLayout
 
 MODEL = GPTConfig(seq_len=16, hidden=32, num_layers=2, num_heads=4,
                   moe=MoEConfig(num_experts=4, top_k=2, num_shared_experts=1, aux_loss_coef=0.05))

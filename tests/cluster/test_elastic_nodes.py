@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from baige_ray.api.configs import TrainConfig
-from baige_ray.elastic.config import ElasticConfig
+from baige_ray.api.elastic import ElasticConfig
+from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.gpt import GPTConfig
-from baige_ray.runtime.train_loop import TrainJob
 from baige_ray.topology.simulated import SimulatedCluster
 from tests.helpers import elastic_mlp_job, elastic_mlp_run, final_parameters, reference_losses, reference_parameters
 
@@ -156,7 +156,7 @@ PIPELINED_GPT = GPTConfig(seq_len=32, hidden=64, num_layers=4)
 
 def pipelined_gpt_run(name: str, tmp_path, num_steps: int):
     """PP4 x TP2 on the 4x2 cluster: each stage's two ranks on one node, so no live peer elsewhere holds it."""
-    from baige_ray.engines.layout import ParallelLayout
+    from baige_ray.parallel.layout import ParallelLayout
 
     return gpt_run(name, tmp_path, num_steps=num_steps, num_layers=4, global_batch_size=8, micro_batch_size=2,
                    elastic=ElasticConfig(num_spares=0, min_workers=8, max_workers=8),

@@ -11,15 +11,15 @@ import pytest
 import ray
 import torch
 
+from baige_ray.api.configs import TrainConfig
+from baige_ray.api.elastic import ElasticConfig
 from baige_ray.checkpoint.store import list_checkpoints
-from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.faults import FaultPlan
 from baige_ray.elastic.shelf import run_shelves
-from baige_ray.engines.layout import ParallelLayout
+from baige_ray.models.token_dataset import TokenDataset
+from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.topology.simulated import SimulatedCluster
 from tests.cluster.test_elastic_nodes import wait_for
-from baige_ray.api.configs import TrainConfig
-from baige_ray.models.token_dataset import TokenDataset
 from tests.hf_helpers import build_tiny_hf, elastic_hf_run, plain_transformers_training, qwen2_tied_config
 
 

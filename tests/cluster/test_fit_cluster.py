@@ -5,8 +5,8 @@ from collections import Counter
 import pytest
 
 from baige_ray import GPTConfig, RunConfig, ScalingConfig, TrainConfig, fit
+from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.corpus import CorpusConfig
-from baige_ray.runtime.train_loop import TrainJob
 
 from ..helpers import reference_losses
 

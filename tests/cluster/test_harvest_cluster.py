@@ -20,7 +20,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 import baige_ray as br
 from baige_ray.actors.arbiter import ArbiterConfig, ArbiterLoop, JobTrainingSide
 from baige_ray.actors.serving_sides import ServeServingSide
-from baige_ray.elastic.config import ElasticConfig
+from baige_ray.api.elastic import ElasticConfig
 from baige_ray.elastic.job import launch
 from baige_ray.ops.events import EventLog
 from baige_ray.policies.lending import LendingAction, LendingPolicy

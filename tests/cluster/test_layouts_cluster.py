@@ -7,11 +7,11 @@ generation in the same processes, which is also how elastic re-planning reuses w
 import pytest
 
 from baige_ray import GPTConfig, RunConfig, TrainConfig
-from baige_ray.engines.layout import ParallelLayout
-from baige_ray.engines.state import merge_states
+from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.corpus import CorpusConfig
+from baige_ray.parallel.layout import ParallelLayout
+from baige_ray.parallel.state import merge_states
 from baige_ray.runtime.fit import train_on_group
-from baige_ray.runtime.train_loop import TrainJob
 
 from ..helpers import at_full_speed, reference_losses, worker_group
 

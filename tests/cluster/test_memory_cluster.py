@@ -16,11 +16,11 @@ import baige_ray.runtime.fit as fit_module
 from baige_ray import GPTConfig, RunConfig, ScalingConfig, TrainConfig, fit, launch
 from baige_ray.api.errors import InfeasiblePlanError
 from baige_ray.elastic.workers import NAMESPACE
-from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.corpus import CorpusConfig
+from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.planner.memory import logit_bytes
 from baige_ray.runtime.memory_check import check_layout_memory
-from baige_ray.runtime.train_loop import TrainJob
 from baige_ray.topology.descriptor import load_descriptor
 
 from ..conftest import SIM_2X4
@@ -92,7 +92,7 @@ def test_launch_refuses_a_layout_whose_snapshots_overflow_host_memory_before_any
 
 
 def test_the_live_graph_prices_a_fitting_layout_and_its_snapshots(simulated):
-    from baige_ray.elastic.config import ElasticConfig
+    from baige_ray.api.elastic import ElasticConfig
 
     job = TrainJob(model=MODEL, train=TRAIN, data=CORPUS)
     layout = ParallelLayout(dp=2, pp=2, num_microbatches=2)

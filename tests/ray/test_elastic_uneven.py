@@ -3,10 +3,10 @@
 import pytest
 
 from baige_ray import GPTConfig, RunConfig, ScalingConfig, TrainConfig
-from baige_ray.elastic.config import ElasticConfig
+from baige_ray.api.elastic import ElasticConfig
 from baige_ray.elastic.job import launch
+from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.corpus import CorpusConfig
-from baige_ray.runtime.train_loop import TrainJob
 
 from ..helpers import reference_losses
 

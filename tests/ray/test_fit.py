@@ -1,9 +1,9 @@
 import pytest
 
 from baige_ray import GPTConfig, RunConfig, ScalingConfig, TrainConfig, fit, load_model
-from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.corpus import CorpusConfig
-from baige_ray.runtime.train_loop import TrainJob
+from baige_ray.parallel.layout import ParallelLayout
 
 from ..helpers import reference_losses
 

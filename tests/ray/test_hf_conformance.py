@@ -15,15 +15,14 @@ import pytest
 import torch
 
 from baige_ray import RunConfig, TrainConfig
-from baige_ray.engines.layout import parse_layout
-from baige_ray.engines.state import merge_states
-from baige_ray.models.hf import HFModel
-from baige_ray.models.hf import conformance
+from baige_ray.engines.train_job import TrainJob
+from baige_ray.models.hf import HFModel, conformance
 from baige_ray.models.hf.conformance import EXTRA_CONFIGS, PUBLISHED_CONFIGS, load_published, shrink_config
 from baige_ray.models.hf.export import save_hf_checkpoint
 from baige_ray.models.token_dataset import TokenDataset
+from baige_ray.parallel.layout import parse_layout
+from baige_ray.parallel.state import merge_states
 from baige_ray.runtime.fit import train_on_group
-from baige_ray.runtime.train_loop import TrainJob
 
 from ..helpers import at_full_speed, worker_group
 from ..hf_helpers import SEQ_LEN, VOCAB_SIZE, plain_transformers_losses, text_files
@@ -147,9 +146,10 @@ def perturbed(directory: Path) -> dict[str, torch.Tensor]:
 
 def builtin_greedy(directory: Path, state: dict[str, torch.Tensor]) -> list[str]:
     from baige_ray.models.plugin import plugin_for
+    from baige_ray.serving.generators import text_generator
     from baige_ray.serving.requests import GenerateRequest
 
-    generator = plugin_for(HFModel(directory)).build_text_generator(state)
+    generator = text_generator(plugin_for(HFModel(directory)), state)
     requests = [GenerateRequest(prompt=prompt, max_new_tokens=NEW_TOKENS, temperature=0.0) for prompt in PROMPTS]
     return [output.text for output in generator.generate(requests)]
 
@@ -168,8 +168,8 @@ def test_the_builtin_engine_generates_transformers_greedy_tokens(models, name):
 def vllm_greedy(directories: list[str], states: list[dict]) -> list[tuple[list[str], list[str]]]:
     """In one fresh process: for each model, vLLM's greedy texts loaded from its directory, then after an
     in-place reload of `states[i]` (the path training's weights take into a running replica)."""
+    from baige_ray.models.generation import TokenizerCodec
     from baige_ray.serving.causal_lm_generation import SamplingParams
-    from baige_ray.serving.generators import TokenizerCodec
     from baige_ray.serving.vllm_engine import VLLMEngine, VLLMSettings
 
     def generate(engine, codec) -> list[str]:

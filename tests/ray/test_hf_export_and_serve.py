@@ -14,9 +14,10 @@ import pytest
 import ray
 import torch
 
-from baige_ray.elastic.config import ElasticConfig
+from baige_ray.api.elastic import ElasticConfig
 from baige_ray.models.plugin import plugin_for
 from baige_ray.serving import reload_weights, serve, shutdown
+from baige_ray.serving.generators import text_generator
 from baige_ray.serving.requests import GenerateRequest
 from tests.hf_helpers import build_tiny_hf, elastic_hf_run
 from tests.ray.test_serving import call, free_port
@@ -64,7 +65,7 @@ def test_v1_completions_answers_in_openai_shape_with_the_kv_cached_greedy_tokens
     (choice,) = reply["choices"]
     assert choice["finish_reason"] in ("stop", "length")
     assert reply["usage"]["completion_tokens"] <= 12
-    generator = plugin_for(model).build_text_generator(ray.get(result.final_state)["model"])
+    generator = text_generator(plugin_for(model), ray.get(result.final_state)["model"])
     (expected,) = generator.generate([GenerateRequest(prompt="def parse(", max_new_tokens=12, temperature=0.0)])
     assert choice["text"] == expected.text
     status, generated = call(f"{app.url}/generate", {"prompt": "def parse(", "max_new_tokens": 12, "temperature": 0})

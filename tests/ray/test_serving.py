@@ -18,8 +18,9 @@ import pytest
 import ray
 import torch
 
+from baige_ray.checkpoint.final import save_model_checkpoint
 from baige_ray.models.gpt import GPT, GPTConfig
-from baige_ray.runtime.checkpoint_io import load_model, save_model_checkpoint
+from baige_ray.runtime.checkpoint_io import load_model
 from baige_ray.serving import rebalance, reload_weights, scale_replicas, serve, shutdown, side_loads
 from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.disaggregation import PREFILL_DEPLOYMENT, DisaggregationOptions

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import ray
 
-from baige_ray.actors.topology import probe_on_nodes, start_topology_actor
+from baige_ray.actors.topology import start_topology_actor
+from baige_ray.topology.live import probe_on_nodes
 
 pytestmark = pytest.mark.ray
 

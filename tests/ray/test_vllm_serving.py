@@ -13,12 +13,13 @@ import ray
 import torch
 
 from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
-from baige_ray.elastic.config import ElasticConfig
+from baige_ray.api.elastic import ElasticConfig
 from baige_ray.elastic.job import launch
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.models.hf import HFModel
 from baige_ray.models.plugin import plugin_for
 from baige_ray.serving import reload_weights, serve, shutdown
+from baige_ray.serving.generators import text_generator
 from baige_ray.serving.requests import GenerateRequest
 from baige_ray.serving.vllm_engine import vllm_available
 from tests.hf_helpers import SEQ_LEN, build_tiny_hf, elastic_hf_run, qwen2_tied_config
@@ -73,7 +74,7 @@ def gpt_app(trained_gpt):
 
 
 def builtin_greedy(model, state: dict) -> list[str]:
-    generator = plugin_for(model).build_text_generator(state)
+    generator = text_generator(plugin_for(model), state)
     requests = [GenerateRequest(prompt=prompt, max_new_tokens=10, temperature=0.0) for prompt in PROMPTS]
     return [output.text for output in generator.generate(requests)]
 

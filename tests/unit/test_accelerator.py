@@ -69,7 +69,7 @@ def test_the_update_runs_one_fused_kernel_on_cuda_and_a_loop_elsewhere():
     import torch
 
     from baige_ray.api.configs import TrainConfig
-    from baige_ray.runtime.train_loop import build_optimizer
+    from baige_ray.engines.train_job import build_optimizer
 
     optimizer = build_optimizer(torch.nn.Linear(4, 4), TrainConfig(num_steps=1, global_batch_size=1))
     assert optimizer.defaults["foreach"] is False and not optimizer.defaults["fused"]

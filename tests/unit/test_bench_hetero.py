@@ -14,7 +14,7 @@ from baige_ray.bench.hetero import (
     speed_proportional_split,
 )
 from baige_ray.bench.measure import steady_median, steady_throughput
-from baige_ray.engines.layout import ParallelLayout
+from baige_ray.parallel.layout import ParallelLayout
 
 
 def test_split_gives_layers_in_proportion_to_speed():

@@ -19,10 +19,10 @@ def test_plain_ddp_loop_matches_the_single_process_engine(tmp_path):
     """One-rank gloo group: the baseline's losses equal fit's engine on the same job (same mathematics)."""
     from baige_ray.api.configs import TrainConfig
     from baige_ray.engines.factory import build_engine
-    from baige_ray.engines.layout import ParallelLayout
+    from baige_ray.engines.train_job import TrainJob
     from baige_ray.models.corpus import CorpusConfig
     from baige_ray.models.gpt import GPTConfig
-    from baige_ray.runtime.train_loop import TrainJob
+    from baige_ray.parallel.layout import ParallelLayout
 
     settings = DDPSettings(model=TINY, num_steps=3, global_batch_size=4, corpus_max_bytes=1 << 20)
     store = dist.FileStore(str(tmp_path / "store"), 1)

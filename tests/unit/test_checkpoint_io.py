@@ -4,14 +4,9 @@ import pytest
 import torch
 
 from baige_ray.api.errors import CheckpointError
+from baige_ray.checkpoint.final import MANIFEST_FILE, WEIGHTS_FILE, load_model_state, save_model_checkpoint
 from baige_ray.models.gpt import GPT, GPTConfig
-from baige_ray.runtime.checkpoint_io import (
-    MANIFEST_FILE,
-    WEIGHTS_FILE,
-    load_model,
-    load_model_state,
-    save_model_checkpoint,
-)
+from baige_ray.runtime.checkpoint_io import load_model
 
 TINY = GPTConfig(seq_len=8, num_layers=1, num_heads=2, hidden=16)
 

@@ -10,9 +10,9 @@ from baige_ray.checkpoint.persister import AsyncPersister
 from baige_ray.checkpoint.store import load_latest_good
 from baige_ray.elastic.snapshot import HostSnapshotter
 from baige_ray.engines.factory import build_engine
-from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.gpt import GPTConfig
-from baige_ray.runtime.train_loop import TrainJob
+from baige_ray.parallel.layout import ParallelLayout
 
 NUM_STEPS = 6
 STOP_AFTER = 2

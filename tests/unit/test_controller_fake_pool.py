@@ -13,11 +13,11 @@ import pytest
 
 from actors.controller import ElasticController
 from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
-from baige_ray.elastic.config import ElasticConfig
+from baige_ray.api.elastic import ElasticConfig
 from baige_ray.elastic.job_record import JobRecord
-from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.mlp import MLPConfig
-from baige_ray.runtime.train_loop import TrainJob
+from baige_ray.parallel.layout import ParallelLayout
 from tests.fake_pool import FakeCluster, FakeWorkerPool, MemoryKeyValueStore, loss_at
 
 FAST = dict(replicate_every=0, heartbeat_interval_s=0.005, heartbeat_timeout_s=0.3, collective_timeout_floor_s=0.5,

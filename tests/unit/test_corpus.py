@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
+from baige_ray.engines.train_job import sample_range
 from baige_ray.models.corpus import ByteCorpus, CorpusConfig, stdlib_corpus, stdlib_source_files
-from baige_ray.runtime.train_loop import sample_range
 
 
 @pytest.fixture(scope="module")

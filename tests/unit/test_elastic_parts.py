@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from baige_ray.api.configs import TrainConfig
-from baige_ray.elastic.config import ElasticConfig
+from baige_ray.api.elastic import ElasticConfig
 from baige_ray.elastic.faults import FaultKind, FaultPlan
 from baige_ray.elastic.machine import Phase, StateMachine
 from baige_ray.elastic.sizing import layout_for, valid_sizes
 from baige_ray.elastic.snapshot import HostSnapshotter
 from baige_ray.engines.factory import build_engine
-from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.mlp import MLPConfig
-from baige_ray.runtime.train_loop import TrainJob
+from baige_ray.parallel.layout import ParallelLayout
 
 
 def test_state_machine_allows_the_recovery_cycle_and_refuses_shortcuts():

@@ -9,10 +9,10 @@ from baige_ray.api.configs import TrainConfig
 from baige_ray.api.device import DeviceInfo
 from baige_ray.elastic.planning import ElasticPlanner, rank_order, worker_devices
 from baige_ray.elastic.workers import Worker
+from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.corpus import CorpusConfig
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.models.mlp import MLPConfig
-from baige_ray.runtime.train_loop import TrainJob
 from baige_ray.topology.descriptor import load_descriptor
 from baige_ray.topology.graph import ResourceGraph
 from tests.conftest import SIM_4X2

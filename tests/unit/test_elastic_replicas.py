@@ -1,4 +1,4 @@
-from baige_ray.elastic.replicas import exposed_stages, replica_floor, replica_holders, stages_behind
+from baige_ray.planner.replicas import exposed_stages, replica_floor, replica_holders, stages_behind
 
 
 def test_stages_with_holders_on_two_nodes_are_not_exposed():

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from baige_ray.models.gpt import GPT
+from baige_ray.models.gpt_decoding import ByteCodec
 from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.engine import ContinuousBatchingEngine, EngineLimits
 from baige_ray.serving.engine_runner import EngineFailed, EngineRunner
-from baige_ray.serving.generators import ByteCodec
 from baige_ray.serving.prefill import PrefillEngine
 from tests.serving_faults import FAULT_MESSAGE, POISON, FaultyGPTConfig, FaultyGPTDecoder
 

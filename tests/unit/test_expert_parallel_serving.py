@@ -57,9 +57,9 @@ def test_experts_over_three_ranks_generate_one_process_tokens_and_rebalancing_ev
 def _mixtral_rank(rank: int, port: int, results) -> None:
     """transformers' Mixtral: its experts replaced by RoutedExperts, spread over two ranks."""
     from baige_ray.models.hf import HFModel
+    from baige_ray.models.hf.decoding import HFDecoder
     from baige_ray.models.plugin import plugin_for
     from baige_ray.serving.causal_lm_generation import SamplingParams
-    from baige_ray.serving.decoders import HFDecoder
     from baige_ray.serving.engine import ContinuousBatchingEngine, EngineLimits, generate_all
     from baige_ray.serving.expert_parallel import ExpertDispatcher, ExpertParallelServing, layer_specs, serve_experts
 

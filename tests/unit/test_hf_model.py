@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from baige_ray.api.configs import TrainConfig
-from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.hf import HFModel
 from baige_ray.models.plugin import plugin_for
 from baige_ray.models.token_dataset import TokenDataset
-from baige_ray.runtime.train_loop import TrainJob
+from baige_ray.parallel.layout import ParallelLayout
 from tests.hf_helpers import SEQ_LEN, build_tiny_hf, llama_config
 
 

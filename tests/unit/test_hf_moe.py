@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from baige_ray.engines.layout import ParallelLayout
 from baige_ray.models.aux_loss import auxiliary_losses
 from baige_ray.models.hf import HFModel
 from baige_ray.models.hf.export import save_hf_checkpoint
 from baige_ray.models.hf.moe import RoutedExperts
 from baige_ray.models.plugin import plugin_for
+from baige_ray.parallel.layout import ParallelLayout
 
 SHAPE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=64, tie_word_embeddings=False, output_router_logits=True)
@@ -93,8 +93,8 @@ def test_layouts_the_router_loss_or_the_expert_count_rule_out():
 
 
 def test_the_builtin_engine_serves_mixtral_with_its_kv_cache_as_without_one():
+    from baige_ray.models.hf.decoding import HFDecoder
     from baige_ray.serving.causal_lm_generation import SamplingParams, generate_batch
-    from baige_ray.serving.decoders import HFDecoder
     from baige_ray.serving.engine import ContinuousBatchingEngine, EngineLimits, generate_all
 
     plugin = plugin_for(HFModel.from_config(mixtral(), seq_len=64))
@@ -111,7 +111,9 @@ def test_the_builtin_engine_serves_mixtral_with_its_kv_cache_as_without_one():
 
 def test_vllm_is_refused_for_moe_models_with_the_reason():
     plugin = plugin_for(HFModel.from_config(mixtral(), seq_len=32))
-    for refuse in (plugin.check_vllm, lambda: plugin.build_vllm_engine({}, None)):
+    from baige_ray.serving.vllm_engine import build_vllm_engine
+
+    for refuse in (plugin.check_vllm, lambda: build_vllm_engine(plugin, {}, None)):
         with pytest.raises(ValueError, match="in-place weight update.*engine='builtin'"):
             refuse()
 

@@ -18,6 +18,7 @@ SOURCES = {"baige_ray": ROOT / "baige_ray", "baige_ray.actors": ROOT / "actors",
 # Bottom first. A folder may import its own layer and those below it.
 LAYERS = (
     ("api", "constants", "accelerator"),
+    ("parallel",),
     ("policies",),
     ("topology",),
     ("planner", "ops"),
@@ -28,29 +29,16 @@ LAYERS = (
     ("serving",),
     ("elastic",),
     ("actors",),
-    ("bench", "cli", "package"),
+    ("bench", "cli", "commands", "package"),
 )
 
 KNOWN_UPWARD = {
-    ("checkpoint", "engines"),
-    ("engines", "runtime"),
-    ("models", "engines"),
-    ("models", "runtime"),
-    ("models", "serving"),
-    ("planner", "engines"),
-    ("runtime", "actors"),
-    ("runtime", "elastic"),
-    ("runtime", "package"),
-    ("serving", "actors"),
-    ("elastic", "actors"),
-    ("topology", "actors"),
+    ("runtime", "actors"),  # fit's worker group starts the worker actors
+    ("serving", "actors"),  # a replica's expert ranks start expert-server actors
+    ("elastic", "actors"),  # launch starts the controller actor
 }
 
-KNOWN_CIRCLES = {
-    frozenset({"baige_ray.engines.base", "baige_ray.models.plugin", "baige_ray.runtime.train_loop"}),
-    frozenset({"baige_ray.engines.mlp_engine", "baige_ray.models.mlp"}),
-    frozenset({"baige_ray.topology.graph", "baige_ray.topology.groups"}),
-}
+KNOWN_CIRCLES: set[frozenset[str]] = set()
 
 
 def _modules() -> dict[str, Path]:

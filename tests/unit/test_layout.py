@@ -1,6 +1,6 @@
 import pytest
 
-from baige_ray.engines.layout import ParallelLayout, parse_layout
+from baige_ray.parallel.layout import ParallelLayout, parse_layout
 
 
 def test_ranks_are_row_major_over_pp_dp_tp():

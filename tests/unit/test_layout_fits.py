@@ -7,12 +7,20 @@ import yaml
 
 from baige_ray.api.configs import TrainConfig
 from baige_ray.api.errors import InfeasiblePlanError
-from baige_ray.elastic.replicas import REPLICA_BUFFERS, SNAPSHOT_BUFFERS, host_copies
-from baige_ray.engines.layout import ParallelLayout
+from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.planner.fits import (
-    DEEPSPEED_REDUCE_BUCKET, DEEPSPEED_SUB_GROUP, WORKER_PROCESS_BYTES, HostCopies, LayoutShape, check_fits, device_bytes, layout_shape, snapshot_bytes,
+    DEEPSPEED_REDUCE_BUCKET,
+    DEEPSPEED_SUB_GROUP,
+    WORKER_PROCESS_BYTES,
+    HostCopies,
+    LayoutShape,
+    check_fits,
+    device_bytes,
+    layout_shape,
+    snapshot_bytes,
 )
 from baige_ray.planner.model_spec import load_model_spec
+from baige_ray.planner.replicas import REPLICA_BUFFERS, SNAPSHOT_BUFFERS, host_copies
 from baige_ray.topology.descriptor import descriptor_from_dict
 from baige_ray.topology.graph import ResourceGraph
 

@@ -25,10 +25,10 @@ def _run(rank: int, port: int, results, model_dir: str, data_dir: str) -> None:
     import os
 
     from baige_ray.engines.factory import build_engine
-    from baige_ray.engines.layout import ParallelLayout
+    from baige_ray.engines.train_job import TrainJob
     from baige_ray.models.hf import HFModel
     from baige_ray.models.token_dataset import TokenDataset
-    from baige_ray.runtime.train_loop import TrainJob
+    from baige_ray.parallel.layout import ParallelLayout
     from tests.hf_helpers import SEQ_LEN
 
     torch.set_num_threads(1)
@@ -57,7 +57,7 @@ def _run(rank: int, port: int, results, model_dir: str, data_dir: str) -> None:
 
 def _full_state(engine):
     """The canonical state from every rank's snapshot (its own shards where the engine shards it)."""
-    from baige_ray.engines.shards import assemble
+    from baige_ray.parallel.shards import assemble
 
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, engine.snapshot_state())

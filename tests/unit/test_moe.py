@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from baige_ray.api.configs import TrainConfig
-from baige_ray.engines.layout import ParallelLayout, parse_layout
+from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.aux_loss import auxiliary_losses
 from baige_ray.models.gpt import GPT, GPTConfig
 from baige_ray.models.moe import MoEConfig, MoELayer, Routing, sequence_balance_loss
 from baige_ray.models.plugin import plugin_for
-from baige_ray.runtime.train_loop import TrainJob
+from baige_ray.parallel.layout import ParallelLayout, parse_layout
 
 MOE = MoEConfig(num_experts=4, top_k=2, num_shared_experts=1, aux_loss_coef=0.05)
 TINY_MOE_GPT = GPTConfig(seq_len=16, hidden=32, num_layers=2, moe=MOE)
@@ -162,7 +162,7 @@ def test_expert_load_sums_ranks_of_one_stage_and_keeps_stages_apart():
 
 
 def test_pipeline_stages_split_by_cost_when_dense_and_moe_layers_differ():
-    from baige_ray.engines.layout import balanced_stage_layers
+    from baige_ray.parallel.layout import balanced_stage_layers
 
     assert balanced_stage_layers((1.0, 1.0, 3.0, 3.0), 2) == (3, 1)
     assert balanced_stage_layers((1.0,) * 4, 2) == (2, 2)

@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from baige_ray.serving.generators import ByteCodec
+from baige_ray.models.generation import plain_chat_prompt
+from baige_ray.models.gpt_decoding import ByteCodec
 from baige_ray.serving.openai_api import CompletionLimits, StopScanner, server_sent_event
-from baige_ray.serving.openai_chat import parse_chat_request, plain_chat_prompt
+from baige_ray.serving.openai_chat import parse_chat_request
 from baige_ray.serving.requests import RequestError
 
 LIMITS = CompletionLimits(max_tokens=64, max_prompt_chars=100)
@@ -67,8 +68,8 @@ def test_bytes_decode_incrementally_without_splitting_characters():
 
 
 def test_tokenizer_text_is_streamed_as_it_becomes_whole(tmp_path):
+    from baige_ray.models.generation import TokenizerCodec
     from baige_ray.models.tokenizer import load_tokenizer, train_bpe_tokenizer
-    from baige_ray.serving.generators import TokenizerCodec
 
     text = tmp_path / "text.txt"
     text.write_text("def parse(text):\n    return text.split()  # naïve €\n" * 20)

@@ -3,7 +3,6 @@ import torch
 import torch.distributed as dist
 
 from baige_ray.engines.pipeline_schedule import run_ahead_1f1b_order
-
 from tests.helpers import spawn_ranks
 
 
@@ -51,10 +50,10 @@ def _train_both_schedules(rank: int, port: int, results) -> None:
 
     from baige_ray.api.configs import TrainConfig
     from baige_ray.engines.factory import build_engine
-    from baige_ray.engines.layout import ParallelLayout
+    from baige_ray.engines.train_job import TrainJob
     from baige_ray.models.corpus import CorpusConfig
     from baige_ray.models.gpt import GPTConfig, language_model_loss
-    from baige_ray.runtime.train_loop import TrainJob
+    from baige_ray.parallel.layout import ParallelLayout
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -13,6 +13,7 @@ from baige_ray.planner.plan import plan
 from baige_ray.planner.replan import replan
 from baige_ray.topology.descriptor import load_descriptor
 from baige_ray.topology.graph import LinkTier, ResourceGraph
+from baige_ray.topology.groups import slowest_link
 
 from ..conftest import REPO_ROOT, SIM_2X4
 
@@ -39,14 +40,14 @@ def test_dgx_tp_inside_nodes_dp_and_pp_on_one_rail(dgx_plan):
     assert chosen.tp > 1 and chosen.pp > 1 and chosen.dp > 1
     for group in chosen.device_groups("tp"):
         assert len(set(graph.devices.node[graph.positions(group)].tolist())) == 1
-        assert graph.slowest_link(group).tier == LinkTier.NVLINK
+        assert slowest_link(graph, group).tier == LinkTier.NVLINK
     for dim in ("dp", "pp"):
         for group in chosen.device_groups(dim):
             position = graph.positions(group)
             nodes, rails = graph.devices.node[position], graph.devices.rail[position]
             # Peers on other nodes share one rail; peers on the same node talk over NVLink.
             assert len(set(rails.tolist())) == 1 or len(set(nodes.tolist())) == 1
-            assert graph.slowest_link(group).tier in (LinkTier.NVLINK, LinkTier.SAME_RAIL)
+            assert slowest_link(graph, group).tier in (LinkTier.NVLINK, LinkTier.SAME_RAIL)
     dp_group = chosen.device_groups("dp")[0]
     assert len(set(graph.devices.node[graph.positions(dp_group)].tolist())) == chosen.dp  # DP crosses nodes
     assert chosen.links["dp"].tier == LinkTier.SAME_RAIL and chosen.links["tp"].tier == LinkTier.NVLINK

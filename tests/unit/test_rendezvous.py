@@ -8,7 +8,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from baige_ray.runtime.distributed import RendezvousAbandoned, await_arrivals
+from baige_ray.parallel.distributed import RendezvousAbandoned, await_arrivals
 
 
 def test_the_wait_ends_when_the_last_member_arrives():

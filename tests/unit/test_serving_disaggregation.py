@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from baige_ray.models.gpt import GPT, GPTConfig
+from baige_ray.models.gpt_decoding import GPTDecoder
+from baige_ray.models.hf.decoding import HFDecoder
 from baige_ray.serving.app import ServeOptions
 from baige_ray.serving.causal_lm_generation import SamplingParams
-from baige_ray.serving.decoders import GPTDecoder, HFDecoder
 from baige_ray.serving.disaggregation import DisaggregationOptions
 from baige_ray.serving.engine import ContinuousBatchingEngine, EngineLimits, PrefilledRequest, TokenEvent, generate_all
 from baige_ray.serving.prefill import PrefillEngine, generate_disaggregated

@@ -5,9 +5,15 @@ import torch
 
 from baige_ray.api.errors import CheckpointError
 from baige_ray.checkpoint.sharded import write_rank_part
-from baige_ray.checkpoint.store import begin_checkpoint, commit_checkpoint, load_checkpoint, load_latest_good, write_checkpoint
-from baige_ray.engines.boxes import Box
-from baige_ray.engines.shards import ShardedPart, assemble
+from baige_ray.checkpoint.store import (
+    begin_checkpoint,
+    commit_checkpoint,
+    load_checkpoint,
+    load_latest_good,
+    write_checkpoint,
+)
+from baige_ray.parallel.boxes import Box
+from baige_ray.parallel.shards import ShardedPart, assemble
 from tests.unit.fixtures.checkpoint_states import assert_states_equal, flip_byte
 
 

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from baige_ray import TrainConfig
-from baige_ray.engines.boxes import Box
-from baige_ray.engines.shards import ShardedPart, assemble, assemble_lazily
+from baige_ray.parallel.boxes import Box
+from baige_ray.parallel.shards import ShardedPart, assemble, assemble_lazily
 from tests.helpers import spawn_ranks
 
 
@@ -52,10 +52,10 @@ def _run(rank: int, port: int, results, model_dir: str, data_dir: str) -> None:
     import os
 
     from baige_ray.engines.factory import build_engine
-    from baige_ray.engines.layout import ParallelLayout
+    from baige_ray.engines.train_job import TrainJob
     from baige_ray.models.hf import HFModel
     from baige_ray.models.token_dataset import TokenDataset
-    from baige_ray.runtime.train_loop import TrainJob
+    from baige_ray.parallel.layout import ParallelLayout
     from tests.hf_helpers import SEQ_LEN
 
     torch.set_num_threads(1)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from baige_ray import TrainConfig
-from baige_ray.engines.shards import ShardedPart, assemble
+from baige_ray.parallel.shards import ShardedPart, assemble
 from tests.helpers import spawn_ranks
 
 # Both precisions, both shapes, in two engines' time (all four combinations pass too, in ~12 s more).
@@ -34,11 +34,11 @@ def _run(rank: int, port: int, results, model_dir: str, data_dir: str) -> None:
     from datetime import timedelta
 
     from baige_ray.engines.factory import build_engine
-    from baige_ray.engines.layout import ParallelLayout
+    from baige_ray.engines.train_job import TrainJob
     from baige_ray.models.gpt import GPTConfig
     from baige_ray.models.hf import HFModel
     from baige_ray.models.token_dataset import TokenDataset
-    from baige_ray.runtime.train_loop import TrainJob
+    from baige_ray.parallel.layout import ParallelLayout
     from tests.hf_helpers import SEQ_LEN
 
     torch.set_num_threads(1)

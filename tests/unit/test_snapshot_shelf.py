@@ -3,8 +3,8 @@
 import torch
 
 from baige_ray.elastic.shelf import SnapshotShelf, read_shelf, shelf_directory, shelf_steps
-from baige_ray.engines.boxes import Box
-from baige_ray.engines.shards import ShardedPart, meta_part
+from baige_ray.parallel.boxes import Box
+from baige_ray.parallel.shards import ShardedPart, meta_part
 
 
 def _part(value: float) -> ShardedPart:

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
+from baige_ray.api.elastic import ElasticConfig
 from baige_ray.elastic.accounts import StepAccounts
-from baige_ray.elastic.config import ElasticConfig
 from baige_ray.elastic.step_log import read_steps
 
 

@@ -11,6 +11,7 @@ import yaml
 
 from baige_ray.topology.descriptor import descriptor_from_dict, load_descriptor
 from baige_ray.topology.graph import LinkTier, ResourceGraph
+from baige_ray.topology.groups import slowest_link
 
 pytestmark = pytest.mark.unit
 CLUSTERS = Path(__file__).resolve().parents[2] / "clusters"
@@ -75,14 +76,14 @@ def test_slowest_link_equals_brute_force(name):
         ids = rng.choice(graph.num_devices, size=size, replace=False)
         if name == "h100-rail-2048" and rng.random() < 0.5:
             ids = rng.choice(64, size=min(size, 64), replace=False) * 8  # same-rail groups
-        summary = graph.slowest_link(ids)
+        summary = slowest_link(graph, ids)
         assert (int(summary.tier), summary.bandwidth_gb_per_s) == _brute(graph, ids)
 
 
 def test_slowest_link_of_one_device_is_none_and_of_an_island_is_nvlink():
     graph = _graph("sim-2x4")
-    assert graph.slowest_link([3]) is None
-    assert graph.slowest_link([0, 1, 2, 3]).tier == LinkTier.NVLINK
+    assert slowest_link(graph, [3]) is None
+    assert slowest_link(graph, [0, 1, 2, 3]).tier == LinkTier.NVLINK
 
 
 def test_pcie_and_nvlink_pair_islands():
@@ -101,7 +102,7 @@ def test_pcie_and_nvlink_pair_islands():
     assert graph.tier_between(0, 1) == LinkTier.NVLINK and graph.bandwidth_between(0, 1) == 56.0
     assert graph.tier_between(1, 2) == LinkTier.PCIE and graph.bandwidth_between(1, 2) == 16.0
     assert graph.tier_between(4, 5) == LinkTier.PCIE and graph.bandwidth_between(4, 5) == 32.0
-    assert graph.slowest_link([0, 1, 2]).tier == LinkTier.PCIE
+    assert slowest_link(graph, [0, 1, 2]).tier == LinkTier.PCIE
     assert graph.rails() == {}  # no NICs declared: no rails
 
 
@@ -115,7 +116,7 @@ def test_subgraphs_keep_original_ids():
         without.tier_between(0, 8)
     fewer = graph.without_devices([1, 2])
     assert fewer.num_nodes == 32 and fewer.devices_of_node(0).tolist() == [0, 3, 4, 5, 6, 7]
-    assert fewer.slowest_link([0, 3]) == graph.slowest_link([0, 3])
+    assert slowest_link(fewer, [0, 3]) == slowest_link(graph, [0, 3])
     with pytest.raises(KeyError):
         graph.without_nodes([99])
 

@@ -2,11 +2,11 @@ import pytest
 import torch
 
 from baige_ray.api.configs import TrainConfig
+from baige_ray.engines.factory import build_engine
+from baige_ray.engines.train_job import TrainJob, learning_rate_at, sample_range
 from baige_ray.models.corpus import CorpusConfig
 from baige_ray.models.gpt import GPT, GPTConfig
-from baige_ray.engines.factory import build_engine
-from baige_ray.engines.layout import ParallelLayout
-from baige_ray.runtime.train_loop import TrainJob, learning_rate_at, sample_range
+from baige_ray.parallel.layout import ParallelLayout
 
 TINY = GPTConfig(seq_len=32, num_layers=2, num_heads=2, hidden=32)
 CORPUS = CorpusConfig(max_bytes=1 << 20)

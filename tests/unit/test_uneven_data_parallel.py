@@ -5,11 +5,10 @@ import torch
 import torch.distributed as dist
 
 from baige_ray.api.configs import TrainConfig
-from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.train_job import TrainJob, replica_sample_range, sample_range
 from baige_ray.models.corpus import CorpusConfig
 from baige_ray.models.gpt import GPTConfig
-from baige_ray.runtime.train_loop import TrainJob, replica_sample_range, sample_range
-
+from baige_ray.parallel.layout import ParallelLayout
 from tests.helpers import spawn_ranks
 
 NUM_STEPS = 3

@@ -18,11 +18,10 @@ def _train_tp2(rank: int, port: int, results, model_dir: str, data_dir: str) -> 
     from torch.distributed.tensor import DTensor, Shard
 
     from baige_ray.engines.factory import build_engine
-    from baige_ray.engines.layout import ParallelLayout
+    from baige_ray.engines.train_job import TrainJob
     from baige_ray.models.hf import HFModel
     from baige_ray.models.token_dataset import TokenDataset
-    from baige_ray.runtime.train_loop import TrainJob
-
+    from baige_ray.parallel.layout import ParallelLayout
     from tests.hf_helpers import SEQ_LEN
 
     torch.set_num_threads(1)
@@ -49,7 +48,6 @@ def _train():
 
 def test_tied_embedding_and_head_share_one_uneven_vocabulary_shard(tmp_path):
     from baige_ray.models.token_dataset import TokenDataset
-
     from tests.hf_helpers import build_tiny_hf, plain_transformers_losses, qwen2_tied_config
 
     tiny = build_tiny_hf(tmp_path, family=qwen2_tied_config, vocab_size=VOCAB)

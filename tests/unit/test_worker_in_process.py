@@ -9,11 +9,11 @@ import torch.distributed as dist
 
 from baige_ray.actors.worker import ElasticWorkerActor, StepFailed, WorkerActor
 from baige_ray.api.configs import TrainConfig
-from baige_ray.engines.layout import ParallelLayout
+from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.corpus import CorpusConfig
 from baige_ray.models.gpt import GPTConfig
-from baige_ray.runtime.distributed import GroupMembership, StoreAddress
-from baige_ray.runtime.train_loop import TrainJob
+from baige_ray.parallel.distributed import GroupMembership, StoreAddress
+from baige_ray.parallel.layout import ParallelLayout
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ device, each rank keeps its stages and reads only their tensors from the safeten
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,11 @@ from torch import nn
 
 from baige_ray.models.hf.model import HFModel, weight_files
 from baige_ray.models.hf.moe import (
-    RouterBalanceLoss, install_routed_experts, moe_shape, routed_experts, router_loss_coef,
+    RouterBalanceLoss,
+    install_routed_experts,
+    moe_shape,
+    routed_experts,
+    router_loss_coef,
 )
 from baige_ray.models.hf.stage import DecoderStage
 from baige_ray.models.plugin import ModelPlugin, register_model
@@ -251,13 +256,15 @@ class HFPlugin(ModelPlugin):
             model.config.output_router_logits = False
         return model.eval()
 
-    def build_text_generator(self, weights: dict[str, torch.Tensor]):
-        from baige_ray.serving.decoders import HFDecoder
-        from baige_ray.serving.generators import TextGenerator, TokenizerCodec
+    def build_decoder(self, weights: dict[str, torch.Tensor]):
+        from baige_ray.models.hf.decoding import HFDecoder
 
-        tokenizer = self.config.load_tokenizer()  # serving needs one: a ValueError names the model otherwise
-        decoder = HFDecoder(self.build_inference_model(weights), max_context=self.config.max_positions)
-        return TextGenerator(decoder, TokenizerCodec(tokenizer))
+        return HFDecoder(self.build_inference_model(weights), max_context=self.config.max_positions)
+
+    def text_codec(self):
+        from baige_ray.models.generation import TokenizerCodec
+
+        return TokenizerCodec(self.config.load_tokenizer())  # serving needs one: a ValueError names the model
 
     def check_vllm(self) -> None:
         if self._experts is not None:
@@ -285,11 +292,9 @@ class HFPlugin(ModelPlugin):
                 raise ValueError(f"{self.describe()} has head_dim={head_dim}: vLLM's CPU attention supports head "
                                  f"sizes {supported} only; serve it with engine='builtin'")
 
-    def build_vllm_engine(self, weights: dict[str, torch.Tensor], limits):
-        from baige_ray.serving.generators import TokenizerCodec
-        from baige_ray.serving.vllm_engine import VLLMEngine, VLLMSettings
+    @contextlib.contextmanager
+    def vllm_source(self):
+        from baige_ray.models.generation import VLLMSource
 
         self.check_vllm()
-        codec = TokenizerCodec(self.config.load_tokenizer())
-        settings = VLLMSettings(model_dir=str(self.config.path), max_context=self.config.max_positions)
-        return VLLMEngine(settings, weights, eos_token_id=codec.eos_token_id, limits=limits), codec
+        yield VLLMSource(model_dir=str(self.config.path), max_context=self.config.max_positions)

@@ -117,7 +117,7 @@ class ParallelLayout:
     @property
     def snapshots_are_sharded(self) -> bool:
         """FSDP2 and ZeRO-3 keep 1/dp of every tensor on a rank, which snapshots only its own pieces
-        (engines/shards.py): restoring a stage then needs the part of each of its ranks."""
+        (parallel/shards.py): restoring a stage then needs the part of each of its ranks."""
         return self.dp > 1 and self.ep == 1 and self.data_parallel in ("fsdp2", "zero3")
 
     @property

@@ -16,9 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from baige_ray.engines.boxes import Box, Pieces, box_of, piece_of
-from baige_ray.engines.state import ADAM_KEYS, CanonicalState
-
+from baige_ray.parallel.boxes import Box, Pieces, box_of, piece_of
+from baige_ray.parallel.state import ADAM_KEYS, CanonicalState
 
 
 @dataclass

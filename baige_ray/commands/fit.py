@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     import baige_ray as br
-    from baige_ray.engines.layout import parse_layout
+    from baige_ray.parallel.layout import parse_layout
 
     model, data = _model_and_data(args)
     train = br.TrainConfig(num_steps=args.steps, global_batch_size=args.global_batch, learning_rate=args.lr,

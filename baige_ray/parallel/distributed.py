@@ -121,8 +121,7 @@ def forget_device_meshes() -> None:
     generation with the same layout would otherwise reuse a mesh whose process
     groups were destroyed with the old generation.
     """
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor import DTensor, _redistribute
     from torch.distributed.tensor._sharding_prop import LocalLRUCache
 
     _redistribute.clear_redistribute_planner_cache()

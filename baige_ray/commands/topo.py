@@ -1,7 +1,7 @@
 """`baige-ray topo [--cluster FILE] [--json] [--png FILE]`: show the cluster's resource graph.
 
 With --cluster, the graph comes straight from the descriptor (no Ray). Without
-it, baige-ray connects to RAY_ADDRESS (or a local Ray), runs the TopologyActor's
+it, baige-ray connects to RAY_ADDRESS (or a local Ray), runs the live topology.s
 probes on every node and shows what the hardware reports.
 """
 
@@ -38,9 +38,9 @@ def _graph(cluster: str | None) -> ResourceGraph:
         from baige_ray.topology.descriptor import load_descriptor
 
         return ResourceGraph.from_descriptor(load_descriptor(cluster))
-    from baige_ray.actors.topology import TopologyActor
     from baige_ray.topology.connect import open_cluster
+    from baige_ray.topology.live import LiveTopology
 
     with open_cluster(None):
         # In-process: one look at the cluster needs no long-lived actor, only the pinned probes.
-        return TopologyActor(start_polling=False).graph()
+        return LiveTopology().graph()

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from baige_ray.engines.boxes import box_of, piece_of
+from baige_ray.parallel.boxes import box_of, piece_of
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 CanonicalState = dict[str, dict]

@@ -1,0 +1,107 @@
+"""What a model plug-in gives serving to generate text: a decoder the engine drives and a codec.
+
+`KVDecoder.forward(input_ids, position_ids, attention_mask, past)` takes `[rows, new]` tokens and their
+positions, a `[rows, past_columns + new]` mask (0 for left padding) and the per-layer cache of the rows
+so far (None to prefill), and returns the last position's logits per row (float32, CPU: sampling there
+makes a seed give the same tokens on any device) and the cache grown by `new` columns. A `TextCodec`
+turns text into token ids and back. Each plug-in implements them for its family (models/gpt_decoding.py,
+models/hf/decoding.py); the serving engine (serving/engine.py) knows only these protocols.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values, [rows, heads, columns, head_dim]
+
+
+class KVDecoder(Protocol):
+    max_context: int  # positions the model has: prompt plus new tokens must fit
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model, and so the cache it returns, lives."""
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                past: KV | None) -> tuple[torch.Tensor, KV]: ...
+
+
+class TextCodec(Protocol):
+    eos_token_id: int | None
+
+    def encode(self, prompt: str) -> list[int]: ...
+
+    def decoder(self) -> IncrementalDecoder: ...
+
+    def chat_tokens(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
+        """The prompt for (role, content) messages, ready for the assistant's answer."""
+
+
+class IncrementalDecoder(Protocol):
+    def push(self, token: int) -> str:
+        """The text this token completes (empty while a character is still partial)."""
+
+    def flush(self) -> str:
+        """Whatever is left once the request ended (partial characters as U+FFFD)."""
+
+
+def plain_chat_prompt(messages: tuple[tuple[str, str], ...]) -> str:
+    """The prompt for a model whose tokenizer has no chat template: one 'role: content' line each."""
+    return "".join(f"{role}: {content}\n" for role, content in messages) + "assistant:"
+
+
+class TokenizerCodec:
+    """A Hugging Face tokenizer (special tokens added as the model was trained, skipped in output)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+
+    def encode(self, prompt: str) -> list[int]:
+        ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        return ids or [self.tokenizer.bos_token_id or self.tokenizer.eos_token_id or 0]
+
+    def decoder(self) -> IncrementalDecoder:
+        return _TokenizerDecoder(self.tokenizer)
+
+    def chat_tokens(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):  # e.g. a base model's tokenizer
+            return self.encode(plain_chat_prompt(messages))
+        conversation = [{"role": role, "content": content} for role, content in messages]
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        # The template writes the special tokens it wants (BOS included): none are added again.
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] or self.encode(text)
+
+
+class _TokenizerDecoder:
+    """Decodes the whole output each time and hands on what is new: byte-level BPE tokens may end
+    mid-character (the decode then ends in U+FFFD), and merges may change earlier characters' spacing."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self._tokens, self._sent = tokenizer, [], ""
+
+    def push(self, token: int) -> str:
+        self._tokens.append(token)
+        text = self._tokenizer.decode(self._tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd") or not text.startswith(self._sent):
+            return ""
+        delta, self._sent = text[len(self._sent):], text
+        return delta
+
+    def flush(self) -> str:
+        text = self._tokenizer.decode(self._tokens, skip_special_tokens=True)
+        delta = text[len(self._sent):] if text.startswith(self._sent) else ""
+        self._sent = text
+        return delta
+
+
+@dataclass(frozen=True)
+class VLLMSource:
+    """What vLLM loads a model from: a directory with its config and tokenizer (the weights come from
+    memory) and the context it serves."""
+
+    model_dir: str
+    max_context: int
