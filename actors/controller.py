@@ -35,7 +35,7 @@ from baige_ray.elastic.workers import Worker, WorkerPool, restarted_by_ray
 from baige_ray.engines.train_job import TrainJob
 from baige_ray.ops.events import EventLog
 from baige_ray.parallel.layout import ParallelLayout
-from baige_ray.runtime.worker_group import choose_device_resource
+from baige_ray.runtime.resources import choose_device_resource
 
 CONTROLLER_THREADS = {"max_concurrency": 1, "concurrency_groups": {"loop": 1, "control": 4}}
 HARVEST_START_TIMEOUT_S = 60.0  # a harvest rank not up by then found no device share free

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import baige_ray as br
 from baige_ray.api.elastic import ElasticConfig
-from baige_ray.elastic.job import launch
+from baige_ray.jobs.launch import launch
 from baige_ray.serving import reload_weights, scale_replicas, serve, shutdown
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ def spawn_ranks(rank_main, nprocs: int, *args) -> dict:
 
 def at_full_speed(layout: ParallelLayout):
     """The execution plan of `layout` with every chip at its own speed (no emulated slow chips)."""
-    from baige_ray.runtime.fit import ExecutionPlan
+    from baige_ray.jobs.fit import ExecutionPlan
 
     return ExecutionPlan(layout=layout, emulated_speeds=(1.0,) * layout.world_size)
 
@@ -34,7 +34,7 @@ def at_full_speed(layout: ParallelLayout):
 def worker_group(num_workers: int):
     """A fixture body: `num_workers` worker actors, shut down after the module's tests."""
     from baige_ray.api.configs import ScalingConfig
-    from baige_ray.runtime.worker_group import WorkerGroup
+    from baige_ray.jobs.worker_group import WorkerGroup
 
     workers = WorkerGroup(ScalingConfig(num_workers=num_workers), timeout_s=240)
     yield workers
@@ -75,7 +75,7 @@ def elastic_mlp_run(name: str, storage_path, *, num_workers: int = 4, num_steps:
     """Start elastic_mlp_job as an elastic job; returns the TrainingJob."""
     from baige_ray.api.configs import RunConfig, ScalingConfig
     from baige_ray.api.elastic import ElasticConfig
-    from baige_ray.elastic.job import launch
+    from baige_ray.jobs.launch import launch
 
     job = elastic_mlp_job(num_steps, global_batch_size, sizes)
     return launch(
@@ -106,8 +106,8 @@ def kill_runs_named(prefix: str) -> int:
     """Kill what every run whose name starts with `prefix` left behind (a failed test's detached actors)."""
     import ray
 
-    from baige_ray.elastic.job import kill_run_actors
     from baige_ray.elastic.workers import NAMESPACE
+    from baige_ray.jobs.launch import kill_run_actors
 
     runs = {entry["name"].split(":")[1] for entry in ray.util.list_named_actors(all_namespaces=True)
             if entry["namespace"] == NAMESPACE and entry["name"].startswith(("baige-worker:", "baige-controller:"))

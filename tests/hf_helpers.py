@@ -137,7 +137,7 @@ def elastic_hf_run(name: str, storage_path, tiny: TinyHF, *, num_workers: int, n
     """The tiny model as an elastic job (constant learning rate; pure data parallel unless `layout` says
     otherwise); returns the TrainingJob."""
     from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
-    from baige_ray.elastic.job import launch
+    from baige_ray.jobs.launch import launch
     from baige_ray.models.hf import HFModel
     from baige_ray.models.token_dataset import TokenDataset
 

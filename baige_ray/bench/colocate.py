@@ -188,7 +188,7 @@ def _split(job, info, train_devices: int) -> None:
 def _start(args: argparse.Namespace):
     import baige_ray as br
     from baige_ray.api.elastic import ElasticConfig
-    from baige_ray.elastic.job import launch
+    from baige_ray.jobs.launch import launch
     from baige_ray.serving import serve
 
     model = br.GPTConfig(seq_len=SEQ_LEN, num_layers=2, num_heads=4, hidden=128 if args.engine == "vllm" else 64)

@@ -183,8 +183,8 @@ def _fit_case(model: Any, train: Any, name: str, layout: Any, speeds: list[float
     import sys
 
     from baige_ray.api.configs import RunConfig, ScalingConfig
+    from baige_ray.jobs.fit import fit
     from baige_ray.models.corpus import CorpusConfig
-    from baige_ray.runtime.fit import fit
 
     result = fit(
         model, train=train, layout=layout, emulated_speeds=speeds,

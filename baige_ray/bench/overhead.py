@@ -252,10 +252,10 @@ def _run_torchrun(settings, workers: int, tmp: str) -> list[float]:
 
 def _run_baige(settings, workers: int, tmp: str) -> list[float]:
     from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
+    from baige_ray.jobs.fit import fit
     from baige_ray.models.corpus import CorpusConfig
     from baige_ray.models.gpt import GPTConfig
     from baige_ray.parallel.layout import ParallelLayout
-    from baige_ray.runtime.fit import fit
 
     if settings.hf_model_dir is not None:
         from baige_ray.models.hf import HFModel

@@ -78,7 +78,7 @@ def _run_baige(args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     from baige_ray.api.configs import RunConfig, ScalingConfig
     from baige_ray.api.elastic import ElasticConfig
     from baige_ray.elastic.faults import FaultPlan
-    from baige_ray.elastic.job import launch
+    from baige_ray.jobs.launch import launch
     from baige_ray.models.mlp import MLPConfig
 
     job = launch(

@@ -183,7 +183,7 @@ def _torchrun(settings, out: Path, workers: int) -> dict:
 
 def _baige(model_dir: Path, data_dir: Path, data_parallel: str, args, storage: Path) -> dict:
     from baige_ray.api.configs import RunConfig, ScalingConfig
-    from baige_ray.runtime.fit import fit
+    from baige_ray.jobs.fit import fit
 
     job, layout = _job(model_dir, data_dir, data_parallel, args)
     accelerator = "gpu" if on_gpus() else "cpu"

@@ -37,7 +37,7 @@ def measure_elastic(job, layout, args, storage: Path, reference_losses: list[flo
 def _run_and_kill(job, layout, args, storage: Path, reference_losses: list[float]) -> dict[str, Any]:
     from baige_ray.api.configs import RunConfig, ScalingConfig
     from baige_ray.api.elastic import ElasticConfig
-    from baige_ray.elastic.job import launch
+    from baige_ray.jobs.launch import launch
 
     run = RunConfig(name=f"scale-elastic-{layout.data_parallel}", storage_path=storage, show_progress=False)
     # One snapshot slot: two do not fit beside two workers of this model in 24 GiB (the memory check

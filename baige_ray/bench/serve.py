@@ -10,7 +10,7 @@ Each level runs `streams` client threads for `--seconds`, each sending one reque
   exactly like `builtin`;
 - `sampler`: what replicas ran before it: requests grouped as `@serve.batch` did (up to 8, 10 ms
   wait), then generated together; the reference GPT re-runs its window for every token
-  (serving/sampling.py), a Hugging Face model runs the length-grouped cached loop
+  (models/gpt_decoding.py), a Hugging Face model runs the length-grouped cached loop
   (causal_lm_generation.py). It does not stream: the first token arrives with the last.
 
 All run in this process on one intra-op thread each (a replica's setting), on the same weights.
@@ -119,8 +119,8 @@ def build_setup(model_name: str, tmp: str) -> BenchSetup:
 
 def _sampler_for(model_name: str, generator):
     if model_name == "gpt":
+        from baige_ray.models.gpt_decoding import generate_from_tokens
         from baige_ray.serving.requests import GenerateRequest
-        from baige_ray.serving.sampling import generate_from_tokens
 
         def sample_gpt(prompts, params):  # today's byte-GPT path: grouped by prompt length, no cache
             requests = [GenerateRequest(prompt="", max_new_tokens=p.max_new_tokens, temperature=p.temperature,

@@ -21,7 +21,7 @@ from baige_ray.api.configs import ScalingConfig
 from baige_ray.api.device import DeviceInfo
 from baige_ray.elastic import calls
 from baige_ray.parallel.distributed import GroupMembership
-from baige_ray.runtime.worker_group import worker_bundle
+from baige_ray.runtime.resources import worker_bundle
 
 NAMESPACE = "baige"
 

@@ -5,7 +5,8 @@ positions, a `[rows, past_columns + new]` mask (0 for left padding) and the per-
 so far (None to prefill), and returns the last position's logits per row (float32, CPU: sampling there
 makes a seed give the same tokens on any device) and the cache grown by `new` columns. A `TextCodec`
 turns text into token ids and back. Each plug-in implements them for its family (models/gpt_decoding.py,
-models/hf/decoding.py); the serving engine (serving/engine.py) knows only these protocols.
+models/hf/decoding.py); the serving engine (serving/engine.py) knows only these protocols. A token is
+drawn from the top-k of the logits with a generator of the row's own (`sample_token`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values, [rows, heads, columns, head_dim]
 
@@ -105,3 +107,27 @@ class VLLMSource:
 
     model_dir: str
     max_context: int
+
+
+TOP_K = 40
+
+
+def seeded_generator(seed: int | None) -> torch.Generator:
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def sample_token(logits: torch.Tensor, temperature: float, generator: torch.Generator,
+                 top_k: int | None = TOP_K) -> int:
+    """Argmax at temperature 0; otherwise a draw from the top-k of softmax(logits / temperature)."""
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    scaled = logits / temperature
+    if top_k is not None and top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    return int(torch.multinomial(F.softmax(scaled, dim=-1), 1, generator=generator))

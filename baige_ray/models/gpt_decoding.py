@@ -1,15 +1,23 @@
 """The reference GPT served: its blocks run with a KV cache (its training forward has none), and its
-tokens are UTF-8 bytes."""
+tokens are UTF-8 bytes. `generate_batch` samples from it without a cache, one group of equal prompt
+lengths at a time (it has no padding mask): the reference the serving engine is checked against; each
+row samples with its own temperature and generator, so a request's text does not depend on what it was
+batched with (up to floating-point summation order). Requests are anything with max_new_tokens,
+temperature and seed (serving's GenerateRequest)."""
 
 from __future__ import annotations
 
 import codecs
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baige_ray.models.generation import KV, IncrementalDecoder, plain_chat_prompt
+from baige_ray.models.generation import KV, IncrementalDecoder, plain_chat_prompt, sample_token, seeded_generator
+from baige_ray.models.gpt import GPT
 
 
 class GPTDecoder:
@@ -74,3 +82,51 @@ class _ByteDecoder:
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)
+
+
+def encode_prompt(prompt: str, seq_len: int) -> list[int]:
+    """UTF-8 bytes of the prompt; only the last seq_len fit the model's window."""
+    return list(prompt.encode("utf-8"))[-seq_len:]
+
+
+def decode_tokens(tokens: Sequence[int]) -> str:
+    return bytes(tokens).decode("utf-8", errors="replace")
+
+
+@torch.no_grad()
+def _generate_group(model: GPT, prompts: list[list[int]], requests: list[Any]) -> list[list[int]]:
+    """New tokens for rows whose prompts have the same length."""
+    tokens = torch.tensor(prompts, dtype=torch.long)
+    generators = [seeded_generator(request.seed) for request in requests]
+    longest = max(request.max_new_tokens for request in requests)
+    new_tokens: list[list[int]] = [[] for _ in requests]
+    for position in range(longest):
+        window = tokens[:, -model.config.seq_len :]
+        logits = model(window)[:, -1, :].float()
+        next_column = []
+        for row, request in enumerate(requests):
+            token = sample_token(logits[row], request.temperature, generators[row])
+            if position < request.max_new_tokens:
+                new_tokens[row].append(token)
+            next_column.append(token)
+        tokens = torch.cat([tokens, torch.tensor(next_column, dtype=torch.long)[:, None]], dim=1)
+    return new_tokens
+
+
+def generate_batch(model: GPT, requests: Sequence[Any]) -> list[list[int]]:
+    """New tokens for each request, in request order."""
+    return generate_from_tokens(model, [encode_prompt(r.prompt, model.config.seq_len) for r in requests], requests)
+
+
+def generate_from_tokens(model: GPT, prompts: Sequence[list[int]], requests: Sequence[Any]) -> list[list[int]]:
+    """New tokens for prompts given as byte tokens (`requests` give the sampling settings; their prompts are unused)."""
+    model.eval()
+    groups: dict[int, list[int]] = defaultdict(list)
+    for index, prompt in enumerate(prompts):
+        groups[len(prompt)].append(index)
+    results: list[list[int]] = [[] for _ in requests]
+    for indices in groups.values():
+        outputs = _generate_group(model, [prompts[i] for i in indices], [requests[i] for i in indices])
+        for index, output in zip(indices, outputs):
+            results[index] = output
+    return results

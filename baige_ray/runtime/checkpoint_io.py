@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from baige_ray.api.errors import CheckpointError
 from baige_ray.checkpoint.final import MANIFEST_FILE, load_model_state
 from baige_ray.models.plugin import config_type_named, plugin_for
 
@@ -24,7 +25,9 @@ def load_checkpoint(directory: Path) -> tuple[int, dict[str, torch.Tensor], Any]
     if is_hf_directory(directory):
         return _load_hf_directory(directory)
     state, manifest = load_model_state(directory)
-    config_type = config_type_named(manifest.get("model_class", "GPTConfig"))
+    if "model_class" not in manifest:
+        raise CheckpointError(f"{directory}'s manifest names no model_class: which model it holds is unknown")
+    config_type = config_type_named(manifest["model_class"])
     return int(manifest["step"]), state, config_type(**manifest["model_config"])
 
 

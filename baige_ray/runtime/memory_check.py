@@ -23,7 +23,7 @@ from baige_ray.planner.fits import CPU_DEVICE, HostCopies, LayoutFit, check_fits
 from baige_ray.planner.model_spec import ModelSpec
 from baige_ray.planner.replicas import host_copies
 from baige_ray.runtime.auto_plan import first_devices, live_graph
-from baige_ray.runtime.worker_group import choose_device_resource
+from baige_ray.runtime.resources import choose_device_resource
 from baige_ray.topology.descriptor import ClusterDescriptor
 from baige_ray.topology.graph import ResourceGraph
 from baige_ray.topology.simulated import SimulatedCluster

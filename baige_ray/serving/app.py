@@ -33,13 +33,15 @@ from ray import serve as ray_serve
 
 from baige_ray.api.errors import ServingError
 from baige_ray.api.validation import require_int, require_number
-from baige_ray.models.gpt import GPTConfig
 from baige_ray.models.plugin import plugin_for
 from baige_ray.policies.disaggregation import SplitPolicy
 from baige_ray.runtime.checkpoint_io import load_checkpoint
 from baige_ray.serving.deployment import HEALTH_CHECK_PERIOD_S, ModelServer
 from baige_ray.serving.disaggregation import (
-    DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, DisaggregationOptions, bind_disaggregated,
+    DECODE_DEPLOYMENT,
+    PREFILL_DEPLOYMENT,
+    DisaggregationOptions,
+    bind_disaggregated,
 )
 from baige_ray.serving.expert_parallel import ExpertParallelServing
 from baige_ray.serving.openai_api import CompletionLimits
@@ -137,10 +139,9 @@ def default_actor_options(device_share: float = 1.0) -> dict:
 
 
 def _model_config(model_config: Any) -> Any:
-    """A registered model config; a dict is the reference GPT's fields (what earlier callers pass)."""
-    config = GPTConfig(**model_config) if isinstance(model_config, dict) else model_config
-    plugin_for(config)  # an unknown model fails here, naming the supported ones
-    return config
+    """A registered model config: an unknown one fails here, naming the supported ones."""
+    plugin_for(model_config)
+    return model_config
 
 
 def _resolve_source(source: Any, model_config: Any) -> tuple[int, ray.ObjectRef, Any]:

@@ -6,7 +6,7 @@ Works with any `transformers` causal LM with the Llama-family interface:
 
 No padding mask is built, so prompts of different lengths cannot share a forward pass without
 changing each other's results. A batch is split into groups of equal prompt length (as in
-`baige_ray.serving.sampling`); each row samples with its own generator, so a request's tokens do
+`baige_ray.models.generation`); each row samples with its own generator, so a request's tokens do
 not depend on what it was batched with (up to floating-point summation order).
 
 With `use_cache=True` a group runs one prefill forward over its prompts, then one forward per new
@@ -29,9 +29,9 @@ from typing import Any, Literal
 import torch
 
 from baige_ray.api.validation import require_int, require_number
+from baige_ray.models.generation import sample_token, seeded_generator
 from baige_ray.models.hf.decoding import forward_options
 from baige_ray.serving.context_length import require_fit
-from baige_ray.serving.sampling import sample_token, seeded_generator
 
 FinishReason = Literal["stop", "length"]
 

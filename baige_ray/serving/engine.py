@@ -6,7 +6,7 @@ the batch's (`PaddedKVBatch`). Then one decode forward runs over every running r
 and each row samples its next one. A row that samples end-of-text, reaches its token budget or is
 cancelled leaves at once, freeing its slot for the next waiting request.
 
-Each row samples with its own seeded generator (serving/sampling.py), so a request's tokens do not
+Each row samples with its own seeded generator (models/generation.py), so a request's tokens do not
 depend on what it shares the batch with, up to floating-point summation order. Tokens go to the
 request's `on_event` callback as they are sampled (the server streams them); it runs on the
 engine's thread and must not block.
@@ -31,11 +31,10 @@ from typing import Generic, Protocol, TypeVar
 import torch
 
 from baige_ray.api.validation import require_int
-from baige_ray.models.generation import KV, KVDecoder
+from baige_ray.models.generation import KV, KVDecoder, sample_token, seeded_generator
 from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams
 from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.kv_batch import PaddedKVBatch
-from baige_ray.serving.sampling import sample_token, seeded_generator
 
 
 @dataclass(frozen=True)

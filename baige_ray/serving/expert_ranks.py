@@ -22,7 +22,7 @@ IDLE_TIMEOUT_S = 365 * 24 * 3600.0
 
 class ExpertRanks:
     def __init__(self, layers: list[nn.Module], options: ExpertParallelServing, actor_options: dict):
-        from baige_ray.actors.expert_server import ExpertServer
+        from baige_ray.serving.expert_server import ExpertServer
 
         if not layers:
             raise ValueError("expert-parallel serving needs a mixture-of-experts model: this one has no expert layers")

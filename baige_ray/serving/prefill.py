@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from baige_ray.models.generation import KVDecoder
+from baige_ray.models.generation import KVDecoder, sample_token, seeded_generator
 from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams
 from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.engine import (
@@ -30,7 +30,6 @@ from baige_ray.serving.engine import (
     PrefilledRequest,
     RequestQueue,
 )
-from baige_ray.serving.sampling import sample_token, seeded_generator
 
 PrefillSink = Callable[[PrefilledRequest], None]
 

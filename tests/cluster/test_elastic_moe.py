@@ -33,7 +33,7 @@ TRAIN = TrainConfig(num_steps=12, global_batch_size=8, micro_batch_size=2, warmu
 @pytest.fixture(autouse=True)
 def no_leftover_actors(sim_cluster):
     yield
-    from baige_ray.elastic.job import kill_run_actors
+    from baige_ray.jobs.launch import kill_run_actors
 
     kill_run_actors("elastic-moe")
 
@@ -42,7 +42,7 @@ def no_leftover_actors(sim_cluster):
 def test_a_crash_that_halves_the_expert_parallel_degree_re_shards_the_experts_and_agrees(sim_cluster, tmp_path,
                                                                                        data_parallel):
     """With "zero2" the experts live in DeepSpeed's expert groups, which the survivors build anew for EP 2."""
-    from baige_ray.elastic.job import launch
+    from baige_ray.jobs.launch import launch
 
     job = launch(MODEL, train=TRAIN, scaling=ScalingConfig(num_workers=4),
                  run=RunConfig(name="elastic-moe", storage_path=tmp_path, show_progress=False),

@@ -82,7 +82,7 @@ def gpt_run(name: str, tmp_path, *, num_steps: int, num_layers: int, global_batc
     """A small GPT on all 8 devices at a constant learning rate, so a run stopped after k steps and a
     k-step run do the same arithmetic."""
     from baige_ray.api.configs import RunConfig, ScalingConfig
-    from baige_ray.elastic.job import launch
+    from baige_ray.jobs.launch import launch
 
     return launch(
         GPTConfig(seq_len=32, hidden=64, num_layers=num_layers),

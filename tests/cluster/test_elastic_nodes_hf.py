@@ -31,7 +31,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def no_leftover_actors(sim_cluster_4x2):
     yield
-    from baige_ray.elastic.job import kill_run_actors
+    from baige_ray.jobs.launch import kill_run_actors
 
     kill_run_actors("elastic-hf")
 

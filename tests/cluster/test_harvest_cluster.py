@@ -21,7 +21,7 @@ import baige_ray as br
 from baige_ray.actors.arbiter import ArbiterConfig, ArbiterLoop, JobTrainingSide
 from baige_ray.actors.serving_sides import ServeServingSide
 from baige_ray.api.elastic import ElasticConfig
-from baige_ray.elastic.job import launch
+from baige_ray.jobs.launch import launch
 from baige_ray.ops.events import EventLog
 from baige_ray.policies.lending import LendingAction, LendingPolicy
 from baige_ray.serving import replica_states, serve, shutdown

@@ -8,10 +8,10 @@ import pytest
 
 from baige_ray import GPTConfig, RunConfig, TrainConfig
 from baige_ray.engines.train_job import TrainJob
+from baige_ray.jobs.fit import train_on_group
 from baige_ray.models.corpus import CorpusConfig
 from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.parallel.state import merge_states
-from baige_ray.runtime.fit import train_on_group
 
 from ..helpers import at_full_speed, reference_losses, worker_group
 

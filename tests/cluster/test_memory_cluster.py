@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import ray
 
-import baige_ray.runtime.fit as fit_module
+import baige_ray.jobs.fit as fit_module
 from baige_ray import GPTConfig, RunConfig, ScalingConfig, TrainConfig, fit, launch
 from baige_ray.api.errors import InfeasiblePlanError
 from baige_ray.elastic.workers import NAMESPACE

@@ -10,7 +10,7 @@ import pytest
 from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
 from baige_ray.api.elastic import ElasticConfig
 from baige_ray.cli import main
-from baige_ray.elastic.job import launch
+from baige_ray.jobs.launch import launch
 from baige_ray.models.mlp import MLPConfig
 from baige_ray.ops.events import read_events
 from baige_ray.ops.status import fetch_status, find_runs

@@ -4,8 +4,8 @@ import pytest
 
 from baige_ray import GPTConfig, RunConfig, ScalingConfig, TrainConfig
 from baige_ray.api.elastic import ElasticConfig
-from baige_ray.elastic.job import launch
 from baige_ray.engines.train_job import TrainJob
+from baige_ray.jobs.launch import launch
 from baige_ray.models.corpus import CorpusConfig
 
 from ..helpers import reference_losses

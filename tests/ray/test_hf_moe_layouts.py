@@ -13,11 +13,11 @@ from safetensors import safe_open
 
 from baige_ray import RunConfig, TrainConfig
 from baige_ray.engines.train_job import TrainJob
+from baige_ray.jobs.fit import train_on_group
 from baige_ray.models.hf import HFModel
 from baige_ray.models.token_dataset import TokenDataset
 from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.parallel.state import merge_states
-from baige_ray.runtime.fit import train_on_group
 
 from ..helpers import at_full_speed, worker_group
 from ..hf_helpers import SEQ_LEN, build_tiny_hf, mixtral_config, plain_transformers_losses

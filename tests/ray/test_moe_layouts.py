@@ -12,11 +12,11 @@ import pytest
 
 from baige_ray import RunConfig, TrainConfig
 from baige_ray.engines.train_job import TrainJob
+from baige_ray.jobs.fit import train_on_group
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.models.moe import MoEConfig
 from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.parallel.state import merge_states
-from baige_ray.runtime.fit import train_on_group
 
 from ..helpers import at_full_speed, reference_losses, worker_group
 

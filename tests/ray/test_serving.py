@@ -20,13 +20,13 @@ import torch
 
 from baige_ray.checkpoint.final import save_model_checkpoint
 from baige_ray.models.gpt import GPT, GPTConfig
+from baige_ray.models.gpt_decoding import decode_tokens, generate_batch
 from baige_ray.runtime.checkpoint_io import load_model
 from baige_ray.serving import rebalance, reload_weights, scale_replicas, serve, shutdown, side_loads
 from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.disaggregation import PREFILL_DEPLOYMENT, DisaggregationOptions
 from baige_ray.serving.expert_parallel import ExpertParallelServing
 from baige_ray.serving.requests import GenerateRequest
-from baige_ray.serving.sampling import decode_tokens, generate_batch
 
 from ..moe_helpers import HOT_EXPERT, PROMPTS, greedy_tokens, skewed_moe_gpt
 

@@ -14,7 +14,7 @@ import torch
 
 from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
 from baige_ray.api.elastic import ElasticConfig
-from baige_ray.elastic.job import launch
+from baige_ray.jobs.launch import launch
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.models.hf import HFModel
 from baige_ray.models.plugin import plugin_for

@@ -3,10 +3,10 @@ import pytest
 from baige_ray.api.configs import ScalingConfig, TrainConfig
 from baige_ray.api.errors import ClusterError, WorkerError
 from baige_ray.engines.train_job import TrainJob
+from baige_ray.jobs.worker_group import WorkerGroup
 from baige_ray.models.corpus import CorpusConfig
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.parallel.layout import ParallelLayout
-from baige_ray.runtime.worker_group import WorkerGroup
 
 from ..helpers import FailingStepWorker
 

@@ -1,7 +1,9 @@
 import pytest
 
 from baige_ray.api.configs import ScalingConfig
-from baige_ray.runtime.worker_group import WorkerGroup, choose_device_resource
+from baige_ray.jobs.worker_group import WorkerGroup
+from baige_ray.runtime.resources import choose_device_resource
+
 
 @pytest.fixture(scope="module")
 def group(local_ray):

@@ -29,14 +29,11 @@ LAYERS = (
     ("serving",),
     ("elastic",),
     ("actors",),
+    ("jobs",),
     ("bench", "cli", "commands", "package"),
 )
 
-KNOWN_UPWARD = {
-    ("runtime", "actors"),  # fit's worker group starts the worker actors
-    ("serving", "actors"),  # a replica's expert ranks start expert-server actors
-    ("elastic", "actors"),  # launch starts the controller actor
-}
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 KNOWN_CIRCLES: set[frozenset[str]] = set()
 

@@ -9,12 +9,12 @@ import torch
 
 from baige_ray.models.gpt import GPT, GPTConfig
 from baige_ray.models.gpt_decoding import GPTDecoder
+from baige_ray.models.gpt_decoding import generate_batch as sampler_generate_batch
 from baige_ray.models.hf.decoding import HFDecoder
 from baige_ray.models.moe import MoEConfig
 from baige_ray.serving.causal_lm_generation import SamplingParams, generate_batch
 from baige_ray.serving.engine import ContinuousBatchingEngine, EngineFull, EngineLimits, TokenEvent, generate_all
 from baige_ray.serving.requests import GenerateRequest
-from baige_ray.serving.sampling import generate_batch as sampler_generate_batch
 from tests.hf_helpers import VOCAB_SIZE, llama_config
 
 PROMPT_LENGTHS = (3, 17, 1, 9, 30, 5, 12, 2)

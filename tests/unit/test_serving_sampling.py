@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from baige_ray.models.gpt import GPT, GPTConfig
+from baige_ray.models.gpt_decoding import decode_tokens, encode_prompt, generate_batch
 from baige_ray.serving.requests import GenerateRequest
-from baige_ray.serving.sampling import decode_tokens, encode_prompt, generate_batch
 
 CONFIG = GPTConfig(seq_len=16, num_layers=1, num_heads=2, hidden=16)
 

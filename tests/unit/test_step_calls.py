@@ -1,6 +1,6 @@
 import pytest
 
-from baige_ray.runtime.fit import StepCalls, reduce_step_metrics
+from baige_ray.jobs.fit import StepCalls, reduce_step_metrics
 
 
 def test_first_call_runs_one_step_then_about_a_second_of_steps():

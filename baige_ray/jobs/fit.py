@@ -22,12 +22,11 @@ from baige_ray.api.connection import connect_ray
 from baige_ray.api.errors import ClusterError
 from baige_ray.api.result import Result, StepMetrics
 from baige_ray.engines.train_job import TrainJob
-from baige_ray.models.gpt import GPTConfig
+from baige_ray.jobs.worker_group import WorkerGroup
 from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.parallel.state import CanonicalState, merge_weights
 from baige_ray.runtime.memory_check import check_layout_memory
 from baige_ray.runtime.progress import TrainingProgress
-from baige_ray.runtime.worker_group import WorkerGroup
 from baige_ray.topology.descriptor import ClusterDescriptor
 
 if TYPE_CHECKING:
@@ -95,7 +94,7 @@ class StepCalls:
 
 
 def fit(
-    model: Any = None,
+    model: Any,
     *,
     train: TrainConfig,
     scaling: ScalingConfig | None = None,
@@ -105,7 +104,7 @@ def fit(
     emulated_speeds: list[float] | None = None,
     cluster: ClusterDescriptor | None = None,
 ) -> Result:
-    """Train `model` (the reference GPT by default) and return its metrics and final checkpoint.
+    """Train `model` and return its metrics and final checkpoint.
 
     `model` is a registered model config: `HFModel` (a Hugging Face causal LM), `GPTConfig`, ...;
     `data` what it trains on: a `TokenDataset` for an HFModel, a `CorpusConfig` (default) for the GPT.
@@ -116,7 +115,7 @@ def fit(
     `ParallelLayout`. `emulated_speeds` (one per rank) makes workers emulate slower
     chips. Connects to RAY_ADDRESS, or starts a local Ray, when no session is open.
     """
-    job = TrainJob(model=model or GPTConfig(), train=train, data=data)
+    job = TrainJob(model=model, train=train, data=data)
     scaling = scaling or ScalingConfig()
     run = run or RunConfig()
     if not ray.is_initialized():

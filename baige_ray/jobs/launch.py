@@ -26,9 +26,8 @@ from baige_ray.elastic.shelf import run_shelves
 from baige_ray.elastic.sizing import layout_for
 from baige_ray.elastic.workers import NAMESPACE, kill_named_actors
 from baige_ray.engines.train_job import TrainJob
-from baige_ray.models.gpt import GPTConfig
+from baige_ray.jobs.fit import check_execution, check_speeds
 from baige_ray.parallel.layout import ParallelLayout
-from baige_ray.runtime.fit import check_execution, check_speeds
 from baige_ray.topology.descriptor import ClusterDescriptor
 from baige_ray.topology.simulated import SimulatedCluster
 
@@ -110,7 +109,7 @@ def kill_run_actors(run_name: str) -> int:
 
 
 def launch(
-    model: Any = None,
+    model: Any,
     *,
     train: TrainConfig,
     scaling: ScalingConfig | None = None,
@@ -123,13 +122,14 @@ def launch(
     worker_cls: type | None = None,
     cluster: ClusterDescriptor | None = None,
 ) -> TrainingJob:
-    """Start training in the background; `job.wait()` returns the `Result`.
+    """Start training `model` (a registered model config, as for `fit`) in the background;
+    `job.wait()` returns the `Result`.
 
     `layout` is an explicit `ParallelLayout`, "ddp" (the default: data parallel over every
     worker) or "auto": the planner lays out the devices the workers get, and re-plans them
     after every failure and resize (`cluster` is the descriptor when not simulated).
     """
-    job = TrainJob(model=model or GPTConfig(), train=train, data=data)
+    job = TrainJob(model=model, train=train, data=data)
     scaling = scaling or ScalingConfig()
     run = run or RunConfig()
     elastic = elastic or ElasticConfig()
