@@ -41,6 +41,12 @@ CONTROLLER_THREADS = {"max_concurrency": 1, "concurrency_groups": {"loop": 1, "c
 HARVEST_START_TIMEOUT_S = 60.0  # a harvest rank not up by then found no device share free
 
 
+def ray_worker_pool(scaling: ScalingConfig, run_name: str, worker_cls: type, snapshot_slots: int) -> WorkerPool:
+    """Worker actors of `worker_cls` with their concurrency groups, each holding a device of this cluster."""
+    resource = choose_device_resource(scaling, ray.cluster_resources())
+    return WorkerPool(scaling, run_name, resource, ray.remote(**ELASTIC_WORKER_THREADS)(worker_cls), snapshot_slots)
+
+
 class ElasticController:
     def __init__(
         self,
@@ -58,16 +64,12 @@ class ElasticController:
         record: JobRecord | None = None,
         was_restarted: Callable[[], bool] | None = None,
     ):
-        """`pool`, `record` and `was_restarted` default to Ray's: worker actors, the job record in
-        Ray's key-value store, Ray's word on whether it restarted this actor (unit tests pass their own)."""
+        """`pool`, `record` and `was_restarted` default to Ray's (unit tests pass their own)."""
         self.job, self.scaling, self.run_config, self.elastic = job, scaling, run, elastic
-        self.faults = faults or FaultPlan()
-        self.speeds = list(speeds or [1.0] * scaling.num_workers)
+        self.faults, self.speeds = faults or FaultPlan(), list(speeds or [1.0] * scaling.num_workers)
         self.machine = StateMachine()
         self.events = EventLog(run.run_dir / "events.jsonl")
-        self.pool = pool or WorkerPool(scaling, run.name, choose_device_resource(scaling, ray.cluster_resources()),
-                                       ray.remote(**ELASTIC_WORKER_THREADS)(worker_cls),
-                                       snapshot_slots=elastic.snapshot_slots)
+        self.pool = pool or ray_worker_pool(scaling, run.name, worker_cls, elastic.snapshot_slots)
         self.was_restarted = was_restarted or restarted_by_ray
         min_workers, max_workers = elastic.bounds(scaling.num_workers)
         # The planner may use any number of the devices it is given (idle ones stay as spares).
