@@ -225,22 +225,26 @@ def test_a_stop_request_ends_the_job_at_a_step_boundary(tmp_path):
     assert losses(out["result"]) == fault_free(ctl.step)
 
 
-def test_a_restarted_controller_finds_its_workers_and_resumes_where_they_are(tmp_path):
-    cluster = FakeCluster({"n0": 3})
-    store = MemoryKeyValueStore()
-    first_pool, first_store = FakeWorkerPool(cluster), store.view()
+def crash_controller(tmp_path, cluster: FakeCluster, store: MemoryKeyValueStore, *, at_step: int, **elastic) -> None:
+    """Run a first controller until a rank finishes `at_step`, where its process dies: what it still asks
+    of the pool and the job record afterwards never happens (the workers and the record outlive it)."""
+    pool, view = FakeWorkerPool(cluster), store.view()
 
     def crash(worker, step):
-        if step == 3 and not first_pool.severed:
-            first_pool.sever()
-            first_store.severed = True
+        if step == at_step and not pool.severed:
+            pool.sever()
+            view.severed = True
             raise ControllerCrashed
 
     cluster.hooks.append(crash)
-    first = controller(tmp_path, cluster, num_spares=1, store=first_store, pool=first_pool)
     with pytest.raises(ControllerCrashed):
-        first.run()
+        controller(tmp_path, cluster, store=view, pool=pool, **elastic).run()
     cluster.hooks.clear()
+
+
+def test_a_restarted_controller_finds_its_workers_and_resumes_where_they_are(tmp_path):
+    cluster, store = FakeCluster({"n0": 3}), MemoryKeyValueStore()
+    crash_controller(tmp_path, cluster, store, at_step=3, num_spares=1)
     second = controller(tmp_path, cluster, num_spares=1, store=store, restarted=True)
     result = second.run()
     assert phases(second) == ["recovering", "running", "finished"]
@@ -252,21 +256,8 @@ def test_a_restarted_controller_finds_its_workers_and_resumes_where_they_are(tmp
 
 
 def test_a_restarted_controller_replaces_a_worker_lost_while_it_was_down(tmp_path):
-    cluster = FakeCluster({"n0": 3})
-    store = MemoryKeyValueStore()
-    first_pool, first_store = FakeWorkerPool(cluster), store.view()
-
-    def crash(worker, step):
-        if step == 2 and not first_pool.severed:
-            first_pool.sever()
-            first_store.severed = True
-            raise ControllerCrashed
-
-    cluster.hooks.append(crash)
-    first = controller(tmp_path, cluster, store=first_store, pool=first_pool)
-    with pytest.raises(ControllerCrashed):
-        first.run()
-    cluster.hooks.clear()
+    cluster, store = FakeCluster({"n0": 3}), MemoryKeyValueStore()
+    crash_controller(tmp_path, cluster, store, at_step=2)
     cluster.workers[1].kill()
     second = controller(tmp_path, cluster, store=store, restarted=True, num_spares=1)
     result = second.run()
