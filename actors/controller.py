@@ -188,6 +188,7 @@ class ElasticController:
             "workers": [worker.describe(rank) for rank, worker in enumerate(members)],
             "events": self.events.recent(20),
             "steps_per_s": self.accounts.steps_per_s(),
+            "loss": self.accounts.records[-1]["loss"] if self.accounts.records else None,
             "goodput": self.accounts.goodput(),
             "started_at": self.accounts.started_at,
             "elapsed_s": time.time() - self.accounts.started_at,

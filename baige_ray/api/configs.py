@@ -117,7 +117,7 @@ class RunConfig:
 
     name: str = "baige-run"
     storage_path: Path = field(default_factory=lambda: Path.home() / "baige_ray_results")
-    show_progress: bool = True
+    show_progress: bool = True  # a progress line on stderr: fit's steps, or a launch job's until wait()
     step_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:

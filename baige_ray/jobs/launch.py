@@ -28,6 +28,7 @@ from baige_ray.elastic.workers import NAMESPACE, kill_named_actors
 from baige_ray.engines.train_job import TrainJob
 from baige_ray.jobs.fit import check_execution, check_speeds
 from baige_ray.parallel.layout import ParallelLayout
+from baige_ray.runtime.progress import JobProgress
 from baige_ray.topology.descriptor import ClusterDescriptor
 from baige_ray.topology.simulated import SimulatedCluster
 
@@ -38,11 +39,14 @@ logger = logging.getLogger(__name__)
 class TrainingJob:
     """A running elastic job. Every method is a call to its controller actor."""
 
-    def __init__(self, controller: ray.actor.ActorHandle, name: str, model: Any = None):
+    def __init__(self, controller: ray.actor.ActorHandle, name: str, model: Any = None, *,
+                 num_steps: int | None = None):
+        """With `num_steps`, a progress line follows the job until `wait()` (RunConfig.show_progress)."""
         self.controller = controller
         self.name = name
         self.model = model  # the model config it trains (serve(job) serves it)
         self._run_ref = controller.run.remote()
+        self._progress = JobProgress(self.status, num_steps).start() if num_steps is not None else None
 
     def status(self) -> dict:
         return ray.get(self.controller.status.remote())
@@ -65,11 +69,13 @@ class TrainingJob:
 
     def kill(self) -> None:
         """Tear the job down now: its controller and every worker actor of this run."""
+        self._close_progress()
         ray.kill(self.controller, no_restart=True)
         kill_run_actors(self.name)
 
     def wait(self, timeout_s: float | None = None) -> Result:
         outcome = ray.get(self._run_ref, timeout=timeout_s)
+        self._close_progress(outcome["status"])
         final_state = outcome.get("final_state")
         if final_state is not None:  # the controller owns it; take a copy before it goes
             final_state = ray.put(ray.get(final_state))
@@ -90,6 +96,11 @@ class TrainingJob:
             recoveries=outcome["recoveries"],
             final_state=final_state,
         )
+
+    def _close_progress(self, final: dict | None = None) -> None:
+        if self._progress is not None:
+            self._progress.close(final)
+            self._progress = None
 
 
 def head_node_id() -> str:
@@ -142,7 +153,7 @@ def launch(
         logger.warning("killed actors left behind by an earlier run named %r", run.name)
     controller = _start_controller(job, scaling, run, elastic, layout, speeds=list(speeds), faults=faults,
                                    planner=planner, worker_cls=worker_cls)
-    return TrainingJob(controller, run.name, job.model)
+    return TrainingJob(controller, run.name, job.model, num_steps=train.num_steps if run.show_progress else None)
 
 
 def _planner_and_layout(job: TrainJob, scaling: ScalingConfig, layout: ParallelLayout | str | None,

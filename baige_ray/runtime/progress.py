@@ -1,8 +1,11 @@
-"""A progress bar for training: loss and throughput, smoothed."""
+"""Progress bars for training: `fit`'s (loss and throughput, smoothed) and a `launch` job's."""
 
 from __future__ import annotations
 
 import sys
+import threading
+from collections.abc import Callable
+from typing import TextIO
 
 from tqdm.auto import tqdm
 
@@ -30,3 +33,51 @@ class TrainingProgress:
 
     def __exit__(self, *exc_info: object) -> None:
         self._bar.close()
+
+
+class JobProgress:
+    """The progress line of a running `launch` job, drawn by a daemon thread that polls `status` (the
+    controller's status call) every `interval_s`: steps done, the last step's loss, steps/s, workers, and
+    the controller's phase whenever it is not running (recovering, resizing). It ends with the job."""
+
+    def __init__(self, status: Callable[[], dict], num_steps: int, *, interval_s: float = 1.0,
+                 file: TextIO | None = None):
+        self._status, self._interval_s = status, interval_s
+        self._bar = tqdm(total=num_steps, desc="train", unit="step", file=file or sys.stderr)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="job-progress", daemon=True)
+
+    def start(self) -> JobProgress:
+        self._thread.start()
+        return self
+
+    def close(self, final: dict | None = None) -> None:
+        """Stop polling; draw `final` (the job's last status) before the line ends."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self._interval_s)
+        if final is not None:
+            self.show(final)
+        self._bar.close()
+
+    def show(self, status: dict) -> None:
+        """Draw one status (what the thread does every interval)."""
+        self._bar.n = min(status["step"], self._bar.total)
+        postfix = {"workers": status["num_workers"], "step_s": f"{1 / status['steps_per_s']:.2f}"
+                   if status.get("steps_per_s") else "-"}
+        if status.get("loss") is not None:
+            postfix["loss"] = f"{status['loss']:.3f}"
+        if status["state"] != "running":
+            postfix["state"] = status["state"]
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.refresh()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                status = self._status()
+            except Exception:  # the job ended (its controller is gone): nothing more to draw
+                return
+            self.show(status)
+            if status["state"] in ("finished", "failed"):
+                return

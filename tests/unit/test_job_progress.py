@@ -1,0 +1,37 @@
+"""The progress line of a launch() job, fed by the controller's status."""
+
+from __future__ import annotations
+
+import io
+import time
+
+from baige_ray.runtime.progress import JobProgress
+
+
+def status(step: int, state: str = "running", loss: float | None = 5.5) -> dict:
+    return {"step": step, "num_steps": 10, "state": state, "num_workers": 4, "steps_per_s": 2.0, "loss": loss}
+
+
+def test_a_job_progress_line_follows_the_status_shows_recovery_and_ends_with_the_job():
+    statuses = iter([status(0, loss=None), status(3), status(5, "recovering"), status(10, "finished")])
+    out = io.StringIO()
+    progress = JobProgress(lambda: next(statuses), 10, interval_s=0.01, file=out).start()
+    deadline = time.monotonic() + 5
+    while "10/10" not in out.getvalue():
+        assert time.monotonic() < deadline, out.getvalue()
+        time.sleep(0.01)
+    progress.close()
+    text = out.getvalue()
+    assert "3/10" in text and "state=recovering" in text and "loss=5.500" in text and "workers=4" in text
+    assert "step_s=0.50" in text
+
+
+def test_the_line_stops_quietly_when_the_job_is_gone():
+    def gone() -> dict:
+        raise RuntimeError("the controller died")
+
+    out = io.StringIO()
+    progress = JobProgress(gone, 10, interval_s=0.01, file=out).start()
+    time.sleep(0.1)
+    progress.close()
+    assert "0/10" in out.getvalue()
