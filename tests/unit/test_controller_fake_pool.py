@@ -108,26 +108,19 @@ def test_without_a_spare_the_job_shrinks_to_the_survivors(tmp_path):
     assert [m["num_workers"] for m in sorted(result["metrics"], key=lambda m: m["step"])] == [3, 3, 2, 2, 2, 2]
 
 
-def test_a_frozen_worker_is_found_by_its_silent_heartbeats(tmp_path):
+@pytest.mark.parametrize("rank, fault, why, resumed", [
+    (0, {"freeze_at": 2}, "heartbeats", 2),  # frozen (SIGSTOP): its heartbeats go silent
+    (1, {"hang_at": 3}, "still running", 3),  # hung in its step: ended at the deadline, read before it goes
+], ids=["frozen", "hung"])
+def test_a_frozen_or_hung_worker_is_found_and_replaced(tmp_path, rank, fault, why, resumed):
     cluster = FakeCluster({"n0": 3})
-    cluster.scripted[0] = {"freeze_at": 2}
+    cluster.scripted[rank] = fault
     ctl = controller(tmp_path, cluster, num_spares=1)
     result = ctl.run()
     failure = next(e for e in ctl.events.recent(200) if e["kind"] == "failure")
-    assert failure["rank"] == 0 and "heartbeats" in failure["reason"]
+    assert failure["rank"] == rank and why in failure["reason"]
     assert phases(ctl) == ONE_RECOVERY
-    assert losses(result) == fault_free(6) and result["recoveries"][0]["resumed_step"] == 2
-
-
-def test_a_hung_step_is_ended_at_the_deadline_and_its_worker_read_before_it_goes(tmp_path):
-    cluster = FakeCluster({"n0": 3})
-    cluster.scripted[1] = {"hang_at": 3}
-    ctl = controller(tmp_path, cluster, num_spares=1)
-    result = ctl.run()
-    failure = next(e for e in ctl.events.recent(200) if e["kind"] == "failure")
-    assert failure["rank"] == 1 and "still running" in failure["reason"]
-    assert phases(ctl) == ONE_RECOVERY
-    assert losses(result) == fault_free(6) and result["recoveries"][0]["resumed_step"] == 3
+    assert losses(result) == fault_free(6) and result["recoveries"][0]["resumed_step"] == resumed
 
 
 def test_a_straggler_is_evicted_for_a_spare_after_its_patience(tmp_path):
