@@ -14,6 +14,7 @@ import glob
 import json
 import logging
 import shutil
+import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from baige_ray.api.validation import require_choice, require_int
 from baige_ray.checkpoint.files import fsync_path, sha256_file, write_json_atomically
@@ -402,12 +404,17 @@ def _write_tokens(
     handle: BinaryIO,
     dtype: str,
 ) -> tuple[int, int]:
-    """Append every document's ids and eos to `handle` in file and row order; return (tokens, documents)."""
+    """Append every document's ids and eos to `handle` in file and row order; return (tokens, documents).
+    A build that takes more than two seconds shows its progress on stderr (bytes read, tokens written)."""
     num_written = num_documents = 0
-    for path in paths:
-        for ids, count in tokenize_file(path, tokenizer, text_field=text_field, cache_dir=cache_dir):
-            handle.write(ids.astype(dtype).tobytes())
-            num_written += ids.size
-            num_documents += count
-        logger.info("tokenized %s: %d tokens so far", path, num_written)
+    with tqdm(total=sum(path.stat().st_size for path in paths), unit="B", unit_scale=True, desc="tokenize",
+              file=sys.stderr, delay=2.0) as progress:
+        for path in paths:
+            for ids, count in tokenize_file(path, tokenizer, text_field=text_field, cache_dir=cache_dir):
+                handle.write(ids.astype(dtype).tobytes())
+                num_written += ids.size
+                num_documents += count
+            progress.update(path.stat().st_size)
+            progress.set_postfix(tokens=f"{num_written:,}", refresh=False)
+            logger.info("tokenized %s: %d tokens so far", path, num_written)
     return num_written, num_documents
