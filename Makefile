@@ -6,6 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 .PHONY: install test test-unit demo demo-gpt clean
 
@@ -33,8 +34,9 @@ test: install
 test-unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
+# DEMO_ARGS=--verbose shows Ray's and Serve's own logs too.
 demo: install
-	$(PY) examples/train_llama.py
+	$(PY) examples/demo.py $(DEMO_ARGS)
 
 demo-gpt: install
 	$(PY) examples/train_gpt.py

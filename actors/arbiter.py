@@ -49,7 +49,6 @@ from baige_ray.policies.lending import (
     forecast_rate,
 )
 
-
 MIN_REQUESTS_TO_MEASURE = 20
 CAPACITY_SMOOTHING = 0.3
 LEND_LATENCY_SMOOTHING = 0.5
@@ -300,6 +299,8 @@ class PoolArbiter:
         from baige_ray.ops.metrics import JobMetrics
 
         self._loop = ArbiterLoop(JobTrainingSide(job_name), serving_side(serve_info, model_config, config.min_infer_devices), config)
+        self._loop.events.record("start", "the pool arbiter takes the split as it finds it",
+                                 train_devices=self._loop.train_devices, infer_devices=self._loop.infer_devices)
         self._metrics = JobMetrics(job=job_name)
         self._lock = threading.Lock()
         self._stop = threading.Event()

@@ -139,7 +139,7 @@ class ElasticController:
         self.crew.regroup(self.pool.by_locality(members), None, self.step)
         if self.crew.planner is not None:  # grow back to what the planner chose on full capacity
             self.resizer.target_workers = len(self.crew.members)
-        self.events.record("start", f"{len(members)} workers", train_devices=len(members), infer_devices=0)
+        self.events.record("start", f"{len(members)} workers", train_devices=len(members))
         return Phase.RUNNING, "workers up"
 
     def _run_step(self) -> tuple[Phase, str]:
@@ -189,6 +189,8 @@ class ElasticController:
             "events": self.events.recent(20),
             "steps_per_s": self.accounts.steps_per_s(),
             "loss": self.accounts.records[-1]["loss"] if self.accounts.records else None,
+            "tokens_per_s": self.accounts.tokens_per_s(),
+            "mfu": self.accounts.mfu(len(members)),
             "goodput": self.accounts.goodput(),
             "started_at": self.accounts.started_at,
             "elapsed_s": time.time() - self.accounts.started_at,

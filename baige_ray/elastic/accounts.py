@@ -48,7 +48,9 @@ class StepAccounts:
         return self.next_step
 
     def new_generation(self, num_parameters: int) -> None:
+        """A regroup: ranks may now be other workers, so their compute times start over."""
         self.generation_steps, self.num_parameters = 0, num_parameters
+        self.compute_history = []
 
     # ----- judging the next step -----
 
@@ -90,7 +92,8 @@ class StepAccounts:
         self.step_times.append(seconds)
         self.generation_steps += 1
         self.productive_s += seconds
-        self.compute_history = (self.compute_history + [tuple(m["compute_s"] for m in per_rank)])[-COMPUTE_HISTORY:]
+        if self.generation_steps > WARMUP_STEPS:  # a new engine's first steps build caches: not a chip's pace
+            self.compute_history = (self.compute_history + [tuple(m["compute_s"] for m in per_rank)])[-COMPUTE_HISTORY:]
         self.next_step = step + 1
 
     def record_unreported(self, per_rank: list[dict | None], step: int) -> None:
@@ -134,6 +137,19 @@ class StepAccounts:
     def steps_per_s(self) -> float:
         recent = self.step_times[-20:]
         return len(recent) / sum(recent) if recent else 0.0
+
+    def tokens_per_s(self, steps: int = 20) -> float:
+        """Tokens trained per second over the last `steps` timed steps."""
+        recent = [r for r in self.records[-steps:] if r["step_time_s"] == r["step_time_s"]]  # NaN: unreported
+        seconds = sum(r["step_time_s"] for r in recent)
+        return sum(r["tokens"] for r in recent) / seconds if seconds > 0 else 0.0
+
+    def mfu(self, num_workers: int) -> float | None:
+        """Model FLOPs utilization of the recent steps, when the device peak is known (ElasticConfig)."""
+        peak, tokens_per_s = self.elastic.peak_flops_per_device, self.tokens_per_s()
+        if not peak or not tokens_per_s or not self.num_parameters or not num_workers:
+            return None
+        return estimate_mfu(tokens_per_s, self.num_parameters, num_workers, peak)
 
     def goodput(self) -> float:
         elapsed = time.time() - self.started_at

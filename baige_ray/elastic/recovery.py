@@ -115,7 +115,7 @@ class Recovery:
         self._marks = marks
         self._resume(step, survivors)
         kind = "resize" if len(regrouped) != len(members) else "recovered"
-        self.events.record(kind, decision.reason, train_devices=len(regrouped), infer_devices=0,
+        self.events.record(kind, decision.reason, train_devices=len(regrouped),
                            resume_step=self.accounts.next_step)
         return Phase.RUNNING, decision.reason
 

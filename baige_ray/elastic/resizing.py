@@ -126,7 +126,11 @@ class Resizer:
             target = command.num_workers if command is not None else self._growth_target()
             waiting = self._growth_waiters[0].command.reason if self._growth_waiters else ""
             reason = (command.reason if command is not None else waiting) or "capacity came back"
+            before = len(self.crew.members)
             phase = self._resize_planned(target, reason) if self.planned else self._resize_fixed(target, reason)
+            if command is None and self.planned and len(self.crew.members) <= before:
+                # The planner left the added devices idle: no growth from these candidates again.
+                self._growth_devices = len(self.crew.members)
         if pending is not None:
             pending.answer.set_result(self.answer_for(command))
         self._answer_growth_waiters()
@@ -145,7 +149,7 @@ class Resizer:
             failed = self._switch_to(members, released)
             if failed is not None:
                 return failed
-            self.events.record("resize", reason, train_devices=len(members), infer_devices=0,
+            self.events.record("resize", reason, train_devices=len(members),
                                resume_step=self.accounts.next_step)
         return Phase.RUNNING, f"{before} -> {len(self.crew.members)} workers"
 
@@ -176,7 +180,7 @@ class Resizer:
         failed = self._switch_to(WorkerPool.by_locality(keep + (extra or [])), released)
         if failed is not None:
             return failed
-        self.events.record("resize", reason, train_devices=len(self.crew.members), infer_devices=0,
+        self.events.record("resize", reason, train_devices=len(self.crew.members),
                            resume_step=self.accounts.next_step)
         return Phase.RUNNING, f"{before} -> {self.crew.layout.describe()}"
 

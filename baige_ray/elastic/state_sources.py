@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+from typing import Any
 
 import ray
 
@@ -94,10 +95,8 @@ class StateSources:
             return
         candidates = idle_spares + members  # idle spares first
         holders = [candidates[i] for i in replica_holders([w.info.node_id for w in candidates])]
-        sources = {}
-        for rank, worker in enumerate(members):  # one source per stage; every rank's shards when sharded
-            sources.setdefault(rank if layout.snapshots_are_sharded else stages[rank], worker.actor)
-        self.replica_copies.start(holders, sources)
+        self.replica_copies.start(holders, replica_sources(members, stages, layout.snapshots_are_sharded,
+                                                          turn=step // every))
 
     def await_replicas(self, next_step: int, generation_start: int, wait_s: float) -> None:
         """Before `next_step` is dispatched, let replicas that trail by more than a copy catch up.
@@ -262,3 +261,15 @@ def answers_or_none(refs: list[ray.ObjectRef], timeout_s: float = CALL_TIMEOUT_S
         except Exception:  # dead, or still silent: not a holder we can use
             answers.append(None)
     return answers
+
+
+def replica_sources(members: list[Worker], stages: list[int], sharded: bool, turn: int) -> dict[int, Any]:
+    """The actor each replica copy reads from: every rank's shards when snapshots are sharded, else one
+    rank per stage, taking turns among the stage's ranks (serving a copy slows the server's step: always
+    the same rank would make it look like a straggler)."""
+    if sharded:
+        return {rank: worker.actor for rank, worker in enumerate(members)}
+    ranks_of_stage: dict[int, list[int]] = {}
+    for rank, stage in enumerate(stages):
+        ranks_of_stage.setdefault(stage, []).append(rank)
+    return {stage: members[ranks[turn % len(ranks)]].actor for stage, ranks in ranks_of_stage.items()}

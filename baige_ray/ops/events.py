@@ -22,10 +22,11 @@ EVENT_KINDS = (
     "plan", "start", "failure", "eviction", "straggler", "resize", "recovered",
     "lend", "reclaim", "harvest", "unharvest", "rebalance", "checkpoint", "finished", "failed", "controller_restart",
 )
-# Fields some kinds must carry: the timeline plot and `baige-ray status` read them.
+# Fields some kinds must carry: the timeline plot and `baige-ray status` read them. A training job's
+# resize says what training holds; what serving holds is the arbiter's to say (lend, reclaim).
 DEVICE_FIELDS = ("train_devices", "infer_devices")
 REQUIRED_FIELDS = {
-    "resize": DEVICE_FIELDS,
+    "resize": ("train_devices",),
     "lend": DEVICE_FIELDS,
     "reclaim": DEVICE_FIELDS,
     "unharvest": DEVICE_FIELDS,

@@ -37,8 +37,8 @@ class TrainingProgress:
 
 class JobProgress:
     """The progress line of a running `launch` job, drawn by a daemon thread that polls `status` (the
-    controller's status call) every `interval_s`: steps done, the last step's loss, steps/s, workers, and
-    the controller's phase whenever it is not running (recovering, resizing). It ends with the job."""
+    controller's status call) every `interval_s`: steps done, the last step's loss, tokens/s and MFU (with
+    the device peak known) over the recent steps, workers, and the controller's phase whenever it is not running (recovering, resizing). It ends with the job."""
 
     def __init__(self, status: Callable[[], dict], num_steps: int, *, interval_s: float = 1.0,
                  file: TextIO | None = None):
@@ -63,10 +63,14 @@ class JobProgress:
     def show(self, status: dict) -> None:
         """Draw one status (what the thread does every interval)."""
         self._bar.n = min(status["step"], self._bar.total)
-        postfix = {"workers": status["num_workers"], "step_s": f"{1 / status['steps_per_s']:.2f}"
-                   if status.get("steps_per_s") else "-"}
+        postfix = {}
         if status.get("loss") is not None:
             postfix["loss"] = f"{status['loss']:.3f}"
+        if status.get("tokens_per_s"):
+            postfix["tok_s"] = f"{status['tokens_per_s']:,.0f}"
+        if status.get("mfu") is not None:
+            postfix["mfu"] = f"{status['mfu']:.1%}"
+        postfix["workers"] = status["num_workers"]
         if status["state"] != "running":
             postfix["state"] = status["state"]
         self._bar.set_postfix(postfix, refresh=False)

@@ -29,19 +29,21 @@ def open_cluster(
     *,
     local_num_cpus: int | None = None,
     local_num_gpus: int | None = None,
+    log_to_driver: bool = True,
 ) -> Iterator[ClusterSession]:
     """Yield a connected Ray session and shut it down afterwards.
 
     With RAY_ADDRESS set (a cluster from `ray start --head`), connect to it and
     leave it running. Otherwise start a simulated cluster from `descriptor`, or a
     plain local Ray instance (with `local_num_cpus` / `local_num_gpus`, fake GPUs
-    allowed) when no descriptor is given.
+    allowed) when no descriptor is given. With `log_to_driver=False` the workers'
+    output stays in Ray's log files instead of this terminal.
     """
     if isinstance(descriptor, (str, Path)):
         descriptor = load_descriptor(descriptor)
     address = ray_address()
     if address is not None:
-        connect_ray(address, logging_level=logging.WARNING)
+        connect_ray(address, logging_level=logging.WARNING, log_to_driver=log_to_driver)
         try:
             yield ClusterSession(address=address, simulated=False, descriptor=descriptor)
         finally:
@@ -50,12 +52,13 @@ def open_cluster(
     if descriptor is None:
         # address="local": start a fresh instance even if another `ray start` runs on this machine.
         context = ray.init(
-            address="local", num_cpus=local_num_cpus, num_gpus=local_num_gpus, logging_level=logging.WARNING
+            address="local", num_cpus=local_num_cpus, num_gpus=local_num_gpus, logging_level=logging.WARNING,
+            log_to_driver=log_to_driver,
         )
         try:
             yield ClusterSession(address=context.address_info["address"], simulated=False, descriptor=None)
         finally:
             ray.shutdown()
         return
-    with SimulatedCluster(descriptor) as cluster:
+    with SimulatedCluster(descriptor, log_to_driver=log_to_driver) as cluster:
         yield ClusterSession(address=cluster.address, simulated=True, descriptor=descriptor)

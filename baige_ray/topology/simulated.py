@@ -57,6 +57,7 @@ class SimulatedCluster:
 
     descriptor: ClusterDescriptor
     cpus_per_device: float = 1.0
+    log_to_driver: bool = True  # False: workers' stdout and stderr stay in Ray's log files
     _cluster: Cluster | None = None
     _worker_nodes: dict[int, Any] = field(default_factory=dict)
     # The running instance, so tests sharing one cluster through a fixture can grow and shrink it.
@@ -74,7 +75,7 @@ class SimulatedCluster:
             self._worker_nodes[index] = self._cluster.add_node(
                 wait=False, **node_args(node_type, index, self.cpus_per_device))
         self._cluster.wait_for_nodes()
-        ray.init(address=self._cluster.address, logging_level=logging.WARNING)
+        ray.init(address=self._cluster.address, logging_level=logging.WARNING, log_to_driver=self.log_to_driver)
         SimulatedCluster._active = self
         return self
 

@@ -40,3 +40,15 @@ def test_no_replica_floor_before_this_generation_has_copied_a_snapshot():
     assert replica_floor(7, generation_start=5) is None
     assert replica_floor(8, generation_start=5) == 5
     assert replica_floor(2, generation_start=0) is None
+
+
+def test_replica_copies_are_served_by_each_rank_of_a_stage_in_turn():
+    from types import SimpleNamespace
+
+    from baige_ray.elastic.state_sources import replica_sources
+
+    members = [SimpleNamespace(actor=f"actor{rank}") for rank in range(4)]
+    stages = [0, 0, 1, 1]  # two replicas of a two-stage pipeline
+    assert [replica_sources(members, stages, False, turn) for turn in range(3)] == [
+        {0: "actor0", 1: "actor2"}, {0: "actor1", 1: "actor3"}, {0: "actor0", 1: "actor2"}]
+    assert replica_sources(members, stages, True, 5) == {rank: f"actor{rank}" for rank in range(4)}

@@ -93,7 +93,8 @@ def test_numpy_values_are_written_as_plain_json():
 
 @pytest.mark.parametrize("kind, fields, message", [
     ("resise", {}, "kind='resise'"),
-    ("resize", {"train_devices": 4}, "infer_devices"),
+    ("resize", {}, "train_devices"),
+    ("lend", {"train_devices": 4}, "infer_devices"),
     ("failure", {"rank": 1}, "node_id"),
     ("lend", {"train_devices": -1, "infer_devices": 2}, "train_devices=-1"),
     ("reclaim", {"train_devices": 2.5, "infer_devices": 2}, "train_devices=2.5"),
@@ -106,7 +107,7 @@ def test_bad_events_are_rejected_naming_the_problem(kind, fields, message):
 
 def test_every_documented_kind_is_accepted():
     log = EventLog(None)
-    extra = {"resize": dict(train_devices=1, infer_devices=0), "lend": dict(train_devices=1, infer_devices=1),
+    extra = {"resize": dict(train_devices=1), "lend": dict(train_devices=1, infer_devices=1),
              "reclaim": dict(train_devices=2, infer_devices=0), "unharvest": dict(train_devices=2, infer_devices=1),
              "failure": dict(rank=0, node_id="n")}
     for kind in EVENT_KINDS:

@@ -49,9 +49,13 @@ def test_a_step_whose_result_died_with_a_worker_is_logged_from_a_survivor_and_re
     assert [r["step_time_s"] for r in read_steps(tmp_path / "steps.jsonl")] == [1.0, 1.5]
 
 
-def test_straggler_evidence_is_per_rank_compute_time_and_is_forgotten_after_an_eviction(accounts):
-    for step in range(3):
-        _record(accounts, step, 1.0, compute=(1.0, 3.0))
-    assert accounts.compute_history == [(1.0, 3.0)] * 3 and accounts.recent_step_s(3) == 1.0
+def test_straggler_evidence_is_per_rank_compute_time_past_the_warm_up_and_is_forgotten_after_an_eviction(accounts):
+    for step in range(5):
+        _record(accounts, step, 1.0, compute=(1.0, 3.0 + step))
+    # The first two steps of a generation build caches: they are no evidence of a chip's pace.
+    assert accounts.compute_history == [(1.0, 5.0), (1.0, 6.0), (1.0, 7.0)] and accounts.recent_step_s(3) == 1.0
     accounts.forget_compute_times()
     assert accounts.compute_history == [] and accounts.goodput() > 0
+    _record(accounts, 5, 1.0, compute=(1.0, 3.0))
+    accounts.new_generation(num_parameters=10)  # a regroup: ranks may be other workers now
+    assert accounts.compute_history == []
