@@ -125,7 +125,7 @@ class RunConfig:
             raise ValueError(
                 f"RunConfig.name={self.name!r} is invalid: expected a non-empty string without '/'"
             )
-        object.__setattr__(self, "storage_path", Path(self.storage_path).expanduser())
+        object.__setattr__(self, "storage_path", Path(self.storage_path).expanduser().resolve())  # workers run elsewhere
         require_number("RunConfig", "step_timeout_s", self.step_timeout_s, minimum=0, exclusive_minimum=True)
 
     @property

@@ -72,7 +72,7 @@ class ElasticConfig:
         if self.persist_every and self.persist_path is None:
             raise ValueError("ElasticConfig.persist_path=None is invalid: expected a directory when persist_every > 0")
         if self.persist_path is not None:
-            object.__setattr__(self, "persist_path", Path(self.persist_path).expanduser())
+            object.__setattr__(self, "persist_path", Path(self.persist_path).expanduser().resolve())
         require_int("ElasticConfig", "keep_checkpoints", self.keep_checkpoints, minimum=1)
         require_int("ElasticConfig", "max_recoveries", self.max_recoveries, minimum=0)
         if self.peak_flops_per_device is not None:

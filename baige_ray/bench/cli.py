@@ -36,7 +36,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(module, args: argparse.Namespace) -> int:
-    result = module.run(args)
+    from baige_ray.runtime.progress import StageProgress
+
+    # On stderr: the JSON line on stdout stays the last, whatever a benchmark reports on the way.
+    with StageProgress(f"bench {args.benchmark}") as progress:
+        args.progress = progress
+        progress("running", 0, 1)
+        result = module.run(args)
     if not args.json and hasattr(module, "summarize"):
         print(module.summarize(result))
     print(json.dumps(result))

@@ -130,3 +130,11 @@ def _kill_children_except(keep: set[int]) -> None:
                 child.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+def report_stage(args, stage: str, done: int, total: int) -> None:
+    """Tell the progress line of `baige-ray bench` which stage a benchmark is in (nothing when a benchmark
+    runs without the command, as in tests)."""
+    progress = vars(args).get("progress")
+    if progress is not None:
+        progress(stage, done, total)

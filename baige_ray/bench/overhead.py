@@ -37,7 +37,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from baige_ray.bench.measure import steady_median
+from baige_ray.bench.measure import report_stage, steady_median
 
 SYSTEMS = ("torchrun", "torchrun_beside_ray", "baige", "ray_train")
 BASELINES = tuple(name for name in SYSTEMS if name != "baige")
@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.model == "llama-tiny":
             settings = _llama_tiny_settings(settings, Path(tmp), args.seq_len)
         for index in range(args.rounds):
+            report_stage(args, "rounds of every system", index, args.rounds)
             for segment in round_segments(index, args.systems):
                 if segment == ["torchrun"]:
                     run_system("torchrun", tmp)

@@ -41,7 +41,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from baige_ray.bench.measure import steady_median
+from baige_ray.bench.measure import report_stage, steady_median
 from baige_ray.bench.scale_faults import measure_elastic
 from baige_ray.bench.scale_serve import measure_vllm
 
@@ -257,8 +257,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         for name in ("ddp", "fsdp2", "zero3") for slots in (2, 1)}
     serving = None
     with tempfile.TemporaryDirectory() as tmp:
-        results = {name: measure_layout(name, model_dir, data_dir, args, Path(tmp)) for name in layouts}
-        for name in elastic_layouts:
+        results = {}
+        for index, name in enumerate(layouts):
+            report_stage(args, "fit against torchrun, layout by layout", index, len(layouts))
+            results[name] = measure_layout(name, model_dir, data_dir, args, Path(tmp))
+        for index, name in enumerate(elastic_layouts):
+            report_stage(args, "elastic runs with a worker killed", index, len(elastic_layouts))
             reference = results[name]["baige_losses"] if name in results else []
             job, layout = _job(model_dir, data_dir, name, args)
             try:
@@ -268,6 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results.setdefault(name, {})["elastic"] = elastic
         exports = [r["export_dir"] for r in results.values() if r.get("export_dir")]
         if args.serve and exports:
+            report_stage(args, "serving the export with vLLM", 0, 1)
             serving = measure_vllm(Path(exports[0]), args, Path(tmp))
     timed = [r for r in results.values() if "vs_torchrun" in r]
     elastic = [r["elastic"] for r in results.values() if "elastic" in r]

@@ -33,15 +33,19 @@ def run(args: argparse.Namespace) -> int:
     from baige_ray.planner.options import PlanOptions
     from baige_ray.planner.plan import plan
     from baige_ray.planner.report import explain_text, plan_to_dict
+    from baige_ray.runtime.progress import StageProgress
     from baige_ray.topology.descriptor import load_descriptor
     from baige_ray.topology.graph import ResourceGraph
 
     model = load_model_spec(args.model, global_batch=args.global_batch, seq_len=args.seq_len)
-    graph = ResourceGraph.from_descriptor(load_descriptor(args.cluster))
-    try:
-        chosen = plan(model, graph, PlanOptions(top_k=args.top_k))
-    except InfeasiblePlanError as error:
-        print(f"baige-ray plan: {error}", file=sys.stderr)
-        return 2
+    with StageProgress("plan", enabled=not args.json) as progress:
+        progress("the cluster's resource graph", 0, 1)
+        graph = ResourceGraph.from_descriptor(load_descriptor(args.cluster))
+        try:
+            chosen = plan(model, graph, PlanOptions(top_k=args.top_k), progress=progress)
+        except InfeasiblePlanError as error:
+            progress.close()  # before the message, which the line would otherwise overwrite
+            print(f"baige-ray plan: {error}", file=sys.stderr)
+            return 2
     print(json.dumps(plan_to_dict(chosen)) if args.json else explain_text(chosen))
     return 0

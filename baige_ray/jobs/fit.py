@@ -26,7 +26,7 @@ from baige_ray.jobs.worker_group import WorkerGroup
 from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.parallel.state import CanonicalState, merge_weights
 from baige_ray.runtime.memory_check import check_layout_memory
-from baige_ray.runtime.progress import TrainingProgress
+from baige_ray.runtime.progress import StageProgress, TrainingProgress
 from baige_ray.topology.descriptor import ClusterDescriptor
 
 if TYPE_CHECKING:
@@ -43,6 +43,16 @@ class ExecutionPlan:
     emulated_speeds: tuple[float, ...]
     placement: object | None = None  # a planner MaterializedPlan; None packs ranks by locality
     explanation: str = ""
+
+
+def _save_final(job: TrainJob, weights: dict, run: RunConfig):
+    """The final checkpoint, with a progress line when writing it takes more than a second."""
+    total = sum(tensor.numel() * tensor.element_size() for tensor in weights.values())
+    with StageProgress("final checkpoint", enabled=run.show_progress, unit="B", unit_scale=True) as progress:
+        progress(f"writing {run.run_dir / 'final'}", 0, total)
+        checkpoint = job.plugin.save_final(run.run_dir / "final", weights, step=job.train.num_steps)
+        progress(f"writing {run.run_dir / 'final'}", total, total)
+    return checkpoint
 
 
 def reduce_step_metrics(per_rank: list[dict]) -> StepMetrics:
@@ -131,7 +141,7 @@ def fit(
         weights = merge_weights(group.call("export_weights"))
     finally:
         group.shutdown()
-    checkpoint = job.plugin.save_final(run.run_dir / "final", weights, step=train.num_steps)
+    checkpoint = _save_final(job, weights, run)
     return Result(
         metrics=metrics,
         checkpoint_path=checkpoint,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,12 +88,16 @@ class PlacementPlan:
         return rank // (self.tp * self.dp)
 
 
-def plan(model: ModelSpec, graph: ResourceGraph, options: PlanOptions | None = None) -> PlacementPlan:
-    """The fastest layout of `model` on `graph` under the cost model; raises InfeasiblePlanError."""
+def plan(model: ModelSpec, graph: ResourceGraph, options: PlanOptions | None = None, *,
+         progress: Callable[[str, int, int], None] | None = None) -> PlacementPlan:
+    """The fastest layout of `model` on `graph` under the cost model; raises InfeasiblePlanError.
+    `progress(stage, done, total)` is told how the search goes (for a progress display)."""
     options = options or PlanOptions()
     start = time.perf_counter()
+    if progress is not None:
+        progress("links between the devices", 0, 1)
     hardware = Hardware(graph, options)
-    result = search(model, options, hardware)
+    result = search(model, options, hardware, progress=progress)
     if not result.ranked:
         raise _infeasible(model, hardware, result.tightest)
     stats = {"layouts": result.layouts_total, "layouts_priced": result.layouts_evaluated}

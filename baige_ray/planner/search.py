@@ -16,6 +16,8 @@ recompute, a few hundred rows) is priced as numpy arrays in one call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -233,12 +235,17 @@ class _TopDistinct:
         return sorted(self.best.values(), key=lambda c: c.order_key)[: self.keep]
 
 
-def search(model: ModelSpec, options: PlanOptions, hardware: Hardware) -> SearchResult:
+def search(model: ModelSpec, options: PlanOptions, hardware: Hardware, *,
+           progress: Callable[[str, int, int], None] | None = None) -> SearchResult:
+    """Layouts in order of their lower bound on step time, priced until the bound passes the k-th best.
+    `progress("layouts", considered, total)` follows the walk."""
     layouts = enumerate_layouts(model, options, hardware)
     bounds = sorted((time_lower_bound(model, options, hardware, layout), index) for index, layout in enumerate(layouts))
     top = _TopDistinct(options.top_k + 1)
     evaluated = 0
-    for bound, index in bounds:
+    for considered, (bound, index) in enumerate(bounds):
+        if progress is not None:
+            progress("layouts", considered, len(bounds))
         if bound > top.bar():
             break
         layout = layouts[index]

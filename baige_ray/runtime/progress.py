@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import TextIO
 
@@ -85,3 +86,63 @@ class JobProgress:
             self.show(status)
             if status["state"] in ("finished", "failed"):
                 return
+
+
+class StageProgress:
+    """A progress line for work done in named stages, each counted (a plan's search, a benchmark's systems,
+    a checkpoint's bytes): call it with (stage, done, total). Drawn on stderr only once the work has taken
+    `delay_s`, so quick runs print nothing; a thread keeps the elapsed time moving while one long call
+    (a checkpoint write) reports nothing."""
+
+    def __init__(self, desc: str, *, delay_s: float = 1.0, file: TextIO | None = None, enabled: bool = True,
+                 unit: str = "it", unit_scale: bool = False):
+        self._desc, self._file, self._enabled = desc, file or sys.stderr, enabled
+        self._unit, self._unit_scale = unit, unit_scale
+        self._shown_after = time.monotonic() + delay_s
+        self._latest: tuple[str, int, int] | None = None
+        self._stage: str | None = None
+        self._bar: tqdm | None = None
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="stage-progress", daemon=True)
+        if enabled:
+            self._ticker.start()
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        with self._lock:
+            self._latest = (stage, done, total)
+            self._draw()
+
+    def _draw(self) -> None:
+        if self._latest is None or self._closed.is_set() or time.monotonic() < self._shown_after:
+            return
+        stage, done, total = self._latest
+        if stage != self._stage:
+            self._close_bar()
+            self._stage = stage
+            self._bar = tqdm(total=total, desc=f"{self._desc}: {stage}", file=self._file, unit=self._unit,
+                             unit_scale=self._unit_scale, leave=False)
+        self._bar.update(done - self._bar.n)  # tqdm redraws at most every 0.1 s
+
+    def _tick(self) -> None:
+        while not self._closed.wait(0.5):
+            with self._lock:
+                self._draw()
+                if self._bar is not None:
+                    self._bar.refresh()
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            self._close_bar()
+
+    def __enter__(self) -> StageProgress:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

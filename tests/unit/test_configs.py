@@ -1,5 +1,6 @@
 import pytest
 
+import baige_ray as br
 from baige_ray import GPTConfig, RunConfig, ScalingConfig, TrainConfig
 from baige_ray.models.corpus import CorpusConfig
 
@@ -60,3 +61,10 @@ def test_configs_are_frozen_and_keyword_only():
 def test_run_dir_expands_home(tmp_path):
     assert RunConfig(name="x", storage_path=tmp_path).run_dir == tmp_path / "x"
     assert "~" not in str(RunConfig(storage_path="~/results").storage_path)
+
+
+def test_relative_paths_are_made_absolute_where_the_user_wrote_them(tmp_path, monkeypatch):
+    """Workers and the controller run in other working directories (other machines on a cluster)."""
+    monkeypatch.chdir(tmp_path)
+    assert br.RunConfig(storage_path="runs").storage_path == tmp_path / "runs"
+    assert br.ElasticConfig(persist_every=5, persist_path="ckpt").persist_path == tmp_path / "ckpt"

@@ -36,3 +36,28 @@ def test_the_line_stops_quietly_when_the_job_is_gone():
     time.sleep(0.1)
     progress.close()
     assert "0/10" in out.getvalue()
+
+
+def test_a_stage_progress_line_draws_only_once_work_takes_long():
+    from baige_ray.runtime.progress import StageProgress
+
+    quick, slow = io.StringIO(), io.StringIO()
+    with StageProgress("plan", delay_s=10.0, file=quick) as progress:
+        progress("layouts", 5, 10)
+    with StageProgress("plan", delay_s=0.0, file=slow) as progress:
+        progress("the cluster's resource graph", 0, 1)
+        progress("layouts", 3, 10)
+        progress("layouts", 7, 10)
+    assert quick.getvalue() == ""
+    assert "plan: layouts" in slow.getvalue() and "/10 " in slow.getvalue()
+
+
+def test_a_long_single_call_still_shows_its_line_and_elapsed_time():
+    from baige_ray.runtime.progress import StageProgress
+
+    out = io.StringIO()
+    with StageProgress("final checkpoint", delay_s=0.2, file=out, unit="B", unit_scale=True) as progress:
+        progress("writing /runs/x/final", 0, 2_000_000)
+        time.sleep(1.0)  # the write, reporting nothing
+        assert "final checkpoint: writing /runs/x/final" in out.getvalue()
+        progress("writing /runs/x/final", 2_000_000, 2_000_000)

@@ -100,7 +100,7 @@ class HFModel:
 
     def __post_init__(self) -> None:
         if self.path is not None:
-            directory = Path(self.path).expanduser()
+            directory = Path(self.path).expanduser().resolve()  # workers do not share our working directory
             object.__setattr__(self, "path", directory)
             object.__setattr__(self, "config", read_config_file(directory))
             weight_files(directory)
@@ -144,7 +144,7 @@ class HFModel:
             object.__setattr__(self, "tokenizer", self.path)
         if self.tokenizer is None:
             return
-        object.__setattr__(self, "tokenizer", Path(self.tokenizer).expanduser())
+        object.__setattr__(self, "tokenizer", Path(self.tokenizer).expanduser().resolve())
         size = len(self.load_tokenizer())
         if size > self.vocab_size:
             _fail("tokenizer", str(self.tokenizer),
