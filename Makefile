@@ -8,7 +8,7 @@ TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: install test test-unit demo demo-gpt clean
+.PHONY: install test test-unit demo demo-gpt docs clean
 
 install: $(VENV)/.installed
 
@@ -37,6 +37,9 @@ test-unit: install
 # DEMO_ARGS=--verbose shows Ray's and Serve's own logs too.
 demo: install
 	$(PY) examples/demo.py $(DEMO_ARGS)
+
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 demo-gpt: install
 	$(PY) examples/train_gpt.py

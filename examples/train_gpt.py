@@ -1,6 +1,6 @@
 """Train the reference GPT on a simulated 2-node x 4-GPU cluster, serve it from the same pool, sample it.
 
-Launch (what `make demo` runs):
+Launch (what `make demo-gpt` runs):
 
     .venv/bin/python examples/train_gpt.py
 

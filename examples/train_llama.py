@@ -1,6 +1,6 @@
 """Train a small Llama-architecture Hugging Face model on a simulated 2-node x 4-GPU cluster, then serve it.
 
-Launch (what `make demo` runs):
+Launch:
 
     .venv/bin/python examples/train_llama.py
 
@@ -52,7 +52,7 @@ def main() -> None:
                            warmup_steps=10)
     with br.open_cluster(args.cluster):
         job = br.launch(model, data=dataset, train=train, scaling=br.ScalingConfig(num_workers=args.workers),
-                        run=br.RunConfig(name="llama-demo", storage_path=args.workdir / "runs", show_progress=False),
+                        run=br.RunConfig(name="llama-demo", storage_path=args.workdir / "runs"),
                         elastic=br.ElasticConfig(num_spares=0), layout=parse_layout(args.layout))
         result = job.wait()
         first, last = result.metrics[0], result.metrics[-1]

@@ -1,6 +1,8 @@
 """A driver joins a head started with `ray start`, which asks for its authentication token, with only
-the steps the README gives: RAY_ADDRESS set, the token where Ray keeps it (~/.ray/auth_token). Ray's
-own driver does not use the token for an explicit address, and is refused until it gives up."""
+the steps the documentation gives (docs/guides/real-cluster.md): `ray start --head --num-gpus=4`,
+RAY_ADDRESS set, the token where Ray keeps it (~/.ray/auth_token); the guide's own training script runs
+against it. Ray's own driver does not use the token for an explicit address, and is refused until it
+gives up."""
 
 from __future__ import annotations
 
@@ -15,12 +17,9 @@ from pathlib import Path
 
 import pytest
 
-DRIVER = """
-import ray
-from baige_ray.api.connection import connect_ray
-connect_ray(logging_level="ERROR")
-print("joined", ray.cluster_resources().get("CPU"), flush=True)
-"""
+from tests.doc_snippets import REPO_ROOT, page_script
+
+GUIDE = REPO_ROOT / "docs" / "guides" / "real-cluster.md"
 
 
 def free_port() -> int:
@@ -50,7 +49,7 @@ def head(tmp_path):
     # A machine that ran a local `ray.init()` holds a token; `ray start` then turns token authentication on.
     subprocess.run([str(ray), "get-auth-token", "--generate"], env=env, check=True, capture_output=True, timeout=60)
     process = subprocess.Popen(
-        [str(ray), "start", "--head", "--block", f"--port={port}", "--num-cpus=1", "--num-gpus=0",
+        [str(ray), "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--num-gpus=4",
          "--include-dashboard=false", f"--temp-dir={temp_dir}", "--node-ip-address=127.0.0.1"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -65,10 +64,13 @@ def head(tmp_path):
             process.wait()
 
 
-def test_a_driver_joins_a_ray_start_head_with_the_token_it_wrote(head):
+def test_the_guides_script_trains_on_a_ray_start_head_with_the_token_it_wrote(head, tmp_path):
     env, port = head
     assert (Path(env["HOME"]) / ".ray" / "auth_token").is_file()
-    driver = subprocess.run([sys.executable, "-c", DRIVER], env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
-                            capture_output=True, text=True, timeout=120)
-    assert driver.returncode == 0, driver.stderr[-2000:]
-    assert "joined 1.0" in driver.stdout
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    driver = subprocess.run([sys.executable, "-c", page_script(GUIDE)], cwd=workdir,
+                            env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, capture_output=True, text=True,
+                            timeout=300)
+    assert driver.returncode == 0, driver.stdout[-2000:] + driver.stderr[-4000:]
+    assert "InvalidAuthToken" not in driver.stderr
