@@ -249,7 +249,13 @@ def decide(obs: LendingObservation, policy: LendingPolicy | None = None) -> Lend
                 LendingAction.RECLAIM, devices,
                 f"utilization {obs.utilization:.2f} stays at or below {policy.reclaim_below} with {devices} fewer devices",
             )
-    return _hold(f"utilization {obs.utilization:.2f} within [{policy.reclaim_below}, {policy.lend_above}]")
+    if obs.utilization > policy.reclaim_below:
+        return _hold(f"utilization {obs.utilization:.2f} within [{policy.reclaim_below}, {policy.lend_above}]")
+    if obs.p99_latency_s > policy.reclaim_latency_fraction * obs.slo_p99_s:
+        return _hold(f"utilization {obs.utilization:.2f} is low but p99 {obs.p99_latency_s:.2f}s is not well "
+                     f"inside the objective {obs.slo_p99_s}s")
+    return _hold(f"utilization {obs.utilization:.2f} is low, but no device can go back without serving "
+                 f"going above {policy.reclaim_below} or below its minimum of {obs.min_infer_devices}")
 
 
 def forecast_rate(samples: Sequence[tuple[float, float]], at: float, *, min_span_s: float = 1.0) -> float | None:

@@ -58,7 +58,7 @@ def head(tmp_path):
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         try:
-            process.wait(timeout=20)
+            process.wait(timeout=5)  # `ray start --block` takes its time to stop; nothing of it is kept
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()

@@ -207,3 +207,11 @@ def test_a_breach_at_light_load_is_a_stall_not_a_shortage():
     assert loaded.action is LendingAction.LEND
     assert decide(observe(6.0, infer=2, p99=0.1, since=50.0, forecast=9.0), gated).action is LendingAction.HOLD
     assert decide(observe(6.0, infer=2, p99=1.5, since=50.0, forecast=9.0), gated).action is LendingAction.LEND
+
+
+def test_a_hold_at_low_utilization_says_why_nothing_goes_back():
+    observation = LendingObservation(request_rate=0.1, p99_latency_s=0.1, slo_p99_s=1.0, queue_depth=0,
+                                     train_devices=4, infer_devices=1, min_train_devices=3, replica_capacity=10.0,
+                                     seconds_since_change=100.0, min_infer_devices=1)
+    decision = decide(observation, LendingPolicy())
+    assert decision.action is LendingAction.HOLD and "minimum of 1" in decision.reason
