@@ -196,6 +196,7 @@ class ElasticController:
             "elapsed_s": time.time() - self.accounts.started_at,
             "recoveries": list(self.recovery.history),
             "faults_fired": {kind.value: self.faults.count(kind) for kind in FaultKind},
+            "persisted_step": self.state_sources.last_persisted_step,
             "replica_wait_s": round(self.state_sources.replica_copies.waited_s, 3),  # training stalled for slow replica copies
             "expert_load": self.accounts.expert_load,  # the last step's slots per expert of each MoE layer
         }

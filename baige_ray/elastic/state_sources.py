@@ -41,8 +41,16 @@ class StateSources:
         self._persister: AsyncPersister | None = None
         self._sharded_writer: threading.Thread | None = None  # commits the sharded checkpoint being written
         self._sharded_step: int | None = None
+        self._committed_sharded_step: int | None = None
         self._staged: dict = {}  # step -> the staging directory its ranks write into
         self._replica_behind = False  # the last wait for replicas gave up
+
+    @property
+    def last_persisted_step(self) -> int | None:
+        """The step of the newest checkpoint committed to persist_path by this controller, if any."""
+        steps = [step for step in (self._committed_sharded_step,
+                                   self._persister.last_persisted_step if self._persister else None) if step is not None]
+        return max(steps, default=None)
 
     def newest_snapshot(self, holders: list[tuple[int, Worker]], layout: ParallelLayout,
                         replicas: list[Worker] = (), members: list[tuple[int, Worker]] | None = None):
@@ -190,6 +198,7 @@ class StateSources:
                 shutil.rmtree(staging, ignore_errors=True)
                 self.events.record("checkpoint", f"persisting step {step} failed: {error}", step=step)
                 return
+            self._committed_sharded_step = step
             nbytes = sum(record["bytes"] for record in files.values())
             seconds = max(took for _, took in written)
             self.events.record("checkpoint", f"persisted step {step}: {nbytes / 1e9:.2f} GB by {len(ranks)} ranks "

@@ -72,6 +72,8 @@ class JobProgress:
         if status.get("mfu") is not None:
             postfix["mfu"] = f"{status['mfu']:.1%}"
         postfix["workers"] = status["num_workers"]
+        if status.get("persisted_step") is not None:
+            postfix["ckpt"] = status["persisted_step"]
         if status["state"] != "running":
             postfix["state"] = status["state"]
         self._bar.set_postfix(postfix, refresh=False)

@@ -10,7 +10,7 @@ from baige_ray.runtime.progress import JobProgress
 
 def status(step: int, state: str = "running", loss: float | None = 5.5) -> dict:
     return {"step": step, "num_steps": 10, "state": state, "num_workers": 4, "steps_per_s": 2.0, "loss": loss,
-            "tokens_per_s": 12345.0, "mfu": 0.234}
+            "tokens_per_s": 12345.0, "mfu": 0.234, "persisted_step": 4 if step >= 5 else None}
 
 
 def test_a_job_progress_line_follows_the_status_shows_recovery_and_ends_with_the_job():
@@ -24,7 +24,7 @@ def test_a_job_progress_line_follows_the_status_shows_recovery_and_ends_with_the
     progress.close()
     text = out.getvalue()
     assert "3/10" in text and "state=recovering" in text and "loss=5.500" in text and "workers=4" in text
-    assert "tok_s=12,345" in text and "mfu=23.4%" in text
+    assert "tok_s=12,345" in text and "mfu=23.4%" in text and "ckpt=4" in text
 
 
 def test_the_line_stops_quietly_when_the_job_is_gone():
