@@ -1,7 +1,6 @@
 """Lend a device from training to serving and take it back, under steady request load.
 
-Served by the built-in engine and by vLLM replicas (the lent one built with the job's newest weights
-from memory).
+Served by the built-in engine (the lent replica built with the job's newest weights from memory).
 
 The model is the tiny Llama of tests/hf_helpers.py (a `transformers` model with its own tokenizer and
 TokenDataset); the byte GPT goes through the same path in test_harvest_cluster.py. No request may fail
@@ -29,7 +28,6 @@ from baige_ray.jobs.launch import launch
 from baige_ray.ops.events import EventLog
 from baige_ray.policies.lending import LendingAction, LendingPolicy
 from baige_ray.serving import replica_states, serve, shutdown
-from baige_ray.serving.vllm_engine import vllm_available
 from tests.hf_helpers import SEQ_LEN, VOCAB_SIZE, build_tiny_hf
 
 
@@ -85,24 +83,21 @@ def loop_with_capacity(job, info, model, capacity: float, events: EventLog) -> A
                        events=events)
 
 
-@pytest.fixture(scope="module", params=["builtin", "vllm"])
-def job_and_app(request, sim_cluster, tmp_path_factory):
-    """The job and the app, served by the built-in engine or by vLLM (whose CPU attention needs head_dim >= 32)."""
-    engine = request.param
-    if engine == "vllm" and not vllm_available():
-        pytest.skip("vLLM is not installed")
-    shape = {"hidden_size": 128, "intermediate_size": 256} if engine == "vllm" else {}
-    tiny = build_tiny_hf(tmp_path_factory.mktemp(f"tiny-llama-colocate-{engine}"), num_hidden_layers=2, **shape)
+@pytest.fixture(scope="module")
+def job_and_app(sim_cluster, tmp_path_factory):
+    """The job and the app, served by the built-in engine (vLLM takes later weights in place through the
+    same reload: tests/ray/test_vllm_serving.py)."""
+    tiny = build_tiny_hf(tmp_path_factory.mktemp("tiny-llama-colocate"), num_hidden_layers=2)
     model = br.HFModel(tiny.model_dir, seq_len=SEQ_LEN)
     job = launch(model, data=br.TokenDataset.open(tiny.dataset_dir),
                  train=br.TrainConfig(num_steps=100_000, global_batch_size=12, warmup_steps=2),
-                 scaling=br.ScalingConfig(num_workers=4), run=br.RunConfig(name=f"colocate-{engine}"),
+                 scaling=br.ScalingConfig(num_workers=4), run=br.RunConfig(name="colocate-builtin"),
                  elastic=ElasticConfig(min_workers=3, max_workers=4))
     deadline = time.monotonic() + 120
     while (status := job.status())["state"] != "running" or status["step"] < 5:
         assert time.monotonic() < deadline, f"training did not start: {status['state']}"
         time.sleep(0.5)
-    info = serve(job.latest_model_state(), model_config=model, name=f"colocate-{engine}", port=free_port(), engine=engine)
+    info = serve(job.latest_model_state(), model_config=model, name="colocate-builtin", port=free_port())
     yield job, info, model
     shutdown(info)
     try:

@@ -1,8 +1,9 @@
-"""Losing and regaining a whole node: shrink onto the survivors, grow back when the node returns.
+"""Losing and regaining a whole node: the planner re-lays the job out onto the survivors and grows it back
+when the node returns; a node that held a whole pipeline stage is restored from a replica on another node.
 
-On the simulated 4x2 cluster, 8 workers fill every fake GPU; removing a node takes
-2 of them. The 24-sequence global batch splits over 6 as over 8 replicas, so the
-mathematics of every step is unchanged and the run agrees with a fault-free one.
+On the simulated 4x2 cluster a node holds 2 fake GPUs. Every layout computes the step one process would,
+so the runs agree with fault-free ones. (A fixed layout's shrink and growth on a node loss are checked with
+a Hugging Face model in test_elastic_nodes_hf.py.)
 """
 
 from __future__ import annotations
@@ -13,16 +14,13 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from baige_ray.api.configs import TrainConfig
 from baige_ray.api.elastic import ElasticConfig
 from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.topology.simulated import SimulatedCluster
-from tests.helpers import elastic_mlp_job, elastic_mlp_run, final_parameters, reference_losses, reference_parameters
-
-NUM_STEPS = 400
+from tests.helpers import reference_losses
 
 
 def wait_for(job, predicate, timeout_s: float, what: str) -> dict:
@@ -41,32 +39,6 @@ def no_leftover_actors(sim_cluster_4x2):
     from tests.helpers import kill_runs_named
 
     kill_runs_named("elastic-")
-
-
-def test_a_removed_node_shrinks_the_job_and_a_returning_node_grows_it_back(sim_cluster_4x2, tmp_path):
-    cluster = SimulatedCluster.active()
-    elastic = ElasticConfig(num_spares=0, min_workers=2, max_workers=8, grow_check_interval_s=0.5)
-    job = elastic_mlp_run("elastic-nodes", tmp_path, num_workers=8, num_steps=NUM_STEPS, elastic=elastic)
-    wait_for(job, lambda s: s["step"] >= 10, 180, "step 10")
-    node_type = next(iter(cluster.descriptor.node_types))
-    cluster.remove_node(3)
-    shrunk = wait_for(job, lambda s: s["num_workers"] == 6 and s["state"] == "running", 60, "the shrink to 6")
-    resumed_at = shrunk["step"]
-    wait_for(job, lambda s: s["step"] > resumed_at + 3, 60, "steps after the shrink")
-    cluster.add_node(node_type, 3)
-    wait_for(job, lambda s: s["num_workers"] == 8, 120, "the growth back to 8")
-    result = job.wait()
-
-    assert [m.step for m in result.metrics] == list(range(NUM_STEPS))
-    crash_recovery = result.recoveries[0]
-    assert crash_recovery["lost_steps"] <= 1
-    print(f"node loss: training continued {crash_recovery['recovery_s']:.2f}s after the failed step began")
-    # One process with the whole model and batch (within 1.5e-7 relative of the 8-worker run here), far cheaper
-    # than a second 8-worker run.
-    reference = reference_parameters(elastic_mlp_job(NUM_STEPS))
-    final = final_parameters(result)
-    for name in reference:
-        torch.testing.assert_close(final[name], reference[name], rtol=1e-5, atol=1e-7)
 
 
 def cpu_speed_descriptor():
