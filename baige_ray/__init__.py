@@ -26,6 +26,7 @@ _EXPORTS = {
     "HFModel": "baige_ray.models.hf",
     "InfeasiblePlanError": "baige_ray.api",
     "LayoutMemoryError": "baige_ray.api",
+    "MoEConfig": "baige_ray.models.moe",
     "ModelPlugin": "baige_ray.models.plugin",
     "ParallelLayout": "baige_ray.parallel.layout",
     "Result": "baige_ray.api",
