@@ -51,7 +51,7 @@ def run_page(page: Path, workdir: Path, *, timeout_s: float = 600) -> subprocess
 
 
 SHARED_RUNNER = """
-import json, os, sys, time, traceback
+import json, os, signal, sys, time, traceback
 from pathlib import Path
 
 import ray
@@ -60,6 +60,14 @@ from baige_ray.topology.descriptor import load_descriptor
 from baige_ray.topology.simulated import SimulatedCluster
 
 pages, workdir, repo = json.loads(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+PAGE_LIMIT_S = int(sys.argv[4])
+
+
+def too_long(signum, frame):
+    raise TimeoutError(f"the page ran past {PAGE_LIMIT_S}s")
+
+
+signal.signal(signal.SIGALRM, too_long)
 cluster = SimulatedCluster(load_descriptor(repo / "clusters" / "sim-2x4.yaml")).start()
 ray.shutdown()  # the cluster stays; each page joins it as its own driver
 os.environ["RAY_ADDRESS"] = cluster.address
@@ -73,6 +81,7 @@ try:
             (folder / name).symlink_to(repo / name)
         os.chdir(folder)
         began = time.monotonic()
+        signal.alarm(PAGE_LIMIT_S)  # a page that hangs fails alone; the others still run
         try:
             exec(compile(script, page, "exec"), {"__name__": "__main__"})
         except BaseException:
@@ -82,6 +91,7 @@ try:
         else:
             print(f"=== {page}: ok in {time.monotonic() - began:.1f}s", flush=True)
         finally:
+            signal.alarm(0)
             if ray.is_initialized():
                 ray.shutdown()
 finally:
@@ -90,12 +100,15 @@ sys.exit(1 if failed else 0)
 """
 
 
-def run_pages(pages: list[Path], workdir: Path, *, timeout_s: float = 1800) -> subprocess.CompletedProcess:
+def run_pages(pages: list[Path], workdir: Path, *, page_limit_s: int = 180,
+              timeout_s: float = 1200) -> subprocess.CompletedProcess:
     """Run each page's blocks, page after page, in one new interpreter beside one simulated cluster; the
-    output says `=== PAGE: ok in Ns` or `=== PAGE: FAILED` with the traceback, page by page."""
+    output says `=== PAGE: ok in Ns` or `=== PAGE: FAILED` with the traceback, page by page. A page
+    running past `page_limit_s` fails with a TimeoutError and the next one runs."""
     scripts = [(str(page.relative_to(REPO_ROOT)), page_script(page)) for page in pages]
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
-    return subprocess.run([sys.executable, "-c", SHARED_RUNNER, json.dumps(scripts), str(workdir), str(REPO_ROOT)],
+    return subprocess.run([sys.executable, "-c", SHARED_RUNNER, json.dumps(scripts), str(workdir), str(REPO_ROOT),
+                           str(page_limit_s)],
                           cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout_s)
 

@@ -19,7 +19,7 @@ def no_shared_ray_session(ray_sessions):
     ray_sessions.close()
 
 
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(1260)
 def test_every_snippet_of_the_readme_and_the_docs_runs(tmp_path):
     done = run_pages(PAGES, tmp_path)
     outcomes = dict(re.findall(r"^=== (\S+): (ok|FAILED)", done.stdout, re.M))
