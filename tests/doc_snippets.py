@@ -26,7 +26,7 @@ PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```\s*$", re.S | re.M)
 
 
 def python_blocks(markdown: str) -> list[str]:
-    return [block for block in PYTHON_BLOCK.findall(markdown)]
+    return PYTHON_BLOCK.findall(markdown)
 
 
 def documentation_pages() -> list[Path]:
