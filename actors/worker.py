@@ -146,6 +146,15 @@ class WorkerActor:
         dist.all_reduce(tensor)
         return tensor.cpu().tolist()
 
+    def calibration_probe(self, name: str, kwargs: dict):
+        """Run one of runtime/calibration_probes.py's probes with every rank of the current group."""
+        from baige_ray.runtime import calibration_probes
+
+        self._require_membership()
+        probes = {"compute": calibration_probes.compute_probe, "collectives": calibration_probes.collective_probe,
+                  "overlap": calibration_probes.overlap_probe, "optimizer": calibration_probes.optimizer_probe}
+        return probes[name](**kwargs, device=self._device())
+
     def build_engine(self, job: TrainJob, layout: ParallelLayout, emulated_speed: float = 1.0) -> dict:
         membership = self._require_membership()
         if layout.world_size != membership.world_size:

@@ -16,6 +16,7 @@ COMMAND_MODULES = {
     "bench": "baige_ray.bench.cli",
     "topo": "baige_ray.commands.topo",
     "plan": "baige_ray.commands.plan",
+    "calibrate": "baige_ray.commands.calibrate",
     "status": "baige_ray.commands.status",
     "plot": "baige_ray.commands.plot",
 }

@@ -48,6 +48,22 @@ class RaySessions:
         self.kind, self.session = None, None
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_calibration_dir(tmp_path_factory):
+    """Plans in tests never price with a calibration the user's machine kept."""
+    import os
+
+    from baige_ray.constants import CALIBRATION_DIR_ENV
+
+    previous = os.environ.get(CALIBRATION_DIR_ENV)
+    os.environ[CALIBRATION_DIR_ENV] = str(tmp_path_factory.mktemp("calibration"))
+    yield
+    if previous is None:
+        os.environ.pop(CALIBRATION_DIR_ENV, None)
+    else:
+        os.environ[CALIBRATION_DIR_ENV] = previous
+
+
 @pytest.fixture(scope="session")
 def ray_sessions():
     sessions = RaySessions()

@@ -12,6 +12,7 @@ BENCHMARK_MODULES: dict[str, str] = {
     "colocate": "baige_ray.bench.colocate",
     "topo": "baige_ray.bench.topo",
     "plan": "baige_ray.bench.plan",
+    "planner": "baige_ray.bench.planner",
     "hetero": "baige_ray.bench.hetero",
     "overhead": "baige_ray.bench.overhead",
     "checkpoint": "baige_ray.bench.checkpoint",

@@ -24,6 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seq-len", type=int, default=None,
                         help="tokens per sequence, for a config.json only (default: its max_position_embeddings, "
                              f"or {DEFAULT_SEQ_LEN_CAP} when that is larger)")
+    parser.add_argument("--uncalibrated", action="store_true",
+                        help="price with the nominal constants even where `baige-ray calibrate` measured this cluster")
     parser.set_defaults(func=run)
 
 
@@ -33,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from baige_ray.planner.options import PlanOptions
     from baige_ray.planner.plan import plan
     from baige_ray.planner.report import explain_text, plan_to_dict
+    from baige_ray.runtime.calibration_store import load_calibration
     from baige_ray.runtime.progress import StageProgress
     from baige_ray.topology.descriptor import load_descriptor
     from baige_ray.topology.graph import ResourceGraph
@@ -41,8 +44,9 @@ def run(args: argparse.Namespace) -> int:
     with StageProgress("plan", enabled=not args.json) as progress:
         progress("the cluster's resource graph", 0, 1)
         graph = ResourceGraph.from_descriptor(load_descriptor(args.cluster))
+        calibration = None if args.uncalibrated else load_calibration(graph)
         try:
-            chosen = plan(model, graph, PlanOptions(top_k=args.top_k), progress=progress)
+            chosen = plan(model, graph, PlanOptions(top_k=args.top_k, calibration=calibration), progress=progress)
         except InfeasiblePlanError as error:
             progress.close()  # before the message, which the line would otherwise overwrite
             print(f"baige-ray plan: {error}", file=sys.stderr)

@@ -15,7 +15,7 @@ import itertools
 import numpy as np
 
 from baige_ray.planner.evaluate import Layout, Rows, evaluate
-from baige_ray.planner.links import NO_LINK, GroupLink
+from baige_ray.planner.links import NO_LINK, GroupLink, with_measured
 from baige_ray.planner.mapping import rank_groups
 from baige_ray.planner.model_spec import ModelSpec
 from baige_ray.planner.options import PlanOptions
@@ -52,7 +52,8 @@ def _price_every_row(model: ModelSpec, options: PlanOptions, hardware: Hardware,
     positions = hardware.positions(layout)
     experts = max(model.num_experts, 1)
     eps = [e for e in range(1, experts + 1) if experts % e == 0 and layout.dp % e == 0]
-    links = _exact_links(hardware.graph, positions, layout, eps if model.is_moe else [])
+    links = {dim: with_measured(hardware.tables, link)
+             for dim, link in _exact_links(hardware.graph, positions, layout, eps if model.is_moe else []).items()}
     context = layout_context(model, hardware, layout, links, positions=positions)
     if context is None:
         return

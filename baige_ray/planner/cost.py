@@ -29,22 +29,22 @@ Pipeline: 1F1B with stage times T_i per micro-batch takes sum_i T_i + (m - 1) ma
 (Narayanan et al. 2019, PipeDream; for equal stages (m + p - 1) T, bubble fraction (p-1)/m
 as in GPipe, Huang et al. 2019; the uneven form is DAPPLE, Fan et al. 2021).
 
-Data parallel (ZeRO sec. 7: ZeRO-1/2 move the same 2 Psi as all-reduce, ZeRO-3 3 Psi):
-gradient reduction overlaps with the backward pass of the last micro-batch (bucketed
-reduction, Li et al. 2020, PyTorch DDP); ZeRO-0 all-reduces once per step; ZeRO-1
-reduce-scatters once and all-gathers updated weights after the optimizer (not
-overlapped); ZeRO-2 reduce-scatters every micro-batch (only gradient shards are kept)
-and all-gathers weights once; ZeRO-3 all-gathers weights before each forward and
-backward (prefetched: overlapped with that pass) and reduce-scatters during backward.
-The optimizer update itself (memory-bound, < 1% of a large step) is not priced.
+Data parallel and ZeRO traffic, and how much of it compute hides, are priced in overlap.py.
+The optimizer update and the step's fixed cost are priced only where calibration measured
+them (nominal: memory-bound, < 1% of a large step).
+
+With a `Calibration` (calibration.py) the measured FLOP/s of the model's own layer and head
+shapes replace peak x efficiency, per chip, TP degree and micro-batch; measured link tiers
+replace the descriptor's (links.py); the measured overlap share replaces the nominal 1.0.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from baige_ray.planner.calibration import Calibration
 from baige_ray.planner.links import GroupLink
 from baige_ray.planner.model_spec import ModelSpec
 
@@ -53,23 +53,36 @@ from baige_ray.planner.model_spec import ModelSpec
 class CostConstants:
     max_efficiency: float = 0.6  # Megatron-LM sustains 44-52% of A100 peak on GPT-3 (Narayanan 2021, table 1)
     machine_balance: float = 200.0  # peak FLOP/s over HBM bytes/s: A100 156, H100 295
+    overlap: float = 1.0  # share of a background collective compute hides: NCCL on its own SMs and copy engines
+    ddp_bucket_bytes: float = 25 * 2**20  # torch DDP's bucket_cap_mb default: the last bucket nothing hides
+    calibration: Calibration | None = field(default=None, compare=False)
+
+    @property
+    def overlap_share(self) -> float:
+        measured = self.calibration.overlap if self.calibration is not None else None
+        return self.overlap if measured is None else measured
 
 
 def all_reduce(n, size, link: GroupLink) -> np.ndarray:
     n = np.asarray(n, dtype=np.float64)
-    ring = 2 * (n - 1) * link.latency + 2 * (n - 1) / n * size / link.bandwidth
-    tree = 2 * np.ceil(np.log2(np.maximum(n, 1))) * link.latency + 2 * size / link.bandwidth
+    bandwidth, latency = link.for_kind("all_reduce")
+    ring = 2 * (n - 1) * latency + 2 * (n - 1) / n * size / bandwidth
+    if link.kinds:  # measured: the fit already is whatever algorithm the library picked
+        return np.where(n > 1, ring, 0.0)
+    tree = 2 * np.ceil(np.log2(np.maximum(n, 1))) * latency + 2 * size / bandwidth
     return np.where(n > 1, np.minimum(ring, tree), 0.0)
 
 
-def reduce_scatter(n, size, link: GroupLink) -> np.ndarray:
-    """Also all-gather and pairwise all-to-all: every rank sends (n-1)/n of its bytes."""
+def reduce_scatter(n, size, link: GroupLink, kind: str = "reduce_scatter") -> np.ndarray:
+    """Also all-gather and pairwise all-to-all (`kind`): every rank sends (n-1)/n of its bytes."""
     n = np.asarray(n, dtype=np.float64)
-    return np.where(n > 1, (n - 1) * link.latency + (n - 1) / n * size / link.bandwidth, 0.0)
+    bandwidth, latency = link.for_kind(kind)
+    return np.where(n > 1, (n - 1) * latency + (n - 1) / n * size / bandwidth, 0.0)
 
 
 def point_to_point(size, link: GroupLink) -> np.ndarray:
-    return link.latency + size / link.bandwidth
+    bandwidth, latency = link.for_kind("send_recv")
+    return latency + size / bandwidth
 
 
 def efficiency(model: ModelSpec, micro_batch, tp: int, constants: CostConstants) -> np.ndarray:
@@ -78,6 +91,30 @@ def efficiency(model: ModelSpec, micro_batch, tp: int, constants: CostConstants)
     n = (model.expert_ffn if model.is_moe else model.ffn_hidden) / tp
     intensity = 2 * m * k * n / (model.dtype_bytes * (m * k + k * n + m * n))
     return constants.max_efficiency * np.minimum(1.0, intensity / constants.machine_balance)
+
+
+def device_rates(model: ModelSpec, constants: CostConstants, micro_batch, tp: int,
+                 stage_peak) -> tuple[np.ndarray, np.ndarray]:
+    """FLOP/s one device sustains on its decoder layers and on the LM head, shape (rows, stages):
+    measured curves where calibration has the chip and shapes, else peak x efficiency."""
+    b = np.asarray(micro_batch, dtype=np.float64).reshape(-1, 1)
+    peaks = np.asarray(stage_peak, dtype=np.float64).reshape(1, -1)
+    layer = np.array(np.broadcast_to(peaks * efficiency(model, b, tp, constants), (len(b), peaks.shape[1])))
+    head = layer.copy()
+    if constants.calibration is not None:
+        for stage, peak in enumerate(peaks[0]):
+            curves = constants.calibration.curves(model, tp, float(peak))
+            if curves is not None:
+                layer[:, stage] = curves[0].rate(b[:, 0] * model.seq_len)
+                head[:, stage] = curves[1].rate(b[:, 0] * model.seq_len)
+    return layer, head
+
+
+def best_device_rate(model: ModelSpec, constants: CostConstants, tp: int, peak: float, largest_batch: int) -> float:
+    """No micro-batch up to `largest_batch` runs a device faster than this (for the search's bound)."""
+    nominal = peak * float(efficiency(model, largest_batch, tp, constants))
+    curves = constants.calibration.curves(model, tp, peak) if constants.calibration is not None else None
+    return nominal if curves is None else max(curves[0].best, curves[1].best)
 
 
 @dataclass(kw_only=True)
@@ -102,43 +139,27 @@ def stage_times(model: ModelSpec, constants: CostConstants, *, stage_layers, sta
     b = np.asarray(micro_batch, dtype=np.float64)[:, None]
     recompute = np.asarray(recompute)[:, None]
     tokens = b * model.seq_len
-    forward_flops = tokens * (layers * model.layer_flops_per_token + is_last * model.logits_flops_per_token)
+    layer_rate, head_rate = device_rates(model, constants, micro_batch, tp, stage_peak)
+    layer_rate, head_rate = tp * layer_rate, tp * head_rate
+    layer_forward = tokens * layers * model.layer_flops_per_token / layer_rate
+    head_forward = tokens * is_last * model.logits_flops_per_token / head_rate
     redo = np.select([recompute == 1, recompute == 2], [model.attention_core_flops_per_token,
                                                         model.layer_flops_per_token], 0.0)
-    backward_flops = 2 * forward_flops + tokens * layers * redo
-    rate = tp * np.asarray(stage_peak)[None, :] * efficiency(model, b, tp, constants)
+    forward = layer_forward + head_forward
+    backward = 2 * forward + tokens * layers * redo / layer_rate
     activation = tokens * model.hidden * model.dtype_bytes
     tp_collectives = 4 + 2 * (recompute == 2)
     tp_time = layers * tp_collectives * all_reduce(tp, activation, links["tp"])
     ep_time = np.zeros_like(tp_time)
     if model.is_moe:
         for size in np.unique(ep):
-            routed = reduce_scatter(size, activation * model.top_k / tp, links[f"ep{int(size)}"])
+            routed = reduce_scatter(size, activation * model.top_k / tp, links[f"ep{int(size)}"], "all_to_all")
             ep_time = np.where(np.asarray(ep)[:, None] == size, layers * model.moe_layer_share * 4 * routed, ep_time)
     pp_time = 2 * point_to_point(activation / tp, links["pp"]) if pp > 1 else np.zeros_like(tokens)
-    return StageTimes(forward=forward_flops / rate, backward=backward_flops / rate, tp=tp_time, ep=ep_time,
+    return StageTimes(forward=forward, backward=backward, tp=tp_time, ep=ep_time,
                       pp=np.broadcast_to(pp_time, tp_time.shape))
 
 
 def pipeline_seconds(stage_total: np.ndarray, num_micro_batches) -> np.ndarray:
     m = np.asarray(num_micro_batches, dtype=np.float64)
     return stage_total.sum(axis=1) + (m - 1) * stage_total.max(axis=1)
-
-
-def data_parallel_exposed(model: ModelSpec, times: StageTimes, *, stage_dense, stage_expert, tp: int, dp: int,
-                          link: GroupLink, ep, zero, num_micro_batches) -> np.ndarray:
-    """Seconds of gradient reduction / ZeRO gathers not hidden behind compute, worst stage."""
-    ep = np.asarray(ep, dtype=np.float64)[:, None]
-    zero = np.asarray(zero)[:, None]
-    m = np.asarray(num_micro_batches, dtype=np.float64)[:, None]
-    dense = model.dtype_bytes * np.asarray(stage_dense)[None, :] / tp
-    expert = model.dtype_bytes * np.asarray(stage_expert)[None, :] / (tp * ep)
-    all_red = all_reduce(dp, dense, link) + all_reduce(dp / ep, expert, link)
-    half = reduce_scatter(dp, dense, link) + reduce_scatter(dp / ep, expert, link)
-    exposed = np.select(
-        [zero == 0, zero == 1, zero == 2],
-        [np.maximum(0.0, all_red - times.backward),
-         np.maximum(0.0, half - times.backward) + half,
-         m * np.maximum(0.0, half - times.backward) + half],
-        m * (np.maximum(0.0, half - times.forward) + np.maximum(0.0, 2 * half - times.backward)))
-    return exposed.max(axis=1)

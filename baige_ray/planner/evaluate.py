@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from baige_ray.planner.cost import (CostConstants, StageTimes, data_parallel_exposed, pipeline_seconds,
-                                    stage_times)
+from baige_ray.planner.cost import CostConstants, StageTimes, pipeline_seconds, stage_times
 from baige_ray.planner.links import GroupLink
 from baige_ray.planner.memory import activation_bytes, model_state_bytes, stage_param_counts
 from baige_ray.planner.model_spec import ModelSpec
+from baige_ray.planner.overlap import data_parallel_cost
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -63,6 +63,8 @@ class Evaluation:
     step_s: np.ndarray  # (rows,)
     pipeline_s: np.ndarray
     dp_exposed_s: np.ndarray
+    dp_total_s: np.ndarray  # DP / ZeRO traffic per step, hidden or not
+    framework_s: np.ndarray  # optimizer update and the step's fixed cost (calibrated; 0 nominal)
     num_micro_batches: np.ndarray
     times: StageTimes  # per micro-batch, (rows, stages)
     memory_bytes: np.ndarray  # (rows, stages)
@@ -81,18 +83,35 @@ def evaluate(model: ModelSpec, constants: CostConstants, context: LayoutContext,
                         tp=layout.tp, pp=layout.pp, links=context.links, ep=rows.ep, micro_batch=rows.micro_batch,
                         recompute=rows.recompute)
     dense, expert = stage_param_counts(model, context.stage_layers)
-    dp_exposed = data_parallel_exposed(model, times, stage_dense=dense, stage_expert=expert, tp=layout.tp,
-                                       dp=layout.dp, link=context.links["dp"], ep=rows.ep, zero=rows.zero,
-                                       num_micro_batches=m)
+    data_parallel = data_parallel_cost(model, times, constants, stage_layers=context.stage_layers, stage_dense=dense,
+                                       stage_expert=expert, tp=layout.tp, dp=layout.dp, link=context.links["dp"],
+                                       ep=rows.ep, zero=rows.zero, num_micro_batches=m)
     pipeline = pipeline_seconds(times.total, m)
-    step = pipeline + dp_exposed
+    framework = framework_seconds(constants, dense, expert, tp=layout.tp, dp=layout.dp, ep=rows.ep, zero=rows.zero)
+    step = pipeline + data_parallel.exposed + framework
     memory = (model_state_bytes(model, context.stage_layers, tp=layout.tp, dp=layout.dp, ep=rows.ep, zero=rows.zero)
               + activation_bytes(model, context.stage_layers, tp=layout.tp, pp=layout.pp,
                                  micro_batch=rows.micro_batch, recompute=rows.recompute, num_micro_batches=m))
     ratio = (memory / context.stage_memory[None, :]).max(axis=1)
     mfu = model.model_flops_per_step() / (step * context.total_peak)
-    return Evaluation(step_s=step, pipeline_s=pipeline, dp_exposed_s=dp_exposed, num_micro_batches=m, times=times,
+    return Evaluation(step_s=step, pipeline_s=pipeline, dp_exposed_s=data_parallel.exposed,
+                      dp_total_s=data_parallel.total, framework_s=framework, num_micro_batches=m, times=times,
                       memory_bytes=memory, memory_ratio=ratio, mfu=mfu)
+
+
+def framework_seconds(constants: CostConstants, stage_dense, stage_expert, *, tp: int, dp: int, ep,
+                      zero) -> np.ndarray:
+    """The optimizer's update of the parameters a device owns (all of them, or its ZeRO shard) on the
+    worst stage, plus the step's fixed cost; zero where calibration has not measured them."""
+    calibration = constants.calibration
+    ep = np.asarray(ep, dtype=np.float64)[:, None]
+    sharded = (np.asarray(zero) >= 1)[:, None]
+    dense = np.asarray(stage_dense, dtype=np.float64)[None, :] / tp
+    expert = np.asarray(stage_expert, dtype=np.float64)[None, :] / (tp * ep)
+    owned = np.where(sharded, dense / dp + expert / (dp / ep), dense + expert).max(axis=1)
+    per_param = (calibration.optimizer_s_per_param or 0.0) if calibration is not None else 0.0
+    fixed = (calibration.step_overhead_s or 0.0) if calibration is not None else 0.0
+    return per_param * owned + fixed
 
 
 def split_layers(num_layers: int, layer_s: np.ndarray, extra_s: np.ndarray) -> np.ndarray | None:

@@ -7,10 +7,10 @@ import numpy as np
 from baige_ray.planner.evaluate import Evaluation
 
 COMPONENTS = ("compute", "tensor_parallel", "expert_all_to_all", "pipeline_p2p", "pipeline_bubble",
-              "data_parallel_exposed")
+              "data_parallel_exposed", "optimizer_and_framework")
 LABELS = {"compute": "compute", "tensor_parallel": "TP all-reduce", "expert_all_to_all": "EP all-to-all",
           "pipeline_p2p": "pipeline send/recv", "pipeline_bubble": "pipeline bubble",
-          "data_parallel_exposed": "exposed DP/ZeRO traffic"}
+          "data_parallel_exposed": "exposed DP/ZeRO traffic", "optimizer_and_framework": "optimizer and framework"}
 
 
 def breakdown(evaluation: Evaluation, row: int = 0) -> dict[str, float]:
@@ -30,7 +30,18 @@ def breakdown(evaluation: Evaluation, row: int = 0) -> dict[str, float]:
         "pipeline_p2p": at(times.pp),
         "pipeline_bubble": float(evaluation.pipeline_s[row] - m * total[bottleneck]),
         "data_parallel_exposed": float(evaluation.dp_exposed_s[row]),
+        "optimizer_and_framework": float(evaluation.framework_s[row]),
     }
+
+
+def exposure(evaluation: Evaluation, row: int = 0) -> dict[str, dict[str, float]]:
+    """Per communication term, seconds per step in all and the part nothing hides. TP, EP and
+    pipeline traffic sit on the critical path (all exposed); DP / ZeRO traffic overlaps compute."""
+    parts = breakdown(evaluation, row)
+    on_path = {name: {"total_s": parts[name], "exposed_s": parts[name]}
+               for name in ("tensor_parallel", "expert_all_to_all", "pipeline_p2p")}
+    return {**on_path, "data_parallel": {"total_s": float(evaluation.dp_total_s[row]),
+                                         "exposed_s": float(evaluation.dp_exposed_s[row])}}
 
 
 def why_lost(winner: dict[str, float], loser: dict[str, float], winner_step: float, loser_step: float) -> str:

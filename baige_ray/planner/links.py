@@ -12,15 +12,21 @@ a few array passes, not 100,000 Python calls. The tier rules are those of
     two sit on different (leaf, rail) pairs, else SAME_RAIL;
   * bandwidth: the slower of the worst intra-node pair and min NIC rate (capped
     by the rail) divided by the tier's oversubscription.
+With a calibration, a tier it measured is priced with the measured latency and bandwidth
+instead (the group's worst tier decides, as above).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from baige_ray.topology.graph import LinkTier, ResourceGraph
+
+if TYPE_CHECKING:
+    from baige_ray.planner.calibration import Calibration
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -30,6 +36,15 @@ class GroupLink:
     tier: int
     bandwidth: float
     latency: float
+    # Measured per collective kind: ((kind, bandwidth, latency), ...); other kinds use the two above.
+    kinds: tuple[tuple[str, float, float], ...] = ()
+
+    def for_kind(self, kind: str) -> tuple[float, float]:
+        """(bandwidth, latency) of one collective kind over this link."""
+        for name, bandwidth, latency in self.kinds:
+            if name == kind:
+                return bandwidth, latency
+        return self.bandwidth, self.latency
 
     @property
     def tier_name(self) -> str:
@@ -43,8 +58,11 @@ NO_LINK = GroupLink(tier=-1, bandwidth=float("inf"), latency=0.0)
 class LinkTables:
     """Per-device coordinates and per-tier constants of one graph, gathered once."""
 
-    def __init__(self, graph: ResourceGraph):
+    def __init__(self, graph: ResourceGraph, calibration: Calibration | None = None):
         d, net = graph.devices, graph.network
+        self.measured = {tier: (fit.bandwidth, fit.latency_s,
+                                tuple((kind, k.bandwidth, k.latency_s) for kind, k in sorted(fit.kinds.items())))
+                         for tier, fit in (calibration.links.items() if calibration is not None else ())}
         self.node, self.island, self.pod = d.node, d.island, d.pod
         no_rail = -1 - np.arange(len(d.rail), dtype=np.int64)  # a device without a rail matches nobody
         self.rail_key = np.where(d.rail >= 0, d.leaf.astype(np.int64) * 4096 + d.rail, no_rail)
@@ -81,7 +99,15 @@ def group_link(tables: LinkTables, groups: np.ndarray) -> GroupLink:
     if multi_node.any():
         cross_tier, cross_bw, cross_lat = _cross_node(tables, pos[multi_node])
         tier, bandwidth, latency = max(tier, cross_tier), min(bandwidth, cross_bw), max(latency, cross_lat)
-    return GroupLink(tier=int(tier), bandwidth=float(bandwidth), latency=float(latency))
+    return with_measured(tables, GroupLink(tier=int(tier), bandwidth=float(bandwidth), latency=float(latency)))
+
+
+def with_measured(tables: LinkTables, link: GroupLink) -> GroupLink:
+    """The link priced with its tier's measured figures where calibration has them."""
+    if link.tier not in tables.measured:
+        return link
+    bandwidth, latency, kinds = tables.measured[link.tier]
+    return GroupLink(tier=link.tier, bandwidth=float(bandwidth), latency=float(latency), kinds=kinds)
 
 
 def _cross_node(tables: LinkTables, pos: np.ndarray) -> tuple[int, float, float]:
@@ -100,3 +126,26 @@ def neighbour_link(tables: LinkTables, chains: np.ndarray) -> GroupLink:
         return NO_LINK
     pairs = np.stack([chains[:, :-1].ravel(), chains[:, 1:].ravel()], axis=1)
     return group_link(tables, pairs)
+
+
+def probe_groups(graph: ResourceGraph, positions: np.ndarray) -> dict[int, list[list[int]]]:
+    """Per link tier the cluster has, rank groups whose slowest link is that tier: the smallest
+    (a pair) and the largest such group, so the fit sees latency and bandwidth at two sizes.
+    `positions[rank]` is the rank's device row in `graph`."""
+    tables = LinkTables(graph)
+    ranks = np.arange(len(positions))
+    candidates = [ranks]
+    for key in (tables.node, tables.rail_key, tables.island):
+        values = key[positions]
+        candidates += [ranks[values == value] for value in np.unique(values)]
+    candidates += [np.array([0, other]) for other in ranks[1:]]
+    by_tier: dict[int, list[np.ndarray]] = {}
+    for group in candidates:
+        if len(group) >= 2:
+            tier = group_link(tables, positions[group][None, :]).tier
+            by_tier.setdefault(int(tier), []).append(group)
+    chosen = {}
+    for tier, groups in sorted(by_tier.items()):
+        smallest, largest = min(groups, key=len), max(groups, key=len)
+        chosen[tier] = [smallest.tolist()] + ([largest.tolist()] if len(largest) > len(smallest) else [])
+    return chosen

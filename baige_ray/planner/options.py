@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from baige_ray.api.validation import require_int, require_number
+from baige_ray.planner.calibration import Calibration
 from baige_ray.planner.cost import CostConstants
 from baige_ray.planner.mapping import MAPPINGS
 from baige_ray.planner.memory import RECOMPUTE
@@ -26,6 +27,8 @@ class PlanOptions:
     # cost model prices, so plans for them (runtime/auto_plan.py) leave stage 3 out.
     expert_parallel_zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     max_pp: int | None = None  # the most pipeline stages the model can run in (None: one per layer)
+    # Measured figures of this cluster (`baige-ray calibrate`); None prices with the nominal constants.
+    calibration: Calibration | None = field(default=None, compare=False)
     constants: CostConstants = field(init=False)
 
     def __post_init__(self) -> None:
@@ -47,8 +50,12 @@ class PlanOptions:
                        maximum=1)
         require_number("PlanOptions", "machine_balance", self.machine_balance, minimum=0, exclusive_minimum=True)
         require_number("PlanOptions", "replan_tolerance", self.replan_tolerance, minimum=0)
+        if self.calibration is not None and not isinstance(self.calibration, Calibration):
+            raise ValueError(f"PlanOptions.calibration={type(self.calibration).__name__} is invalid: expected a "
+                             "Calibration or None")
         object.__setattr__(self, "constants", CostConstants(max_efficiency=self.max_efficiency,
-                                                            machine_balance=self.machine_balance))
+                                                            machine_balance=self.machine_balance,
+                                                            calibration=self.calibration))
 
     @property
     def recompute_codes(self) -> tuple[int, ...]:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +11,7 @@ import numpy as np
 
 from baige_ray.api.errors import InfeasiblePlanError
 from baige_ray.planner.evaluate import Layout, LayoutContext, Rows, evaluate
-from baige_ray.planner.explain import breakdown, why_lost
+from baige_ray.planner.explain import breakdown, exposure, why_lost
 from baige_ray.planner.links import GroupLink
 from baige_ray.planner.mapping import DIMENSIONS, layout_links, rank_groups
 from baige_ray.planner.memory import RECOMPUTE
@@ -65,6 +64,7 @@ class PlacementPlan:
     stage_time_s: tuple[float, ...]  # per micro-batch, forward + backward + on-path communication
     step_time_s: float
     breakdown_s: dict[str, float]
+    exposure_s: dict[str, dict[str, float]]  # per communication term: {"total_s", "exposed_s"}
     memory_per_device_gb: float  # worst stage
     memory_by_stage_gb: tuple[float, ...]
     usable_memory_by_stage_gb: tuple[float, ...]
@@ -138,7 +138,7 @@ def build_plan(model: ModelSpec, options: PlanOptions, hardware: Hardware, winne
         stage_layers=tuple(int(n) for n in context.stage_layers),
         stage_chips=_stage_chips(graph, positions, layout.pp),
         stage_time_s=tuple(float(t) for t in np.broadcast_to(evaluation.times.total, (1, layout.pp))[0]),
-        step_time_s=step, breakdown_s=parts,
+        step_time_s=step, breakdown_s=parts, exposure_s=exposure(evaluation),
         memory_per_device_gb=float(evaluation.memory_bytes[0].max() / 1e9),
         memory_by_stage_gb=tuple(float(b / 1e9) for b in evaluation.memory_bytes[0]),
         usable_memory_by_stage_gb=tuple(float(b / 1e9) for b in context.stage_memory),

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from baige_ray.planner.evaluate import Layout
 from baige_ray.planner.mapping import rank_groups
 from baige_ray.planner.memory import RECOMPUTE
 from baige_ray.planner.plan import PlacementPlan, build_plan, price_candidate
 from baige_ray.planner.search import Candidate, Hardware
-from baige_ray.planner.evaluate import Layout
 from baige_ray.topology.graph import ResourceGraph
 
 

@@ -17,12 +17,11 @@ recompute, a few hundred rows) is priced as numpy arrays in one call.
 from __future__ import annotations
 
 from collections.abc import Callable
-
 from dataclasses import dataclass
 
 import numpy as np
 
-from baige_ray.planner.cost import all_reduce, efficiency
+from baige_ray.planner.cost import all_reduce, best_device_rate, device_rates
 from baige_ray.planner.evaluate import Layout, LayoutContext, Rows, evaluate, row_grid, split_layers
 from baige_ray.planner.links import GroupLink, LinkTables
 from baige_ray.planner.mapping import MAPPINGS, layout_links, rank_positions, slot_order, stage_devices
@@ -61,7 +60,7 @@ class Hardware:
     def __init__(self, graph: ResourceGraph, options: PlanOptions):
         self.graph = graph
         self.options = options
-        self.tables = LinkTables(graph)
+        self.tables = LinkTables(graph, options.constants.calibration)
         self.tables.memory_bytes = self.tables.memory_bytes * options.usable_memory_fraction
         self._slots: dict[tuple[int, str], np.ndarray] = {}
         self.max_island = int(np.unique(graph.devices.island, return_counts=True)[1].max()) if len(graph.devices) else 0
@@ -96,12 +95,12 @@ def _layer_seconds(model: ModelSpec, options: PlanOptions, layout: Layout, peak:
                    links: dict[str, GroupLink]) -> tuple[np.ndarray, np.ndarray]:
     """Per stage, seconds per layer and for the LM head, for one sequence without recomputation: the
     balance of compute (which scales with chip speed) and TP all-reduces (which do not)."""
-    rate = layout.tp * peak * float(efficiency(model, 1, layout.tp, options.constants))
+    layer_rate, head_rate = device_rates(model, options.constants, [1], layout.tp, peak)
     activation = model.seq_len * model.hidden * model.dtype_bytes
-    layer = 3 * model.seq_len * model.layer_flops_per_token / rate
+    layer = 3 * model.seq_len * model.layer_flops_per_token / (layout.tp * layer_rate[0])
     layer = layer + 4 * float(all_reduce(layout.tp, activation, links["tp"]))
     extra = np.zeros(layout.pp)
-    extra[-1] = 3 * model.seq_len * model.logits_flops_per_token / rate[-1]
+    extra[-1] = 3 * model.seq_len * model.logits_flops_per_token / (layout.tp * head_rate[0, -1])
     return layer, extra
 
 
@@ -173,8 +172,9 @@ def time_lower_bound(model: ModelSpec, options: PlanOptions, hardware: Hardware,
     major = layout.mapping.split("/")[1]
     used = hardware.slots(tp, major)[: dp * pp]
     largest_batch = min(model.global_batch // dp, options.max_micro_batch)
-    rate = float(hardware.tables.peak_flops[used].sum()) * float(efficiency(model, largest_batch, tp,
-                                                                             options.constants))
+    peaks, counts = np.unique(hardware.tables.peak_flops[used], return_counts=True)
+    rate = sum(count * best_device_rate(model, options.constants, tp, float(peak), largest_batch)
+               for peak, count in zip(peaks, counts))
     compute = model.model_flops_per_step() / rate
     tensor = 0.0
     if tp > 1:

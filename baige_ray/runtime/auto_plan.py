@@ -37,8 +37,12 @@ def first_devices(graph: ResourceGraph, num_devices: int) -> ResourceGraph:
 
 
 def plan_job(job: TrainJob, graph: ResourceGraph) -> PlacementPlan:
+    """The planner's pick for the job, priced with this hardware's kept calibration where there is one."""
+    from baige_ray.runtime.calibration_store import load_calibration
+
     spec = job.plugin.model_spec(global_batch=job.train.global_batch_size)
-    return plan(spec, graph, PlanOptions(expert_parallel_zero_stages=(0, 1, 2), max_pp=job.plugin.max_pipeline_stages))
+    return plan(spec, graph, PlanOptions(expert_parallel_zero_stages=(0, 1, 2), max_pp=job.plugin.max_pipeline_stages,
+                                         calibration=load_calibration(graph)))
 
 
 def layout_from_plan(placement: PlacementPlan) -> ParallelLayout:

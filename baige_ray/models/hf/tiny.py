@@ -34,8 +34,9 @@ def write_text_documents(directory: Path, *, max_bytes: int = 512 * 1024) -> lis
 
 
 def make_llama_tiny(directory: Path, *, seq_len: int = 128, vocab_size: int = 1024, seed: int = 0,
-                    text_bytes: int = 512 * 1024):
-    """(HFModel, TokenDataset): a saved tiny Llama with its own tokenizer, and its training data."""
+                    text_bytes: int = 512 * 1024, shape: dict | None = None, name: str = "llama-tiny"):
+    """(HFModel, TokenDataset): a saved tiny Llama with its own tokenizer, and its training data.
+    `shape` overrides LLAMA_TINY's LlamaConfig sizes (the model is then saved under `name`)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -47,10 +48,10 @@ def make_llama_tiny(directory: Path, *, seq_len: int = 128, vocab_size: int = 10
     files = write_text_documents(directory / "text", max_bytes=text_bytes)
     tokenizer_dir = train_bpe_tokenizer(files, directory / "tokenizer", vocab_size=vocab_size)
     tokenizer = load_tokenizer(tokenizer_dir)
-    model_dir = directory / "llama-tiny"
+    model_dir = directory / name
     if not (model_dir / "config.json").is_file():
         config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                             eos_token_id=tokenizer.eos_token_id, **LLAMA_TINY)
+                             eos_token_id=tokenizer.eos_token_id, **{**LLAMA_TINY, **(shape or {})})
         torch.manual_seed(seed)
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)

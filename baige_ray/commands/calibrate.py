@@ -1,0 +1,63 @@
+"""`baige-ray calibrate [--cluster X.yaml] [--model M ...] [--json]`: measure the cluster the planner prices.
+
+Connects to RAY_ADDRESS (a cluster from `ray start` / `ray up`), or starts the simulated cluster of
+`--cluster`, runs the probes of runtime/calibrate.py in one worker actor per device, keeps the
+result per graph fingerprint and shows it. Run again, it shows what it kept without measuring;
+`--refresh` measures anew. `baige-ray plan` and `fit(layout="auto")` price with what it kept."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("calibrate", help="measure compute, links and overlap for the planner")
+    parser.add_argument("--cluster", default=None, help="hardware descriptor YAML (clusters/*.yaml): simulate it "
+                                                        "when RAY_ADDRESS is not set; name the hardware when it is")
+    parser.add_argument("--model", action="append", default=[],
+                        help="model YAML or Hugging Face config.json whose layer shapes to measure (repeatable)")
+    parser.add_argument("--global-batch", type=int, default=None, help="sequences per step, for a config.json")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence, for a config.json")
+    parser.add_argument("--refresh", action="store_true", help="measure again even if a calibration is kept")
+    parser.add_argument("--json", action="store_true", help="print the calibration as JSON")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from baige_ray.jobs.calibrate import CalibrationRequest, calibrate
+    from baige_ray.planner.model_spec import load_model_spec
+    from baige_ray.runtime.auto_plan import live_graph
+    from baige_ray.runtime.calibration_store import cache_path
+    from baige_ray.runtime.progress import StageProgress
+    from baige_ray.topology.connect import open_cluster
+
+    models = tuple(load_model_spec(path, global_batch=args.global_batch, seq_len=args.seq_len) for path in args.model)
+    with open_cluster(args.cluster, log_to_driver=False) as session:
+        graph = live_graph(session.descriptor)
+        with StageProgress("calibrate", enabled=not args.json) as progress:
+            calibration = calibrate(graph, CalibrationRequest(models=models), refresh=args.refresh, progress=progress)
+    if args.json:
+        print(json.dumps(json.loads(calibration.to_json())))
+    else:
+        print(describe(calibration, str(cache_path(calibration.fingerprint))))
+    return 0
+
+
+def describe(calibration, path: str) -> str:
+    lines = [f"calibration {calibration.fingerprint} ({calibration.backend}), kept in {path}",
+             f"  measured in {sum(calibration.seconds.values()):.1f} s: " + ", ".join(calibration.measured_terms())]
+    for fit in sorted(calibration.links.values(), key=lambda f: f.tier):
+        kinds = ", ".join(f"{kind} {k.latency_s * 1e6:.0f} us {k.bandwidth / 1e9:.2f} GB/s"
+                          for kind, k in sorted(fit.kinds.items()))
+        lines.append(f"  {fit.tier_name:<10} {kinds} (fit error {fit.rms_rel_error:.0%})")
+    if calibration.overlap is not None:
+        lines.append(f"  overlap    {calibration.overlap:.0%} of a background all-reduce hidden behind compute")
+    if calibration.optimizer_s_per_param is not None:
+        lines.append(f"  optimizer  {calibration.optimizer_s_per_param * 1e9:.2f} ns per parameter, step overhead "
+                     f"{calibration.step_overhead_s * 1e3:.2f} ms")
+    for chip in calibration.chips.values():
+        for key, curve in sorted(chip.layer.items()):
+            rates = ", ".join(f"{t} tok {r / 1e9:.1f}" for t, r in zip(curve.tokens, curve.flops_per_s))
+            lines.append(f"  {chip.chip} layer {key}: GFLOP/s {rates}")
+    return "\n".join(lines)

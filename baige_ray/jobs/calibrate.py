@@ -1,0 +1,170 @@
+"""`calibrate(...)`: measure the cluster at hand through its worker actors, once, and keep it (runtime/calibration_store.py).
+
+The planner prices with what this measures (planner/calibration.py) instead of nominal
+constants. A calibration is kept as JSON per graph fingerprint (constants.calibration_dir);
+the next call on the same hardware reuses it and measures only what it lacks (the compute
+curves of a model shape it has not seen).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from baige_ray.api.configs import ScalingConfig
+from baige_ray.planner.calibration import (
+    COLLECTIVES,
+    Calibration,
+    ChipCalibration,
+    CollectiveSample,
+    ComputeCurve,
+    fit_link,
+    graph_fingerprint,
+    shape_key,
+)
+from baige_ray.planner.links import probe_groups
+from baige_ray.planner.model_spec import ModelSpec
+from baige_ray.runtime.calibration_store import load_calibration, save_calibration
+from baige_ray.topology.graph import ResourceGraph
+
+
+MESSAGE_SIZES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
+MICRO_BATCHES = (1, 4, 16)
+REPEATS = 3
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class CalibrationRequest:
+    """What to measure: link tiers, overlap and optimizer always; compute for these models' shapes
+    at these TP degrees (None: every degree the heads allow inside a node) and micro-batch sizes."""
+
+    models: tuple[ModelSpec, ...] = ()
+    tps: tuple[int, ...] | None = None
+    micro_batches: tuple[int, ...] = MICRO_BATCHES
+    message_sizes: tuple[int, ...] = MESSAGE_SIZES
+    repeats: int = REPEATS
+
+    def tp_degrees(self, model: ModelSpec, devices_per_node: int) -> list[int]:
+        allowed = [t for t in range(1, devices_per_node + 1) if model.num_heads % t == 0 and model.kv_heads % t == 0
+                   and model.ffn_hidden % t == 0 and model.vocab_size % t == 0]
+        return [t for t in allowed if self.tps is None or t in self.tps]
+
+
+def missing_compute(calibration: Calibration | None, graph: ResourceGraph,
+                    request: CalibrationRequest) -> list[tuple[ModelSpec, int]]:
+    """(model, tp) pairs whose curves the calibration lacks for some chip of the graph."""
+    per_node = int(np.bincount(graph.devices.node).max()) if graph.num_devices else 1
+    peaks = {p.peak_tflops * 1e12 for p in graph.profiles}
+    return [(model, tp) for model in request.models for tp in request.tp_degrees(model, per_node)
+            if calibration is None or not calibration.has_compute(model, [tp], peaks)]
+
+
+def calibrate(graph: ResourceGraph, request: CalibrationRequest | None = None, *, directory: str | Path | None = None,
+              refresh: bool = False, scaling: ScalingConfig | None = None,
+              progress: Callable[[str, int, int], None] | None = None) -> Calibration:
+    """The calibration of `graph`'s hardware, measured where it lacks something `request` asks for.
+    Starts one worker actor per device of `graph` on the connected Ray cluster when it measures."""
+    request = request or CalibrationRequest()
+    kept = None if refresh else load_calibration(graph, directory)
+    todo = missing_compute(kept, graph, request)
+    if kept is not None and kept.links and kept.overlap is not None and not todo:
+        return kept
+    calibration = kept or Calibration(fingerprint=graph_fingerprint(graph), backend="")
+    scaling = scaling or ScalingConfig(num_workers=graph.num_devices)
+    with _ProbeGroup(graph, dataclasses.replace(scaling, num_workers=graph.num_devices)) as group:
+        calibration.backend = group.backend
+        if not calibration.links or calibration.overlap is None:
+            _measure_fabric(group, calibration, request, progress)
+        for index, (model, tp) in enumerate(todo):
+            if progress is not None:
+                progress(f"compute {model.name} tp={tp}", index, len(todo))
+            _measure_compute(group, calibration, model, tp, request)
+    save_calibration(calibration, directory)
+    return calibration
+
+
+class _ProbeGroup:
+    """Worker actors on every device of the graph, in one process group, each rank's graph row known."""
+
+    def __init__(self, graph: ResourceGraph, scaling: ScalingConfig):
+        self.graph, self.scaling = graph, scaling
+
+    def __enter__(self) -> _ProbeGroup:
+        from baige_ray.jobs.worker_group import WorkerGroup
+
+        self.group = WorkerGroup(self.scaling, timeout_s=600.0)
+        self.group.form_process_group()
+        self.positions = _rank_positions(self.graph, self.group.device_infos)
+        self.backend = "nccl" if self.group.device_infos[0].device_kind == "cuda" else "gloo"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.group.shutdown()
+
+    def run(self, name: str, **kwargs) -> list:
+        return self.group.call("calibration_probe", name, kwargs)
+
+
+def _rank_positions(graph: ResourceGraph, infos) -> np.ndarray:
+    """Each rank's row in the graph, from the Ray node it runs on and its device index there;
+    rank order (workers are sorted by node and device) where the graph does not name Ray nodes."""
+    by_name = {name: int(node) for name, node in zip(graph.nodes.names, graph.nodes.node_id)}
+    try:
+        rows = [graph.positions([graph.devices_of_node(by_name[info.node_id])[info.device_index]])[0]
+                for info in infos]
+    except (KeyError, IndexError):
+        return np.arange(len(infos))
+    return np.asarray(rows) if len(set(rows)) == len(rows) else np.arange(len(infos))
+
+
+def _measure_fabric(group: _ProbeGroup, calibration: Calibration, request: CalibrationRequest, progress) -> None:
+    started = time.perf_counter()
+    groups_by_tier = probe_groups(group.graph, group.positions)
+    flat = [(tier, ranks) for tier, groups in groups_by_tier.items() for ranks in groups]
+    if progress is not None:
+        progress("links", 0, 3)
+    results = group.run("collectives", groups=[ranks for _, ranks in flat], kinds=list(COLLECTIVES),
+                        sizes=list(request.message_sizes), repeats=request.repeats)
+    samples: dict[int, list[CollectiveSample]] = {}
+    for sample in (s for per_rank in results for s in per_rank):
+        tier, ranks = flat[sample["group"]]
+        size = len(ranks) if sample["kind"] != "send_recv" else 2
+        samples.setdefault(tier, []).append(CollectiveSample(tier=tier, kind=sample["kind"], group_size=size,
+                                                             size_bytes=sample["size_bytes"],
+                                                             seconds=sample["seconds"]))
+    calibration.links = {tier: fit_link(found) for tier, found in samples.items()}
+    calibration.samples = [dataclasses.asdict(s) for found in samples.values() for s in found]
+    calibration.seconds["links"] = time.perf_counter() - started
+    if progress is not None:
+        progress("overlap", 1, 3)
+    started = time.perf_counter()
+    calibration.overlap = float(np.median(group.run("overlap", size_bytes=request.message_sizes[-1],
+                                                    repeats=request.repeats)))
+    optimizer = group.run("optimizer", num_params=1 << 20, repeats=request.repeats)
+    calibration.optimizer_s_per_param = float(np.median([o["optimizer_s_per_param"] for o in optimizer]))
+    calibration.step_overhead_s = float(np.median([o["step_overhead_s"] for o in optimizer]))
+    calibration.seconds["overlap_and_optimizer"] = time.perf_counter() - started
+
+
+def _measure_compute(group: _ProbeGroup, calibration: Calibration, model: ModelSpec, tp: int,
+                     request: CalibrationRequest) -> None:
+    started = time.perf_counter()
+    batches = sorted({b for b in request.micro_batches if b <= model.global_batch})
+    results = group.run("compute", spec=dataclasses.asdict(model), tp=tp, micro_batches=batches,
+                        repeats=request.repeats)
+    profile_of_rank = group.graph.devices.profile[group.positions]
+    key = shape_key(model, tp)
+    for profile_index in np.unique(profile_of_rank):
+        profile = group.graph.profiles[int(profile_index)]
+        mine = [r for r, p in zip(results, profile_of_rank) if p == profile_index]
+        chip = calibration.chips.setdefault(profile.chip_model, ChipCalibration(
+            chip=profile.chip_model, peak_flops=profile.peak_tflops * 1e12))
+        tokens = tuple(mine[0]["tokens"])
+        chip.layer[key] = ComputeCurve(tokens=tokens, flops_per_s=tuple(np.median([r["layer"] for r in mine], axis=0)))
+        chip.head[key] = ComputeCurve(tokens=tokens, flops_per_s=tuple(np.median([r["head"] for r in mine], axis=0)))
+    calibration.seconds[f"compute {key}"] = time.perf_counter() - started
+

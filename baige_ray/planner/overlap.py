@@ -1,0 +1,88 @@
+"""Data-parallel and ZeRO traffic per step, and how much of it compute hides, as the engines schedule it.
+
+A background collective of X seconds beside C seconds of compute costs `hide(X, C) = X - eta
+min(X, C)`, eta the overlap share (CostConstants.overlap_share: 1.0 nominal for NCCL on GPUs,
+measured by calibration). With eta = 1 that is max(0, X - C): perfectly hidden when compute is
+longer. Per stage (the worst stage decides), with m micro-batches, F / B one micro-batch's
+forward / backward compute, L the stage's layers, `ag` the all-gather (= reduce-scatter) of one
+layer's weights over the data-parallel group, `ag_out` that of the weights outside the layers
+(embedding, head, final norm), AR / RS / AG of the stage's whole gradient or weights:
+
+  ZeRO-0 (DDP, PyTorch DDP paper, Li et al. 2020): gradients are all-reduced in buckets during
+    the last micro-batch's backward (no_sync before it); the last bucket (the first layers and
+    the embedding) is ready only when backward ends, so nothing hides it:
+      exposed = max(AR(bucket), hide(AR, B))
+  ZeRO-1 (ZeRO sec. 5.1): gradients reduce-scattered during the last backward, updated weights
+    all-gathered after the optimizer (nothing to hide behind):  hide(RS, B) + AG
+  ZeRO-2: gradient shards only, so every micro-batch reduce-scatters:  m hide(RS, B) + AG
+  ZeRO-3 / FSDP2 (ZeRO sec. 5.3, FSDP paper Zhao et al. 2023 sec. 3.3): every micro-batch gathers
+    each layer before its forward and again before its backward, with one layer prefetched
+    behind the compute of the layer before; the first gather of each pass, the weights outside
+    the layers and the last reduce-scatter are exposed:
+      forward  = ag_out + ag + (L - 1) hide(ag, F / L)
+      backward = ag + (L - 1) hide(ag + rs, B / L) + rs + rs_out     (gather + reduce-scatter per layer)
+      exposed  = m (forward + backward)
+TP, EP and pipeline traffic are on the critical path (cost.py), so the DP traffic hides behind
+compute only, not behind them: TP and DP sharing a NIC are not double counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from baige_ray.planner.cost import CostConstants, StageTimes, all_reduce, reduce_scatter
+from baige_ray.planner.links import GroupLink
+from baige_ray.planner.model_spec import ModelSpec
+
+
+@dataclass(kw_only=True)
+class DataParallelCost:
+    """Seconds per step, worst stage, shape (rows,): the traffic and the part compute does not hide."""
+
+    total: np.ndarray
+    exposed: np.ndarray
+
+
+def hide(collective, compute, overlap: float) -> np.ndarray:
+    """Seconds a background collective adds beside `compute` seconds of work."""
+    collective = np.asarray(collective, dtype=np.float64)
+    return collective - overlap * np.minimum(collective, compute)
+
+
+def data_parallel_cost(model: ModelSpec, times: StageTimes, constants: CostConstants, *, stage_layers,
+                       stage_dense, stage_expert, tp: int, dp: int, link: GroupLink, ep, zero,
+                       num_micro_batches) -> DataParallelCost:
+    ep = np.asarray(ep, dtype=np.float64)[:, None]
+    zero = np.asarray(zero)[:, None]
+    m = np.asarray(num_micro_batches, dtype=np.float64)[:, None]
+    layers = np.asarray(stage_layers, dtype=np.float64)[None, :]
+    dtype = model.dtype_bytes
+    dense = dtype * np.asarray(stage_dense, dtype=np.float64)[None, :] / tp
+    expert = dtype * np.asarray(stage_expert, dtype=np.float64)[None, :] / (tp * ep)
+    layer_dense = dtype * model.dense_layer_params / tp
+    layer_expert = dtype * model.expert_layer_params / (tp * ep)
+    outside = dense - layers * layer_dense
+
+    def gather(dense_bytes, expert_bytes, kind: str = "all_gather") -> np.ndarray:
+        return reduce_scatter(dp, dense_bytes, link, kind) + reduce_scatter(dp / ep, expert_bytes, link, kind)
+
+    eta = constants.overlap_share
+    full_reduce = all_reduce(dp, dense, link) + all_reduce(dp / ep, expert, link)
+    half, scatter = gather(dense, expert), gather(dense, expert, "reduce_scatter")
+    ddp = np.maximum(all_reduce(dp, np.minimum(dense + expert, constants.ddp_bucket_bytes), link),
+                     hide(full_reduce, times.backward, eta))
+    ag, ag_out = gather(layer_dense, layer_expert), gather(outside, 0.0)
+    rs, rs_out = gather(layer_dense, layer_expert, "reduce_scatter"), gather(outside, 0.0, "reduce_scatter")
+    forward = ag_out + ag + (layers - 1) * hide(ag, times.forward / layers, eta)
+    backward = ag + rs + rs_out + (layers - 1) * hide(ag + rs, times.backward / layers, eta)
+    exposed = np.select([zero == 0, zero == 1, zero == 2],
+                        [ddp, hide(scatter, times.backward, eta) + half, m * hide(scatter, times.backward, eta) + half],
+                        m * (forward + backward))
+    total = np.select([zero == 0, zero == 1, zero == 2], [full_reduce, scatter + half, m * scatter + half],
+                      m * (ag_out + rs_out + layers * (2 * ag + rs)))
+    total = np.broadcast_to(total, exposed.shape)
+    worst = np.argmax(exposed, axis=1)
+    rows = np.arange(exposed.shape[0])
+    return DataParallelCost(total=total[rows, worst], exposed=exposed[rows, worst])

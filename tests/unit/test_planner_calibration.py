@@ -1,0 +1,137 @@
+"""Calibration (planner/calibration.py): fits, storage, fingerprints, and the planner pricing with it."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from baige_ray.planner.bruteforce import brute_force
+from baige_ray.planner.calibration import (
+    COLLECTIVES,
+    Calibration,
+    ChipCalibration,
+    CollectiveSample,
+    ComputeCurve,
+    collective_coefficients,
+    fit_link,
+    graph_fingerprint,
+    shape_key,
+)
+from baige_ray.planner.links import probe_groups
+from baige_ray.planner.model_spec import ModelSpec
+from baige_ray.planner.options import PlanOptions
+from baige_ray.planner.plan import plan
+from baige_ray.planner.search import Hardware, search
+from baige_ray.topology.descriptor import load_descriptor
+from baige_ray.topology.graph import LinkTier, ResourceGraph
+
+from ..conftest import REPO_ROOT
+
+MODEL = ModelSpec(name="small", num_layers=4, hidden=256, ffn_hidden=1024, num_heads=8, seq_len=128, vocab_size=256,
+                  global_batch=16, dtype_bytes=4)
+
+
+def _graph(name: str = "sim-2x4") -> ResourceGraph:
+    return ResourceGraph.from_descriptor(load_descriptor(REPO_ROOT / "clusters" / f"{name}.yaml"))
+
+
+def _samples(tier: int, latency: float, bandwidth: float) -> list[CollectiveSample]:
+    samples = []
+    for kind in COLLECTIVES:
+        for n in (2, 4):
+            for size in (65536, 1 << 20, 8 << 20):
+                alpha, volume = collective_coefficients(kind, n if kind != "send_recv" else 2, size)
+                samples.append(CollectiveSample(tier=tier, kind=kind, group_size=n if kind != "send_recv" else 2,
+                                                size_bytes=size, seconds=alpha * latency + volume / bandwidth))
+    return samples
+
+
+def _calibration(rate: float = 2e10, overlap: float = 0.5) -> Calibration:
+    chip = ChipCalibration(chip="sim-a100", peak_flops=312e12)
+    for tp in (1, 2, 4):
+        curve = ComputeCurve(tokens=(128, 2048), flops_per_s=(rate / 2, rate))
+        chip.layer[shape_key(MODEL, tp)] = chip.head[shape_key(MODEL, tp)] = curve
+    links = {tier: fit_link(_samples(tier, 50e-6 * (tier + 1), 2e9 / (tier + 1))) for tier in (0, 2, 3)}
+    return Calibration(fingerprint=graph_fingerprint(_graph()), backend="gloo", chips={"sim-a100": chip},
+                       links=links, overlap=overlap, optimizer_s_per_param=1e-8, step_overhead_s=0.002)
+
+
+def test_link_fit_recovers_latency_and_bandwidth_of_every_collective():
+    fit = fit_link(_samples(2, latency=40e-6, bandwidth=3e9))
+    assert fit.latency_s == pytest.approx(40e-6, rel=1e-6) and fit.bandwidth == pytest.approx(3e9, rel=1e-6)
+    assert fit.rms_rel_error < 1e-9 and set(fit.kinds) == set(COLLECTIVES)
+    assert fit.kinds["all_to_all"].bandwidth == pytest.approx(3e9, rel=1e-6)
+
+
+def test_compute_curve_interpolates_in_log_space_and_holds_its_ends():
+    curve = ComputeCurve(tokens=(100, 10000), flops_per_s=(1e9, 1e11))
+    assert curve.rate([1000])[0] == pytest.approx(1e10)
+    assert curve.rate([10, 1e6]).tolist() == pytest.approx([1e9, 1e11])
+    with pytest.raises(ValueError, match="ascend"):
+        ComputeCurve(tokens=(10, 5), flops_per_s=(1.0, 1.0))
+
+
+def test_calibration_survives_json():
+    calibration = _calibration()
+    again = Calibration.from_json(calibration.to_json())
+    assert again.to_json() == calibration.to_json()
+    assert again.links[2].kinds["all_reduce"].latency_s == pytest.approx(calibration.links[2].kinds["all_reduce"].latency_s)
+    with pytest.raises(ValueError, match="format"):
+        Calibration.from_json('{"format": 0}')
+
+
+def test_fingerprint_ignores_ray_node_names_but_not_the_hardware():
+    graph = _graph()
+    named = graph.with_node_names({int(n): f"ray-node-{n}" for n in graph.node_ids})
+    assert graph_fingerprint(named) == graph_fingerprint(graph)
+    assert graph_fingerprint(_graph("sim-4x2")) != graph_fingerprint(graph)
+    assert graph_fingerprint(graph.without_nodes(graph.node_ids[1:])) != graph_fingerprint(graph)
+
+
+def test_probe_groups_cover_every_tier_the_cluster_has():
+    groups = probe_groups(_graph(), np.arange(8))
+    assert set(groups) == {LinkTier.NVLINK, LinkTier.SAME_RAIL, LinkTier.CROSS_RAIL}
+    assert groups[LinkTier.NVLINK] == [[0, 1], [0, 1, 2, 3]]
+    assert groups[LinkTier.CROSS_RAIL][-1] == list(range(8))
+
+
+def test_a_calibrated_plan_prices_compute_at_the_measured_rate_and_says_what_was_measured():
+    calibration = _calibration(rate=2e10)
+    chosen = plan(MODEL, _graph(), PlanOptions(calibration=calibration, recompute=("none",)))
+    tokens = MODEL.global_batch * MODEL.seq_len
+    flops = 3 * tokens * (MODEL.num_layers * MODEL.layer_flops_per_token + MODEL.logits_flops_per_token)
+    per_device_rate = calibration.chips["sim-a100"].layer[shape_key(MODEL, chosen.tp)].rate(
+        [chosen.micro_batch_size * MODEL.seq_len])[0]
+    assert chosen.breakdown_s["compute"] == pytest.approx(flops / chosen.num_ranks / per_device_rate, rel=1e-9)
+    assert chosen.breakdown_s["optimizer_and_framework"] > 0.002
+    assert chosen.links["dp"].kinds  # measured per collective
+    from baige_ray.planner.report import pricing_text
+
+    assert "measured compute" in pricing_text(chosen) and "link NVLINK" in pricing_text(chosen)
+    assert "nominal constants" in pricing_text(plan(MODEL, _graph()))
+
+
+def test_calibrated_search_still_equals_brute_force():
+    options = PlanOptions(calibration=_calibration(), recompute=("none", "full"), max_micro_batch=8)
+    graph = _graph()
+    exact = brute_force(MODEL, graph, options)
+    pick = search(MODEL, options, Hardware(graph, options)).ranked[0]
+    assert pick.step_s == pytest.approx(exact.step_s, rel=1e-9)
+    assert pick.order_key[1:] == exact.order_key[1:]
+
+
+def test_plan_options_refuse_what_is_not_a_calibration():
+    with pytest.raises(ValueError, match="PlanOptions.calibration"):
+        PlanOptions(calibration={"overlap": 0.5})
+    assert dataclasses.replace(PlanOptions(), top_k=2).calibration is None
+
+
+def test_a_kept_calibration_that_is_corrupt_or_of_another_format_is_ignored(tmp_path):
+    from baige_ray.runtime.calibration_store import cache_path, load_calibration, save_calibration
+
+    graph = _graph()
+    assert load_calibration(graph, tmp_path) is None
+    save_calibration(_calibration(), tmp_path)
+    assert load_calibration(graph, tmp_path).overlap == 0.5
+    cache_path(graph_fingerprint(graph), tmp_path).write_text("{not json")
+    assert load_calibration(graph, tmp_path) is None
