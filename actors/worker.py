@@ -151,7 +151,9 @@ class WorkerActor:
         from baige_ray.runtime import calibration_probes
 
         self._require_membership()
-        probes = {"compute": calibration_probes.compute_probe, "collectives": calibration_probes.collective_probe,
+        probes = {"compute": calibration_probes.compute_probe,
+                  "loaded_collectives": calibration_probes.loaded_collective_probe,
+                  "host_sharing": calibration_probes.host_sharing_probe,
                   "overlap": calibration_probes.overlap_probe, "optimizer": calibration_probes.optimizer_probe}
         return probes[name](**kwargs, device=self._device())
 

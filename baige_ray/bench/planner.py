@@ -18,6 +18,7 @@ uncalibrated planner with published training runs (bench/published.py), never fi
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 measured = _measure(model, data, config, steps, warmup, work)
                 rows.append({"model": name, **config, "measured_s": measured,
                              "rel_error": config["predicted_s"] / measured - 1.0})
+                with open(work / "layouts.jsonl", "a") as log:  # what ran so far, should the bench stop
+                    log.write(json.dumps(rows[-1]) + "\n")
             picks.append(_pick_row(name, spec, graph, calibration, [r for r in rows if r["model"] == name]))
     from baige_ray.bench.published import compare_published
 

@@ -53,11 +53,15 @@ def describe(calibration, path: str) -> str:
         lines.append(f"  {fit.tier_name:<10} {kinds} (fit error {fit.rms_rel_error:.0%})")
     if calibration.overlap is not None:
         lines.append(f"  overlap    {calibration.overlap:.0%} of a background all-reduce hidden behind compute")
+    if calibration.host_sharing is not None:
+        lines.append(f"  sharing    a device computes {calibration.host_sharing:.2f}x faster while its host's others idle")
     if calibration.optimizer_s_per_param is not None:
         lines.append(f"  optimizer  {calibration.optimizer_s_per_param * 1e9:.2f} ns per parameter, step overhead "
                      f"{calibration.step_overhead_s * 1e3:.2f} ms")
     for chip in calibration.chips.values():
         for key, curve in sorted(chip.layer.items()):
             rates = ", ".join(f"{t} tok {r / 1e9:.1f}" for t, r in zip(curve.tokens, curve.flops_per_s))
-            lines.append(f"  {chip.chip} layer {key}: GFLOP/s {rates}")
+            optimizer = chip.optimizer_s.get(key)
+            extra = f"; optimizer {optimizer[0] * 1e3:.1f} ms per layer" if optimizer else ""
+            lines.append(f"  {chip.chip} layer {key}: GFLOP/s {rates}{extra}")
     return "\n".join(lines)

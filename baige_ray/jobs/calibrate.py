@@ -26,14 +26,16 @@ from baige_ray.planner.calibration import (
     graph_fingerprint,
     shape_key,
 )
-from baige_ray.planner.links import probe_groups
+from baige_ray.planner.links import probe_groups, tier_pairs
 from baige_ray.planner.model_spec import ModelSpec
 from baige_ray.runtime.calibration_store import load_calibration, save_calibration
 from baige_ray.topology.graph import ResourceGraph
 
-
+# The layer the host-sharing probe runs: any compute-bound shape will do.
+CALIBRATION_LAYER = ModelSpec(name="probe", num_layers=1, hidden=256, ffn_hidden=1024, num_heads=8, seq_len=128,
+                              vocab_size=256, global_batch=2, dtype_bytes=4)
 MESSAGE_SIZES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
-MICRO_BATCHES = (1, 4, 16)
+MICRO_BATCHES = (1, 2, 8)
 REPEATS = 3
 
 
@@ -47,6 +49,8 @@ class CalibrationRequest:
     micro_batches: tuple[int, ...] = MICRO_BATCHES
     message_sizes: tuple[int, ...] = MESSAGE_SIZES
     repeats: int = REPEATS
+    iterations: int = 4  # (compute, collective) rounds per loaded collective timing
+    compute_window_s: float = 0.3  # seconds each compute shape runs on every device at once
 
     def tp_degrees(self, model: ModelSpec, devices_per_node: int) -> list[int]:
         allowed = [t for t in range(1, devices_per_node + 1) if model.num_heads % t == 0 and model.kv_heads % t == 0
@@ -71,13 +75,13 @@ def calibrate(graph: ResourceGraph, request: CalibrationRequest | None = None, *
     request = request or CalibrationRequest()
     kept = None if refresh else load_calibration(graph, directory)
     todo = missing_compute(kept, graph, request)
-    if kept is not None and kept.links and kept.overlap is not None and not todo:
+    if kept is not None and kept.links and kept.host_sharing is not None and not todo:
         return kept
     calibration = kept or Calibration(fingerprint=graph_fingerprint(graph), backend="")
     scaling = scaling or ScalingConfig(num_workers=graph.num_devices)
     with _ProbeGroup(graph, dataclasses.replace(scaling, num_workers=graph.num_devices)) as group:
         calibration.backend = group.backend
-        if not calibration.links or calibration.overlap is None:
+        if not calibration.links or calibration.host_sharing is None:
             _measure_fabric(group, calibration, request, progress)
         for index, (model, tp) in enumerate(todo):
             if progress is not None:
@@ -123,19 +127,20 @@ def _rank_positions(graph: ResourceGraph, infos) -> np.ndarray:
 
 def _measure_fabric(group: _ProbeGroup, calibration: Calibration, request: CalibrationRequest, progress) -> None:
     started = time.perf_counter()
-    groups_by_tier = probe_groups(group.graph, group.positions)
-    flat = [(tier, ranks) for tier, groups in groups_by_tier.items() for ranks in groups]
+    partitions = _tier_partitions(group.graph, group.positions)
     if progress is not None:
         progress("links", 0, 3)
-    results = group.run("collectives", groups=[ranks for _, ranks in flat], kinds=list(COLLECTIVES),
-                        sizes=list(request.message_sizes), repeats=request.repeats)
-    samples: dict[int, list[CollectiveSample]] = {}
+    results = group.run("loaded_collectives", partitions=[groups for _, groups in partitions], kinds=list(COLLECTIVES),
+                        sizes=list(request.message_sizes), iterations=request.iterations, work_s=0.004)
+    timings: dict[tuple, list[float]] = {}
     for sample in (s for per_rank in results for s in per_rank):
-        tier, ranks = flat[sample["group"]]
-        size = len(ranks) if sample["kind"] != "send_recv" else 2
-        samples.setdefault(tier, []).append(CollectiveSample(tier=tier, kind=sample["kind"], group_size=size,
-                                                             size_bytes=sample["size_bytes"],
-                                                             seconds=sample["seconds"]))
+        timings.setdefault((sample["partition"], sample["kind"], sample["size_bytes"]), []).append(sample["seconds"])
+    samples: dict[int, list[CollectiveSample]] = {}
+    for (index, kind, size), seconds in sorted(timings.items()):
+        tier, groups = partitions[index]
+        members = 2 if kind == "send_recv" else len(groups[0])
+        samples.setdefault(tier, []).append(CollectiveSample(tier=tier, kind=kind, group_size=members,
+                                                             size_bytes=size, seconds=float(np.median(seconds))))
     calibration.links = {tier: fit_link(found) for tier, found in samples.items()}
     calibration.samples = [dataclasses.asdict(s) for found in samples.values() for s in found]
     calibration.seconds["links"] = time.perf_counter() - started
@@ -143,11 +148,36 @@ def _measure_fabric(group: _ProbeGroup, calibration: Calibration, request: Calib
         progress("overlap", 1, 3)
     started = time.perf_counter()
     calibration.overlap = float(np.median(group.run("overlap", size_bytes=request.message_sizes[-1],
-                                                    repeats=request.repeats)))
+                                                    window_s=request.compute_window_s)))
     optimizer = group.run("optimizer", num_params=1 << 20, repeats=request.repeats)
     calibration.optimizer_s_per_param = float(np.median([o["optimizer_s_per_param"] for o in optimizer]))
     calibration.step_overhead_s = float(np.median([o["step_overhead_s"] for o in optimizer]))
     calibration.seconds["overlap_and_optimizer"] = time.perf_counter() - started
+    calibration.host_sharing = _host_sharing(group, request)
+
+
+def _host_sharing(group: _ProbeGroup, request: CalibrationRequest) -> float:
+    """How much faster one device of a host computes while the host's other devices idle."""
+    spec = dataclasses.asdict(CALIBRATION_LAYER)
+    everyone = list(range(len(group.positions)))
+    hosts = [info.hostname for info in group.group.device_infos]
+    first_of_host = sorted({hosts.index(host) for host in hosts})
+    busy = group.run("host_sharing", spec=spec, micro_batch=2, window_s=request.compute_window_s, active=everyone)
+    alone = group.run("host_sharing", spec=spec, micro_batch=2, window_s=request.compute_window_s,
+                      active=first_of_host)
+    return max(1.0, float(np.median([busy[r] / alone[r] for r in first_of_host])))
+
+
+def _tier_partitions(graph: ResourceGraph, positions: np.ndarray) -> list[tuple[int, list[list[int]]]]:
+    """Per link tier: every disjoint pair at that tier at once, and the tier's largest group."""
+    partitions = []
+    for tier, groups in probe_groups(graph, positions).items():
+        pairs = tier_pairs(graph, positions, tier)
+        if pairs:
+            partitions.append((tier, pairs))
+        if len(groups[-1]) > 2:
+            partitions.append((tier, [groups[-1]]))
+    return partitions
 
 
 def _measure_compute(group: _ProbeGroup, calibration: Calibration, model: ModelSpec, tp: int,
@@ -155,7 +185,7 @@ def _measure_compute(group: _ProbeGroup, calibration: Calibration, model: ModelS
     started = time.perf_counter()
     batches = sorted({b for b in request.micro_batches if b <= model.global_batch})
     results = group.run("compute", spec=dataclasses.asdict(model), tp=tp, micro_batches=batches,
-                        repeats=request.repeats)
+                        window_s=request.compute_window_s)
     profile_of_rank = group.graph.devices.profile[group.positions]
     key = shape_key(model, tp)
     for profile_index in np.unique(profile_of_rank):
@@ -164,7 +194,19 @@ def _measure_compute(group: _ProbeGroup, calibration: Calibration, model: ModelS
         chip = calibration.chips.setdefault(profile.chip_model, ChipCalibration(
             chip=profile.chip_model, peak_flops=profile.peak_tflops * 1e12))
         tokens = tuple(mine[0]["tokens"])
-        chip.layer[key] = ComputeCurve(tokens=tokens, flops_per_s=tuple(np.median([r["layer"] for r in mine], axis=0)))
-        chip.head[key] = ComputeCurve(tokens=tokens, flops_per_s=tuple(np.median([r["head"] for r in mine], axis=0)))
+        # The mean over devices: with shared cores, one device's luck is another's loss.
+        chip.layer[key] = ComputeCurve(tokens=tokens, flops_per_s=tuple(np.mean([r["layer"] for r in mine], axis=0)))
+        chip.head[key] = ComputeCurve(tokens=tokens, flops_per_s=tuple(np.mean([r["head"] for r in mine], axis=0)))
+        chip.optimizer_s[key] = tuple(float(v) for v in np.mean([r["optimizer_s"] for r in mine], axis=0))
+        if tp > 1:
+            chip.tp_tier[key] = _tensor_parallel_tier(group, tp)
     calibration.seconds[f"compute {key}"] = time.perf_counter() - started
+
+
+def _tensor_parallel_tier(group: _ProbeGroup, tp: int) -> int:
+    """The slowest tier the probe's TP groups (consecutive ranks) spanned."""
+    from baige_ray.planner.links import LinkTables, group_link
+
+    groups = group.positions.reshape(-1, tp)
+    return group_link(LinkTables(group.graph), groups).tier
 

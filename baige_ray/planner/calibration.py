@@ -156,6 +156,12 @@ class ChipCalibration:
     peak_flops: float  # the descriptor's nominal peak, to find the chip from a stage's peak
     layer: dict[str, ComputeCurve] = field(default_factory=dict)
     head: dict[str, ComputeCurve] = field(default_factory=dict)
+    # Shapes measured tensor-parallel (tp > 1): the slowest link tier their TP groups spanned. Their
+    # curves hold the TP collectives of that tier; the cost model adds none on top of them.
+    tp_tier: dict[str, int] = field(default_factory=dict)
+    # Seconds of gradient clipping + AdamW per step for one layer's and for the head's parameters, on a
+    # TP rank's share (DTensors when tp > 1), keyed like the curves.
+    optimizer_s: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -167,6 +173,10 @@ class Calibration:
     overlap: float | None = None
     optimizer_s_per_param: float | None = None
     step_overhead_s: float | None = None
+    # How much faster a device computes while its host's other devices idle: 1.0 for accelerators,
+    # up to devices / cores where simulated devices share a host's cores (a pipeline bubble then
+    # lends its cores to the busy stages).
+    host_sharing: float | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # how long each probe took
     samples: list[dict[str, Any]] = field(default_factory=list)  # the collective timings the links were fitted to
 
@@ -185,6 +195,20 @@ class Calibration:
             return None
         return chip.layer[key], chip.head[key]
 
+    def optimizer_seconds(self, model: ModelSpec, tp: int, peaks) -> tuple[float, float] | None:
+        """(per layer, head) optimizer seconds on the slowest chip of `peaks`, or None if not measured."""
+        key = shape_key(model, tp)
+        found = [self.chip_for_peak(float(p)) for p in peaks]
+        if any(c is None or key not in c.optimizer_s for c in found):
+            return None
+        return max(c.optimizer_s[key][0] for c in found), max(c.optimizer_s[key][1] for c in found)
+
+    def tensor_parallel_included(self, model: ModelSpec, tp: int, peaks, tier: int) -> bool:
+        """Whether the curves of every chip in `peaks` already hold TP traffic over `tier` or faster."""
+        key = shape_key(model, tp)
+        chips = [self.chip_for_peak(float(p)) for p in peaks]
+        return tp > 1 and all(c is not None and c.tp_tier.get(key, -1) >= tier for c in chips)
+
     def has_compute(self, model: ModelSpec, tps, peaks) -> bool:
         return all(self.curves(model, int(t), float(p)) is not None for t in tps for p in peaks)
 
@@ -196,7 +220,8 @@ class Calibration:
         if model is not None and peaks and self.has_compute(model, tps, peaks):
             terms.insert(0, "compute (layer and head FLOP/s per micro-batch and TP degree)")
         terms += [name for name, value in (("overlap", self.overlap), ("optimizer", self.optimizer_s_per_param),
-                                           ("step overhead", self.step_overhead_s)) if value is not None]
+                                           ("step overhead", self.step_overhead_s),
+                                           ("host sharing", self.host_sharing)) if value is not None]
         return terms
 
     # ---- storage ---------------------------------------------------------------------------
@@ -214,7 +239,9 @@ class Calibration:
             raise ValueError(f"calibration format is not {FORMAT_VERSION}; calibrate again")
         chips = {name: ChipCalibration(chip=c["chip"], peak_flops=c["peak_flops"],
                                        layer={k: _curve(v) for k, v in c["layer"].items()},
-                                       head={k: _curve(v) for k, v in c["head"].items()})
+                                       head={k: _curve(v) for k, v in c["head"].items()},
+                                       tp_tier={k: int(v) for k, v in c.get("tp_tier", {}).items()},
+                                       optimizer_s={k: tuple(v) for k, v in c.get("optimizer_s", {}).items()})
                  for name, c in data.pop("chips").items()}
         links = {int(tier): _link(fit) for tier, fit in data.pop("links").items()}
         return cls(chips=chips, links=links, **data)

@@ -34,8 +34,11 @@ The optimizer update and the step's fixed cost are priced only where calibration
 them (nominal: memory-bound, < 1% of a large step).
 
 With a `Calibration` (calibration.py) the measured FLOP/s of the model's own layer and head
-shapes replace peak x efficiency, per chip, TP degree and micro-batch; measured link tiers
-replace the descriptor's (links.py); the measured overlap share replaces the nominal 1.0.
+shapes replace peak x efficiency, per chip, TP degree and micro-batch (measured through DTensor
+when TP > 1, so they hold the TP collectives of the tier the probe's groups spanned and none are
+added on top); measured link tiers replace the descriptor's (links.py); the measured overlap
+share replaces the nominal 1.0; a measured host sharing above 1 (simulated devices sharing a
+host's cores) lets a pipeline bubble lend its cores to the busy stages (`pipeline_seconds`).
 """
 
 from __future__ import annotations
@@ -55,7 +58,15 @@ class CostConstants:
     machine_balance: float = 200.0  # peak FLOP/s over HBM bytes/s: A100 156, H100 295
     overlap: float = 1.0  # share of a background collective compute hides: NCCL on its own SMs and copy engines
     ddp_bucket_bytes: float = 25 * 2**20  # torch DDP's bucket_cap_mb default: the last bucket nothing hides
+    # ZeRO stages whose gradient reductions overlap backward: DeepSpeed's overlap_comm is on by default
+    # only for ZeRO-3 (DDP, stage 0, always overlaps its buckets).
+    overlapped_zero_stages: tuple[int, ...] = (0, 3)
     calibration: Calibration | None = field(default=None, compare=False)
+
+    @property
+    def host_sharing(self) -> float:
+        measured = self.calibration.host_sharing if self.calibration is not None else None
+        return 1.0 if measured is None else measured
 
     @property
     def overlap_share(self) -> float:
@@ -150,6 +161,9 @@ def stage_times(model: ModelSpec, constants: CostConstants, *, stage_layers, sta
     activation = tokens * model.hidden * model.dtype_bytes
     tp_collectives = 4 + 2 * (recompute == 2)
     tp_time = layers * tp_collectives * all_reduce(tp, activation, links["tp"])
+    calibration = constants.calibration
+    if calibration is not None and calibration.tensor_parallel_included(model, tp, stage_peak, links["tp"].tier):
+        tp_time = np.zeros_like(tp_time)  # measured with the layer: DTensor's TP collectives, loaded
     ep_time = np.zeros_like(tp_time)
     if model.is_moe:
         for size in np.unique(ep):
@@ -160,6 +174,12 @@ def stage_times(model: ModelSpec, constants: CostConstants, *, stage_layers, sta
                       pp=np.broadcast_to(pp_time, tp_time.shape))
 
 
-def pipeline_seconds(stage_total: np.ndarray, num_micro_batches) -> np.ndarray:
+def pipeline_seconds(stage_total: np.ndarray, num_micro_batches, host_sharing: float = 1.0) -> np.ndarray:
+    """1F1B's critical path; where devices share a host's cores (`host_sharing` > 1, measured) the
+    stages a bubble idles lend their cores to the busy ones, so the step is at least the busiest
+    stage's work and at most the critical path sped up by the sharing."""
     m = np.asarray(num_micro_batches, dtype=np.float64)
-    return stage_total.sum(axis=1) + (m - 1) * stage_total.max(axis=1)
+    critical = stage_total.sum(axis=1) + (m - 1) * stage_total.max(axis=1)
+    if host_sharing <= 1.0:
+        return critical
+    return np.maximum(m * stage_total.max(axis=1), critical / host_sharing)

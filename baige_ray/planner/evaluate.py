@@ -86,8 +86,8 @@ def evaluate(model: ModelSpec, constants: CostConstants, context: LayoutContext,
     data_parallel = data_parallel_cost(model, times, constants, stage_layers=context.stage_layers, stage_dense=dense,
                                        stage_expert=expert, tp=layout.tp, dp=layout.dp, link=context.links["dp"],
                                        ep=rows.ep, zero=rows.zero, num_micro_batches=m)
-    pipeline = pipeline_seconds(times.total, m)
-    framework = framework_seconds(constants, dense, expert, tp=layout.tp, dp=layout.dp, ep=rows.ep, zero=rows.zero)
+    pipeline = pipeline_seconds(times.total, m, constants.host_sharing)
+    framework = framework_seconds(model, constants, context, dense, expert, ep=rows.ep, zero=rows.zero)
     step = pipeline + data_parallel.exposed + framework
     memory = (model_state_bytes(model, context.stage_layers, tp=layout.tp, dp=layout.dp, ep=rows.ep, zero=rows.zero)
               + activation_bytes(model, context.stage_layers, tp=layout.tp, pp=layout.pp,
@@ -99,19 +99,29 @@ def evaluate(model: ModelSpec, constants: CostConstants, context: LayoutContext,
                       memory_bytes=memory, memory_ratio=ratio, mfu=mfu)
 
 
-def framework_seconds(constants: CostConstants, stage_dense, stage_expert, *, tp: int, dp: int, ep,
-                      zero) -> np.ndarray:
-    """The optimizer's update of the parameters a device owns (all of them, or its ZeRO shard) on the
-    worst stage, plus the step's fixed cost; zero where calibration has not measured them."""
+def framework_seconds(model: ModelSpec, constants: CostConstants, context: LayoutContext, stage_dense, stage_expert,
+                      *, ep, zero) -> np.ndarray:
+    """Gradient clipping and the optimizer's update of the parameters a device owns (all of them, or its
+    ZeRO shard) on the worst stage, plus the step's fixed cost; zero where calibration measured neither.
+    Measured per layer and head at the layout's TP degree where calibration has the model's shapes
+    (DTensor's per-parameter cost included), else per parameter."""
     calibration = constants.calibration
+    if calibration is None:
+        return np.zeros(len(np.atleast_1d(zero)))
+    layout = context.layout
     ep = np.asarray(ep, dtype=np.float64)[:, None]
-    sharded = (np.asarray(zero) >= 1)[:, None]
-    dense = np.asarray(stage_dense, dtype=np.float64)[None, :] / tp
-    expert = np.asarray(stage_expert, dtype=np.float64)[None, :] / (tp * ep)
-    owned = np.where(sharded, dense / dp + expert / (dp / ep), dense + expert).max(axis=1)
-    per_param = (calibration.optimizer_s_per_param or 0.0) if calibration is not None else 0.0
-    fixed = (calibration.step_overhead_s or 0.0) if calibration is not None else 0.0
-    return per_param * owned + fixed
+    shards = np.where((np.asarray(zero) >= 1)[:, None], layout.dp, 1.0)
+    dense = np.asarray(stage_dense, dtype=np.float64)[None, :] / layout.tp
+    expert = np.asarray(stage_expert, dtype=np.float64)[None, :] / (layout.tp * ep)
+    per_param = calibration.optimizer_s_per_param or 0.0
+    owned = per_param * (dense + expert)
+    measured = calibration.optimizer_seconds(model, layout.tp, context.stage_peak)
+    if measured is not None:
+        layers = np.asarray(context.stage_layers, dtype=np.float64)[None, :]
+        is_last = (np.arange(layout.pp) == layout.pp - 1)[None, :]
+        outside = dense - layers * model.dense_layer_params / layout.tp - is_last * model.vocab_size * model.hidden / layout.tp
+        owned = layers * measured[0] + is_last * measured[1] + per_param * (np.maximum(outside, 0.0) + expert)
+    return (owned / shards).max(axis=1) + (calibration.step_overhead_s or 0.0)
 
 
 def split_layers(num_layers: int, layer_s: np.ndarray, extra_s: np.ndarray) -> np.ndarray | None:

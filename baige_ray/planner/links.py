@@ -149,3 +149,18 @@ def probe_groups(graph: ResourceGraph, positions: np.ndarray) -> dict[int, list[
         smallest, largest = min(groups, key=len), max(groups, key=len)
         chosen[tier] = [smallest.tolist()] + ([largest.tolist()] if len(largest) > len(smallest) else [])
     return chosen
+
+
+def tier_pairs(graph: ResourceGraph, positions: np.ndarray, tier: int) -> list[list[int]]:
+    """Disjoint rank pairs whose link is exactly `tier`, as many as the ranks allow (greedy, in rank
+    order): the pattern of a layout's size-2 groups all communicating at once."""
+    tables = LinkTables(graph)
+    free = list(range(len(positions)))
+    pairs = []
+    while free:
+        first = free.pop(0)
+        partner = next((r for r in free if group_link(tables, positions[[first, r]][None, :]).tier == tier), None)
+        if partner is not None:
+            free.remove(partner)
+            pairs.append([first, partner])
+    return pairs

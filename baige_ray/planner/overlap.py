@@ -12,9 +12,13 @@ layer's weights over the data-parallel group, `ag_out` that of the weights outsi
     the last micro-batch's backward (no_sync before it); the last bucket (the first layers and
     the embedding) is ready only when backward ends, so nothing hides it:
       exposed = max(AR(bucket), hide(AR, B))
+    Beside tensor or expert parallelism (DTensor parameters, which DDP cannot wrap) the engine
+    all-reduces the gradients after backward: nothing hides them (exposed = AR).
   ZeRO-1 (ZeRO sec. 5.1): gradients reduce-scattered during the last backward, updated weights
     all-gathered after the optimizer (nothing to hide behind):  hide(RS, B) + AG
   ZeRO-2: gradient shards only, so every micro-batch reduce-scatters:  m hide(RS, B) + AG
+    DeepSpeed overlaps these reductions only with `overlap_comm`, off by default below ZeRO-3
+    (CostConstants.overlapped_zero_stages); then hide(RS, B) is RS.
   ZeRO-3 / FSDP2 (ZeRO sec. 5.3, FSDP paper Zhao et al. 2023 sec. 3.3): every micro-batch gathers
     each layer before its forward and again before its backward, with one layer prefetched
     behind the compute of the layer before; the first gather of each pass, the weights outside
@@ -71,14 +75,16 @@ def data_parallel_cost(model: ModelSpec, times: StageTimes, constants: CostConst
     eta = constants.overlap_share
     full_reduce = all_reduce(dp, dense, link) + all_reduce(dp / ep, expert, link)
     half, scatter = gather(dense, expert), gather(dense, expert, "reduce_scatter")
-    ddp = np.maximum(all_reduce(dp, np.minimum(dense + expert, constants.ddp_bucket_bytes), link),
-                     hide(full_reduce, times.backward, eta))
+    bucketed = np.maximum(all_reduce(dp, np.minimum(dense + expert, constants.ddp_bucket_bytes), link),
+                          hide(full_reduce, times.backward, eta))
+    ddp = np.where((ep > 1) | (tp > 1), full_reduce, bucketed)
     ag, ag_out = gather(layer_dense, layer_expert), gather(outside, 0.0)
     rs, rs_out = gather(layer_dense, layer_expert, "reduce_scatter"), gather(outside, 0.0, "reduce_scatter")
     forward = ag_out + ag + (layers - 1) * hide(ag, times.forward / layers, eta)
     backward = ag + rs + rs_out + (layers - 1) * hide(ag + rs, times.backward / layers, eta)
-    exposed = np.select([zero == 0, zero == 1, zero == 2],
-                        [ddp, hide(scatter, times.backward, eta) + half, m * hide(scatter, times.backward, eta) + half],
+    overlapped = np.isin(zero, constants.overlapped_zero_stages)
+    reduction = np.where(overlapped, hide(scatter, times.backward, eta), scatter)
+    exposed = np.select([zero == 0, zero == 1, zero == 2], [ddp, reduction + half, m * reduction + half],
                         m * (forward + backward))
     total = np.select([zero == 0, zero == 1, zero == 2], [full_reduce, scatter + half, m * scatter + half],
                       m * (ag_out + rs_out + layers * (2 * ag + rs)))

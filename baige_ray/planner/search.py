@@ -98,7 +98,9 @@ def _layer_seconds(model: ModelSpec, options: PlanOptions, layout: Layout, peak:
     layer_rate, head_rate = device_rates(model, options.constants, [1], layout.tp, peak)
     activation = model.seq_len * model.hidden * model.dtype_bytes
     layer = 3 * model.seq_len * model.layer_flops_per_token / (layout.tp * layer_rate[0])
-    layer = layer + 4 * float(all_reduce(layout.tp, activation, links["tp"]))
+    calibration = options.constants.calibration
+    if calibration is None or not calibration.tensor_parallel_included(model, layout.tp, peak, links["tp"].tier):
+        layer = layer + 4 * float(all_reduce(layout.tp, activation, links["tp"]))
     extra = np.zeros(layout.pp)
     extra[-1] = 3 * model.seq_len * model.logits_flops_per_token / (layout.tp * head_rate[0, -1])
     return layer, extra
@@ -177,14 +179,15 @@ def time_lower_bound(model: ModelSpec, options: PlanOptions, hardware: Hardware,
                for peak, count in zip(peaks, counts))
     compute = model.model_flops_per_step() / rate
     tensor = 0.0
-    if tp > 1:
+    if tp > 1 and options.constants.calibration is None:  # calibrated curves may hold the TP traffic
         tokens = model.global_batch // dp * model.seq_len
         volume = 4 * 2 * (tp - 1) / tp * tokens * model.hidden * model.dtype_bytes
         tensor = model.num_layers / pp * volume / hardware.fastest_island_bandwidth
     if hardware.mixed_chips:
         return max(compute, tensor)
     most = model.global_batch // dp
-    return (compute + tensor) * (most + pp - 1) / most
+    bubble = (most + pp - 1) / most
+    return (compute + tensor) * max(1.0, bubble / options.constants.host_sharing)
 
 
 def memory_lower_bound(model: ModelSpec, options: PlanOptions, hardware: Hardware, layout: Layout) -> float:

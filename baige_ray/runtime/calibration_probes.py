@@ -35,6 +35,27 @@ def _timed(run: Callable[[], None], repeats: int, device: str) -> float:
     return statistics.median(samples)
 
 
+def _seconds_per_call(run: Callable[[], None], window_s: float, device: str, collective: bool = False) -> float:
+    """Mean seconds of `run` called back to back for `window_s` (at least twice) while every rank does
+    the same: each rank keeps busy the whole window, so ranks sharing cores get fair shares of them.
+    A `run` holding a collective is called as often on every rank: the count the slowest rank's first
+    call implies."""
+    one = _timed(run, 1, device)
+    count = None
+    if collective:
+        agreed = torch.tensor([max(2.0, window_s / max(one, 1e-9))])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        count = int(agreed.item())
+    dist.barrier()
+    _sync(device)
+    start, calls = time.perf_counter(), 0
+    while (calls < count) if count is not None else (calls < 2 or time.perf_counter() - start < window_s):
+        run()
+        calls += 1
+    _sync(device)
+    return (time.perf_counter() - start) / calls
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -44,21 +65,24 @@ def _sync(device: str) -> None:
 
 
 class _LocalBlock(torch.nn.Module):
-    """One decoder layer's local shard under TP degree `tp`: the GEMM shapes a rank runs."""
+    """One decoder layer whose attention and MLP run on a TP rank's share (1 / tp of the heads and of
+    the FFN). `local_weights`: the matrices are that share (a rank's GEMM shapes, no communication);
+    otherwise they are whole, for DTensor to shard over a TP mesh as the engines do."""
 
-    def __init__(self, model: ModelSpec, tp: int):
+    def __init__(self, model: ModelSpec, tp: int, local_weights: bool = True):
         super().__init__()
-        h, q, kv = model.hidden, model.q_dim // tp, model.kv_dim // tp
-        ffn = (model.top_k * model.expert_ffn + model.shared_expert_ffn if model.is_moe else model.ffn_hidden) // tp
+        size = tp if local_weights else 1
+        h, q, kv = model.hidden, model.q_dim, model.kv_dim
+        ffn = model.top_k * model.expert_ffn + model.shared_expert_ffn if model.is_moe else model.ffn_hidden
         self.heads, self.kv_heads, self.head_size = model.num_heads // tp, model.kv_heads // tp, model.head_size
         norm = torch.nn.RMSNorm if model.rms_norm else torch.nn.LayerNorm
         self.norm1, self.norm2 = norm(h), norm(h)
-        self.qkv = torch.nn.Linear(h, q + 2 * kv, bias=False)
-        self.out = torch.nn.Linear(q, h, bias=False)
+        self.qkv = torch.nn.Linear(h, (q + 2 * kv) // size, bias=False)
+        self.out = torch.nn.Linear(q // size, h, bias=False)
         self.gated = model.gated_mlp
-        self.up = torch.nn.Linear(h, (2 if self.gated else 1) * ffn, bias=False)
-        self.down = torch.nn.Linear(ffn, h, bias=False)
-        self.q_width, self.kv_width = q, kv
+        self.up = torch.nn.Linear(h, (2 if self.gated else 1) * ffn // size, bias=False)
+        self.down = torch.nn.Linear(ffn // size, h, bias=False)
+        self.q_width, self.kv_width = q // tp, kv // tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -77,23 +101,93 @@ class _LocalBlock(torch.nn.Module):
         return x + self.down(up)
 
 
-def compute_probe(spec: dict, tp: int, micro_batches: list[int], repeats: int, device: str) -> dict[str, list]:
-    """Achieved FLOP/s of one layer and of the LM head (forward + backward) per micro-batch size."""
+def _tensor_parallel(model: ModelSpec, tp: int, device: str, dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The layer and the head sharded with DTensor over TP groups of `tp` consecutive ranks, the way
+    the engines shard a block (Megatron: column-wise in, row-wise out, one all-reduce per sub-layer)
+    and a vocabulary-parallel head whose logits are gathered for the loss."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh(device.split(":")[0], (dist.get_world_size() // tp, tp), mesh_dim_names=("rest", "tp"))
+    block = _LocalBlock(model, tp, local_weights=False).to(device=device, dtype=dtype)
+    parallelize_module(block, mesh["tp"], {"qkv": ColwiseParallel(), "out": RowwiseParallel(),
+                                           "up": ColwiseParallel(), "down": RowwiseParallel()})
+    head = torch.nn.Linear(model.hidden, model.vocab_size, bias=False).to(device=device, dtype=dtype)
+    parallelize_module(head, mesh["tp"], ColwiseParallel(output_layouts=Replicate()))
+    return block, head
+
+
+def compute_probe(spec: dict, tp: int, micro_batches: list[int], window_s: float, device: str) -> dict[str, list]:
+    """Achieved FLOP/s of one layer and of the LM head (forward + backward) per micro-batch size, each
+    kept running for `window_s` on every rank at once. With `tp` > 1 they run tensor-parallel over TP
+    groups of consecutive ranks, so the figures hold DTensor's cost and the TP collectives, loaded."""
     model = ModelSpec(**spec)
     dtype = DTYPES[model.dtype_bytes]
     torch.manual_seed(0)
-    block = _LocalBlock(model, tp).to(device=device, dtype=dtype)
-    head = torch.nn.Linear(model.hidden, model.vocab_size // tp, bias=False).to(device=device, dtype=dtype)
+    if tp > 1:
+        block, head = _tensor_parallel(model, tp, device, dtype)
+    else:
+        block = _LocalBlock(model, 1).to(device=device, dtype=dtype)
+        head = torch.nn.Linear(model.hidden, model.vocab_size, bias=False).to(device=device, dtype=dtype)
     layer_rates, head_rates = [], []
     for b in micro_batches:
         x = torch.randn(b, model.seq_len, model.hidden, device=device, dtype=dtype, requires_grad=True)
-        labels = torch.randint(0, model.vocab_size // tp, (b * model.seq_len,), device=device)
+        labels = torch.randint(0, model.vocab_size, (b * model.seq_len,), device=device)
         tokens = b * model.seq_len
-        layer_s = _timed(lambda: block(x).float().sum().backward(), repeats, device)
-        head_s = _timed(lambda: F.cross_entropy(head(x).float().view(tokens, -1), labels).backward(), repeats, device)
+        communicates = tp > 1
+        layer_s = _seconds_per_call(lambda: block(x).float().sum().backward(), window_s, device, communicates)
+        head_s = _seconds_per_call(lambda: F.cross_entropy(head(x).float().view(tokens, -1), labels).backward(),
+                                   window_s, device, communicates)
         layer_rates.append(3 * tokens * model.layer_flops_per_token / tp / layer_s)
         head_rates.append(3 * tokens * model.logits_flops_per_token / tp / head_s)
-    return {"tokens": [b * model.seq_len for b in micro_batches], "layer": layer_rates, "head": head_rates}
+    return {"tokens": [b * model.seq_len for b in micro_batches], "layer": layer_rates, "head": head_rates,
+            "optimizer_s": [_optimizer_seconds(module, window_s, device, tp > 1) for module in (block, head)]}
+
+
+def _optimizer_seconds(module: torch.nn.Module, window_s: float, device: str, communicates: bool) -> float:
+    """Gradient clipping and an AdamW update of `module`'s parameters (DTensors when tensor-parallel):
+    the per-step framework cost a layer or the head adds, as the engines' optimizer step runs it."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in module.parameters() if p.grad is not None]
+    kinds = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+
+    def step() -> None:
+        for same_kind in kinds:  # torch's foreach norm takes DTensors or tensors, not both at once
+            if same_kind:
+                torch.nn.utils.clip_grad_norm_(same_kind, 1.0)
+        optimizer.step()
+
+    return _seconds_per_call(step, window_s, device, communicates)
+
+
+def host_sharing_probe(spec: dict, micro_batch: int, window_s: float, active: list[int], device: str) -> float | None:
+    """Seconds per call of one layer's forward + backward on this rank while only the `active` ranks
+    compute (the others sleep): run once with every rank active and once with one rank per host, the
+    ratio says how much faster a device runs while its host's other devices idle (1 on GPUs)."""
+    model = ModelSpec(**spec)
+    torch.manual_seed(0)
+    block = _LocalBlock(model, 1).to(device=device, dtype=DTYPES[model.dtype_bytes])
+    x = torch.randn(micro_batch, model.seq_len, model.hidden, device=device, dtype=DTYPES[model.dtype_bytes])
+
+    def run() -> None:
+        block(x).float().sum().backward()
+
+    run()
+    dist.barrier()
+    seconds = None
+    if dist.get_rank() in active:
+        start, calls = time.perf_counter(), 0
+        while calls < 2 or time.perf_counter() - start < window_s:
+            run()
+            calls += 1
+        seconds = (time.perf_counter() - start) / calls
+    else:
+        time.sleep(window_s)
+    dist.barrier()
+    return seconds
 
 
 # ---- collectives ---------------------------------------------------------------------------------
@@ -131,51 +225,73 @@ def _ping_pong(group_ranks: list[int], size_bytes: int, device: str) -> Callable
     return run
 
 
-def collective_probe(groups: list[list[int]], kinds: list[str], sizes: list[int], repeats: int,
-                     device: str) -> list[dict]:
-    """Time every kind at every size in every group, one group at a time (the others idle).
-    Every rank takes part in creating every group; each group's first rank reports."""
-    handles = [dist.new_group(ranks) for ranks in groups]
-    rank, samples = dist.get_rank(), []
-    for index, (ranks, handle) in enumerate(zip(groups, handles)):
+def _busy_work(seconds: float, device: str) -> Callable[[], None]:
+    """Matmuls of about `seconds` on this rank while every rank runs them (the count is measured so)."""
+    a = torch.randn(128, 128, device=device)
+    one = _timed(lambda: a @ a, 5, device)
+    count = max(1, round(seconds / max(one, 1e-9)))
+
+    def work() -> None:
+        for _ in range(count):
+            a @ a
+    return work
+
+
+def loaded_collective_probe(partitions: list[list[list[int]]], kinds: list[str], sizes: list[int],
+                            iterations: int, work_s: float, device: str) -> list[dict]:
+    """Collectives as training meets them: every rank computes, then syncs with its group, all
+    groups of a partition at once (as every TP or DP group of a layout does). A sample is the time a
+    (compute, collective) iteration takes beyond the compute alone, over `iterations`: on hosts whose
+    cores the ranks share it includes waiting for the peers to be scheduled. Each partition is a list
+    of disjoint groups; ranks in none of them only compute. Every rank reports for its group."""
+    rank = dist.get_rank()
+    work = _busy_work(work_s, device)
+
+    def loop(run: Callable[[], None]) -> Callable[[], None]:
+        def iterate() -> None:
+            for _ in range(iterations):
+                work()
+                run()
+        return iterate
+
+    alone = _timed(loop(lambda: None), 1, device)
+    samples = []
+    for index, groups in enumerate(partitions):
+        handles = [dist.new_group(ranks) for ranks in groups]
+        mine = next(((ranks, handle) for ranks, handle in zip(groups, handles) if rank in ranks), None)
         for kind in kinds:
             for size in sizes:
-                member = rank in ranks
-                if kind == "send_recv":
-                    run = _ping_pong(ranks, size, device) if member else (lambda: None)
+                if mine is None:
+                    run = lambda: None  # noqa: E731
+                elif kind == "send_recv":
+                    run = _ping_pong(mine[0], size, device) if rank in mine[0][:2] else (lambda: None)
                 else:
-                    run = _collective(kind, handle, size, device) if member else (lambda: None)
-                seconds = _timed(run, repeats, device)
-                if kind == "send_recv":
-                    seconds /= 2
-                if rank == ranks[0]:
-                    samples.append({"group": index, "kind": kind, "size_bytes": size, "seconds": seconds})
+                    run = _collective(kind, mine[1], size, device)
+                seconds = (_timed(loop(run), 1, device) - alone) / iterations
+                if mine is not None:
+                    samples.append({"partition": index, "kind": kind, "size_bytes": size,
+                                    "seconds": max(seconds / (2 if kind == "send_recv" else 1), 1e-7)})
     return samples
 
 
 # ---- overlap and the optimizer ---------------------------------------------------------------------
 
 
-def overlap_probe(size_bytes: int, repeats: int, device: str) -> float:
+def overlap_probe(size_bytes: int, window_s: float, device: str) -> float:
     """Share of an all-reduce over every rank hidden when matmuls of about its length run beside it
-    (an async collective, as DDP's and FSDP's reductions are): (C + X - both) / min(C, X)."""
+    (an async collective, as DDP's and FSDP's reductions are): (C + X - both) / min(C, X), each of the
+    three kept running for `window_s` on every rank at once."""
     tensor = torch.ones(size_bytes // 4, device=device)
-    a = torch.randn(256, 256, device=device)
-    collective_s = _timed(lambda: dist.all_reduce(tensor), repeats, device)
-    one = _timed(lambda: a @ a, repeats, device)
-    count = max(1, round(collective_s / max(one, 1e-9)))
-
-    def compute() -> None:
-        for _ in range(count):
-            a @ a
+    collective_s = _seconds_per_call(lambda: dist.all_reduce(tensor), window_s, device, collective=True)
+    compute = _busy_work(collective_s, device)
 
     def both() -> None:
         work = dist.all_reduce(tensor, async_op=True)
         compute()
         work.wait()
 
-    compute_s = _timed(compute, repeats, device)
-    both_s = _timed(both, repeats, device)
+    compute_s = _seconds_per_call(compute, window_s, device)
+    both_s = _seconds_per_call(both, window_s, device, collective=True)
     hidden = (compute_s + collective_s - both_s) / min(compute_s, collective_s)
     return max(0.0, min(1.0, hidden))
 

@@ -20,14 +20,17 @@ MODEL = ModelSpec(name="tiny", num_layers=2, hidden=64, ffn_hidden=256, num_head
 def test_calibration_measures_every_tier_is_kept_and_reused(sim_cluster, tmp_path):
     graph = live_graph()
     request = CalibrationRequest(models=(MODEL,), tps=(1, 2), micro_batches=(1, 4), message_sizes=(4096, 262144),
-                                 repeats=1)
+                                 repeats=1, iterations=2, compute_window_s=0.1)
     calibration = calibrate(graph, request, directory=tmp_path)
     assert set(calibration.links) == {LinkTier.NVLINK, LinkTier.SAME_RAIL, LinkTier.CROSS_RAIL}
     assert all(fit.bandwidth > 0 and fit.latency_s >= 0 for fit in calibration.links.values())
     assert 0.0 <= calibration.overlap <= 1.0 and calibration.optimizer_s_per_param > 0
+    assert calibration.host_sharing >= 1.0  # eight workers share this machine's cores
     assert calibration.backend == "gloo"
     curves = calibration.curves(MODEL, 2, 312e12)
     assert curves is not None and len(curves[0].tokens) == 2 and min(curves[0].flops_per_s) > 0
+    assert calibration.tensor_parallel_included(MODEL, 2, [312e12], LinkTier.NVLINK)  # TP measured through DTensor
+    assert calibration.optimizer_seconds(MODEL, 2, [312e12]) is not None
     assert cache_path(calibration.fingerprint, tmp_path).is_file()
 
     start = time.perf_counter()

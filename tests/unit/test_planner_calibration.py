@@ -135,3 +135,35 @@ def test_a_kept_calibration_that_is_corrupt_or_of_another_format_is_ignored(tmp_
     assert load_calibration(graph, tmp_path).overlap == 0.5
     cache_path(graph_fingerprint(graph), tmp_path).write_text("{not json")
     assert load_calibration(graph, tmp_path) is None
+
+
+def test_a_bubble_lends_its_cores_to_busy_stages_where_devices_share_a_host():
+    from baige_ray.planner.cost import pipeline_seconds
+
+    stages = np.array([[1.0, 1.0, 1.0, 1.0]])  # 4 equal stages, 1 s per micro-batch each
+    assert pipeline_seconds(stages, [2])[0] == pytest.approx(5.0)  # 1F1B: (m + p - 1) T
+    assert pipeline_seconds(stages, [2], host_sharing=4.0)[0] == pytest.approx(2.0)  # the busiest stage's work
+    assert pipeline_seconds(stages, [2], host_sharing=2.0)[0] == pytest.approx(2.5)
+
+
+def test_curves_measured_through_tensor_parallelism_hold_its_traffic_on_that_tier_only():
+    calibration = _calibration()
+    chip = calibration.chips["sim-a100"]
+    chip.tp_tier[shape_key(MODEL, 2)] = int(LinkTier.NVLINK)
+    graph = _graph()
+    options = PlanOptions(calibration=calibration, recompute=("none",))
+    from baige_ray.planner.evaluate import Layout
+    from baige_ray.planner.plan import price_candidate
+    from baige_ray.planner.search import Candidate
+
+    def tp_seconds(mapping: str) -> float:
+        candidate = Candidate(layout=Layout(tp=2, pp=1, dp=4, mapping=mapping), ep=1, zero=0, micro_batch=4,
+                              recompute=0, step_s=0.0, memory_ratio=0.0)
+        context, evaluation = price_candidate(MODEL, options, Hardware(graph, options), candidate)
+        return context.links["tp"].tier, float(evaluation.times.tp.max())
+
+    tier, seconds = tp_seconds("tp-dp-pp/node")
+    assert tier == LinkTier.NVLINK and seconds == 0.0
+    assert calibration.tensor_parallel_included(MODEL, 2, [312e12], LinkTier.NVLINK)
+    assert not calibration.tensor_parallel_included(MODEL, 2, [312e12], LinkTier.CROSS_RAIL)
+    assert not calibration.tensor_parallel_included(MODEL, 4, [312e12], LinkTier.NVLINK)

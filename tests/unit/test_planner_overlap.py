@@ -20,13 +20,13 @@ STAGE_BYTES = 4 * LAYER_BYTES + OUTSIDE_BYTES
 
 
 def _cost(zero: int, forward: float, backward: float, micro_batches: int = 1, overlap: float = 1.0,
-          bucket: float = 25 * 2**20):
+          bucket: float = 25 * 2**20, overlapped=(0, 3), tp: int = 1):
     times = StageTimes(forward=np.array([[forward]]), backward=np.array([[backward]]), tp=np.zeros((1, 1)),
                        ep=np.zeros((1, 1)), pp=np.zeros((1, 1)))
-    constants = CostConstants(overlap=overlap, ddp_bucket_bytes=bucket)
-    dense = np.array([MODEL.num_layers * MODEL.dense_layer_params + MODEL.embedding_params + MODEL.output_params])
+    constants = CostConstants(overlap=overlap, ddp_bucket_bytes=bucket, overlapped_zero_stages=overlapped)
+    dense = tp * np.array([MODEL.num_layers * MODEL.dense_layer_params + MODEL.embedding_params + MODEL.output_params])
     cost = data_parallel_cost(MODEL, times, constants, stage_layers=np.array([4]), stage_dense=dense,
-                              stage_expert=np.zeros(1), tp=1, dp=4, link=LINK, ep=[1], zero=[zero],
+                              stage_expert=np.zeros(1), tp=tp, dp=4, link=LINK, ep=[1], zero=[zero],
                               num_micro_batches=[micro_batches])
     return float(cost.total[0]), float(cost.exposed[0])
 
@@ -50,21 +50,26 @@ def test_ddp_all_reduce_hides_behind_the_last_backward_except_the_last_bucket():
     assert exposed == pytest.approx(all_reduce - 0.02)
     _, exposed = _cost(0, forward=0.01, backward=0.02, overlap=0.25)
     assert exposed == pytest.approx(all_reduce - 0.25 * 0.02)
+    # Beside TP the engine all-reduces after backward: nothing hides it.
+    total, exposed = _cost(0, forward=1.0, backward=10.0, tp=2)
+    assert exposed == total == pytest.approx(all_reduce)
 
 
-def test_zero1_hides_the_reduce_scatter_but_not_the_gather_after_the_optimizer():
+def test_zero1_hides_the_reduce_scatter_only_with_overlap_comm_never_the_gather_after_the_optimizer():
     half = gather_s(STAGE_BYTES)
     total, exposed = _cost(1, forward=1.0, backward=10.0, micro_batches=4)
-    assert total == pytest.approx(2 * half)
+    assert total == pytest.approx(2 * half) and exposed == pytest.approx(2 * half)  # DeepSpeed's default
+    _, exposed = _cost(1, forward=1.0, backward=10.0, micro_batches=4, overlapped=(0, 1, 2, 3))
     assert exposed == pytest.approx(half)
-    _, exposed = _cost(1, forward=0.01, backward=0.02, micro_batches=4, overlap=0.5)
+    _, exposed = _cost(1, forward=0.01, backward=0.02, micro_batches=4, overlap=0.5, overlapped=(0, 1, 2, 3))
     assert exposed == pytest.approx(half - 0.5 * 0.02 + half)
 
 
 def test_zero2_reduce_scatters_every_micro_batch():
     half = gather_s(STAGE_BYTES)
     total, exposed = _cost(2, forward=0.01, backward=0.02, micro_batches=4)
-    assert total == pytest.approx(5 * half)
+    assert total == pytest.approx(5 * half) and exposed == pytest.approx(5 * half)
+    _, exposed = _cost(2, forward=0.01, backward=0.02, micro_batches=4, overlapped=(0, 1, 2, 3))
     assert exposed == pytest.approx(4 * (half - 0.02) + half)
 
 
