@@ -157,8 +157,10 @@ def _calibrate(graph, specs, directory: Path, args) -> tuple[Any, dict[str, floa
 def plan_options(calibration):
     from baige_ray.planner.options import PlanOptions
 
+    from baige_ray.runtime.auto_plan import ENGINE_OVERLAPPED_ZERO_STAGES
+
     return PlanOptions(calibration=calibration, recompute=("none",), expert_parallel_zero_stages=(0, 1, 2),
-                       mappings=("tp-dp-pp/node",))
+                       mappings=("tp-dp-pp/node",), overlapped_zero_stages=ENGINE_OVERLAPPED_ZERO_STAGES)
 
 
 def runnable_configs(spec, graph, calibration, limit: int | None = None) -> list[dict[str, Any]]:

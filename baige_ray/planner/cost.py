@@ -58,9 +58,10 @@ class CostConstants:
     machine_balance: float = 200.0  # peak FLOP/s over HBM bytes/s: A100 156, H100 295
     overlap: float = 1.0  # share of a background collective compute hides: NCCL on its own SMs and copy engines
     ddp_bucket_bytes: float = 25 * 2**20  # torch DDP's bucket_cap_mb default: the last bucket nothing hides
-    # ZeRO stages whose gradient reductions overlap backward: DeepSpeed's overlap_comm is on by default
-    # only for ZeRO-3 (DDP, stage 0, always overlaps its buckets).
-    overlapped_zero_stages: tuple[int, ...] = (0, 3)
+    # ZeRO stages whose gradient reductions overlap backward. Megatron's distributed optimizer and
+    # DeepSpeed with overlap_comm do for every stage; DeepSpeed's default turns it on for ZeRO-3 only,
+    # which is what baige-ray's engines run (runtime/auto_plan.py plans with (0, 3)).
+    overlapped_zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     calibration: Calibration | None = field(default=None, compare=False)
 
     @property

@@ -27,6 +27,8 @@ class PlanOptions:
     # cost model prices, so plans for them (runtime/auto_plan.py) leave stage 3 out.
     expert_parallel_zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     max_pp: int | None = None  # the most pipeline stages the model can run in (None: one per layer)
+    # ZeRO stages whose engines overlap gradient reductions with backward (CostConstants).
+    overlapped_zero_stages: tuple[int, ...] = CostConstants.overlapped_zero_stages
     # Measured figures of this cluster (`baige-ray calibrate`); None prices with the nominal constants.
     calibration: Calibration | None = field(default=None, compare=False)
     constants: CostConstants = field(init=False)
@@ -36,6 +38,11 @@ class PlanOptions:
         require_int("PlanOptions", "max_micro_batch", self.max_micro_batch, minimum=1)
         if self.max_pp is not None:
             require_int("PlanOptions", "max_pp", self.max_pp, minimum=1)
+        object.__setattr__(self, "overlapped_zero_stages", tuple(self.overlapped_zero_stages))
+        bad = [v for v in self.overlapped_zero_stages if v not in (0, 1, 2, 3)]
+        if bad:
+            raise ValueError(f"PlanOptions.overlapped_zero_stages={list(self.overlapped_zero_stages)!r} is invalid: "
+                             "expected a subset of [0, 1, 2, 3]")
         for name, values, allowed in (("zero_stages", self.zero_stages, (0, 1, 2, 3)),
                                       ("expert_parallel_zero_stages", self.expert_parallel_zero_stages, (0, 1, 2, 3)),
                                       ("recompute", self.recompute, RECOMPUTE), ("mappings", self.mappings, MAPPINGS)):
@@ -55,6 +62,7 @@ class PlanOptions:
                              "Calibration or None")
         object.__setattr__(self, "constants", CostConstants(max_efficiency=self.max_efficiency,
                                                             machine_balance=self.machine_balance,
+                                                            overlapped_zero_stages=self.overlapped_zero_stages,
                                                             calibration=self.calibration))
 
     @property

@@ -18,6 +18,11 @@ from baige_ray.topology.graph import ResourceGraph
 from baige_ray.topology.simulated import SimulatedCluster
 
 
+# DeepSpeed, as the engines configure it, overlaps gradient reductions with backward only under ZeRO-3
+# (its overlap_comm default); DDP always overlaps its buckets.
+ENGINE_OVERLAPPED_ZERO_STAGES = (0, 3)
+
+
 def live_graph(descriptor: ClusterDescriptor | None = None) -> ResourceGraph:
     """The graph of the Ray cluster this driver is connected to."""
     from baige_ray.topology.live import LiveTopology
@@ -42,6 +47,7 @@ def plan_job(job: TrainJob, graph: ResourceGraph) -> PlacementPlan:
 
     spec = job.plugin.model_spec(global_batch=job.train.global_batch_size)
     return plan(spec, graph, PlanOptions(expert_parallel_zero_stages=(0, 1, 2), max_pp=job.plugin.max_pipeline_stages,
+                                         overlapped_zero_stages=ENGINE_OVERLAPPED_ZERO_STAGES,
                                          calibration=load_calibration(graph)))
 
 

@@ -20,7 +20,7 @@ STAGE_BYTES = 4 * LAYER_BYTES + OUTSIDE_BYTES
 
 
 def _cost(zero: int, forward: float, backward: float, micro_batches: int = 1, overlap: float = 1.0,
-          bucket: float = 25 * 2**20, overlapped=(0, 3), tp: int = 1):
+          bucket: float = 25 * 2**20, overlapped=(0, 3), tp: int = 1):  # (0, 3): DeepSpeed's default
     times = StageTimes(forward=np.array([[forward]]), backward=np.array([[backward]]), tp=np.zeros((1, 1)),
                        ep=np.zeros((1, 1)), pp=np.zeros((1, 1)))
     constants = CostConstants(overlap=overlap, ddp_bucket_bytes=bucket, overlapped_zero_stages=overlapped)
