@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", choices=["gpt", "llama"], default=["gpt", "llama"])
     parser.add_argument("--steps", type=int, default=10, help="steps per layout, warm-up included")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times each model's layouts run, every other round in reverse order (the machine's "
+                             "speed drifts); a layout's measured step is the median over its rounds")
     parser.add_argument("--quick", action="store_true", help="4 layouts per model, 6 steps each")
     parser.add_argument("--work-dir", default=None, help="model, tokenizer, data and calibration (default: a temp dir)")
 
@@ -58,13 +61,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows, picks = [], []
         for name, model, data, spec in models:
             configs = runnable_configs(spec, graph, calibration, limit=4 if args.quick else None)
-            for index, config in enumerate(configs):
-                report_stage(args, f"{name}: {config['layout']}", index, len(configs))
-                measured = _measure(model, data, config, steps, warmup, work)
-                rows.append({"model": name, **config, "measured_s": measured,
+            rounds: dict[str, list[float]] = {config["layout"]: [] for config in configs}
+            for round_index in range(max(1, args.rounds)):
+                ordered = configs if round_index % 2 == 0 else configs[::-1]
+                for index, config in enumerate(ordered):
+                    report_stage(args, f"{name} round {round_index + 1}: {config['layout']}", index, len(configs))
+                    rounds[config["layout"]].append(_measure(model, data, config, steps, warmup, work))
+                    with open(work / "layouts.jsonl", "a") as log:  # what ran so far, should the bench stop
+                        log.write(json.dumps({"model": name, **config, "measured_s": rounds[config["layout"]][-1]})
+                                  + "\n")
+            for config in configs:
+                measured = float(np.median(rounds[config["layout"]]))
+                rows.append({"model": name, **config, "measured_s": measured, "rounds_s": rounds[config["layout"]],
                              "rel_error": config["predicted_s"] / measured - 1.0})
-                with open(work / "layouts.jsonl", "a") as log:  # what ran so far, should the bench stop
-                    log.write(json.dumps(rows[-1]) + "\n")
             picks.append(_pick_row(name, spec, graph, calibration, [r for r in rows if r["model"] == name]))
     from baige_ray.bench.published import compare_published
 
@@ -156,7 +165,6 @@ def _calibrate(graph, specs, directory: Path, args) -> tuple[Any, dict[str, floa
 
 def plan_options(calibration):
     from baige_ray.planner.options import PlanOptions
-
     from baige_ray.runtime.auto_plan import ENGINE_OVERLAPPED_ZERO_STAGES
 
     return PlanOptions(calibration=calibration, recompute=("none",), expert_parallel_zero_stages=(0, 1, 2),

@@ -50,7 +50,7 @@ class CalibrationRequest:
     message_sizes: tuple[int, ...] = MESSAGE_SIZES
     repeats: int = REPEATS
     iterations: int = 4  # (compute, collective) rounds per loaded collective timing
-    compute_window_s: float = 0.3  # seconds each compute shape runs on every device at once
+    compute_window_s: float = 0.25  # seconds each compute shape runs on every device at once
 
     def tp_degrees(self, model: ModelSpec, devices_per_node: int) -> list[int]:
         allowed = [t for t in range(1, devices_per_node + 1) if model.num_heads % t == 0 and model.kv_heads % t == 0

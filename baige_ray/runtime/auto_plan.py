@@ -17,7 +17,6 @@ from baige_ray.topology.descriptor import ClusterDescriptor
 from baige_ray.topology.graph import ResourceGraph
 from baige_ray.topology.simulated import SimulatedCluster
 
-
 # DeepSpeed, as the engines configure it, overlaps gradient reductions with backward only under ZeRO-3
 # (its overlap_comm default); DDP always overlaps its buckets.
 ENGINE_OVERLAPPED_ZERO_STAGES = (0, 3)
