@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,6 +36,12 @@ def run(args: argparse.Namespace) -> int:
     models = tuple(load_model_spec(path, global_batch=args.global_batch, seq_len=args.seq_len) for path in args.model)
     with open_cluster(args.cluster, log_to_driver=False) as session:
         graph = live_graph(session.descriptor)
+        if graph.num_devices == 0:
+            print("baige-ray calibrate: the cluster's resource graph has no accelerators: the node probes found "
+                  "none (no NVML / sysfs devices) and no simulated node advertises a descriptor's resources. Run it "
+                  "where the GPUs are, or on a cluster `open_cluster(DESCRIPTOR)` or `baige-ray calibrate --cluster "
+                  "DESCRIPTOR` starts", file=sys.stderr)
+            return 2
         with StageProgress("calibrate", enabled=not args.json) as progress:
             calibration = calibrate(graph, CalibrationRequest(models=models), refresh=args.refresh, progress=progress)
     if args.json:

@@ -51,6 +51,8 @@ class CalibrationRequest:
     repeats: int = REPEATS
     iterations: int = 4  # (compute, collective) rounds per loaded collective timing
     compute_window_s: float = 0.25  # seconds each compute shape runs on every device at once
+    # Per device: micro-batches whose probe would hold more are not measured (the curve holds its ends).
+    probe_memory_bytes: float = 1 << 30
 
     def tp_degrees(self, model: ModelSpec, devices_per_node: int) -> list[int]:
         allowed = [t for t in range(1, devices_per_node + 1) if model.num_heads % t == 0 and model.kv_heads % t == 0
@@ -183,7 +185,8 @@ def _tier_partitions(graph: ResourceGraph, positions: np.ndarray) -> list[tuple[
 def _measure_compute(group: _ProbeGroup, calibration: Calibration, model: ModelSpec, tp: int,
                      request: CalibrationRequest) -> None:
     started = time.perf_counter()
-    batches = sorted({b for b in request.micro_batches if b <= model.global_batch})
+    batches = sorted({b for b in request.micro_batches if b <= model.global_batch
+                      and probe_bytes(model, tp, b) <= request.probe_memory_bytes}) or [1]
     results = group.run("compute", spec=dataclasses.asdict(model), tp=tp, micro_batches=batches,
                         window_s=request.compute_window_s)
     profile_of_rank = group.graph.devices.profile[group.positions]
@@ -201,6 +204,13 @@ def _measure_compute(group: _ProbeGroup, calibration: Calibration, model: ModelS
         if tp > 1:
             chip.tp_tier[key] = _tensor_parallel_tier(group, tp)
     calibration.seconds[f"compute {key}"] = time.perf_counter() - started
+
+
+def probe_bytes(model: ModelSpec, tp: int, micro_batch: int) -> float:
+    """About what the compute probe holds at once: the head's logits with their fp32 copy, softmax and
+    gradient (12 bytes each, as planner/memory.py counts them), and a layer's activations."""
+    tokens = micro_batch * model.seq_len
+    return tokens * (12.0 * model.vocab_size + 20.0 * model.dtype_bytes * (model.hidden + model.ffn_hidden / tp))
 
 
 def _tensor_parallel_tier(group: _ProbeGroup, tp: int) -> int:

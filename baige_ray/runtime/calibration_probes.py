@@ -36,20 +36,20 @@ def _timed(run: Callable[[], None], repeats: int, device: str) -> float:
 
 
 def _seconds_per_call(run: Callable[[], None], window_s: float, device: str, collective: bool = False) -> float:
-    """Mean seconds of `run` called back to back for `window_s` (at least twice) while every rank does
+    """Mean seconds of `run` called back to back for `window_s` (at least once after a warm-up) while every rank does
     the same: each rank keeps busy the whole window, so ranks sharing cores get fair shares of them.
     A `run` holding a collective is called as often on every rank: the count the slowest rank's first
     call implies."""
     one = _timed(run, 1, device)
     count = None
     if collective:
-        agreed = torch.tensor([max(2.0, window_s / max(one, 1e-9))])
+        agreed = torch.tensor([max(1.0, window_s / max(one, 1e-9))])
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         count = int(agreed.item())
     dist.barrier()
     _sync(device)
     start, calls = time.perf_counter(), 0
-    while (calls < count) if count is not None else (calls < 2 or time.perf_counter() - start < window_s):
+    while (calls < count) if count is not None else (calls < 1 or time.perf_counter() - start < window_s):
         run()
         calls += 1
     _sync(device)

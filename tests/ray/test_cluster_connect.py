@@ -6,7 +6,6 @@ gives up."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -76,11 +75,11 @@ def test_the_guides_script_trains_on_a_ray_start_head_with_the_token_it_wrote(he
     assert driver.returncode == 0, driver.stdout[-2000:] + driver.stderr[-4000:]
     assert "InvalidAuthToken" not in driver.stderr
 
-    # The README's next step on a real cluster: calibrate it once (the links, overlap and optimizer).
+    # The README's next step on a real cluster is `baige-ray calibrate`. This head's GPUs are fake (no NVML
+    # behind them), so the probed graph holds no accelerator: the command says so instead of measuring nothing.
     cli = Path(sys.executable).parent / "baige-ray"
     calibrated = subprocess.run([str(cli), "calibrate", "--json"], cwd=workdir, capture_output=True, text=True,
                                 env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}",
                                      "BAIGE_RAY_CALIBRATION_DIR": str(tmp_path / "calibration")}, timeout=300)
-    assert calibrated.returncode == 0, calibrated.stdout[-2000:] + calibrated.stderr[-4000:]
-    found = json.loads(calibrated.stdout.strip().splitlines()[-1])
-    assert found["links"] and found["host_sharing"] >= 1.0 and list((tmp_path / "calibration").glob("*.json"))
+    assert calibrated.returncode == 2 and "no accelerators" in calibrated.stderr, calibrated.stderr[-4000:]
+    assert not (tmp_path / "calibration").exists()
