@@ -167,3 +167,15 @@ def test_curves_measured_through_tensor_parallelism_hold_its_traffic_on_that_tie
     assert calibration.tensor_parallel_included(MODEL, 2, [312e12], LinkTier.NVLINK)
     assert not calibration.tensor_parallel_included(MODEL, 2, [312e12], LinkTier.CROSS_RAIL)
     assert not calibration.tensor_parallel_included(MODEL, 4, [312e12], LinkTier.NVLINK)
+
+
+def test_a_calibration_request_measures_only_what_is_missing_within_the_probe_memory():
+    from baige_ray.jobs.calibrate import CalibrationRequest, missing_compute, probe_bytes
+
+    request = CalibrationRequest(models=(MODEL,))
+    graph = _graph()
+    assert [tp for _, tp in missing_compute(None, graph, request)] == [1, 2, 4]
+    assert missing_compute(_calibration(), graph, request) == []
+    assert [tp for _, tp in missing_compute(_calibration(), graph, CalibrationRequest(models=(MODEL,), tps=(2,)))] == []
+    wide = dataclasses.replace(MODEL, vocab_size=50304, seq_len=1024)
+    assert probe_bytes(wide, 1, 1) < request.probe_memory_bytes < probe_bytes(wide, 1, 2)
