@@ -54,8 +54,11 @@ class CalibrationRequest:
     # Per device: micro-batches whose probe would hold more are not measured (the curve holds its ends).
     probe_memory_bytes: float = 1 << 30
 
-    def tp_degrees(self, model: ModelSpec, devices_per_node: int) -> list[int]:
+    def tp_degrees(self, model: ModelSpec, devices_per_node: int, num_devices: int) -> list[int]:
+        """TP degrees the probe can run: inside a node, dividing the heads, FFN and vocabulary, and the
+        device count (every device runs in some TP group at once)."""
         allowed = [t for t in range(1, devices_per_node + 1) if model.num_heads % t == 0 and model.kv_heads % t == 0
+                   and num_devices % t == 0
                    and model.ffn_hidden % t == 0 and model.vocab_size % t == 0]
         return [t for t in allowed if self.tps is None or t in self.tps]
 
@@ -65,7 +68,7 @@ def missing_compute(calibration: Calibration | None, graph: ResourceGraph,
     """(model, tp) pairs whose curves the calibration lacks for some chip of the graph."""
     per_node = int(np.bincount(graph.devices.node).max()) if graph.num_devices else 1
     peaks = {p.peak_tflops * 1e12 for p in graph.profiles}
-    return [(model, tp) for model in request.models for tp in request.tp_degrees(model, per_node)
+    return [(model, tp) for model in request.models for tp in request.tp_degrees(model, per_node, graph.num_devices)
             if calibration is None or not calibration.has_compute(model, [tp], peaks)]
 
 

@@ -114,11 +114,12 @@ def device_rates(model: ModelSpec, constants: CostConstants, micro_batch, tp: in
     layer = np.array(np.broadcast_to(peaks * efficiency(model, b, tp, constants), (len(b), peaks.shape[1])))
     head = layer.copy()
     if constants.calibration is not None:
-        for stage, peak in enumerate(peaks[0]):
+        for peak in np.unique(peaks[0]):  # one look-up per chip, not per stage (pipelines run to 100+ stages)
             curves = constants.calibration.curves(model, tp, float(peak))
             if curves is not None:
-                layer[:, stage] = curves[0].rate(b[:, 0] * model.seq_len)
-                head[:, stage] = curves[1].rate(b[:, 0] * model.seq_len)
+                stages = peaks[0] == peak
+                layer[:, stages] = curves[0].rate(b * model.seq_len)
+                head[:, stages] = curves[1].rate(b * model.seq_len)
     return layer, head
 
 

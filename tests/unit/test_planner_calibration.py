@@ -177,5 +177,7 @@ def test_a_calibration_request_measures_only_what_is_missing_within_the_probe_me
     assert [tp for _, tp in missing_compute(None, graph, request)] == [1, 2, 4]
     assert missing_compute(_calibration(), graph, request) == []
     assert [tp for _, tp in missing_compute(_calibration(), graph, CalibrationRequest(models=(MODEL,), tps=(2,)))] == []
+    twelve_heads = dataclasses.replace(MODEL, num_heads=12, hidden=384, ffn_hidden=1536, vocab_size=50304)
+    assert request.tp_degrees(twelve_heads, devices_per_node=4, num_devices=8) == [1, 2, 4]  # not 3: 8 % 3
     wide = dataclasses.replace(MODEL, vocab_size=50304, seq_len=1024)
     assert probe_bytes(wide, 1, 1) < request.probe_memory_bytes < probe_bytes(wide, 1, 2)
