@@ -38,8 +38,13 @@ def brute_force(model: ModelSpec, graph: ResourceGraph, options: PlanOptions | N
 
 def _all_layouts(model: ModelSpec, options: PlanOptions, hardware: Hardware):
     n = hardware.graph.num_devices
+    calibration = options.constants.calibration
+    measured = None if calibration is None else set(
+        calibration.measured_tps(model, np.unique(hardware.tables.peak_flops), range(1, n + 1)))
     for tp, pp, dp, mapping in itertools.product(range(1, n + 1), range(1, n + 1), range(1, n + 1), options.mappings):
         if tp * pp * dp > n or model.num_heads % tp or model.kv_heads % tp or tp > hardware.max_island:
+            continue
+        if measured is not None and tp not in measured:
             continue
         if pp > model.num_layers or model.global_batch % dp:
             continue

@@ -212,6 +212,11 @@ class Calibration:
     def has_compute(self, model: ModelSpec, tps, peaks) -> bool:
         return all(self.curves(model, int(t), float(p)) is not None for t in tps for p in peaks)
 
+    def measured_tps(self, model: ModelSpec, peaks, candidates) -> list[int]:
+        """The TP degrees among `candidates` whose curves every chip of `peaks` has: the planner prices
+        only those, since a nominal compute figure beside measured links mixes two scales."""
+        return [t for t in candidates if self.has_compute(model, [t], peaks)]
+
     def link(self, tier: int) -> LinkFit | None:
         return self.links.get(int(tier))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -93,6 +94,9 @@ def plan(model: ModelSpec, graph: ResourceGraph, options: PlanOptions | None = N
     """The fastest layout of `model` on `graph` under the cost model; raises InfeasiblePlanError.
     `progress(stage, done, total)` is told how the search goes (for a progress display)."""
     options = options or PlanOptions()
+    ignored = _calibration_without(model, graph, options)
+    if ignored:
+        options = dataclasses.replace(options, calibration=None)
     start = time.perf_counter()
     if progress is not None:
         progress("links between the devices", 0, 1)
@@ -103,7 +107,22 @@ def plan(model: ModelSpec, graph: ResourceGraph, options: PlanOptions | None = N
     stats = {"layouts": result.layouts_total, "layouts_priced": result.layouts_evaluated}
     built = build_plan(model, options, hardware, result.ranked[0], result.ranked[1:], stats)
     built.search_stats["plan_s"] = time.perf_counter() - start
+    if ignored:
+        built.search_stats["calibration_ignored"] = ignored
     return built
+
+
+def _calibration_without(model: ModelSpec, graph: ResourceGraph, options: PlanOptions) -> str:
+    """Why the options' calibration cannot price `model` on `graph` ('' when it can): it measured
+    none of the model's shapes, and its links beside nominal compute would mix two scales."""
+    calibration = options.calibration
+    if calibration is None:
+        return ""
+    peaks = np.unique(np.array([p.peak_tflops for p in graph.profiles])[graph.devices.profile] * 1e12)
+    if calibration.measured_tps(model, peaks, range(1, graph.num_devices + 1)):
+        return ""
+    return (f"calibration {calibration.fingerprint} has no compute figures of {model.name}'s shapes; run "
+            f"`baige-ray calibrate --model` with it")
 
 
 def price_candidate(model: ModelSpec, options: PlanOptions, hardware: Hardware, candidate: Candidate,

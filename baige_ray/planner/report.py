@@ -44,7 +44,8 @@ def pricing_text(plan: PlacementPlan) -> str:
     """Which of the cost model's figures were measured on this cluster and which are nominal."""
     calibration = plan.options.calibration
     if calibration is None:
-        return "nominal constants (no calibration of this cluster; run `baige-ray calibrate`)"
+        reason = plan.search_stats.get("calibration_ignored") or "no calibration of this cluster; run `baige-ray calibrate`"
+        return f"nominal constants ({reason})"
     peaks = tuple(chip.peak_flops for chip in calibration.chips.values())
     measured = calibration.measured_terms(plan.model, (plan.tp,), peaks)
     nominal = [term for term, found in (("compute", any(t.startswith("compute") for t in measured)),

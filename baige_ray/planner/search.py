@@ -135,8 +135,12 @@ def _candidate(context: LayoutContext, rows: Rows, step_s: np.ndarray, ratio: np
 
 
 def tensor_degrees(model: ModelSpec, hardware: Hardware) -> list[int]:
-    return [t for t in range(1, hardware.max_island + 1)
-            if model.num_heads % t == 0 and model.kv_heads % t == 0]
+    """TP degrees dividing the heads inside one island; with a calibration, only those it measured."""
+    degrees = [t for t in range(1, hardware.max_island + 1) if model.num_heads % t == 0 and model.kv_heads % t == 0]
+    calibration = hardware.options.constants.calibration
+    if calibration is None:
+        return degrees
+    return calibration.measured_tps(model, np.unique(hardware.tables.peak_flops), degrees)
 
 
 def pipeline_degrees(model: ModelSpec, hardware: Hardware, num_slots: int, max_pp: int | None = None) -> list[int]:

@@ -181,3 +181,20 @@ def test_a_calibration_request_measures_only_what_is_missing_within_the_probe_me
     assert request.tp_degrees(twelve_heads, devices_per_node=4, num_devices=8) == [1, 2, 4]  # not 3: 8 % 3
     wide = dataclasses.replace(MODEL, vocab_size=50304, seq_len=1024)
     assert probe_bytes(wide, 1, 1) < request.probe_memory_bytes < probe_bytes(wide, 1, 2)
+
+
+def test_the_planner_prices_only_what_was_measured_never_measured_links_beside_nominal_compute():
+    from baige_ray.planner.report import pricing_text
+
+    calibration = _calibration()
+    del calibration.chips["sim-a100"].layer[shape_key(MODEL, 4)]  # TP 4 not measured
+    options = PlanOptions(calibration=calibration, recompute=("none",))
+    hardware = Hardware(_graph(), options)
+    from baige_ray.planner.search import tensor_degrees
+
+    assert tensor_degrees(MODEL, hardware) == [1, 2]
+    assert plan(MODEL, _graph(), options).tp in (1, 2)
+    other = dataclasses.replace(MODEL, name="other", hidden=512, ffn_hidden=2048)  # no curves at all
+    chosen = plan(other, _graph(), options)
+    assert chosen.options.calibration is None and "no compute figures of other's shapes" in pricing_text(chosen)
+    assert chosen.step_time_s == pytest.approx(plan(other, _graph(), PlanOptions(recompute=("none",))).step_time_s)
