@@ -25,6 +25,7 @@ _EXPORTS = {
     "GPTConfig": "baige_ray.models.gpt",
     "HFModel": "baige_ray.models.hf",
     "InfeasiblePlanError": "baige_ray.api",
+    "KVCacheConfig": "baige_ray.serving",
     "LayoutMemoryError": "baige_ray.api",
     "MoEConfig": "baige_ray.models.moe",
     "ModelPlugin": "baige_ray.models.plugin",

@@ -21,6 +21,7 @@ BENCHMARK_MODULES: dict[str, str] = {
     "moe": "baige_ray.bench.moe",
     "pd": "baige_ray.bench.pd",
     "scale": "baige_ray.bench.scale",
+    "prefix": "baige_ray.bench.prefix",
 }
 
 

@@ -74,7 +74,7 @@ class EngineSettings:
     max_num_seqs: int
     kv_cache_gib: int
     enforce_eager: bool = True
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True  # vLLM's default, and the replica's
     seed: int = 0
 
 

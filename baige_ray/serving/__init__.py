@@ -15,12 +15,14 @@ from baige_ray.serving.app import (
 from baige_ray.serving.disaggregation import DisaggregationOptions
 from baige_ray.serving.disaggregation_scaling import rebalance, scale_sides, side_loads
 from baige_ray.serving.expert_parallel import ExpertParallelServing
+from baige_ray.serving.kv_blocks import KVCacheConfig
 from baige_ray.serving.requests import GenerateRequest, RequestError, RequestLimits, parse_generate_request
 
 __all__ = [
     "DisaggregationOptions",
     "ExpertParallelServing",
     "GenerateRequest",
+    "KVCacheConfig",
     "RequestError",
     "RequestLimits",
     "ServeHandleInfo",

