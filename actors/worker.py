@@ -152,6 +152,7 @@ class WorkerActor:
 
         self._require_membership()
         probes = {"compute": calibration_probes.compute_probe,
+                  "sharded_layer": calibration_probes.sharded_layer_probe,
                   "loaded_collectives": calibration_probes.loaded_collective_probe,
                   "host_sharing": calibration_probes.host_sharing_probe,
                   "overlap": calibration_probes.overlap_probe, "optimizer": calibration_probes.optimizer_probe}

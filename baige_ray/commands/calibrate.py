@@ -71,4 +71,7 @@ def describe(calibration, path: str) -> str:
             optimizer = chip.optimizer_s.get(key)
             extra = f"; optimizer {optimizer[0] * 1e3:.1f} ms per layer" if optimizer else ""
             lines.append(f"  {chip.chip} layer {key}: GFLOP/s {rates}{extra}")
+        for key, cost in sorted(chip.sharding.items()):
+            added = ", ".join(f"{t} tok {s * 1e3:.1f}" for t, s in zip(cost.tokens, cost.extra_s))
+            lines.append(f"  {chip.chip} ZeRO-3 {key}: ms added per layer {added}")
     return "\n".join(lines)

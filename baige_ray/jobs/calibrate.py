@@ -22,9 +22,11 @@ from baige_ray.planner.calibration import (
     ChipCalibration,
     CollectiveSample,
     ComputeCurve,
+    ShardingCost,
     fit_link,
     graph_fingerprint,
     shape_key,
+    sharding_key,
 )
 from baige_ray.planner.links import probe_groups, tier_pairs
 from baige_ray.planner.model_spec import ModelSpec
@@ -50,7 +52,7 @@ class CalibrationRequest:
     message_sizes: tuple[int, ...] = MESSAGE_SIZES
     repeats: int = REPEATS
     iterations: int = 4  # (compute, collective) rounds per loaded collective timing
-    compute_window_s: float = 0.25  # seconds each compute shape runs on every device at once
+    compute_window_s: float = 0.5  # seconds each compute shape runs on every device at once
     # Per device: micro-batches whose probe would hold more are not measured (the curve holds its ends).
     probe_memory_bytes: float = 1 << 30
 
@@ -69,7 +71,9 @@ def missing_compute(calibration: Calibration | None, graph: ResourceGraph,
     per_node = int(np.bincount(graph.devices.node).max()) if graph.num_devices else 1
     peaks = {p.peak_tflops * 1e12 for p in graph.profiles}
     return [(model, tp) for model in request.models for tp in request.tp_degrees(model, per_node, graph.num_devices)
-            if calibration is None or not calibration.has_compute(model, [tp], peaks)]
+            if calibration is None or not calibration.has_compute(model, [tp], peaks)
+            or (graph.num_devices > tp and calibration.sharding_seconds(
+                model, tp, graph.num_devices // tp, peaks, [model.seq_len]) is None)]
 
 
 def calibrate(graph: ResourceGraph, request: CalibrationRequest | None = None, *, directory: str | Path | None = None,
@@ -152,17 +156,20 @@ def _measure_fabric(group: _ProbeGroup, calibration: Calibration, request: Calib
     if progress is not None:
         progress("overlap", 1, 3)
     started = time.perf_counter()
-    calibration.overlap = float(np.median(group.run("overlap", size_bytes=request.message_sizes[-1],
-                                                    window_s=request.compute_window_s)))
+    # The median over repeats and ranks: one window's share swung from 0.05 to 0.7 on a 2-core host.
+    calibration.overlap = float(np.median([group.run("overlap", size_bytes=request.message_sizes[-1],
+                                                     window_s=request.compute_window_s)
+                                           for _ in range(request.repeats)]))
     optimizer = group.run("optimizer", num_params=1 << 20, repeats=request.repeats)
     calibration.optimizer_s_per_param = float(np.median([o["optimizer_s_per_param"] for o in optimizer]))
     calibration.step_overhead_s = float(np.median([o["step_overhead_s"] for o in optimizer]))
     calibration.seconds["overlap_and_optimizer"] = time.perf_counter() - started
-    calibration.host_sharing = _host_sharing(group, request)
+    calibration.host_sharing, calibration.host_sharing_measured_at = _host_sharing(group, request)
 
 
-def _host_sharing(group: _ProbeGroup, request: CalibrationRequest) -> float:
-    """How much faster one device of a host computes while the host's other devices idle."""
+def _host_sharing(group: _ProbeGroup, request: CalibrationRequest) -> tuple[float, float]:
+    """How much faster one device of a host computes while the host's other devices idle, and the share
+    of devices busy then (one per host)."""
     spec = dataclasses.asdict(CALIBRATION_LAYER)
     everyone = list(range(len(group.positions)))
     hosts = [info.hostname for info in group.group.device_infos]
@@ -170,7 +177,8 @@ def _host_sharing(group: _ProbeGroup, request: CalibrationRequest) -> float:
     busy = group.run("host_sharing", spec=spec, micro_batch=2, window_s=request.compute_window_s, active=everyone)
     alone = group.run("host_sharing", spec=spec, micro_batch=2, window_s=request.compute_window_s,
                       active=first_of_host)
-    return max(1.0, float(np.median([busy[r] / alone[r] for r in first_of_host])))
+    return (max(1.0, float(np.median([busy[r] / alone[r] for r in first_of_host]))),
+            len(first_of_host) / len(everyone))
 
 
 def _tier_partitions(graph: ResourceGraph, positions: np.ndarray) -> list[tuple[int, list[list[int]]]]:
@@ -192,6 +200,11 @@ def _measure_compute(group: _ProbeGroup, calibration: Calibration, model: ModelS
                       and probe_bytes(model, tp, b) <= request.probe_memory_bytes}) or [1]
     results = group.run("compute", spec=dataclasses.asdict(model), tp=tp, micro_batches=batches,
                         window_s=request.compute_window_s)
+    dp = len(group.positions) // tp
+    sharded = None
+    if dp > 1:  # ZeRO-3 over every device outside the TP group, on the engine that runs it (auto_plan.layout_from_plan)
+        sharded = group.run("sharded_layer", spec=dataclasses.asdict(model), tp=tp, micro_batches=batches,
+                            window_s=request.compute_window_s, engine="deepspeed" if tp == 1 else "fsdp2")
     profile_of_rank = group.graph.devices.profile[group.positions]
     key = shape_key(model, tp)
     for profile_index in np.unique(profile_of_rank):
@@ -204,6 +217,10 @@ def _measure_compute(group: _ProbeGroup, calibration: Calibration, model: ModelS
         chip.layer[key] = ComputeCurve(tokens=tokens, flops_per_s=tuple(np.mean([r["layer"] for r in mine], axis=0)))
         chip.head[key] = ComputeCurve(tokens=tokens, flops_per_s=tuple(np.mean([r["head"] for r in mine], axis=0)))
         chip.optimizer_s[key] = tuple(float(v) for v in np.mean([r["optimizer_s"] for r in mine], axis=0))
+        if sharded is not None:
+            extra = [r["extra_s"] for r, p in zip(sharded, profile_of_rank) if p == profile_index]
+            chip.sharding[sharding_key(model, tp, dp)] = ShardingCost(
+                tokens=tokens, extra_s=tuple(float(v) for v in np.mean(extra, axis=0)))
         if tp > 1:
             chip.tp_tier[key] = _tensor_parallel_tier(group, tp)
     calibration.seconds[f"compute {key}"] = time.perf_counter() - started

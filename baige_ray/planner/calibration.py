@@ -141,11 +141,32 @@ class ComputeCurve:
         return max(self.flops_per_s)
 
 
+@dataclass(kw_only=True, frozen=True)
+class ShardingCost:
+    """Seconds per layer and micro-batch that sharding the weights over a data-parallel group adds
+    (ZeRO-3 / FSDP2's gathers and reduce-scatters, what compute did not hide), at several token counts."""
+
+    tokens: tuple[int, ...]
+    extra_s: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.tokens or len(self.tokens) != len(self.extra_s) or list(self.tokens) != sorted(self.tokens):
+            raise ValueError("ShardingCost needs one figure per token count, token counts ascending")
+
+    def seconds(self, tokens) -> np.ndarray:
+        """Interpolated linearly in tokens, held outside the measured range, never below zero."""
+        return np.maximum(np.interp(np.asarray(tokens, dtype=np.float64), self.tokens, self.extra_s), 0.0)
+
+
 def shape_key(model: ModelSpec, tp: int) -> str:
     """What a layer's and the head's compute depends on: its local shapes under TP degree `tp`."""
     return (f"h{model.hidden}-q{model.num_heads // tp}x{model.head_size}-kv{model.kv_heads // tp}"
             f"-f{model.ffn_hidden // tp}{'g' if model.gated_mlp else ''}-s{model.seq_len}-v{model.vocab_size}"
             f"-{'rms' if model.rms_norm else 'ln'}-b{model.dtype_bytes}")
+
+
+def sharding_key(model: ModelSpec, tp: int, dp: int) -> str:
+    return f"{shape_key(model, tp)}-dp{dp}"
 
 
 @dataclass(kw_only=True)
@@ -162,6 +183,9 @@ class ChipCalibration:
     # Seconds of gradient clipping + AdamW per step for one layer's and for the head's parameters, on a
     # TP rank's share (DTensors when tp > 1), keyed like the curves.
     optimizer_s: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # What ZeRO-3 (FSDP2 beside TP, DeepSpeed without) over the data-parallel group of the other devices
+    # adds per layer and micro-batch, keyed by `sharding_key` (the shapes and the group's size).
+    sharding: dict[str, ShardingCost] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -177,6 +201,7 @@ class Calibration:
     # up to devices / cores where simulated devices share a host's cores (a pipeline bubble then
     # lends its cores to the busy stages).
     host_sharing: float | None = None
+    host_sharing_measured_at: float | None = None  # the share of devices busy when it was measured
     seconds: dict[str, float] = field(default_factory=dict)  # how long each probe took
     samples: list[dict[str, Any]] = field(default_factory=list)  # the collective timings the links were fitted to
 
@@ -194,6 +219,15 @@ class Calibration:
         if chip is None or key not in chip.layer or key not in chip.head:
             return None
         return chip.layer[key], chip.head[key]
+
+    def sharding_seconds(self, model: ModelSpec, tp: int, dp: int, peaks, tokens) -> np.ndarray | None:
+        """Per token count, the measured seconds per layer and micro-batch that ZeRO-3 sharding over `dp`
+        devices adds on the slowest chip of `peaks`; None where some chip lacks it."""
+        key = sharding_key(model, tp, dp)
+        found = [self.chip_for_peak(float(p)) for p in peaks]
+        if dp < 2 or any(c is None or key not in c.sharding for c in found):
+            return None
+        return np.max([c.sharding[key].seconds(tokens) for c in found], axis=0)
 
     def optimizer_seconds(self, model: ModelSpec, tp: int, peaks) -> tuple[float, float] | None:
         """(per layer, head) optimizer seconds on the slowest chip of `peaks`, or None if not measured."""
@@ -224,6 +258,10 @@ class Calibration:
         terms = [f"link {fit.tier_name}" for fit in sorted(self.links.values(), key=lambda f: f.tier)]
         if model is not None and peaks and self.has_compute(model, tps, peaks):
             terms.insert(0, "compute (layer and head FLOP/s per micro-batch and TP degree)")
+            keys = {shape_key(model, int(t)) for t in tps}
+            chips = [self.chip_for_peak(float(p)) for p in peaks]
+            if all(c is not None and any(k.rsplit("-dp", 1)[0] in keys for k in c.sharding) for c in chips):
+                terms.insert(1, "ZeRO-3 sharding (the engine's cost per layer)")
         terms += [name for name, value in (("overlap", self.overlap), ("optimizer", self.optimizer_s_per_param),
                                            ("step overhead", self.step_overhead_s),
                                            ("host sharing", self.host_sharing)) if value is not None]
@@ -246,7 +284,9 @@ class Calibration:
                                        layer={k: _curve(v) for k, v in c["layer"].items()},
                                        head={k: _curve(v) for k, v in c["head"].items()},
                                        tp_tier={k: int(v) for k, v in c.get("tp_tier", {}).items()},
-                                       optimizer_s={k: tuple(v) for k, v in c.get("optimizer_s", {}).items()})
+                                       optimizer_s={k: tuple(v) for k, v in c.get("optimizer_s", {}).items()},
+                                       sharding={k: ShardingCost(tokens=tuple(v["tokens"]), extra_s=tuple(v["extra_s"]))
+                                                 for k, v in c.get("sharding", {}).items()})
                  for name, c in data.pop("chips").items()}
         links = {int(tier): _link(fit) for tier, fit in data.pop("links").items()}
         return cls(chips=chips, links=links, **data)

@@ -70,6 +70,10 @@ class CostConstants:
         return 1.0 if measured is None else measured
 
     @property
+    def sharing_measured_at(self) -> float | None:
+        return self.calibration.host_sharing_measured_at if self.calibration is not None else None
+
+    @property
     def overlap_share(self) -> float:
         measured = self.calibration.overlap if self.calibration is not None else None
         return self.overlap if measured is None else measured
@@ -176,12 +180,32 @@ def stage_times(model: ModelSpec, constants: CostConstants, *, stage_layers, sta
                       pp=np.broadcast_to(pp_time, tp_time.shape))
 
 
-def pipeline_seconds(stage_total: np.ndarray, num_micro_batches, host_sharing: float = 1.0) -> np.ndarray:
-    """1F1B's critical path; where devices share a host's cores (`host_sharing` > 1, measured) the
-    stages a bubble idles lend their cores to the busy ones, so the step is at least the busiest
-    stage's work and at most the critical path sped up by the sharing."""
+def pipeline_seconds(stage_total: np.ndarray, num_micro_batches, host_sharing: float = 1.0,
+                     sharing_measured_at: float | None = None) -> np.ndarray:
+    """1F1B's critical path. Where devices share a host's cores (`host_sharing` > 1, measured with
+    `sharing_measured_at` of the devices busy) stages a bubble idles lend their cores to the busy ones:
+    with c = min(m, stages) busy at once, each computes `sharing_speedup` times faster, so the step is
+    at least the busiest stage's work and the pipeline's whole work at that speed, and at least the
+    critical path sped up by the full sharing."""
     m = np.asarray(num_micro_batches, dtype=np.float64)
     critical = stage_total.sum(axis=1) + (m - 1) * stage_total.max(axis=1)
     if host_sharing <= 1.0:
         return critical
-    return np.maximum(m * stage_total.max(axis=1), critical / host_sharing)
+    stages = stage_total.shape[1]
+    busy = np.minimum(m, stages)
+    speedup = sharing_speedup(busy / stages, host_sharing, sharing_measured_at)
+    busiest = m * stage_total.max(axis=1) / speedup
+    whole = m * stage_total.sum(axis=1) / (busy * speedup)
+    return np.maximum(np.maximum(busiest, whole), critical / host_sharing)
+
+
+def sharing_speedup(busy_share, host_sharing: float, measured_at: float | None) -> np.ndarray:
+    """How much faster a device computes while only `busy_share` of the devices compute: 1 with all of
+    them, the measured `host_sharing` at the share it was measured at (`measured_at`; None: 1 /
+    host_sharing, cores shared out evenly) or below, interpolated in log-log space between."""
+    share = np.clip(np.asarray(busy_share, dtype=np.float64), 1e-9, 1.0)
+    measured_at = measured_at if measured_at is not None else 1.0 / host_sharing
+    if host_sharing <= 1.0 or measured_at >= 1.0:
+        return np.ones_like(share)
+    exponent = np.minimum(np.log(share) / np.log(measured_at), 1.0)
+    return host_sharing ** exponent

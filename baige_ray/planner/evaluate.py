@@ -85,8 +85,9 @@ def evaluate(model: ModelSpec, constants: CostConstants, context: LayoutContext,
     dense, expert = stage_param_counts(model, context.stage_layers)
     data_parallel = data_parallel_cost(model, times, constants, stage_layers=context.stage_layers, stage_dense=dense,
                                        stage_expert=expert, tp=layout.tp, dp=layout.dp, link=context.links["dp"],
-                                       ep=rows.ep, zero=rows.zero, num_micro_batches=m)
-    pipeline = pipeline_seconds(times.total, m, constants.host_sharing)
+                                       ep=rows.ep, zero=rows.zero, num_micro_batches=m,
+                                       measured_sharding=_measured_sharding(model, constants, context, rows))
+    pipeline = pipeline_seconds(times.total, m, constants.host_sharing, constants.sharing_measured_at)
     framework = framework_seconds(model, constants, context, dense, expert, ep=rows.ep, zero=rows.zero)
     step = pipeline + data_parallel.exposed + framework
     memory = (model_state_bytes(model, context.stage_layers, tp=layout.tp, dp=layout.dp, ep=rows.ep, zero=rows.zero)
@@ -97,6 +98,15 @@ def evaluate(model: ModelSpec, constants: CostConstants, context: LayoutContext,
     return Evaluation(step_s=step, pipeline_s=pipeline, dp_exposed_s=data_parallel.exposed,
                       dp_total_s=data_parallel.total, framework_s=framework, num_micro_batches=m, times=times,
                       memory_bytes=memory, memory_ratio=ratio, mfu=mfu)
+
+
+def _measured_sharding(model: ModelSpec, constants: CostConstants, context: LayoutContext,
+                       rows: Rows) -> np.ndarray | None:
+    if constants.calibration is None:
+        return None
+    layout = context.layout
+    return constants.calibration.sharding_seconds(model, layout.tp, layout.dp, context.stage_peak,
+                                                  rows.micro_batch * model.seq_len)
 
 
 def framework_seconds(model: ModelSpec, constants: CostConstants, context: LayoutContext, stage_dense, stage_expert,

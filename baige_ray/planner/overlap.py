@@ -26,6 +26,9 @@ layer's weights over the data-parallel group, `ag_out` that of the weights outsi
       forward  = ag_out + ag + (L - 1) hide(ag, F / L)
       backward = ag + (L - 1) hide(ag + rs, B / L) + rs + rs_out     (gather + reduce-scatter per layer)
       exposed  = m (forward + backward)
+    Where calibration measured what FSDP2's per-layer gathers and reduce-scatters add to a layer on
+    this cluster (S per layer and micro-batch, hidden or not), that replaces the layer terms:
+      exposed  = m (ag_out + rs_out + L S)
 TP, EP and pipeline traffic are on the critical path (cost.py), so the DP traffic hides behind
 compute only, not behind them: TP and DP sharing a NIC are not double counted.
 """
@@ -57,7 +60,9 @@ def hide(collective, compute, overlap: float) -> np.ndarray:
 
 def data_parallel_cost(model: ModelSpec, times: StageTimes, constants: CostConstants, *, stage_layers,
                        stage_dense, stage_expert, tp: int, dp: int, link: GroupLink, ep, zero,
-                       num_micro_batches) -> DataParallelCost:
+                       num_micro_batches, measured_sharding=None) -> DataParallelCost:
+    """`measured_sharding`: (rows,) seconds ZeRO-3 sharding adds per layer and micro-batch, measured by
+    calibration for this TP degree and data-parallel group, or None (priced from the links)."""
     ep = np.asarray(ep, dtype=np.float64)[:, None]
     zero = np.asarray(zero)[:, None]
     m = np.asarray(num_micro_batches, dtype=np.float64)[:, None]
@@ -82,10 +87,13 @@ def data_parallel_cost(model: ModelSpec, times: StageTimes, constants: CostConst
     rs, rs_out = gather(layer_dense, layer_expert, "reduce_scatter"), gather(outside, 0.0, "reduce_scatter")
     forward = ag_out + ag + (layers - 1) * hide(ag, times.forward / layers, eta)
     backward = ag + rs + rs_out + (layers - 1) * hide(ag + rs, times.backward / layers, eta)
+    sharded = forward + backward
+    if measured_sharding is not None:
+        sharded = ag_out + rs_out + layers * np.asarray(measured_sharding, dtype=np.float64)[:, None]
     overlapped = np.isin(zero, constants.overlapped_zero_stages)
     reduction = np.where(overlapped, hide(scatter, times.backward, eta), scatter)
     exposed = np.select([zero == 0, zero == 1, zero == 2], [ddp, reduction + half, m * reduction + half],
-                        m * (forward + backward))
+                        m * sharded)
     total = np.select([zero == 0, zero == 1, zero == 2], [full_reduce, scatter + half, m * scatter + half],
                       m * (ag_out + rs_out + layers * (2 * ag + rs)))
     total = np.broadcast_to(total, exposed.shape)

@@ -173,7 +173,8 @@ def _rail_major_is_node_major(hardware: Hardware, tp: int) -> bool:
 def time_lower_bound(model: ModelSpec, options: PlanOptions, hardware: Hardware, layout: Layout) -> float:
     """No row of the layout can beat this: compute at the best efficiency any of its micro-batch sizes
     reaches, plus tensor-parallel all-reduces at the fastest island bandwidth, plus (equal chips) the
-    1F1B bubble at the most micro-batches (b = 1): pipeline >= (m + p - 1) / m * (compute + TP)."""
+    1F1B bubble at the most micro-batches (b = 1): pipeline >= (m + p - 1) / m * (compute + TP), over
+    the measured host sharing S where devices share cores (the critical path sped up by S)."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     major = layout.mapping.split("/")[1]
     used = hardware.slots(tp, major)[: dp * pp]
@@ -191,7 +192,10 @@ def time_lower_bound(model: ModelSpec, options: PlanOptions, hardware: Hardware,
         return max(compute, tensor)
     most = model.global_batch // dp
     bubble = (most + pp - 1) / most
-    return (compute + tensor) * max(1.0, bubble / options.constants.host_sharing)
+    sharing = options.constants.host_sharing
+    # Where devices share cores a short pipeline runs faster than its compute at full load (cost.pipeline_seconds),
+    # never faster than its critical path with the full sharing.
+    return (compute + tensor) * (bubble / sharing if sharing > 1.0 else bubble)
 
 
 def memory_lower_bound(model: ModelSpec, options: PlanOptions, hardware: Hardware, layout: Layout) -> float:

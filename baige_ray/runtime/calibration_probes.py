@@ -107,12 +107,11 @@ def _tensor_parallel(model: ModelSpec, tp: int, device: str, dtype) -> tuple[tor
     and a vocabulary-parallel head whose logits are gathered for the loss."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     mesh = init_device_mesh(device.split(":")[0], (dist.get_world_size() // tp, tp), mesh_dim_names=("rest", "tp"))
     block = _LocalBlock(model, tp, local_weights=False).to(device=device, dtype=dtype)
-    parallelize_module(block, mesh["tp"], {"qkv": ColwiseParallel(), "out": RowwiseParallel(),
-                                           "up": ColwiseParallel(), "down": RowwiseParallel()})
+    _parallelize_blocks([block], mesh["tp"])
     head = torch.nn.Linear(model.hidden, model.vocab_size, bias=False).to(device=device, dtype=dtype)
     parallelize_module(head, mesh["tp"], ColwiseParallel(output_layouts=Replicate()))
     return block, head
@@ -143,6 +142,80 @@ def compute_probe(spec: dict, tp: int, micro_batches: list[int], window_s: float
         head_rates.append(3 * tokens * model.logits_flops_per_token / tp / head_s)
     return {"tokens": [b * model.seq_len for b in micro_batches], "layer": layer_rates, "head": head_rates,
             "optimizer_s": [_optimizer_seconds(module, window_s, device, tp > 1) for module in (block, head)]}
+
+
+def sharded_layer_probe(spec: dict, tp: int, micro_batches: list[int], window_s: float, device: str,
+                        engine: str = "fsdp2", layers: int = 2) -> dict[str, list]:
+    """Seconds per layer and micro-batch that ZeRO-3 adds, as the engine that runs it does it: FSDP2
+    (`engine="fsdp2"`, beside TP) or DeepSpeed (`"deepspeed"`, without TP): each layer gathered before
+    its forward and again before its backward, the next one prefetched, gradients reduce-scattered.
+    `layers` blocks (tensor-parallel over TP groups of consecutive ranks when `tp` > 1, data-parallel
+    over the rest) are timed with every rank busy, plain and sharded; the difference over `layers`.
+    DeepSpeed's timing holds its optimizer step on the rank's shard, so the plain update of a shard's
+    share is taken off it (the planner prices the update apart)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = ModelSpec(**spec)
+    dtype = DTYPES[model.dtype_bytes]
+    mesh = init_device_mesh(device.split(":")[0], (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    stack = torch.nn.Sequential(*(_LocalBlock(model, tp, local_weights=False) for _ in range(layers)))
+    stack = stack.to(device=device, dtype=dtype)
+    if tp > 1:
+        _parallelize_blocks(list(stack), mesh["tp"])
+    inputs = [torch.randn(b, model.seq_len, model.hidden, device=device, dtype=dtype, requires_grad=True)
+              for b in micro_batches]
+
+    def per_call(forward, backward=lambda loss: loss.backward()) -> list[float]:
+        return [_seconds_per_call(lambda: backward(forward(x).float().sum()), window_s, device, collective=True)
+                for x in inputs]
+
+    if engine not in ("fsdp2", "deepspeed"):
+        raise ValueError(f"engine={engine!r} is invalid: expected 'fsdp2' or 'deepspeed'")
+    plain = per_call(stack)
+    update_share = 0.0
+    if engine == "deepspeed":
+        update_share = _optimizer_seconds(stack, window_s, device, False) / mesh["dp"].size()
+    stack.zero_grad(set_to_none=True)
+    if engine == "fsdp2":
+        sharded = per_call(_fully_sharded(stack, mesh["dp"]))
+    else:
+        wrapped = _deepspeed_zero3(stack, dist.get_world_size())
+        sharded = per_call(wrapped, lambda loss: (wrapped.backward(loss), wrapped.step()))
+    return {"tokens": [b * model.seq_len for b in micro_batches],
+            "extra_s": [(s - p - update_share) / layers for s, p in zip(sharded, plain)]}
+
+
+def _parallelize_blocks(blocks: list[torch.nn.Module], tp_mesh) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in blocks:
+        parallelize_module(block, tp_mesh, {"qkv": ColwiseParallel(), "out": RowwiseParallel(),
+                                            "up": ColwiseParallel(), "down": RowwiseParallel()})
+
+
+def _fully_sharded(stack: torch.nn.Sequential, dp_mesh) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in stack:
+        fully_shard(block, mesh=dp_mesh)
+    return fully_shard(stack, mesh=dp_mesh)
+
+
+def _deepspeed_zero3(stack: torch.nn.Sequential, world_size: int):
+    """`stack` under DeepSpeed ZeRO-3 with AdamW, one update per call, as the engines configure it."""
+    import os
+
+    import deepspeed
+
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed reads these even when the process group exists
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(dist.get_rank()), str(world_size)
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0,
+              "steps_per_print": 2**31}
+    engine, *_ = deepspeed.initialize(model=stack, optimizer=torch.optim.AdamW(stack.parameters(), lr=1e-6),
+                                      config=config, dist_init_required=False)
+    return engine
 
 
 def _optimizer_seconds(module: torch.nn.Module, window_s: float, device: str, communicates: bool) -> float:

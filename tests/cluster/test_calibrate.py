@@ -31,6 +31,9 @@ def test_calibration_measures_every_tier_is_kept_and_reused(sim_cluster, tmp_pat
     assert curves is not None and len(curves[0].tokens) == 2 and min(curves[0].flops_per_s) > 0
     assert calibration.tensor_parallel_included(MODEL, 2, [312e12], LinkTier.NVLINK)  # TP measured through DTensor
     assert calibration.optimizer_seconds(MODEL, 2, [312e12]) is not None
+    # ZeRO-3 measured on the engines that run it: DeepSpeed over all 8 (TP 1), FSDP2 beside TP 2 over 4
+    for tp in (1, 2):
+        assert calibration.sharding_seconds(MODEL, tp, 8 // tp, [312e12], [32, 128]).shape == (2,)
     assert cache_path(calibration.fingerprint, tmp_path).is_file()
 
     start = time.perf_counter()
@@ -42,5 +45,5 @@ def test_calibration_measures_every_tier_is_kept_and_reused(sim_cluster, tmp_pat
     text = pricing_text(chosen)
     assert "measured" in text and "link NVLINK" in text
     assert ("measured compute" in text) == (chosen.tp in (1, 2))  # curves were measured at TP 1 and 2 only
-    assert "overlap" in describe(again, str(tmp_path))
+    assert "overlap" in describe(again, str(tmp_path)) and "ZeRO-3" in describe(again, str(tmp_path))
 

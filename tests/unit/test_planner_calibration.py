@@ -12,10 +12,12 @@ from baige_ray.planner.calibration import (
     ChipCalibration,
     CollectiveSample,
     ComputeCurve,
+    ShardingCost,
     collective_coefficients,
     fit_link,
     graph_fingerprint,
     shape_key,
+    sharding_key,
 )
 from baige_ray.planner.links import probe_groups
 from baige_ray.planner.model_spec import ModelSpec
@@ -51,6 +53,7 @@ def _calibration(rate: float = 2e10, overlap: float = 0.5) -> Calibration:
     for tp in (1, 2, 4):
         curve = ComputeCurve(tokens=(128, 2048), flops_per_s=(rate / 2, rate))
         chip.layer[shape_key(MODEL, tp)] = chip.head[shape_key(MODEL, tp)] = curve
+        chip.sharding[sharding_key(MODEL, tp, 8 // tp)] = ShardingCost(tokens=(128, 2048), extra_s=(1e-3, 4e-3))
     links = {tier: fit_link(_samples(tier, 50e-6 * (tier + 1), 2e9 / (tier + 1))) for tier in (0, 2, 3)}
     return Calibration(fingerprint=graph_fingerprint(_graph()), backend="gloo", chips={"sim-a100": chip},
                        links=links, overlap=overlap, optimizer_s_per_param=1e-8, step_overhead_s=0.002)
@@ -75,6 +78,8 @@ def test_calibration_survives_json():
     calibration = _calibration()
     again = Calibration.from_json(calibration.to_json())
     assert again.to_json() == calibration.to_json()
+    assert again.sharding_seconds(MODEL, 2, 4, [312e12], [128, 1088, 4096]).tolist() == pytest.approx([1e-3, 2.5e-3, 4e-3])
+    assert again.sharding_seconds(MODEL, 2, 2, [312e12], [128]) is None  # not measured over 2
     assert again.links[2].kinds["all_reduce"].latency_s == pytest.approx(calibration.links[2].kinds["all_reduce"].latency_s)
     with pytest.raises(ValueError, match="format"):
         Calibration.from_json('{"format": 0}')
@@ -142,8 +147,12 @@ def test_a_bubble_lends_its_cores_to_busy_stages_where_devices_share_a_host():
 
     stages = np.array([[1.0, 1.0, 1.0, 1.0]])  # 4 equal stages, 1 s per micro-batch each
     assert pipeline_seconds(stages, [2])[0] == pytest.approx(5.0)  # 1F1B: (m + p - 1) T
-    assert pipeline_seconds(stages, [2], host_sharing=4.0)[0] == pytest.approx(2.0)  # the busiest stage's work
-    assert pipeline_seconds(stages, [2], host_sharing=2.0)[0] == pytest.approx(2.5)
+    # Two of four stages busy at once: each twice as fast with a sharing of 4 measured at a quarter busy
+    assert pipeline_seconds(stages, [2], host_sharing=4.0, sharing_measured_at=0.25)[0] == pytest.approx(2.0)
+    assert pipeline_seconds(stages, [2], host_sharing=2.0, sharing_measured_at=0.25)[0] == pytest.approx(4 / 2**0.5)
+    # One micro-batch: one stage at a time, with the cores of all four
+    assert pipeline_seconds(stages, [1], host_sharing=6.4, sharing_measured_at=0.25)[0] == pytest.approx(4 / 6.4)
+    assert pipeline_seconds(stages, [8], host_sharing=6.4, sharing_measured_at=0.25)[0] == pytest.approx(8.0)
 
 
 def test_curves_measured_through_tensor_parallelism_hold_its_traffic_on_that_tier_only():

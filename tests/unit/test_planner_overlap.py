@@ -20,14 +20,14 @@ STAGE_BYTES = 4 * LAYER_BYTES + OUTSIDE_BYTES
 
 
 def _cost(zero: int, forward: float, backward: float, micro_batches: int = 1, overlap: float = 1.0,
-          bucket: float = 25 * 2**20, overlapped=(0, 3), tp: int = 1):  # (0, 3): DeepSpeed's default
+          bucket: float = 25 * 2**20, overlapped=(0, 3), tp: int = 1, measured=None):  # (0, 3): DeepSpeed's default
     times = StageTimes(forward=np.array([[forward]]), backward=np.array([[backward]]), tp=np.zeros((1, 1)),
                        ep=np.zeros((1, 1)), pp=np.zeros((1, 1)))
     constants = CostConstants(overlap=overlap, ddp_bucket_bytes=bucket, overlapped_zero_stages=overlapped)
     dense = tp * np.array([MODEL.num_layers * MODEL.dense_layer_params + MODEL.embedding_params + MODEL.output_params])
     cost = data_parallel_cost(MODEL, times, constants, stage_layers=np.array([4]), stage_dense=dense,
                               stage_expert=np.zeros(1), tp=tp, dp=4, link=LINK, ep=[1], zero=[zero],
-                              num_micro_batches=[micro_batches])
+                              num_micro_batches=[micro_batches], measured_sharding=measured)
     return float(cost.total[0]), float(cost.exposed[0])
 
 
@@ -82,6 +82,13 @@ def test_zero3_and_fsdp2_expose_the_first_gathers_the_outside_weights_and_the_la
     _, exposed = _cost(3, forward=forward, backward=backward, micro_batches=1)
     expected = (out + ag + 3 * (ag - forward / 4)) + (ag + ag + out + 3 * (2 * ag - backward / 4))
     assert exposed == pytest.approx(expected)
+
+
+def test_zero3_takes_what_calibration_measured_sharding_adds_per_layer_in_place_of_the_layer_gathers():
+    out = gather_s(OUTSIDE_BYTES)
+    total, exposed = _cost(3, forward=1.0, backward=2.0, micro_batches=2, measured=[0.05])
+    assert exposed == pytest.approx(2 * (2 * out + 4 * 0.05))  # 4 layers of 50 ms, twice, and the outside weights
+    assert total == pytest.approx(_cost(3, forward=1.0, backward=2.0, micro_batches=2)[0])  # the traffic is the same
 
 
 def test_no_data_parallelism_costs_nothing():
