@@ -128,15 +128,6 @@ class PrefixBlockStore:
     def ids(self, tokens: Sequence[int]) -> list[str]:
         return block_ids(tokens, self.config.block_tokens, self.namespace)
 
-    def cached_prefix(self, ids: Sequence[str]) -> int:
-        """How many of the leading `ids` some tier holds."""
-        count = 0
-        for block_id in ids:
-            if self.tier_of(block_id) is None:
-                break
-            count += 1
-        return count
-
     def take(self, ids: Sequence[str]) -> list[KV]:
         """The leading blocks of `ids` that are cached, on the device, each now the most recent. A block
         whose file cannot be read any more ends the prefix there (it is forgotten; the caller prefills)."""
@@ -172,15 +163,6 @@ class PrefixBlockStore:
             self.stats.stored += 1
             self._put_memory("device", block_id, block)
         self.settle()
-
-    def reset(self, namespace: str) -> None:
-        """Forget every block (the weights changed: their keys and values are no longer the model's)."""
-        for block_id in list(self._disk):
-            self._remove_file(block_id)
-        for tier in self._memory.values():
-            tier.clear()
-        self._used = dict.fromkeys(TIERS, 0)
-        self.namespace = namespace
 
     def tier_of(self, block_id: str) -> str | None:
         if block_id in self._memory["device"]:
