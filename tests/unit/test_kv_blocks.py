@@ -10,7 +10,7 @@ from baige_ray.models.hf.decoding import HFDecoder
 from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.engine import ContinuousBatchingEngine, EngineLimits, generate_all
 from baige_ray.serving.kv_blocks import KVCacheConfig, PrefixBlockStore, block_bytes, block_ids
-from tests.hf_helpers import VOCAB_SIZE, llama_config
+from tests.hf_helpers import VOCAB_SIZE, llama_config, qwen2_tied_config
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 2, 2, 4, 4
 
@@ -107,9 +107,18 @@ def _engine(decoder, store=None) -> ContinuousBatchingEngine:
     return ContinuousBatchingEngine(decoder, eos_token_id=None, limits=EngineLimits(max_batch_size=3), prefixes=store)
 
 
-@pytest.mark.parametrize("model", ["llama", "gpt"])
+def _qwen2_tied_decoder():  # tied embeddings and QKV biases, as Qwen2.5-0.5B has
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return HFDecoder(AutoModelForCausalLM.from_config(qwen2_tied_config(), dtype=torch.float32).eval(), 128)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2-tied", "gpt"])
 def test_prompts_sharing_a_system_prompt_prefill_only_their_own_tokens_and_get_the_same_tokens(llama, model):
-    decoder, vocab = (HFDecoder(llama, 128), VOCAB_SIZE) if model == "llama" else (_gpt_decoder(), 256)
+    decoder, vocab = {"llama": lambda: (HFDecoder(llama, 128), VOCAB_SIZE),
+                      "qwen2-tied": lambda: (_qwen2_tied_decoder(), VOCAB_SIZE),
+                      "gpt": lambda: (_gpt_decoder(), 256)}[model]()
     generator = torch.Generator().manual_seed(3)
     system = torch.randint(0, vocab, (40,), generator=generator).tolist()
     prompts = [system + torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (5, 9, 2, 13)]
