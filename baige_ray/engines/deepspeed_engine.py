@@ -43,7 +43,7 @@ def deepspeed_config(job: TrainJob, per_replica_batch: int, zero_stage: int) -> 
 class DeepSpeedEngine(Engine):
     def __init__(self, job: TrainJob, layout: ParallelLayout, rank: int = 0, **options: Any):
         super().__init__(job, layout, rank, **options)
-        import deepspeed
+        from baige_ray.engines.deepspeed_init import initialize
 
         # DeepSpeed reads these even when the process group exists; one device per worker process.
         os.environ.setdefault("LOCAL_RANK", "0")
@@ -55,7 +55,7 @@ class DeepSpeedEngine(Engine):
         self.zero_stage = int(layout.data_parallel.removeprefix("zero"))
         self.expert_shards = self._shard_experts(model) if layout.ep > 1 else None
         self._boxes: dict[str, Box] | None = None  # where this rank's ZeRO-3 partitions sit (_local_boxes)
-        self.engine, _, _, _ = deepspeed.initialize(
+        self.engine, _, _, _ = initialize(
             model=self._deepspeed_view(model),
             optimizer=build_optimizer(model, job.train, regroup=self._optimizer_regroup()),
             config=deepspeed_config(job, self.per_replica_batch, self.zero_stage),

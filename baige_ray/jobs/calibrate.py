@@ -52,7 +52,7 @@ class CalibrationRequest:
     message_sizes: tuple[int, ...] = MESSAGE_SIZES
     repeats: int = REPEATS
     iterations: int = 4  # (compute, collective) rounds per loaded collective timing
-    compute_window_s: float = 0.5  # seconds each compute shape runs on every device at once
+    compute_window_s: float = 0.25  # seconds each compute shape runs on every device at once
     # Per device: micro-batches whose probe would hold more are not measured (the curve holds its ends).
     probe_memory_bytes: float = 1 << 30
 
@@ -203,7 +203,9 @@ def _measure_compute(group: _ProbeGroup, calibration: Calibration, model: ModelS
     dp = len(group.positions) // tp
     sharded = None
     if dp > 1:  # ZeRO-3 over every device outside the TP group, on the engine that runs it (auto_plan.layout_from_plan)
-        sharded = group.run("sharded_layer", spec=dataclasses.asdict(model), tp=tp, micro_batches=batches,
+        # The engines run ZeRO-3 without pipelines, so a micro-batch is at most a replica's share of the batch.
+        sharded_batches = [b for b in batches if b <= max(1, model.global_batch // dp)]
+        sharded = group.run("sharded_layer", spec=dataclasses.asdict(model), tp=tp, micro_batches=sharded_batches,
                             window_s=request.compute_window_s, engine="deepspeed" if tp == 1 else "fsdp2")
     profile_of_rank = group.graph.devices.profile[group.positions]
     key = shape_key(model, tp)
@@ -218,9 +220,10 @@ def _measure_compute(group: _ProbeGroup, calibration: Calibration, model: ModelS
         chip.head[key] = ComputeCurve(tokens=tokens, flops_per_s=tuple(np.mean([r["head"] for r in mine], axis=0)))
         chip.optimizer_s[key] = tuple(float(v) for v in np.mean([r["optimizer_s"] for r in mine], axis=0))
         if sharded is not None:
-            extra = [r["extra_s"] for r, p in zip(sharded, profile_of_rank) if p == profile_index]
+            extra = [np.subtract(z["layer_s"], r["layer_s"][:len(z["layer_s"])])
+                     for z, r, p in zip(sharded, results, profile_of_rank) if p == profile_index]
             chip.sharding[sharding_key(model, tp, dp)] = ShardingCost(
-                tokens=tokens, extra_s=tuple(float(v) for v in np.mean(extra, axis=0)))
+                tokens=tuple(sharded[0]["tokens"]), extra_s=tuple(float(v) for v in np.mean(extra, axis=0)))
         if tp > 1:
             chip.tp_tier[key] = _tensor_parallel_tier(group, tp)
     calibration.seconds[f"compute {key}"] = time.perf_counter() - started

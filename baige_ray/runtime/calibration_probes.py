@@ -21,9 +21,10 @@ from baige_ray.planner.model_spec import ModelSpec
 DTYPES = {2: torch.bfloat16, 4: torch.float32}
 
 
-def _timed(run: Callable[[], None], repeats: int, device: str) -> float:
-    """Median seconds of `run` after one warm-up, every repeat started together on all ranks."""
-    run()
+def _timed(run: Callable[[], None], repeats: int, device: str, warm_up: bool = True) -> float:
+    """Median seconds of `run` (after one warm-up call), every repeat started together on all ranks."""
+    if warm_up:
+        run()
     samples = []
     for _ in range(repeats):
         dist.barrier()
@@ -40,12 +41,14 @@ def _seconds_per_call(run: Callable[[], None], window_s: float, device: str, col
     the same: each rank keeps busy the whole window, so ranks sharing cores get fair shares of them.
     A `run` holding a collective is called as often on every rank: the count the slowest rank's first
     call implies."""
-    one = _timed(run, 1, device)
     count = None
     if collective:
+        one = _timed(run, 1, device)
         agreed = torch.tensor([max(1.0, window_s / max(one, 1e-9))])
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         count = int(agreed.item())
+    else:
+        run()  # warm-up
     dist.barrier()
     _sync(device)
     start, calls = time.perf_counter(), 0
@@ -129,7 +132,7 @@ def compute_probe(spec: dict, tp: int, micro_batches: list[int], window_s: float
     else:
         block = _LocalBlock(model, 1).to(device=device, dtype=dtype)
         head = torch.nn.Linear(model.hidden, model.vocab_size, bias=False).to(device=device, dtype=dtype)
-    layer_rates, head_rates = [], []
+    layer_rates, head_rates, layer_seconds = [], [], []
     for b in micro_batches:
         x = torch.randn(b, model.seq_len, model.hidden, device=device, dtype=dtype, requires_grad=True)
         labels = torch.randint(0, model.vocab_size, (b * model.seq_len,), device=device)
@@ -138,23 +141,27 @@ def compute_probe(spec: dict, tp: int, micro_batches: list[int], window_s: float
         layer_s = _seconds_per_call(lambda: block(x).float().sum().backward(), window_s, device, communicates)
         head_s = _seconds_per_call(lambda: F.cross_entropy(head(x).float().view(tokens, -1), labels).backward(),
                                    window_s, device, communicates)
+        layer_seconds.append(layer_s)
         layer_rates.append(3 * tokens * model.layer_flops_per_token / tp / layer_s)
         head_rates.append(3 * tokens * model.logits_flops_per_token / tp / head_s)
     return {"tokens": [b * model.seq_len for b in micro_batches], "layer": layer_rates, "head": head_rates,
+            "layer_s": layer_seconds,
             "optimizer_s": [_optimizer_seconds(module, window_s, device, tp > 1) for module in (block, head)]}
 
 
 def sharded_layer_probe(spec: dict, tp: int, micro_batches: list[int], window_s: float, device: str,
                         engine: str = "fsdp2", layers: int = 2) -> dict[str, list]:
-    """Seconds per layer and micro-batch that ZeRO-3 adds, as the engine that runs it does it: FSDP2
-    (`engine="fsdp2"`, beside TP) or DeepSpeed (`"deepspeed"`, without TP): each layer gathered before
-    its forward and again before its backward, the next one prefetched, gradients reduce-scattered.
-    `layers` blocks (tensor-parallel over TP groups of consecutive ranks when `tp` > 1, data-parallel
-    over the rest) are timed with every rank busy, plain and sharded; the difference over `layers`.
-    DeepSpeed's timing holds its optimizer step on the rank's shard, so the plain update of a shard's
-    share is taken off it (the planner prices the update apart)."""
+    """Seconds per layer and micro-batch of a ZeRO-3 layer's forward + backward, as the engine that runs
+    it does it: FSDP2 (`engine="fsdp2"`, beside TP) or DeepSpeed (`"deepspeed"`, without TP): each layer
+    gathered before its forward and again before its backward, the next one prefetched, gradients
+    reduce-scattered. `layers` blocks (tensor-parallel over TP groups of consecutive ranks when `tp` > 1,
+    data-parallel over the rest) are timed with every rank busy; the compute probe's plain layer,
+    taken off, leaves what sharding adds. DeepSpeed's timing holds its optimizer step on the rank's
+    shard, so the plain update of a shard's share is taken off it (the planner prices the update apart)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    if engine not in ("fsdp2", "deepspeed"):
+        raise ValueError(f"engine={engine!r} is invalid: expected 'fsdp2' or 'deepspeed'")
     model = ModelSpec(**spec)
     dtype = DTYPES[model.dtype_bytes]
     mesh = init_device_mesh(device.split(":")[0], (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
@@ -170,20 +177,17 @@ def sharded_layer_probe(spec: dict, tp: int, micro_batches: list[int], window_s:
         return [_seconds_per_call(lambda: backward(forward(x).float().sum()), window_s, device, collective=True)
                 for x in inputs]
 
-    if engine not in ("fsdp2", "deepspeed"):
-        raise ValueError(f"engine={engine!r} is invalid: expected 'fsdp2' or 'deepspeed'")
-    plain = per_call(stack)
     update_share = 0.0
-    if engine == "deepspeed":
-        update_share = _optimizer_seconds(stack, window_s, device, False) / mesh["dp"].size()
-    stack.zero_grad(set_to_none=True)
     if engine == "fsdp2":
         sharded = per_call(_fully_sharded(stack, mesh["dp"]))
     else:
+        stack(inputs[0]).float().sum().backward()  # gradients for the plain update's timing
+        update_share = _optimizer_seconds(stack, window_s, device, False) / mesh["dp"].size()
+        stack.zero_grad(set_to_none=True)
         wrapped = _deepspeed_zero3(stack, dist.get_world_size())
         sharded = per_call(wrapped, lambda loss: (wrapped.backward(loss), wrapped.step()))
     return {"tokens": [b * model.seq_len for b in micro_batches],
-            "extra_s": [(s - p - update_share) / layers for s, p in zip(sharded, plain)]}
+            "layer_s": [(s - update_share) / layers for s in sharded]}
 
 
 def _parallelize_blocks(blocks: list[torch.nn.Module], tp_mesh) -> None:
@@ -206,14 +210,14 @@ def _deepspeed_zero3(stack: torch.nn.Sequential, world_size: int):
     """`stack` under DeepSpeed ZeRO-3 with AdamW, one update per call, as the engines configure it."""
     import os
 
-    import deepspeed
+    from baige_ray.engines.deepspeed_init import initialize
 
     os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed reads these even when the process group exists
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(dist.get_rank()), str(world_size)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0,
               "steps_per_print": 2**31}
-    engine, *_ = deepspeed.initialize(model=stack, optimizer=torch.optim.AdamW(stack.parameters(), lr=1e-6),
+    engine, *_ = initialize(model=stack, optimizer=torch.optim.AdamW(stack.parameters(), lr=1e-6),
                                       config=config, dist_init_required=False)
     return engine
 
@@ -332,6 +336,8 @@ def loaded_collective_probe(partitions: list[list[list[int]]], kinds: list[str],
     for index, groups in enumerate(partitions):
         handles = [dist.new_group(ranks) for ranks in groups]
         mine = next(((ranks, handle) for ranks, handle in zip(groups, handles) if rank in ranks), None)
+        if mine is not None:  # a new group's first collective connects its ranks: not a sample's cost
+            dist.all_reduce(torch.zeros(1, device=device), group=mine[1])
         for kind in kinds:
             for size in sizes:
                 if mine is None:
@@ -340,7 +346,7 @@ def loaded_collective_probe(partitions: list[list[list[int]]], kinds: list[str],
                     run = _ping_pong(mine[0], size, device) if rank in mine[0][:2] else (lambda: None)
                 else:
                     run = _collective(kind, mine[1], size, device)
-                seconds = (_timed(loop(run), 1, device) - alone) / iterations
+                seconds = (_timed(loop(run), 1, device, warm_up=False) - alone) / iterations
                 if mine is not None:
                     samples.append({"partition": index, "kind": kind, "size_bytes": size,
                                     "seconds": max(seconds / (2 if kind == "send_recv" else 1), 1e-7)})
