@@ -22,6 +22,7 @@ BENCHMARK_MODULES: dict[str, str] = {
     "pd": "baige_ray.bench.pd",
     "scale": "baige_ray.bench.scale",
     "prefix": "baige_ray.bench.prefix",
+    "ettr": "baige_ray.bench.ettr",
 }
 
 
