@@ -105,3 +105,13 @@ def test_invalid_inputs_name_the_field():
         FaultClass(name="x", per_device_hour=1e-5, scope="rack")
     with pytest.raises(ValueError, match="devices_per_node"):
         Job(devices=60, devices_per_node=8, replica_devices=8, step_s=1.0, state_bytes=1.0)
+
+
+def test_published_failures_give_llama3s_rate_and_mix():
+    from baige_ray.bench.ettr import load_failures
+
+    kinds, source = load_failures()
+    per_device_hour = sum(k.per_device_hour for k in kinds)
+    assert per_device_hour * 16384 * 54 * 24 == pytest.approx(419)
+    assert {k.scope for k in kinds} == {"process", "device", "host", "corruption"}
+    assert source["baseline_hang_timeout_s"] == 600.0
