@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FAILURES_PATH = ROOT / "examples" / "models" / "published-failures.yaml"
 MODEL_PATH = ROOT / "examples" / "models" / "gpt-175b.yaml"
 SIZES = (1024, 16384, 100000)
+DEVICES_PER_NODE = 8  # an HGX H100 node of the descriptor
 GB = 1e9
 
 # What `--no-measure` uses: `bench ettr`'s own measurement on the 2-core machine, 2026-11-25 (bench
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for index, devices in enumerate(args.sizes):
         report_stage(args, f"simulating {devices} devices", index, len(args.sizes))
-        rows.append(_size_row(args, kinds, phases, devices))
+        rows.append(_size_row(args, kinds, phases, devices, source["baseline_hang_timeout_s"]))
     result: dict[str, Any] = {"sizes": rows, "phases": phases, "assumed": _assumptions(args),
                               "failures": {"source": source["title"], "arxiv": source["arxiv"],
                                            "per_device_hour": sum(k.per_device_hour for k in kinds)}}
@@ -122,19 +123,19 @@ def job_at(devices: int):
     import numpy as np
 
     from baige_ray.bench.ettr_sim import Job
-    from baige_ray.bench.plan import _h100_graph
+    from baige_ray.bench.plan import h100_graph
     from baige_ray.planner.memory import optimizer_bytes_per_param, stage_param_counts
     from baige_ray.planner.model_spec import load_model_spec
     from baige_ray.planner.plan import plan
 
     model = load_model_spec(MODEL_PATH)
-    chosen = plan(model, _h100_graph(devices))
+    chosen = plan(model, h100_graph(devices))
     dense, expert = stage_param_counts(model, np.asarray(chosen.stage_layers))
     params = float(np.max(dense + expert)) / chosen.tp
     optimizer = optimizer_bytes_per_param(model) / (chosen.dp if chosen.zero_stage >= 1 else 1)
     weights = model.dtype_bytes / (chosen.dp if chosen.zero_stage >= 3 else 1)
-    whole_nodes = -(-chosen.num_ranks // 8) * 8
-    job = Job(devices=whole_nodes, devices_per_node=8, replica_devices=chosen.tp * chosen.pp,
+    whole_nodes = -(-chosen.num_ranks // DEVICES_PER_NODE) * DEVICES_PER_NODE
+    job = Job(devices=whole_nodes, devices_per_node=DEVICES_PER_NODE, replica_devices=chosen.tp * chosen.pp,
               step_s=float(chosen.step_time_s), state_bytes=params * (optimizer + weights))
     return job, f"tp={chosen.tp} pp={chosen.pp} dp={chosen.dp} z{chosen.zero_stage}"
 
@@ -163,12 +164,12 @@ def scale_with_ranks(devices: int, measured_at: int) -> float:
     return max(1.0, math.log2(devices) / math.log2(max(2, measured_at)))
 
 
-def _size_row(args: argparse.Namespace, kinds, phases: dict[str, Any], devices: int) -> dict[str, Any]:
+def _size_row(args: argparse.Namespace, kinds, phases: dict[str, Any], devices: int,
+              hang_timeout_s: float) -> dict[str, Any]:
     from baige_ray.bench.ettr_sim import fault_trace, simulate
 
     job, layout = job_at(devices)
-    _, source = load_failures()
-    ours, restart = strategies(args, phases, job.devices, source["baseline_hang_timeout_s"])
+    ours, restart = strategies(args, phases, job.devices, hang_timeout_s)
     hours = args.days * 24.0
     spares = max(1, round(args.spare_fraction * job.nodes))
     outcomes: dict[str, list] = {"baige_ray": [], "restart": []}

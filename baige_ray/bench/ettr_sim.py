@@ -101,7 +101,7 @@ class Recovered:
 
 
 class Recovery:
-    """A recovery strategy: what a fault costs, given the job and whether a spare node was at hand."""
+    """A recovery strategy: what a fault costs the job, and how the strategy persists, stalls and shrinks."""
 
     name = "recovery"
 
@@ -144,7 +144,7 @@ class ElasticRecovery(Recovery):
     peer_restore_bytes_per_s: float  # a replacement pulling a peer node's copy
     storage_read_bytes_per_s: float  # per device, from the persisted checkpoint
     persist_every_s: float
-    stall_fraction: float  # of a step, what asynchronous snapshots and persistence take
+    stall_fraction: float  # of training time, what asynchronous snapshots and persistence take
     corruption_detect_s: float
     name: str = "baige-ray"
 
@@ -297,9 +297,8 @@ def simulate(strategy: Recovery, job: Job, trace: list[Fault], *, hours: float, 
                 spares -= 1
             else:
                 out.spares_exhausted += 1
-                if strategy.waits_for_full_size():
-                    waited = max(0.0, repairs[0] - start) if len(repairs) else repair_s
-                    heapq.heappop(repairs)  # that node comes back into this job, not to the pool
+                if strategy.waits_for_full_size():  # the first node repaired comes back into this job
+                    waited = max(0.0, heapq.heappop(repairs) - start)
                 else:
                     account_shrunk(start)
                     missing += 1

@@ -49,7 +49,7 @@ def _time_plan(devices: int) -> dict[str, Any]:
 
     model = load_model_spec(ROOT / "examples" / "models" / "gpt-175b.yaml")
     start = time.perf_counter()
-    graph = _h100_graph(devices)
+    graph = h100_graph(devices)
     graph_s = time.perf_counter() - start
     start = time.perf_counter()
     chosen = plan(model, graph)
@@ -60,7 +60,8 @@ def _time_plan(devices: int) -> dict[str, Any]:
             "layouts_priced": chosen.search_stats["layouts_priced"], "layouts": chosen.search_stats["layouts"]}
 
 
-def _h100_graph(devices: int, nodes_per_leaf: int | None = None):
+def h100_graph(devices: int, nodes_per_leaf: int | None = None):
+    """The H100 rail-optimized descriptor (clusters/h100-rail-2048.yaml) with enough nodes for `devices`."""
     import yaml
 
     from baige_ray.topology.descriptor import descriptor_from_dict
@@ -93,7 +94,7 @@ def _small_grids() -> list[tuple[str, Any, Any]]:
     return [("sim-2x4/gpt-1b", dense, load("sim-2x4")),
             ("sim-2x4/moe-4x", moe, load("sim-2x4")),
             ("dgx-2-nodes/gpt-13b", wide, dgx.without_nodes(dgx.node_ids[2:])),
-            ("h100-4-nodes-2-leaves/gpt-1b", dense, _h100_graph(32, nodes_per_leaf=1)),
+            ("h100-4-nodes-2-leaves/gpt-1b", dense, h100_graph(32, nodes_per_leaf=1)),
             ("mixed-1+1-nodes/gpt-13b", wide, mixed.without_nodes([n for n in mixed.node_ids if n not in (0, 16)]))]
 
 

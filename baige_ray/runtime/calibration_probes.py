@@ -218,7 +218,7 @@ def _deepspeed_zero3(stack: torch.nn.Sequential, world_size: int):
               "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0,
               "steps_per_print": 2**31}
     engine, *_ = initialize(model=stack, optimizer=torch.optim.AdamW(stack.parameters(), lr=1e-6),
-                                      config=config, dist_init_required=False)
+                            config=config, dist_init_required=False)
     return engine
 
 
