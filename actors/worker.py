@@ -155,7 +155,8 @@ class WorkerActor:
                   "sharded_layer": calibration_probes.sharded_layer_probe,
                   "loaded_collectives": calibration_probes.loaded_collective_probe,
                   "host_sharing": calibration_probes.host_sharing_probe,
-                  "overlap": calibration_probes.overlap_probe, "optimizer": calibration_probes.optimizer_probe}
+                  "overlap": calibration_probes.overlap_probe, "optimizer": calibration_probes.optimizer_probe,
+                  "synchronization": calibration_probes.synchronization_probe}
         return probes[name](**kwargs, device=self._device())
 
     def build_engine(self, job: TrainJob, layout: ParallelLayout, emulated_speed: float = 1.0) -> dict:

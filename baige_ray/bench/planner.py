@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         graph = first_devices(live_graph(), 8)
         models = [_model(name, work) for name in args.models]
-        calibration, timing = _calibrate(graph, [spec for _, _, _, spec in models], work / "calibration", args)
+        calibration, timing = _calibrate(graph, [(model, spec) for _, model, _, spec in models], work / "calibration",
+                                         args)
         rows, picks = [], []
         for name, model, data, spec in models:
             configs = runnable_configs(spec, graph, calibration, limit=4 if args.quick else None)
@@ -150,10 +151,12 @@ def _model(name: str, work: Path):
     return name, model, data, job.plugin.model_spec(global_batch=GLOBAL_BATCH, dtype_bytes=4)
 
 
-def _calibrate(graph, specs, directory: Path, args) -> tuple[Any, dict[str, float]]:
+def _calibrate(graph, models, directory: Path, args) -> tuple[Any, dict[str, float]]:
+    """Calibration of `graph` for the (model config, spec) pairs: their own layers timed."""
     from baige_ray.jobs.calibrate import CalibrationRequest, calibrate
 
-    request = CalibrationRequest(models=tuple(specs))
+    request = CalibrationRequest(models=tuple(spec for _, spec in models),
+                                 model_configs={spec.name: model for model, spec in models})
     report_stage(args, "calibrating the cluster", 0, 1)
     start = time.perf_counter()
     calibration = calibrate(graph, request, directory=directory, refresh=True)

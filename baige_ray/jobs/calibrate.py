@@ -12,6 +12,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -44,9 +45,12 @@ REPEATS = 3
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class CalibrationRequest:
     """What to measure: link tiers, overlap and optimizer always; compute for these models' shapes
-    at these TP degrees (None: every degree the heads allow inside a node) and micro-batch sizes."""
+    at these TP degrees (None: every degree the heads allow inside a node) and micro-batch sizes.
+    `model_configs` maps a model's name (ModelSpec.name) to its config (GPTConfig, HFModel, ...):
+    the compute probes then time the model's own layers, not a generic layer of its shapes."""
 
     models: tuple[ModelSpec, ...] = ()
+    model_configs: dict[str, Any] = dataclasses.field(default_factory=dict)
     tps: tuple[int, ...] | None = None
     micro_batches: tuple[int, ...] = MICRO_BATCHES
     message_sizes: tuple[int, ...] = MESSAGE_SIZES
@@ -55,6 +59,12 @@ class CalibrationRequest:
     compute_window_s: float = 0.25  # seconds each compute shape runs on every device at once
     # Per device: micro-batches whose probe would hold more are not measured (the curve holds its ends).
     probe_memory_bytes: float = 1 << 30
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.model_configs) - {model.name for model in self.models})
+        if unknown:
+            raise ValueError(f"CalibrationRequest.model_configs={unknown} is invalid: expected names of "
+                             f"CalibrationRequest.models {[model.name for model in self.models]}")
 
     def tp_degrees(self, model: ModelSpec, devices_per_node: int, num_devices: int) -> list[int]:
         """TP degrees the probe can run: inside a node, dividing the heads, FFN and vocabulary, and the
@@ -162,7 +172,11 @@ def _measure_fabric(group: _ProbeGroup, calibration: Calibration, request: Calib
                                            for _ in range(request.repeats)]))
     optimizer = group.run("optimizer", num_params=1 << 20, repeats=request.repeats)
     calibration.optimizer_s_per_param = float(np.median([o["optimizer_s_per_param"] for o in optimizer]))
-    calibration.step_overhead_s = float(np.median([o["step_overhead_s"] for o in optimizer]))
+    # A step's fixed cost: its bookkeeping, and one synchronization of ranks that drifted apart computing.
+    synchronization = group.run("synchronization", spec=dataclasses.asdict(CALIBRATION_LAYER), micro_batch=2,
+                                window_s=request.compute_window_s)
+    calibration.step_overhead_s = float(np.median([o["step_overhead_s"] for o in optimizer])
+                                        + np.median(synchronization))
     calibration.seconds["overlap_and_optimizer"] = time.perf_counter() - started
     calibration.host_sharing, calibration.host_sharing_measured_at = _host_sharing(group, request)
 
@@ -198,15 +212,17 @@ def _measure_compute(group: _ProbeGroup, calibration: Calibration, model: ModelS
     started = time.perf_counter()
     batches = sorted({b for b in request.micro_batches if b <= model.global_batch
                       and probe_bytes(model, tp, b) <= request.probe_memory_bytes}) or [1]
+    source = request.model_configs.get(model.name)
     results = group.run("compute", spec=dataclasses.asdict(model), tp=tp, micro_batches=batches,
-                        window_s=request.compute_window_s)
+                        window_s=request.compute_window_s, source=source)
     dp = len(group.positions) // tp
     sharded = None
     if dp > 1:  # ZeRO-3 over every device outside the TP group, on the engine that runs it (auto_plan.layout_from_plan)
         # The engines run ZeRO-3 without pipelines, so a micro-batch is at most a replica's share of the batch.
         sharded_batches = [b for b in batches if b <= max(1, model.global_batch // dp)]
         sharded = group.run("sharded_layer", spec=dataclasses.asdict(model), tp=tp, micro_batches=sharded_batches,
-                            window_s=request.compute_window_s, engine="deepspeed" if tp == 1 else "fsdp2")
+                            window_s=request.compute_window_s, engine="deepspeed" if tp == 1 else "fsdp2",
+                            source=source)
     profile_of_rank = group.graph.devices.profile[group.positions]
     key = shape_key(model, tp)
     for profile_index in np.unique(profile_of_rank):

@@ -100,6 +100,19 @@ class ModelPlugin(ABC):
         return [self.build_stage(model, first, last, is_first=is_first, is_last=is_last)
                 for first, last, is_first, is_last in stage_ranges]
 
+    def build_probe_layers(self, count: int, device: torch.device) -> nn.Module:
+        """Up to `count` of the model's own blocks with fresh random weights, as a middle pipeline stage
+        (hidden states in and out; `stage_blocks` lists them): what calibration times as the model's
+        layer. Nothing else of the model is allocated, so a model of any size costs its layers alone."""
+        with torch.device("meta"):
+            model = self.build_model()
+        stage = self.build_stage(model, 0, min(count, self.num_layers), is_first=False, is_last=False)
+        stage.to_empty(device=device)
+        with torch.no_grad():
+            for param in stage.parameters():
+                nn.init.normal_(param, std=0.02) if param.dim() >= 2 else nn.init.ones_(param)
+        return stage
+
     # ---- parallelism ---------------------------------------------------------------------
 
     def layer_costs(self) -> tuple[float, ...]:

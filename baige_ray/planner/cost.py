@@ -79,21 +79,27 @@ class CostConstants:
         return self.overlap if measured is None else measured
 
 
+def _issued(n, size) -> np.ndarray:
+    """Whether a collective of `size` bytes over `n` ranks is issued at all: an empty one (a dense
+    model's expert gradients) costs not even its latency."""
+    return (n > 1) & (np.asarray(size) > 0)
+
+
 def all_reduce(n, size, link: GroupLink) -> np.ndarray:
     n = np.asarray(n, dtype=np.float64)
     bandwidth, latency = link.for_kind("all_reduce")
     ring = 2 * (n - 1) * latency + 2 * (n - 1) / n * size / bandwidth
     if link.kinds:  # measured: the fit already is whatever algorithm the library picked
-        return np.where(n > 1, ring, 0.0)
+        return np.where(_issued(n, size), ring, 0.0)
     tree = 2 * np.ceil(np.log2(np.maximum(n, 1))) * latency + 2 * size / bandwidth
-    return np.where(n > 1, np.minimum(ring, tree), 0.0)
+    return np.where(_issued(n, size), np.minimum(ring, tree), 0.0)
 
 
 def reduce_scatter(n, size, link: GroupLink, kind: str = "reduce_scatter") -> np.ndarray:
     """Also all-gather and pairwise all-to-all (`kind`): every rank sends (n-1)/n of its bytes."""
     n = np.asarray(n, dtype=np.float64)
     bandwidth, latency = link.for_kind(kind)
-    return np.where(n > 1, (n - 1) * latency + (n - 1) / n * size / bandwidth, 0.0)
+    return np.where(_issued(n, size), (n - 1) * latency + (n - 1) / n * size / bandwidth, 0.0)
 
 
 def point_to_point(size, link: GroupLink) -> np.ndarray:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,27 +37,36 @@ def _timed(run: Callable[[], None], repeats: int, device: str, warm_up: bool = T
     return statistics.median(samples)
 
 
-def _seconds_per_call(run: Callable[[], None], window_s: float, device: str, collective: bool = False) -> float:
+def _seconds_per_call(run: Callable[[], None], window_s: float, device: str, collective: bool = False,
+                      prepare: Callable[[], None] | None = None) -> float:
     """Mean seconds of `run` called back to back for `window_s` (at least once after a warm-up) while every rank does
     the same: each rank keeps busy the whole window, so ranks sharing cores get fair shares of them.
     A `run` holding a collective is called as often on every rank: the count the slowest rank's first
-    call implies."""
+    call implies. `prepare`, untimed, runs before each call (what the step does before `run`: the
+    caches it leaves behind are the ones `run` meets in a step)."""
     count = None
     if collective:
-        one = _timed(run, 1, device)
+        one = _timed(lambda: (prepare and prepare(), run()), 1, device)
         agreed = torch.tensor([max(1.0, window_s / max(one, 1e-9))])
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         count = int(agreed.item())
     else:
+        if prepare is not None:
+            prepare()
         run()  # warm-up
     dist.barrier()
     _sync(device)
-    start, calls = time.perf_counter(), 0
-    while (calls < count) if count is not None else (calls < 1 or time.perf_counter() - start < window_s):
+    window_started, spent, calls = time.perf_counter(), 0.0, 0
+    while (calls < count) if count is not None else (calls < 1 or time.perf_counter() - window_started < window_s):
+        if prepare is not None:
+            prepare()
+            _sync(device)
+        start = time.perf_counter()
         run()
+        _sync(device)
+        spent += time.perf_counter() - start
         calls += 1
-    _sync(device)
-    return (time.perf_counter() - start) / calls
+    return spent / calls
 
 
 def _sync(device: str) -> None:
@@ -104,72 +114,103 @@ class _LocalBlock(torch.nn.Module):
         return x + self.down(up)
 
 
-def _tensor_parallel(model: ModelSpec, tp: int, device: str, dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The layer and the head sharded with DTensor over TP groups of `tp` consecutive ranks, the way
-    the engines shard a block (Megatron: column-wise in, row-wise out, one all-reduce per sub-layer)
-    and a vocabulary-parallel head whose logits are gathered for the loss."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+def _probe_layers(model: ModelSpec, count: int, source: Any, device: str, dtype,
+                  tp_mesh=None) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
+    """`count` decoder layers as one module from hidden states to hidden states, and its blocks.
 
-    mesh = init_device_mesh(device.split(":")[0], (dist.get_world_size() // tp, tp), mesh_dim_names=("rest", "tp"))
-    block = _LocalBlock(model, tp, local_weights=False).to(device=device, dtype=dtype)
-    _parallelize_blocks([block], mesh["tp"])
+    With `source` (the model's config) they are the model's own, built by its plug-in and, over
+    `tp_mesh`, parallelized by its own tensor-parallel plan, as the engines run them: a model's layer
+    can cost more than a generic one of its shapes (GPT's, with separate q, k, v projections and
+    biases: 5% more at TP 1, 21% more at TP 4, where every projection is a DTensor op). Without one
+    (a shape alone, or experts, which the engines route apart) a generic layer of the model's shapes."""
+    if source is not None and not model.is_moe:
+        from baige_ray.engines.parallelize import apply_tensor_parallel
+        from baige_ray.models.plugin import plugin_for
+
+        plugin = plugin_for(source)
+        stage = plugin.build_probe_layers(count, torch.device(device)).to(dtype)
+        blocks = plugin.stage_blocks(stage)
+        if tp_mesh is not None:
+            apply_tensor_parallel(blocks, tp_mesh, plugin.tensor_parallel_plan(tp_mesh.size()))
+        return stage, blocks
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    blocks = [_LocalBlock(model, tp, local_weights=False).to(device=device, dtype=dtype) for _ in range(count)]
+    if tp_mesh is not None:
+        _parallelize_blocks(blocks, tp_mesh)
+    return torch.nn.Sequential(*blocks), blocks
+
+
+def _probe_head(model: ModelSpec, device: str, dtype, tp_mesh=None) -> torch.nn.Module:
+    """The LM head; over `tp_mesh` vocabulary-parallel, its logits gathered for the loss."""
     head = torch.nn.Linear(model.hidden, model.vocab_size, bias=False).to(device=device, dtype=dtype)
-    parallelize_module(head, mesh["tp"], ColwiseParallel(output_layouts=Replicate()))
-    return block, head
+    if tp_mesh is not None:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+    return head
 
 
-def compute_probe(spec: dict, tp: int, micro_batches: list[int], window_s: float, device: str) -> dict[str, list]:
-    """Achieved FLOP/s of one layer and of the LM head (forward + backward) per micro-batch size, each
-    kept running for `window_s` on every rank at once. With `tp` > 1 they run tensor-parallel over TP
-    groups of consecutive ranks, so the figures hold DTensor's cost and the TP collectives, loaded."""
+def _tp_mesh(device: str, tp: int, rest: str = "rest"):
+    """A mesh of TP groups of `tp` consecutive ranks (the "tp" dimension) by the rest of the world."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.split(":")[0], (dist.get_world_size() // tp, tp), mesh_dim_names=(rest, "tp"))
+
+
+def compute_probe(spec: dict, tp: int, micro_batches: list[int], window_s: float, device: str,
+                  source: Any = None) -> dict[str, list]:
+    """Achieved FLOP/s of one layer (the model's own with `source`, its config: `_probe_layers`) and of
+    the LM head (forward + backward) per micro-batch size, each kept running for `window_s` on every
+    rank at once. With `tp` > 1 they run tensor-parallel over TP groups of consecutive ranks, so the
+    figures hold DTensor's cost and the TP collectives, loaded."""
     model = ModelSpec(**spec)
     dtype = DTYPES[model.dtype_bytes]
     torch.manual_seed(0)
-    if tp > 1:
-        block, head = _tensor_parallel(model, tp, device, dtype)
-    else:
-        block = _LocalBlock(model, 1).to(device=device, dtype=dtype)
-        head = torch.nn.Linear(model.hidden, model.vocab_size, bias=False).to(device=device, dtype=dtype)
+    tp_mesh = _tp_mesh(device, tp)["tp"] if tp > 1 else None
+    block, _ = _probe_layers(model, 1, source, device, dtype, tp_mesh)
+    head = _probe_head(model, device, dtype, tp_mesh)
     layer_rates, head_rates, layer_seconds = [], [], []
     for b in micro_batches:
         x = torch.randn(b, model.seq_len, model.hidden, device=device, dtype=dtype, requires_grad=True)
         labels = torch.randint(0, model.vocab_size, (b * model.seq_len,), device=device)
         tokens = b * model.seq_len
         communicates = tp > 1
-        layer_s = _seconds_per_call(lambda: block(x).float().sum().backward(), window_s, device, communicates)
-        head_s = _seconds_per_call(lambda: F.cross_entropy(head(x).float().view(tokens, -1), labels).backward(),
-                                   window_s, device, communicates)
+
+        def layer_backward(x=x) -> None:
+            block(x).float().sum().backward()
+
+        def head_backward(x=x, labels=labels, tokens=tokens) -> None:
+            F.cross_entropy(head(x).float().view(tokens, -1), labels).backward()
+
+        layer_s = _seconds_per_call(layer_backward, window_s, device, communicates)
+        head_s = _seconds_per_call(head_backward, window_s, device, communicates)
         layer_seconds.append(layer_s)
         layer_rates.append(3 * tokens * model.layer_flops_per_token / tp / layer_s)
         head_rates.append(3 * tokens * model.logits_flops_per_token / tp / head_s)
     return {"tokens": [b * model.seq_len for b in micro_batches], "layer": layer_rates, "head": head_rates,
             "layer_s": layer_seconds,
-            "optimizer_s": [_optimizer_seconds(module, window_s, device, tp > 1) for module in (block, head)]}
+            "optimizer_s": [_optimizer_seconds(block, window_s, device, tp > 1, layer_backward),
+                            _optimizer_seconds(head, window_s, device, tp > 1, head_backward)]}
 
 
 def sharded_layer_probe(spec: dict, tp: int, micro_batches: list[int], window_s: float, device: str,
-                        engine: str = "fsdp2", layers: int = 2) -> dict[str, list]:
+                        engine: str = "fsdp2", layers: int = 2, source: Any = None) -> dict[str, list]:
     """Seconds per layer and micro-batch of a ZeRO-3 layer's forward + backward, as the engine that runs
     it does it: FSDP2 (`engine="fsdp2"`, beside TP) or DeepSpeed (`"deepspeed"`, without TP): each layer
     gathered before its forward and again before its backward, the next one prefetched, gradients
-    reduce-scattered. `layers` blocks (tensor-parallel over TP groups of consecutive ranks when `tp` > 1,
-    data-parallel over the rest) are timed with every rank busy; the compute probe's plain layer,
-    taken off, leaves what sharding adds. DeepSpeed's timing holds its optimizer step on the rank's
-    shard, so the plain update of a shard's share is taken off it (the planner prices the update apart)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+    reduce-scattered. `layers` blocks (the model's own with `source`, as in `compute_probe`;
+    tensor-parallel over TP groups of consecutive ranks when `tp` > 1, data-parallel over the rest)
+    are timed with every rank busy; the compute probe's plain layer, taken off, leaves what sharding
+    adds. DeepSpeed's timing holds its optimizer step on the rank's shard, so the plain update of a
+    shard's share is taken off it (the planner prices the update apart)."""
     if engine not in ("fsdp2", "deepspeed"):
         raise ValueError(f"engine={engine!r} is invalid: expected 'fsdp2' or 'deepspeed'")
     model = ModelSpec(**spec)
     dtype = DTYPES[model.dtype_bytes]
-    mesh = init_device_mesh(device.split(":")[0], (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = _tp_mesh(device, tp, rest="dp")
     torch.manual_seed(0)
-    stack = torch.nn.Sequential(*(_LocalBlock(model, tp, local_weights=False) for _ in range(layers)))
-    stack = stack.to(device=device, dtype=dtype)
-    if tp > 1:
-        _parallelize_blocks(list(stack), mesh["tp"])
+    stack, blocks = _probe_layers(model, layers, source, device, dtype, mesh["tp"] if tp > 1 else None)
     inputs = [torch.randn(b, model.seq_len, model.hidden, device=device, dtype=dtype, requires_grad=True)
               for b in micro_batches]
 
@@ -179,7 +220,7 @@ def sharded_layer_probe(spec: dict, tp: int, micro_batches: list[int], window_s:
 
     update_share = 0.0
     if engine == "fsdp2":
-        sharded = per_call(_fully_sharded(stack, mesh["dp"]))
+        sharded = per_call(_fully_sharded(stack, blocks, mesh["dp"]))
     else:
         stack(inputs[0]).float().sum().backward()  # gradients for the plain update's timing
         update_share = _optimizer_seconds(stack, window_s, device, False) / mesh["dp"].size()
@@ -187,7 +228,7 @@ def sharded_layer_probe(spec: dict, tp: int, micro_batches: list[int], window_s:
         wrapped = _deepspeed_zero3(stack, dist.get_world_size())
         sharded = per_call(wrapped, lambda loss: (wrapped.backward(loss), wrapped.step()))
     return {"tokens": [b * model.seq_len for b in micro_batches],
-            "layer_s": [(s - update_share) / layers for s in sharded]}
+            "layer_s": [(s - update_share) / len(blocks) for s in sharded]}
 
 
 def _parallelize_blocks(blocks: list[torch.nn.Module], tp_mesh) -> None:
@@ -198,10 +239,10 @@ def _parallelize_blocks(blocks: list[torch.nn.Module], tp_mesh) -> None:
                                             "up": ColwiseParallel(), "down": RowwiseParallel()})
 
 
-def _fully_sharded(stack: torch.nn.Sequential, dp_mesh) -> torch.nn.Module:
+def _fully_sharded(stack: torch.nn.Module, blocks: list[torch.nn.Module], dp_mesh) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    for block in stack:
+    for block in blocks:
         fully_shard(block, mesh=dp_mesh)
     return fully_shard(stack, mesh=dp_mesh)
 
@@ -222,22 +263,21 @@ def _deepspeed_zero3(stack: torch.nn.Sequential, world_size: int):
     return engine
 
 
-def _optimizer_seconds(module: torch.nn.Module, window_s: float, device: str, communicates: bool) -> float:
+def _optimizer_seconds(module: torch.nn.Module, window_s: float, device: str, communicates: bool,
+                       backward: Callable[[], None] | None = None) -> float:
     """Gradient clipping and an AdamW update of `module`'s parameters (DTensors when tensor-parallel):
-    the per-step framework cost a layer or the head adds, as the engines' optimizer step runs it."""
-    from torch.distributed.tensor import DTensor
+    the per-step framework cost a layer or the head adds, as the engines' optimizer step runs it: their
+    own clipping (a float64 norm and a scale of every gradient) and, with `backward`, each update right
+    after a backward pass, whose activations have pushed the weights and optimizer state out of cache
+    (the update of a layer after its backward ran 15-20% slower than back to back, 8 ranks on 2 cores)."""
+    from baige_ray.engines.parallelize import clip_grad_norm
 
     params = [p for p in module.parameters() if p.grad is not None]
-    kinds = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
-
-    def step() -> None:
-        for same_kind in kinds:  # torch's foreach norm takes DTensors or tensors, not both at once
-            if same_kind:
-                torch.nn.utils.clip_grad_norm_(same_kind, 1.0)
-        optimizer.step()
-
-    return _seconds_per_call(step, window_s, device, communicates)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+    # The gradients of a summed output have norms far above 1: the first call scales them to norm 1, every
+    # later one by 1 / (1 + 1e-6), so each call scales as early training does, without shrinking them away.
+    return _seconds_per_call(lambda: (clip_grad_norm(params, 1.0, None), optimizer.step()), window_s, device,
+                             communicates, prepare=backward)
 
 
 def host_sharing_probe(spec: dict, micro_batch: int, window_s: float, active: list[int], device: str) -> float | None:
@@ -373,6 +413,25 @@ def overlap_probe(size_bytes: int, window_s: float, device: str) -> float:
     both_s = _seconds_per_call(both, window_s, device, collective=True)
     hidden = (compute_s + collective_s - both_s) / min(compute_s, collective_s)
     return max(0.0, min(1.0, hidden))
+
+
+def synchronization_probe(spec: dict, micro_batch: int, window_s: float, device: str) -> float:
+    """Seconds a step's synchronization adds beside a layer's forward + backward on every rank: the
+    same work with and without a scalar all-reduce after it. Ranks that share cores drift apart while
+    they compute (the scheduler runs some before others), so a collective waits for the last of them:
+    7-11 ms per synchronization on this 2-core host with 8 ranks, about the all-reduce's latency on GPUs."""
+    model = ModelSpec(**spec)
+    torch.manual_seed(0)
+    block = _LocalBlock(model, 1).to(device=device, dtype=DTYPES[model.dtype_bytes])
+    x = torch.randn(micro_batch, model.seq_len, model.hidden, device=device, dtype=DTYPES[model.dtype_bytes])
+    scalar = torch.zeros(1, device=device)
+
+    def compute() -> None:
+        block(x).float().sum().backward()
+
+    alone = _seconds_per_call(compute, window_s, device)
+    synchronized = _seconds_per_call(lambda: (compute(), dist.all_reduce(scalar)), window_s, device, collective=True)
+    return max(0.0, synchronized - alone)
 
 
 def optimizer_probe(num_params: int, repeats: int, device: str) -> dict[str, float]:

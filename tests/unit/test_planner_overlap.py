@@ -20,13 +20,13 @@ STAGE_BYTES = 4 * LAYER_BYTES + OUTSIDE_BYTES
 
 
 def _cost(zero: int, forward: float, backward: float, micro_batches: int = 1, overlap: float = 1.0,
-          bucket: float = 25 * 2**20, overlapped=(0, 3), tp: int = 1, measured=None):  # (0, 3): DeepSpeed's default
+          bucket: float = 25 * 2**20, overlapped=(0, 3), tp: int = 1, measured=None, link=LINK):  # (0, 3): DeepSpeed's default
     times = StageTimes(forward=np.array([[forward]]), backward=np.array([[backward]]), tp=np.zeros((1, 1)),
                        ep=np.zeros((1, 1)), pp=np.zeros((1, 1)))
     constants = CostConstants(overlap=overlap, ddp_bucket_bytes=bucket, overlapped_zero_stages=overlapped)
     dense = tp * np.array([MODEL.num_layers * MODEL.dense_layer_params + MODEL.embedding_params + MODEL.output_params])
     cost = data_parallel_cost(MODEL, times, constants, stage_layers=np.array([4]), stage_dense=dense,
-                              stage_expert=np.zeros(1), tp=tp, dp=4, link=LINK, ep=[1], zero=[zero],
+                              stage_expert=np.zeros(1), tp=tp, dp=4, link=link, ep=[1], zero=[zero],
                               num_micro_batches=[micro_batches], measured_sharding=measured)
     return float(cost.total[0]), float(cost.exposed[0])
 
@@ -53,6 +53,12 @@ def test_ddp_all_reduce_hides_behind_the_last_backward_except_the_last_bucket():
     # Beside TP the engine all-reduces after backward: nothing hides it.
     total, exposed = _cost(0, forward=1.0, backward=10.0, tp=2)
     assert exposed == total == pytest.approx(all_reduce)
+
+
+def test_a_dense_model_pays_no_latency_for_expert_collectives_it_never_issues():
+    link = GroupLink(tier=2, bandwidth=1e9, latency=1e-3)
+    total, exposed = _cost(0, forward=1.0, backward=10.0, tp=2, link=link)
+    assert exposed == total == pytest.approx(2 * 3 * 1e-3 + 1.5 * STAGE_BYTES / 1e9)  # one ring: 2 (n - 1) hops
 
 
 def test_zero1_hides_the_reduce_scatter_only_with_overlap_comm_never_the_gather_after_the_optimizer():

@@ -157,6 +157,11 @@ class HFPlugin(ModelPlugin):
         rotary = stage.base.rotary_emb  # its inverse frequencies are buffers computed at construction
         stage.base.rotary_emb = type(rotary)(config=stage.config).to(device)
 
+    def build_probe_layers(self, count: int, device: torch.device) -> nn.Module:
+        stage = super().build_probe_layers(count, device)
+        stage.base.rotary_emb = type(stage.base.rotary_emb)(config=stage.config).to(device)  # buffers from its config
+        return stage
+
     def read_directory_weights(self) -> dict[str, torch.Tensor]:
         """The directory's weights under canonical names. A mixture-of-experts checkpoint holds its experts
         one by one; transformers' loader fuses them into the model's tensors."""
