@@ -18,7 +18,7 @@ from baige_ray.actors.worker import ELASTIC_WORKER_THREADS, ElasticWorkerActor
 from baige_ray.api.configs import RunConfig, ScalingConfig
 from baige_ray.api.elastic import ElasticConfig
 from baige_ray.elastic.accounts import StepAccounts
-from baige_ray.elastic.commands import Command, Harvest, JobOver, Resize, Stop
+from baige_ray.elastic.commands import AllowSteps, Command, Harvest, JobOver, Resize, Stop
 from baige_ray.elastic.crew import Crew
 from baige_ray.elastic.ending import RunEnd
 from baige_ray.elastic.faults import FaultKind, FaultPlan
@@ -39,6 +39,7 @@ from baige_ray.runtime.resources import choose_device_resource
 
 CONTROLLER_THREADS = {"max_concurrency": 1, "concurrency_groups": {"loop": 1, "control": 4}}
 HARVEST_START_TIMEOUT_S = 60.0  # a harvest rank not up by then found no device share free
+GATE_WAIT_S = 0.5  # a loop held by steps_allowed looks at growth this often when no command comes
 
 
 def ray_worker_pool(scaling: ScalingConfig, run_name: str, worker_cls: type, snapshot_slots: int) -> WorkerPool:
@@ -63,8 +64,10 @@ class ElasticController:
         pool: WorkerPool | None = None,
         record: JobRecord | None = None,
         was_restarted: Callable[[], bool] | None = None,
+        steps_allowed: int | None = None,
     ):
-        """`pool`, `record` and `was_restarted` default to Ray's (unit tests pass their own)."""
+        """`pool`, `record` and `was_restarted` default to Ray's (unit tests pass their own).
+        `steps_allowed`: only steps below it run until `allow_steps` raises it (None: all of them)."""
         self.job, self.scaling, self.run_config, self.elastic = job, scaling, run, elastic
         self.faults, self.speeds = faults or FaultPlan(), list(speeds or [1.0] * scaling.num_workers)
         self.machine = StateMachine()
@@ -84,7 +87,7 @@ class ElasticController:
         self.recovery = Recovery(self.crew, self.pool, self.state_sources, self.accounts, self.events, elastic, bounds)
         self.resizer = Resizer(self.crew, self.pool, self.state_sources, self.accounts, self.events, self.recovery,
                                sizes=self.sizes, target_workers=scaling.num_workers,
-                               grow_check_interval_s=elastic.grow_check_interval_s)
+                               grow_check_interval_s=elastic.grow_check_interval_s, steps_allowed=steps_allowed)
         self.steps = StepRunner(self.crew, self.state_sources, self.accounts, self.recovery, self.events, self.faults,
                                 elastic, bounds)
         self.ending = RunEnd(self.crew, self.pool, job, run.name, run.run_dir, record)
@@ -151,7 +154,11 @@ class ElasticController:
                 return Phase.FINISHED, f"{self.step} steps done"
             if self.resizer.due():
                 return Phase.RESIZING, "resize"
-        run_ahead = self.step + 1 < self.job.train.num_steps and self.resizer.quiet()
+            if not self.resizer.allows(self.step):  # waiting for allow_steps, or any other command
+                self.resizer.commands.wait(GATE_WAIT_S)
+                return Phase.RUNNING, ""
+        run_ahead = (self.step + 1 < self.job.train.num_steps and self.resizer.quiet()
+                     and self.resizer.allows(self.step + 1))
         return self.steps.run(self.step, run_ahead) or (Phase.RUNNING, "")
 
     def _finish(self) -> dict:
@@ -181,6 +188,7 @@ class ElasticController:
             "state": self.machine.phase.value,
             "step": self.step,
             "num_steps": self.job.train.num_steps,
+            "steps_allowed": self.resizer.steps_allowed,
             "layout": self.crew.layout.describe(),
             "num_workers": len(members),
             "num_harvest": len(harvest_members(members)),
@@ -223,6 +231,14 @@ class ElasticController:
         incoming = self.pool.start_and_wait(missing, share, HARVEST_START_TIMEOUT_S) if missing > 0 else []
         wanted = len(harvest_members(members)) + len(incoming) if missing > 0 else count
         return self._ask(Harvest(wanted, tuple(incoming), reason))
+
+    @ray.method(concurrency_group="control")
+    def allow_steps(self, until: int) -> int | None:
+        """Let the steps below `until` run (a job started with `steps_allowed`); returns the bound in
+        force once the loop took it, None if the job ended first."""
+        if not isinstance(until, int) or until < 0:
+            raise ValueError(f"until={until!r} is invalid: expected a step count >= 0")
+        return self._ask(AllowSteps(until))
 
     @ray.method(concurrency_group="control")
     def stop(self) -> None:

@@ -40,7 +40,15 @@ class Stop:
     """Finish after the step in progress."""
 
 
-Command = Union[Resize, Harvest, Stop]
+@dataclass(frozen=True)
+class AllowSteps:
+    """Run the steps below `until` (a job launched with `steps_allowed` waits at that bound: a policy
+    trainer opens each step once its rollouts are published). Answered with the bound in force."""
+
+    until: int
+
+
+Command = Union[Resize, Harvest, Stop, AllowSteps]
 
 
 class JobOver(RuntimeError):
@@ -58,6 +66,7 @@ class CommandQueue:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
         self._pending: deque[Pending] = deque()
         self._closed: str | None = None
 
@@ -68,7 +77,13 @@ class CommandQueue:
                 pending.answer.set_exception(JobOver(f"the job is over ({self._closed})"))
             else:
                 self._pending.append(pending)
+                self._arrived.notify_all()
         return pending.answer
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until a command is pending or `timeout_s` passes; whether one is."""
+        with self._lock:
+            return self._arrived.wait_for(lambda: bool(self._pending), timeout=timeout_s)
 
     def take(self) -> Pending | None:
         with self._lock:

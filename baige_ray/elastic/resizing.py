@@ -1,4 +1,4 @@
-"""Resizing: the control thread's commands (resize, harvest, stop) and capacity coming back.
+"""Resizing: the control thread's commands (resize, harvest, stop, allow steps) and capacity coming back.
 
 The loop hands the resizer the commands at a step boundary; a command that changes who trains
 becomes the RESIZING phase's payload and is carried out in one regroup from the members' newest
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from baige_ray.elastic.accounts import StepAccounts
-from baige_ray.elastic.commands import Command, CommandQueue, Harvest, Pending, Resize, Stop
+from baige_ray.elastic.commands import AllowSteps, Command, CommandQueue, Harvest, Pending, Resize, Stop
 from baige_ray.elastic.crew import Crew
 from baige_ray.elastic.harvest import harvest_members, harvest_regroup, whole_members
 from baige_ray.elastic.machine import Phase
@@ -25,13 +25,14 @@ from baige_ray.policies.scaling import GrowthObservation, grow_to
 class Resizer:
     def __init__(self, crew: Crew, pool: WorkerPool, state_sources: StateSources, accounts: StepAccounts,
                  events: EventLog, recovery: Recovery, *, sizes: tuple[int, ...], target_workers: int,
-                 grow_check_interval_s: float):
+                 grow_check_interval_s: float, steps_allowed: int | None = None):
         self.crew, self.pool, self.state_sources, self.accounts = crew, pool, state_sources, accounts
         self.events, self.recovery, self.sizes = events, recovery, sizes
         self.grow_check_interval_s = grow_check_interval_s
         self.commands = CommandQueue()  # the control thread's requests; only the loop acts on them
         self.target_workers = target_workers
         self.stopping = False
+        self.steps_allowed = steps_allowed  # steps below it may run; None: every step
         self._resizing: Pending | None = None  # the command the RESIZING phase carries out
         self._growth_waiters: list[Pending] = []  # Resize commands answered once growth reaches them
         self._last_growth_check = 0.0
@@ -52,6 +53,9 @@ class Resizer:
                 self._take_resize(pending)
             elif isinstance(command, Harvest):
                 self._resizing = pending
+            elif isinstance(command, AllowSteps):
+                self.steps_allowed = max(self.steps_allowed or 0, command.until)
+                pending.answer.set_result(self.steps_allowed)
             else:
                 self.stopping = self.stopping or isinstance(command, Stop)
                 pending.answer.set_result(None)
@@ -76,6 +80,9 @@ class Resizer:
         for pending in [p for p in self._growth_waiters if superseded or p.command.num_workers == whole]:
             self._growth_waiters.remove(pending)
             pending.answer.set_result(whole)
+
+    def allows(self, step: int) -> bool:
+        return self.steps_allowed is None or step < self.steps_allowed
 
     def answer_for(self, command: Command):
         """What a command's caller is told once it is carried out, or if the job ended first."""

@@ -141,7 +141,7 @@ class Engine(ABC):
         self.coords: RankCoords = layout.coords(rank)
         self.replica_batches = layout.replica_batches(job.train)
         self.per_replica_batch = self.replica_batches[self.coords.dp]
-        self.data = data or self.plugin.open_data(job.data)
+        self.data = data or job.open_data()
         self.before_update_hooks: list[Callable[[], None]] = []
         self.emulators: list[SlowChipEmulator] = []
         self.expert_layers: list[nn.Module] = []  # the MoE layers this rank holds (set by engines that run them)

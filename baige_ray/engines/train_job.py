@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from baige_ray.api.configs import TrainConfig
-from baige_ray.models.plugin import ModelPlugin, plugin_for
+from baige_ray.models.plugin import ModelPlugin, ProvidedSamples, SampleSource, plugin_for
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -28,18 +28,38 @@ class TrainJob:
     """Everything a worker needs to build its trainer; small and picklable.
 
     `model` is any registered model config (GPTConfig, HFModel, MLPConfig, ...); `data` what its
-    plug-in trains on (a CorpusConfig, a TokenDataset; None for the plug-in's default data)."""
+    plug-in trains on (a CorpusConfig, a TokenDataset; None for the plug-in's default data) or samples
+    that bring their own source (`ProvidedSamples`: the rollouts a policy trainer publishes);
+    `objective` replaces the model's next-token loss: anything with `loss(logits, targets)` that is
+    small and picklable (rl.PolicyObjective)."""
 
     model: Any
     train: TrainConfig
     data: Any = None
+    objective: Any = None
 
     def __post_init__(self) -> None:
         plugin_for(self.model)  # an unknown model fails here, on the driver, naming the supported ones
+        if self.objective is not None and not callable(getattr(type(self.objective), "loss", None)):
+            raise ValueError(f"TrainJob.objective={self.objective!r} is invalid: expected an object with a "
+                             "loss(logits, targets) method")
 
     @property
     def plugin(self) -> ModelPlugin:
         return plugin_for(self.model)
+
+    def open_data(self) -> SampleSource | None:
+        """The samples the job trains on: `data` itself where it is a sample source of its own, else what
+        the model's plug-in opens from it (checked against the model there)."""
+        if isinstance(self.data, ProvidedSamples):
+            return self.data
+        return self.plugin.open_data(self.data)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """What every engine minimizes: the objective's loss, or the model's own."""
+        if self.objective is not None:
+            return self.objective.loss(logits, targets)
+        return self.plugin.loss(logits, targets)
 
 
 def learning_rate_at(step: int, config: TrainConfig) -> float:

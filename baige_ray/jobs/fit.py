@@ -203,7 +203,7 @@ def check_execution(
         )
     layout.replica_batches(job.train)
     job.plugin.check_layout(layout)
-    job.plugin.open_data(job.data)  # a missing or corrupt dataset fails before any actor starts
+    job.open_data()  # a missing or corrupt dataset fails before any actor starts
     if check_memory:
         check_layout_memory(job, scaling, layout, cluster=cluster, elastic=elastic)
     return check_speeds(scaling, speeds)

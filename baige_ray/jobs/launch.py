@@ -55,6 +55,11 @@ class TrainingJob:
         """Train on `num_workers` whole devices; returns once it does."""
         return ray.get(self.controller.resize.remote(num_workers, reason))
 
+    def allow_steps(self, until: int) -> int | None:
+        """Let the steps below `until` run (a job launched with `steps_allowed`); returns the bound in
+        force once the controller took it, None if the job ended first."""
+        return ray.get(self.controller.allow_steps.remote(until))
+
     def harvest(self, count: int, *, share: float, reason: str = "") -> int:
         """Run `count` extra ranks beside Serve replicas, each on `share` of a replica's device (the
         replicas ask for 1 - share); returns how many do."""
@@ -132,6 +137,8 @@ def launch(
     faults: FaultPlan | None = None,
     worker_cls: type | None = None,
     cluster: ClusterDescriptor | None = None,
+    objective: Any = None,
+    steps_allowed: int | None = None,
 ) -> TrainingJob:
     """Start training `model` (a registered model config, as for `fit`) in the background;
     `job.wait()` returns the `Result`.
@@ -139,8 +146,12 @@ def launch(
     `layout` is an explicit `ParallelLayout`, "ddp" (the default: data parallel over every
     worker) or "auto": the planner lays out the devices the workers get, and re-plans them
     after every failure and resize (`cluster` is the descriptor when not simulated).
+    `objective` replaces the model's loss (TrainJob.objective); with `steps_allowed` only the steps
+    below it run until `job.allow_steps(n)` raises the bound (a trainer that feeds each step's data).
     """
-    job = TrainJob(model=model, train=train, data=data)
+    if steps_allowed is not None and (not isinstance(steps_allowed, int) or steps_allowed < 0):
+        raise ValueError(f"launch steps_allowed={steps_allowed!r} is invalid: expected None or a step count >= 0")
+    job = TrainJob(model=model, train=train, data=data, objective=objective)
     scaling = scaling or ScalingConfig()
     run = run or RunConfig()
     elastic = elastic or ElasticConfig()
@@ -152,7 +163,7 @@ def launch(
     if kill_run_actors(run.name):
         logger.warning("killed actors left behind by an earlier run named %r", run.name)
     controller = _start_controller(job, scaling, run, elastic, layout, speeds=list(speeds), faults=faults,
-                                   planner=planner, worker_cls=worker_cls)
+                                   planner=planner, worker_cls=worker_cls, steps_allowed=steps_allowed)
     return TrainingJob(controller, run.name, job.model, num_steps=train.num_steps if run.show_progress else None)
 
 

@@ -48,6 +48,16 @@ class SampleSource(Protocol):
     def batch(self, indices: Sequence[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+class ProvidedSamples(ABC):
+    """A sample source that is its own data (TrainJob.data): no plug-in opens it. Its samples must be
+    what the model and the job's objective take."""
+
+    fingerprint: str
+
+    @abstractmethod
+    def batch(self, indices: Sequence[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class ModelPlugin(ABC):
     """One model family as the stack sees it; `config` is the user's (small, picklable) model config."""
 

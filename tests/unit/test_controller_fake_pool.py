@@ -32,14 +32,15 @@ class ControllerCrashed(BaseException):
 
 
 def controller(tmp_path: Path, cluster: FakeCluster, *, workers: int = 2, steps: int = 6, store=None,
-               pool: FakeWorkerPool | None = None, restarted: bool = False, **elastic) -> ElasticController:
+               pool: FakeWorkerPool | None = None, restarted: bool = False, steps_allowed: int | None = None,
+               **elastic) -> ElasticController:
     job = TrainJob(model=MLPConfig(sizes=(4, 4)), train=TrainConfig(num_steps=steps, global_batch_size=12), data=None)
     return ElasticController(
         job, ScalingConfig(num_workers=workers, placement_timeout_s=0.5),
         RunConfig(name="fake", storage_path=tmp_path, show_progress=False),
         ElasticConfig(**{**FAST, **elastic}), ParallelLayout(dp=workers),
         pool=pool or FakeWorkerPool(cluster), record=JobRecord("fake", store or MemoryKeyValueStore()),
-        was_restarted=lambda: restarted,
+        was_restarted=lambda: restarted, steps_allowed=steps_allowed,
     )
 
 
@@ -232,6 +233,24 @@ def test_a_stop_request_ends_the_job_at_a_step_boundary(tmp_path):
     assert phases(ctl) == ["starting", "running", "finished"]
     assert ctl.machine.history[-1].reason == "stopped by request" and kinds(ctl)[-1] == "finished"
     assert 2 <= ctl.step < 1000 and losses(out["result"]) == fault_free(ctl.step)
+
+
+def test_a_gated_job_runs_only_the_steps_allowed_and_recovers_between_them(tmp_path):
+    cluster = FakeCluster({"n0": 3})
+    cluster.scripted[1] = {"die_at": 3}
+    ctl = controller(tmp_path, cluster, steps_allowed=2, num_spares=1)
+    thread, out = run_in_thread(ctl)
+    wait_for_step(ctl, 2)
+    time.sleep(0.2)
+    assert ctl.step == 2 and ctl.status()["steps_allowed"] == 2  # held at the bound, not finished
+    assert ctl.allow_steps(4) == 4 and ctl.allow_steps(3) == 4  # the bound never moves back
+    wait_for_step(ctl, 4)
+    time.sleep(0.2)
+    assert ctl.step == 4 and thread.is_alive()
+    ctl.allow_steps(6)
+    thread.join(10)
+    assert phases(ctl) == ONE_RECOVERY and losses(out["result"]) == fault_free(6)
+    assert ctl.allow_steps(7) is None  # the job is over
 
 
 def crash_controller(tmp_path, cluster: FakeCluster, store: MemoryKeyValueStore, *, at_step: int, **elastic) -> None:

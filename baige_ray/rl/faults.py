@@ -1,0 +1,67 @@
+"""Faults for rollout replicas, scheduled by iteration: a replica SIGKILLed while it generates.
+
+`RolloutFaultPlan` is what `GRPOTrainer(rollout_faults=...)` fires: at iteration t, `after_s`
+seconds after the rollout's first token arrived (the replicas are generating), one replica of the rollout application is killed
+with SIGKILL (a real signal to its process, found through Ray's state API). Serve starts a
+replacement; the requests it held are re-issued to the others (rl/rollouts.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+
+START_TIMEOUT_S = 120.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaKill:
+    iteration: int
+    after_s: float
+
+
+@dataclasses.dataclass
+class RolloutFaultPlan:
+    kills: list[ReplicaKill] = dataclasses.field(default_factory=list)
+    fired: list[dict] = dataclasses.field(default_factory=list)
+    generating: threading.Event = dataclasses.field(default_factory=threading.Event)  # the armed rollout's
+
+    def kill_replica(self, iteration: int, after_s: float = 0.0) -> RolloutFaultPlan:
+        self.kills.append(ReplicaKill(iteration, after_s))
+        return self
+
+    def arm(self, iteration: int, app_name: str) -> threading.Thread | None:
+        """A started thread that carries out the kills due at `iteration` once `generating` is set
+        (None when none is due). The victims are looked up now, before the rollout starts: Ray's
+        state API takes longer to answer than a small model takes to generate a batch."""
+        due = [k for k in self.kills if k.iteration == iteration]
+        if not due:
+            return None
+        victims = [(kill, replica_pids(app_name)[0]) for kill in due]
+        self.generating = threading.Event()
+        thread = threading.Thread(target=self._fire, args=(iteration, victims, self.generating), daemon=True)
+        thread.start()
+        return thread
+
+    def _fire(self, iteration: int, victims: list[tuple[ReplicaKill, int]], generating: threading.Event) -> None:
+        for kill, pid in victims:
+            if not generating.wait(START_TIMEOUT_S):
+                return  # the rollout never produced a token: it fails on its own
+            time.sleep(kill.after_s)
+            os.kill(pid, signal.SIGKILL)
+            self.fired.append({"iteration": iteration, "pid": pid, "at": time.time()})
+
+
+def replica_pids(app_name: str) -> list[int]:
+    """Process ids of the application's live replicas (this node's Ray state API: the test clusters'
+    processes all run here)."""
+    from ray.util.state import list_actors
+
+    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
+    pids = sorted(a.pid for a in actors if a.class_name.startswith(f"ServeReplica:{app_name}:"))
+    if not pids:
+        raise RuntimeError(f"no live replica of application {app_name!r} to kill")
+    return pids

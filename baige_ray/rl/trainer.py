@@ -1,0 +1,238 @@
+"""`GRPOTrainer`: reinforcement learning in the shared pool, rollouts on serving replicas, the policy an
+elastic training job, weights handed from one to the other in memory.
+
+Each iteration t:
+  1. rollout: every completion of the iteration's prompts requested from the rollout replicas
+     (rl/rollouts.py: seeded, re-issued when a replica dies);
+  2. scoring: the user's reward on each (prompt, completion) text, advantages within each group;
+  3. training: the packed rollouts published on the run's board (actors/rollout_board.py) and step t
+     let through the job's gate (`launch(steps_allowed=...)`); the job trains it in its layout and
+     recovers from a lost worker from memory, as any elastic job;
+  4. refit: the job's newest in-memory snapshot (step t) loaded into every rollout replica in place
+     (`reload_weights`), which waits until each has swapped; a sync that stalls is retried once, then
+     the run fails with the replicas still behind.
+The rollout of t + 1 needs the weights of step t: the phases run in turn, on separate devices
+("split" placement: the replicas and the workers each hold their own). Placing rollout and training
+on the same devices in turns ("colocated") is not built yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
+from baige_ray.api.elastic import ElasticConfig
+from baige_ray.models.policy_loss import group_advantages
+from baige_ray.rl.config import GRPOConfig
+from baige_ray.rl.faults import RolloutFaultPlan
+from baige_ray.rl.objective import PolicyObjective, pack_rollouts
+from baige_ray.rl.rollout_source import RolloutSource, start_board
+from baige_ray.rl.rollouts import RolloutClient, RolloutRequest
+from baige_ray.serving.causal_lm_generation import SamplingParams
+
+logger = logging.getLogger(__name__)
+Reward = Callable[[str, str], float]
+STEP_POLL_S = 0.05
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class RolloutOptions:
+    """The rollout replicas: how many, on which engine ("builtin" or "vllm"), how many sequences each
+    decodes together."""
+
+    num_replicas: int = 1
+    engine: str = "builtin"
+    max_batch_size: int = 64
+    port: int = 8000
+
+
+@dataclasses.dataclass(kw_only=True)
+class IterationRecord:
+    iteration: int
+    rewards: list[float]
+    rollout_s: float
+    scoring_s: float
+    training_s: float = math.nan  # the step of this iteration's rollouts, from its gate opening to its end
+    refit_s: float = math.nan  # its weights into every rollout replica (nan for the last iteration: none follows)
+    reissued: int = 0  # rollout requests issued again after their replica died
+    loss: float | None = None
+
+    @property
+    def reward_mean(self) -> float:
+        return float(np.mean(self.rewards))
+
+
+@dataclasses.dataclass(kw_only=True)
+class RLResult:
+    iterations: list[IterationRecord]
+    training: Any  # the elastic job's Result: losses, recoveries, final weights
+    rollout_failures: list[str]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [record.reward_mean for record in self.iterations]
+
+
+class GRPOTrainer:
+    """GRPO of a Hugging Face causal LM (`HFModel` of a local directory: rollout replicas and the
+    training job both start from its weights) on `prompts` (text) scored by `reward(prompt,
+    completion)`, a Python callable returning a finite number."""
+
+    def __init__(self, model: Any, *, prompts: Sequence[str], reward: Reward, config: GRPOConfig,
+                 scaling: ScalingConfig | None = None, run: RunConfig | None = None,
+                 elastic: ElasticConfig | None = None, layout: Any = None, rollout: RolloutOptions | None = None,
+                 faults: Any = None, rollout_faults: RolloutFaultPlan | None = None):
+        from baige_ray.models.tokenizer import load_tokenizer
+
+        if getattr(model, "path", None) is None:
+            raise ValueError(f"model={model!r} is invalid: expected an HFModel of a local directory (the rollout "
+                             "replicas load it)")
+        if not prompts or not all(isinstance(p, str) and p for p in prompts):
+            raise ValueError("prompts is invalid: expected a non-empty sequence of non-empty strings")
+        if not callable(reward):
+            raise ValueError(f"reward={reward!r} is invalid: expected a callable reward(prompt, completion) -> float")
+        self.model, self.reward, self.config = model, reward, config
+        self.scaling, self.run = scaling or ScalingConfig(), run or RunConfig()
+        self.elastic, self.layout, self.rollout = elastic, layout, rollout or RolloutOptions()
+        self.faults, self.rollout_faults = faults, rollout_faults  # trainer workers' (FaultPlan), replicas' (by iteration)
+        self.tokenizer = load_tokenizer(model.tokenizer or model.path, trust_remote_code=model.trust_remote_code)
+        self.prompts = list(prompts)
+        self.prompt_tokens = [list(self.tokenizer(p)["input_ids"]) for p in self.prompts]
+        self._check_lengths()
+        self.pad_id = next((t for t in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id) if t is not None), 0)
+
+    def _check_lengths(self) -> None:
+        longest = max(len(tokens) for tokens in self.prompt_tokens)
+        if longest + self.config.max_new_tokens > self.model.seq_len + 1:
+            raise ValueError(f"GRPOConfig.max_new_tokens={self.config.max_new_tokens} is invalid: the longest prompt "
+                             f"has {longest} tokens and a rollout must fit the model's seq_len={self.model.seq_len} "
+                             f"(+1), so at most {self.model.seq_len + 1 - longest}")
+
+    # ----- the run -----
+
+    def train(self) -> RLResult:
+        from baige_ray.jobs.launch import launch
+        from baige_ray.serving.app import serve, shutdown
+
+        info = serve(self.model.path, model_config=self.model, name=f"{self.run.name}-rollouts",
+                     num_replicas=self.rollout.num_replicas, engine=self.rollout.engine,
+                     max_batch_size=self.rollout.max_batch_size, port=self.rollout.port,
+                     max_ongoing_requests=max(32, self.config.batch_size))
+        board = start_board(self.run.name, self.config.batch_size)
+        try:
+            client = RolloutClient(info.app_name, info.deployment_name, eos_token_id=self.tokenizer.eos_token_id,
+                                   retry_s=self.config.rollout_retry_s)
+            failures: list[str] = []
+            records = [self._rollout_and_publish(0, info, client, board, failures)]
+            job = launch(self.model, data=RolloutSource(self.run.name), objective=PolicyObjective(loss_config=self.config.loss),
+                         steps_allowed=1, train=self._train_config(), scaling=self.scaling,
+                         run=dataclasses.replace(self.run, show_progress=False), elastic=self.elastic,
+                         layout=self.layout, faults=self.faults)
+            opened = time.perf_counter()
+            for iteration in range(1, self.config.num_iterations):
+                records[-1].training_s = self._wait_for_steps(job, iteration) - opened
+                records[-1].refit_s = self._refit(job, info, iteration - 1)
+                records.append(self._rollout_and_publish(iteration, info, client, board, failures))
+                job.allow_steps(iteration + 1)
+                opened = time.perf_counter()
+            training = job.wait()
+            records[-1].training_s = time.perf_counter() - opened
+        finally:
+            shutdown(info)
+            ray.kill(board)
+        for record, metrics in zip(records, sorted(training.metrics, key=lambda m: m.step)):
+            record.loss = metrics.loss
+        return RLResult(iterations=records, training=training, rollout_failures=failures)
+
+    def _train_config(self) -> TrainConfig:
+        c = self.config
+        return TrainConfig(num_steps=c.num_iterations, global_batch_size=c.batch_size, micro_batch_size=c.micro_batch_size,
+                           learning_rate=c.learning_rate, min_learning_rate=c.learning_rate, warmup_steps=0,
+                           weight_decay=c.weight_decay, grad_clip=c.grad_clip, seed=c.seed)
+
+    def _rollout_and_publish(self, iteration: int, info, client: RolloutClient, board,
+                             failures: list[str]) -> IterationRecord:
+        prompts = self.config.prompt_indices(iteration, len(self.prompts))
+        requests = [RolloutRequest(tuple(self.prompt_tokens[p]), self._sampling(iteration, j, i))
+                    for j, p in enumerate(prompts) for i in range(self.config.group_size)]
+        injector = self.rollout_faults.arm(iteration, info.app_name) if self.rollout_faults is not None else None
+        started = time.perf_counter()
+        completions, stats = client.generate(requests, self.rollout_faults.generating if injector else None)
+        rollout_s = time.perf_counter() - started
+        if injector is not None:
+            injector.join()
+        failures.extend(stats.failures)
+        started = time.perf_counter()
+        rewards = self._score(prompts, completions)
+        scoring_s = time.perf_counter() - started
+        advantages = group_advantages(torch.tensor(rewards).view(len(prompts), self.config.group_size),
+                                      scale_by_std=self.config.loss.scale_by_std).flatten().tolist()
+        inputs, targets = pack_rollouts([r.prompt for r in requests], completions, advantages, self.model.seq_len,
+                                        pad_id=self.pad_id)
+        ray.get(board.publish.remote(iteration, inputs, targets))
+        return IterationRecord(iteration=iteration, rewards=rewards, rollout_s=rollout_s, scoring_s=scoring_s,
+                               reissued=stats.reissued)
+
+    def _sampling(self, iteration: int, prompt: int, sample: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.config.max_new_tokens, temperature=self.config.temperature,
+                              top_k=None, seed=self.config.sample_seed(iteration, prompt, sample))
+
+    def _score(self, prompts: list[int], completions: list[list[int]]) -> list[float]:
+        rewards = []
+        for index, completion in enumerate(completions):
+            prompt = self.prompts[prompts[index // self.config.group_size]]
+            text = self.tokenizer.decode(completion, skip_special_tokens=True)
+            value = self.reward(prompt, text)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"reward({prompt!r}, {text!r}) returned {value!r}: expected a finite number")
+            rewards.append(float(value))
+        return rewards
+
+    # ----- the training side -----
+
+    def _wait_for_steps(self, job, steps: int) -> float:
+        """Wait until the job has finished `steps` steps; the time it did."""
+        while (status := job.status())["step"] < steps:
+            if status["state"] in ("finished", "failed"):
+                raise RuntimeError(f"the policy's training job ended ({status['state']}) at step {status['step']}, "
+                                   f"before step {steps}: {status['events'][-1:]}")
+            time.sleep(STEP_POLL_S)
+        return time.perf_counter()
+
+    def _refit(self, job, info, step: int) -> float:
+        """Step `step`'s weights into every rollout replica, from the job's snapshot in memory; seconds."""
+        from baige_ray.serving.app import reload_weights
+
+        state = self._state_after(job, step)
+        started = time.perf_counter()
+        try:
+            reload_weights(info, state, model_config=self.model, timeout_s=self.config.refit_timeout_s)
+        except TimeoutError as error:  # a replica that did not swap in time: publish again, once
+            logger.warning("weight sync of step %d stalled (%s); retrying", step, error)
+            try:
+                reload_weights(info, state, model_config=self.model, timeout_s=self.config.refit_timeout_s)
+            except TimeoutError as again:
+                raise RuntimeError(f"weight sync of step {step} stalled twice: {again}") from again
+        return time.perf_counter() - started
+
+    @staticmethod
+    def _state_after(job, step: int) -> tuple[int, Any]:
+        """(step, weights ref) of the snapshot taken after `step`: it is copied beside the next step's
+        start, so it may be a moment behind the step count."""
+        while True:
+            try:
+                state = job.latest_model_state()
+            except ray.exceptions.RayTaskError:  # no snapshot yet, or its members are regrouping
+                state = (-1, None)
+            if state[0] >= step:
+                return state
+            time.sleep(STEP_POLL_S)

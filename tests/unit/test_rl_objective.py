@@ -1,0 +1,95 @@
+"""Rollouts packed as samples (rl/objective.py), the GRPO objective the engines minimize on them, and the
+board training workers read them from (actors/rollout_board.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from actors.rollout_board import RolloutBoard
+from baige_ray.api.configs import TrainConfig
+from baige_ray.engines.train_job import TrainJob
+from baige_ray.models.gpt import GPTConfig
+from baige_ray.models.policy_loss import PolicyLossConfig, policy_loss, token_log_probs
+from baige_ray.rl.objective import PolicyObjective, pack_rollouts, unpack_targets
+
+
+def test_a_rollout_is_packed_as_next_token_targets_masked_to_its_completion():
+    inputs, targets = pack_rollouts([[5, 6], [9]], [[7, 8, 3], [4, 4, 4, 4, 4, 4, 4]], [0.5, -1.0], seq_len=5)
+    assert inputs.tolist() == [[5, 6, 7, 8, 3], [9, 4, 4, 4, 4]]
+    tokens, mask, advantage, sampled = unpack_targets(targets)
+    assert tokens.tolist() == [[6, 7, 8, 3, 0], [4, 4, 4, 4, 4]]
+    assert mask.tolist() == [[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]]  # the second completion is cut at 5 of its 7 tokens
+    assert advantage.tolist() == [0.5, -1.0] and torch.isnan(sampled).all()
+    with pytest.raises(ValueError, match="prompt of 5 tokens"):
+        pack_rollouts([[1] * 5], [[2]], [0.0], seq_len=5)
+
+
+def test_the_objective_is_the_clipped_loss_on_the_completion_tokens_and_splits_exactly_into_micro_batches():
+    torch.manual_seed(0)
+    prompts, completions = [[1, 2], [3], [4, 5, 6], [7]], [[8, 9], [10, 11, 12], [13], [14, 15]]
+    advantages = [1.0, -0.5, 0.25, -0.75]
+    inputs, targets = pack_rollouts(prompts, completions, advantages, seq_len=5)
+    logits = torch.randn(4, 5, 16, requires_grad=True)
+    objective = PolicyObjective()
+    loss = objective.loss(logits, targets)
+    tokens, mask, _, _ = unpack_targets(targets)
+    log_probs = token_log_probs(logits, tokens)
+    expected, _ = policy_loss(log_probs.detach(), log_probs.detach(), torch.tensor(advantages), mask, PolicyLossConfig())
+    assert float(loss.detach()) == pytest.approx(float(expected))
+    # One update per batch: the ratio is 1, so the loss is minus the mean over completions of the
+    # advantage (a completion's tokens averaged).
+    assert float(loss.detach()) == pytest.approx(-sum(advantages) / 4)
+    (whole,) = torch.autograd.grad(loss, logits)
+    halves = [objective.loss(logits[part], targets[part]) / 2 for part in (slice(0, 2), slice(2, 4))]
+    (split,) = torch.autograd.grad(sum(halves), logits)
+    torch.testing.assert_close(split, whole)  # what gradient accumulation over micro-batches computes
+
+
+def test_the_samplers_log_probabilities_set_the_ratio_where_given():
+    logits = torch.zeros(1, 3, 4)  # every token 1/4
+    objective = PolicyObjective(loss_config=PolicyLossConfig(clip_low=0.2, clip_high=0.2))
+    _, targets = pack_rollouts([[1]], [[2, 3]], [1.0], seq_len=3, sampled_log_probs=[[math.log(0.5)] * 2])
+    assert float(objective.loss(logits, targets)) == pytest.approx(-0.5)  # ratio 0.25 / 0.5 = 0.5 < 0.8: min keeps it
+    _, targets = pack_rollouts([[1]], [[2, 3]], [1.0], seq_len=3, sampled_log_probs=[[math.log(0.125)] * 2])
+    assert float(objective.loss(logits, targets)) == pytest.approx(-1.2)  # ratio 2 is clipped to 1.2
+
+
+def test_an_objective_is_checked_where_the_job_is_built():
+    with pytest.raises(ValueError, match="PolicyObjective.loss_config.kl_coef"):
+        PolicyObjective(loss_config=PolicyLossConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="TrainJob.objective"):
+        TrainJob(model=GPTConfig(), train=TrainConfig(num_steps=1), objective="grpo")
+    with pytest.raises(ValueError, match=r"targets of shape \(2, 3\)"):
+        unpack_targets(torch.zeros(2, 3))
+
+
+def test_the_board_serves_an_iterations_samples_by_global_index_and_keeps_the_first_and_newest():
+    board = RolloutBoard(batch_size=2, keep=2)
+    for iteration in range(4):
+        board.publish(iteration, torch.full((2, 3), iteration), torch.full((2, 3, 4), float(iteration)))
+    assert board.published() == [0, 2, 3]
+    inputs, targets = board.batch([7, 4, 0])
+    assert inputs[:, 0].tolist() == [3, 2, 0] and targets.shape == (3, 3, 4)
+    with pytest.raises(KeyError, match="iteration 1"):
+        board.batch([2])
+    with pytest.raises(ValueError, match="batch size, 2"):
+        board.publish(4, torch.zeros(3, 3), torch.zeros(3, 3, 4))
+
+
+def test_a_grpo_config_names_what_is_wrong_and_orders_prompts_epoch_by_epoch():
+    from baige_ray.rl.config import GRPOConfig
+
+    with pytest.raises(ValueError, match="GRPOConfig.group_size"):
+        GRPOConfig(num_iterations=1, prompts_per_iteration=2, group_size=1)
+    with pytest.raises(ValueError, match="GRPOConfig.micro_batch_size=3"):
+        GRPOConfig(num_iterations=1, prompts_per_iteration=2, group_size=4, micro_batch_size=3)
+    config = GRPOConfig(num_iterations=4, prompts_per_iteration=3, seed=7)
+    order = [config.prompt_indices(t, 6) for t in range(4)]
+    assert sorted(order[0] + order[1]) == sorted(order[2] + order[3]) == list(range(6))  # every prompt once an epoch
+    assert order[0] + order[1] != order[2] + order[3]  # in a new order
+    assert order == [GRPOConfig(num_iterations=4, prompts_per_iteration=3, seed=7).prompt_indices(t, 6) for t in range(4)]
+    seeds = {config.sample_seed(t, p, i) for t in range(3) for p in range(3) for i in range(4)}
+    assert len(seeds) == 36 and max(seeds) < 2**56
