@@ -30,6 +30,7 @@ LAYERS = (
     ("elastic",),
     ("actors",),
     ("jobs",),
+    ("rl",),
     ("bench", "cli", "commands", "package"),
 )
 
