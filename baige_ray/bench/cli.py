@@ -23,6 +23,7 @@ BENCHMARK_MODULES: dict[str, str] = {
     "scale": "baige_ray.bench.scale",
     "prefix": "baige_ray.bench.prefix",
     "ettr": "baige_ray.bench.ettr",
+    "rl": "baige_ray.bench.rl",
 }
 
 

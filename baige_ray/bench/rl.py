@@ -1,0 +1,235 @@
+"""GRPO in the shared pool against TRL's GRPOTrainer, with a rollout replica and a trainer worker killed.
+
+The task is made here and checked exactly: prompts "a+b=" (a, b < 10); a completion that starts with
+the sum scores 1, any other 0.5 x the share of digits in its first four characters (so a policy that
+has not learned the sums yet is still told that numbers are the kind of answer wanted). The policy is
+a tiny Llama with a tokenizer trained here on local text and the task's lines, fresh weights.
+
+* baige-ray: `GRPOTrainer` on the simulated 2 x 4 cluster, 2 rollout replicas (built-in engine) and a
+  2-worker elastic job, `--iterations` iterations: reward per iteration, each phase's seconds.
+* The same run with a trainer worker SIGKILLed (FaultPlan) and a rollout replica SIGKILLed mid-batch
+  (RolloutFaultPlan): every iteration must complete and the reward curve equal the fault-free one.
+* Refit: the policy's weights into a running replica from memory (`reload_weights` of an object ref)
+  against through a checkpoint (written as a Hugging Face directory, then reloaded from it).
+* TRL: `trl.GRPOTrainer` on the same model directory, prompts, group size, completions per step,
+  completion length, learning rate, loss (GRPO's per-sequence mean, rewards scaled by their group's
+  spread, no KL) and iterations, on this machine's CPU in one process (TRL's
+  default generation with transformers), the way its documentation starts a run.
+
+`iteration_s` and `trl_iteration_s` are medians over the iterations after the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from baige_ray.bench.measure import report_stage
+
+ROOT = Path(__file__).resolve().parents[2]
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+SEQ_LEN = 32
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--prompts-per-iteration", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=6)
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--quick", action="store_true", help="6 iterations")
+    parser.add_argument("--no-peer", action="store_true", help="leave TRL out")
+    parser.add_argument("--work-dir", default=None)
+
+
+def arithmetic_prompts(seed: int = 0) -> list[str]:
+    prompts = [f"{a}+{b}=" for a in range(10) for b in range(10)]
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+def arithmetic_reward(prompt: str, completion: str) -> float:
+    a, b = (int(x) for x in prompt.rstrip("=").split("+"))
+    answer, text = str(a + b), completion.strip()
+    if text.startswith(answer):
+        return 1.0
+    return 0.5 * sum(c.isdigit() for c in text[:4]) / 4
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from baige_ray.topology.connect import open_cluster
+
+    iterations = 6 if args.quick else args.iterations
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-rl-"))
+    model_dir = _make_policy(work)
+    prompts = arithmetic_prompts()
+    with open_cluster(ROOT / "clusters" / "sim-2x4.yaml", log_to_driver=False):
+        report_stage(args, "baige-ray GRPO", 0, 4)
+        clean = _grpo(args, model_dir, prompts, iterations, work, "bench-rl")
+        report_stage(args, "with a trainer worker and a rollout replica killed", 1, 4)
+        faulted = _grpo(args, model_dir, prompts, iterations, work, "bench-rl-faulted", faults=True)
+        report_stage(args, "refit: memory against a checkpoint", 2, 4)
+        refit = _refit_vs_checkpoint(model_dir, clean.training.final_state, work)
+    report_stage(args, "TRL GRPOTrainer", 3, 4)
+    peer = None if args.no_peer else _trl(args, model_dir, prompts, iterations, work)
+    return _summary(clean, faulted, refit, peer)
+
+
+def _make_policy(work: Path) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from baige_ray.models.hf.tiny import write_text_documents
+    from baige_ray.models.tokenizer import load_tokenizer, train_bpe_tokenizer
+
+    files = write_text_documents(work / "text", max_bytes=256 * 1024)
+    task = work / "text" / "arithmetic.txt"
+    task.write_text("\n".join(f"{a}+{b}={a + b}" for a in range(20) for b in range(20)))
+    tokenizer_dir = train_bpe_tokenizer([*files, task], work / "tokenizer", vocab_size=512)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    model_dir = work / "policy"
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, **SHAPE)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return model_dir
+
+
+def _grpo(args, model_dir: Path, prompts: list[str], iterations: int, work: Path, name: str, faults: bool = False):
+    from baige_ray.api.configs import RunConfig, ScalingConfig
+    from baige_ray.api.elastic import ElasticConfig
+    from baige_ray.elastic.faults import FaultPlan
+    from baige_ray.models.hf import HFModel
+    from baige_ray.rl.config import GRPOConfig
+    from baige_ray.rl.faults import RolloutFaultPlan
+    from baige_ray.rl.trainer import GRPOTrainer, RolloutOptions
+
+    options = {}
+    if faults:  # the trainer mid-run, a replica the iteration after
+        options = dict(faults=FaultPlan().crash(rank=1, step=iterations // 2),
+                       rollout_faults=RolloutFaultPlan().kill_replica(iteration=iterations // 2 + 1))
+    trainer = GRPOTrainer(
+        HFModel(model_dir, seq_len=SEQ_LEN), prompts=prompts, reward=arithmetic_reward,
+        config=GRPOConfig(num_iterations=iterations, prompts_per_iteration=args.prompts_per_iteration,
+                          group_size=args.group_size, max_new_tokens=args.max_new_tokens,
+                          learning_rate=args.learning_rate, grad_clip=1.0),
+        scaling=ScalingConfig(num_workers=2, placement_timeout_s=180),
+        run=RunConfig(name=name, storage_path=work / "runs", show_progress=False),
+        elastic=ElasticConfig(num_spares=1), rollout=RolloutOptions(num_replicas=2, port=8017), **options)
+    result = trainer.train()
+    if faults:
+        result.fired = options["rollout_faults"].fired
+    return result
+
+
+def _refit_vs_checkpoint(model_dir: Path, final_state, work: Path) -> dict[str, float]:
+    """Seconds to put the trained weights into a running replica: from memory, and through a checkpoint
+    written as a Hugging Face directory (what a trainer and an engine that share no memory do)."""
+    import ray
+
+    from baige_ray.models.hf import HFModel
+    from baige_ray.models.plugin import plugin_for
+    from baige_ray.serving.app import reload_weights, serve, shutdown
+
+    model = HFModel(model_dir, seq_len=SEQ_LEN)
+    info = serve(model_dir, model_config=model, name="bench-rl-refit", port=8017)
+    try:
+        weights = ray.get(final_state)["model"]
+        started = time.perf_counter()
+        reload_weights(info, (1, ray.put(weights)), model_config=model)
+        memory_s = time.perf_counter() - started
+        started = time.perf_counter()
+        directory = plugin_for(model).save_final(work / "refit-checkpoint", weights, step=2)
+        reload_weights(info, directory)
+        checkpoint_s = time.perf_counter() - started
+    finally:
+        shutdown(info)
+    return {"memory_s": memory_s, "checkpoint_s": checkpoint_s}
+
+
+def _trl(args, model_dir: Path, prompts: list[str], iterations: int, work: Path) -> dict[str, Any]:
+    """TRL's GRPOTrainer on the same task, one process on this machine's CPU; seconds per step."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    class StepClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+            self.rewards: list[float] = []
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            self.ends.append(time.perf_counter())
+
+        def on_log(self, _args, _state, _control, logs=None, **__: Any) -> None:
+            if logs and "reward" in logs:
+                self.rewards.append(float(logs["reward"]))
+
+    def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+        return [arithmetic_reward(p, c) for p, c in zip(prompts, completions)]
+
+    batch = args.prompts_per_iteration * args.group_size
+    config = GRPOConfig(
+        output_dir=str(work / "trl"), per_device_train_batch_size=batch, num_generations=args.group_size,
+        max_completion_length=args.max_new_tokens, learning_rate=args.learning_rate, lr_scheduler_type="constant",
+        max_steps=iterations, beta=0.0, temperature=1.0, top_k=0, loss_type="grpo", scale_rewards="group",
+        max_grad_norm=1.0, weight_decay=0.0, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+        logging_steps=1, seed=0, disable_tqdm=True)
+    clock = StepClock()
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=config,
+                          train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[clock])
+    started = time.perf_counter()
+    trainer.train()
+    steps = [b - a for a, b in zip([started, *clock.ends], clock.ends)]
+    return {"step_s": steps, "rewards": clock.rewards, "version": __import__("trl").__version__}
+
+
+def _summary(clean, faulted, refit: dict[str, float], peer: dict[str, Any] | None) -> dict[str, Any]:
+    def totals(result) -> list[float]:
+        return [r.rollout_s + r.scoring_s + r.training_s + (0.0 if r.refit_s != r.refit_s else r.refit_s)
+                for r in result.iterations]
+
+    rewards, faulted_rewards = clean.rewards, faulted.rewards
+    head = max(1, min(3, len(rewards) // 3))
+    result = {
+        "reward_first": statistics.fmean(rewards[:head]),
+        "reward_last": statistics.fmean(rewards[-head:]),
+        "rewards": rewards,
+        "iteration_s": statistics.median(totals(clean)[1:]),
+        "phases_s": {phase: statistics.median(getattr(r, phase) for r in clean.iterations[1:-1] or clean.iterations)
+                     for phase in ("rollout_s", "scoring_s", "training_s", "refit_s")},
+        "refit_s": refit["memory_s"],
+        "refit_checkpoint_s": refit["checkpoint_s"],
+        "refit_vs_checkpoint": refit["checkpoint_s"] / refit["memory_s"],
+        "faulted_rewards": faulted_rewards,
+        "faulted_reward_max_diff": max(abs(a - b) for a, b in zip(rewards, faulted_rewards)),
+        "faulted_iterations": len(faulted.iterations),
+        "faulted_recoveries": [{k: r[k] for k in ("lost_steps", "resumed_step") if k in r}
+                               for r in faulted.training.recoveries],
+        "faulted_reissued": sum(r.reissued for r in faulted.iterations),
+        "replica_kills": len(faulted.fired),
+    }
+    if peer is not None:
+        result.update(trl_iteration_s=statistics.median(peer["step_s"][1:]), trl_rewards=peer["rewards"],
+                      trl_version=peer["version"])
+        result["vs_trl"] = result["iteration_s"] / result["trl_iteration_s"]
+    return result
+
+
+def summarize(result: dict[str, Any]) -> str:
+    lines = [f"reward: {result['reward_first']:.3f} over the first iterations, {result['reward_last']:.3f} over the last",
+             f"iteration: {result['iteration_s']:.2f} s (" + ", ".join(f"{k} {v:.2f}" for k, v in result["phases_s"].items())
+             + ")",
+             f"refit from memory {result['refit_s']:.2f} s, through a checkpoint {result['refit_checkpoint_s']:.2f} s",
+             f"faulted run: {result['faulted_iterations']} iterations, reward max |diff| "
+             f"{result['faulted_reward_max_diff']:.3g}, {result['faulted_reissued']} requests re-issued"]
+    if "trl_iteration_s" in result:
+        lines.append(f"TRL {result['trl_version']} GRPOTrainer: {result['trl_iteration_s']:.2f} s per iteration")
+    return "\n".join(lines)
