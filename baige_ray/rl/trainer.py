@@ -123,7 +123,8 @@ class GRPOTrainer:
         from baige_ray.jobs.launch import launch
         from baige_ray.serving.app import serve, shutdown
 
-        info = serve(self.model.path, model_config=self.model, name=f"{self.run.name}-rollouts",
+        name = f"{self.run.name}-rollouts"  # its own route: other applications may hold "/"
+        info = serve(self.model.path, model_config=self.model, name=name, route_prefix=f"/{name}",
                      num_replicas=self.rollout.num_replicas, engine=self.rollout.engine,
                      max_batch_size=self.rollout.max_batch_size, port=self.rollout.port,
                      max_ongoing_requests=max(32, self.config.batch_size))
