@@ -156,6 +156,7 @@ def _refit_vs_checkpoint(model_dir: Path, final_state, work: Path) -> dict[str, 
 
 def _trl(args, model_dir: Path, prompts: list[str], iterations: int, work: Path) -> dict[str, Any]:
     """TRL's GRPOTrainer on the same task, one process on this machine's CPU; seconds per step."""
+    import trl
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -188,7 +189,7 @@ def _trl(args, model_dir: Path, prompts: list[str], iterations: int, work: Path)
     started = time.perf_counter()
     trainer.train()
     steps = [b - a for a, b in zip([started, *clock.ends], clock.ends)]
-    return {"step_s": steps, "rewards": clock.rewards, "version": __import__("trl").__version__}
+    return {"step_s": steps, "rewards": clock.rewards, "version": trl.__version__}
 
 
 def _summary(clean, faulted, refit: dict[str, float], peer: dict[str, Any] | None) -> dict[str, Any]:
