@@ -225,9 +225,10 @@ def _summary(clean, faulted, refit: dict[str, float], peer: dict[str, Any] | Non
 
 
 def summarize(result: dict[str, Any]) -> str:
-    lines = [f"reward: {result['reward_first']:.3f} over the first iterations, {result['reward_last']:.3f} over the last",
-             f"iteration: {result['iteration_s']:.2f} s (" + ", ".join(f"{k} {v:.2f}" for k, v in result["phases_s"].items())
-             + ")",
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in result["phases_s"].items())
+    lines = [f"reward: {result['reward_first']:.3f} over the first iterations, {result['reward_last']:.3f} over "
+             "the last",
+             f"iteration: {result['iteration_s']:.2f} s ({phases})",
              f"refit from memory {result['refit_s']:.2f} s, through a checkpoint {result['refit_checkpoint_s']:.2f} s",
              f"faulted run: {result['faulted_iterations']} iterations, reward max |diff| "
              f"{result['faulted_reward_max_diff']:.3g}, {result['faulted_reissued']} requests re-issued"]

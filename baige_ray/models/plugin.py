@@ -120,7 +120,10 @@ class ModelPlugin(ABC):
         stage.to_empty(device=device)
         with torch.no_grad():
             for param in stage.parameters():
-                nn.init.normal_(param, std=0.02) if param.dim() >= 2 else nn.init.ones_(param)
+                if param.dim() >= 2:
+                    nn.init.normal_(param, std=0.02)
+                else:  # norms' scales (and biases: their values do not change the time)
+                    nn.init.ones_(param)
         return stage
 
     # ---- parallelism ---------------------------------------------------------------------

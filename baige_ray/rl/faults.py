@@ -1,7 +1,8 @@
 """Faults for rollout replicas, scheduled by iteration: a replica SIGKILLed while it generates.
 
 `RolloutFaultPlan` is what `GRPOTrainer(rollout_faults=...)` fires: at iteration t, `after_s`
-seconds after the rollout's first token arrived (the replicas are generating), one replica of the rollout application is killed
+seconds after the rollout's first token arrived (the replicas are generating), one replica of the
+rollout application is killed
 with SIGKILL (a real signal to its process, found through Ray's state API). Serve starts a
 replacement; the requests it held are re-issued to the others (rl/rollouts.py).
 """
@@ -27,13 +28,12 @@ class ReplicaKill:
 class RolloutFaultPlan:
     kills: list[ReplicaKill] = dataclasses.field(default_factory=list)
     fired: list[dict] = dataclasses.field(default_factory=list)
-    generating: threading.Event = dataclasses.field(default_factory=threading.Event)  # the armed rollout's
 
     def kill_replica(self, iteration: int, after_s: float = 0.0) -> RolloutFaultPlan:
         self.kills.append(ReplicaKill(iteration, after_s))
         return self
 
-    def arm(self, iteration: int, app_name: str) -> threading.Thread | None:
+    def arm(self, iteration: int, app_name: str, generating: threading.Event) -> threading.Thread | None:
         """A started thread that carries out the kills due at `iteration` once `generating` is set
         (None when none is due). The victims are looked up now, before the rollout starts: Ray's
         state API takes longer to answer than a small model takes to generate a batch."""
@@ -41,8 +41,7 @@ class RolloutFaultPlan:
         if not due:
             return None
         victims = [(kill, replica_pids(app_name)[0]) for kill in due]
-        self.generating = threading.Event()
-        thread = threading.Thread(target=self._fire, args=(iteration, victims, self.generating), daemon=True)
+        thread = threading.Thread(target=self._fire, args=(iteration, victims, generating), daemon=True)
         thread.start()
         return thread
 

@@ -30,7 +30,8 @@ class PolicyObjective:
 
     def __post_init__(self) -> None:
         if not isinstance(self.loss_config, PolicyLossConfig):
-            raise ValueError(f"PolicyObjective.loss_config={self.loss_config!r} is invalid: expected a PolicyLossConfig")
+            raise ValueError(f"PolicyObjective.loss_config={self.loss_config!r} is invalid: "
+                             "expected a PolicyLossConfig")
         if self.loss_config.kl_coef > 0:
             raise ValueError(f"PolicyObjective.loss_config.kl_coef={self.loss_config.kl_coef!r} is invalid: a KL "
                              "penalty needs a reference model, which the trainer does not run yet; expected 0")

@@ -2,7 +2,7 @@
 through the application's deployment handle, so Serve spreads them over its replicas and each replica
 batches what it holds.
 
-A request whose replica dies mid-answer (the handle raises a Ray error) is issued again, from the
+A request whose replica dies mid-answer (the handle raises ActorDiedError) is issued again, from the
 start, to whichever replica Serve picks; its seed makes the answer the same (`GRPOConfig.sample_seed`),
 so a run with a replica killed matches the run without. Sampling draws from the whole distribution
 (no top-k): the policy gradient is taken for the policy as it is.
@@ -67,7 +67,7 @@ class RolloutClient:
                     tokens.append(token)
                     generating.set()
                 break
-            except ray.exceptions.RayError as error:  # its replica died: the answer is made again from the start
+            except ray.exceptions.RayActorError as error:  # its replica died: the answer is made again from the start
                 stats.failures.append(f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}")
                 if time.monotonic() + pause > deadline:
                     raise RuntimeError(f"a rollout request kept failing for {self.retry_s:g}s; last: "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -103,7 +104,8 @@ class GRPOTrainer:
         self.model, self.reward, self.config = model, reward, config
         self.scaling, self.run = scaling or ScalingConfig(), run or RunConfig()
         self.elastic, self.layout, self.rollout = elastic, layout, rollout or RolloutOptions()
-        self.faults, self.rollout_faults = faults, rollout_faults  # trainer workers' (FaultPlan), replicas' (by iteration)
+        # The trainer workers' faults (FaultPlan, by rank and step) and the replicas' (by iteration).
+        self.faults, self.rollout_faults = faults, rollout_faults
         self.tokenizer = load_tokenizer(model.tokenizer or model.path, trust_remote_code=model.trust_remote_code)
         self.prompts = list(prompts)
         self.prompt_tokens = [list(self.tokenizer(p)["input_ids"]) for p in self.prompts]
@@ -129,13 +131,15 @@ class GRPOTrainer:
                      max_batch_size=self.rollout.max_batch_size, port=self.rollout.port,
                      max_ongoing_requests=max(32, self.config.batch_size))
         board = start_board(self.run.name, self.config.batch_size)
+        job = None
         try:
             client = RolloutClient(info.app_name, info.deployment_name, eos_token_id=self.tokenizer.eos_token_id,
                                    retry_s=self.config.rollout_retry_s)
             failures: list[str] = []
             records = [self._rollout_and_publish(0, info, client, board, failures)]
-            job = launch(self.model, data=RolloutSource(self.run.name), objective=PolicyObjective(loss_config=self.config.loss),
-                         steps_allowed=1, train=self._train_config(), scaling=self.scaling,
+            job = launch(self.model, data=RolloutSource(self.run.name),
+                         objective=PolicyObjective(loss_config=self.config.loss), steps_allowed=1,
+                         train=self._train_config(), scaling=self.scaling,
                          run=dataclasses.replace(self.run, show_progress=False), elastic=self.elastic,
                          layout=self.layout, faults=self.faults)
             opened = time.perf_counter()
@@ -145,9 +149,11 @@ class GRPOTrainer:
                 records.append(self._rollout_and_publish(iteration, info, client, board, failures))
                 job.allow_steps(iteration + 1)
                 opened = time.perf_counter()
-            training = job.wait()
+            training, job = job.wait(), None
             records[-1].training_s = time.perf_counter() - opened
         finally:
+            if job is not None:  # an iteration failed: its training job (a detached controller) goes too
+                job.kill()
             shutdown(info)
             ray.kill(board)
         for record, metrics in zip(records, sorted(training.metrics, key=lambda m: m.step)):
@@ -156,8 +162,9 @@ class GRPOTrainer:
 
     def _train_config(self) -> TrainConfig:
         c = self.config
-        return TrainConfig(num_steps=c.num_iterations, global_batch_size=c.batch_size, micro_batch_size=c.micro_batch_size,
-                           learning_rate=c.learning_rate, min_learning_rate=c.learning_rate, warmup_steps=0,
+        return TrainConfig(num_steps=c.num_iterations, global_batch_size=c.batch_size,
+                           micro_batch_size=c.micro_batch_size, learning_rate=c.learning_rate,
+                           min_learning_rate=c.learning_rate, warmup_steps=0,
                            weight_decay=c.weight_decay, grad_clip=c.grad_clip, seed=c.seed)
 
     def _rollout_and_publish(self, iteration: int, info, client: RolloutClient, board,
@@ -165,9 +172,12 @@ class GRPOTrainer:
         prompts = self.config.prompt_indices(iteration, len(self.prompts))
         requests = [RolloutRequest(tuple(self.prompt_tokens[p]), self._sampling(iteration, j, i))
                     for j, p in enumerate(prompts) for i in range(self.config.group_size)]
-        injector = self.rollout_faults.arm(iteration, info.app_name) if self.rollout_faults is not None else None
+        generating = threading.Event()
+        injector = None
+        if self.rollout_faults is not None:
+            injector = self.rollout_faults.arm(iteration, info.app_name, generating)
         started = time.perf_counter()
-        completions, stats = client.generate(requests, self.rollout_faults.generating if injector else None)
+        completions, stats = client.generate(requests, generating)
         rollout_s = time.perf_counter() - started
         if injector is not None:
             injector.join()
@@ -225,8 +235,7 @@ class GRPOTrainer:
                 raise RuntimeError(f"weight sync of step {step} stalled twice: {again}") from again
         return time.perf_counter() - started
 
-    @staticmethod
-    def _state_after(job, step: int) -> tuple[int, Any]:
+    def _state_after(self, job, step: int) -> tuple[int, Any]:
         """(step, weights ref) of the snapshot taken after `step`: it is copied beside the next step's
         start, so it may be a moment behind the step count."""
         while True:
@@ -236,4 +245,5 @@ class GRPOTrainer:
                 state = (-1, None)
             if state[0] >= step:
                 return state
+            self._wait_for_steps(job, step + 1)  # raises if the job ended meanwhile
             time.sleep(STEP_POLL_S)

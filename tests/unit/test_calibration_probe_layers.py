@@ -9,13 +9,14 @@ from baige_ray.jobs.calibrate import CalibrationRequest
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.models.hf import HFModel
 from baige_ray.models.plugin import plugin_for
-from tests.hf_helpers import llama_config
+from tests.hf_helpers import llama_config, qwen2_tied_config
 
 GPT = GPTConfig(vocab_size=512, seq_len=16, num_layers=4, num_heads=4, hidden=64)
 LLAMA = HFModel.from_config(llama_config(), seq_len=16)
+QWEN2_TIED = HFModel.from_config(qwen2_tied_config(), seq_len=16)  # QKV biases, a head tied to the embedding
 
 
-@pytest.mark.parametrize("config", [GPT, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("config", [GPT, LLAMA, QWEN2_TIED], ids=["gpt", "llama", "qwen2-tied"])
 def test_probe_layers_are_the_models_own_blocks_and_nothing_else(config):
     plugin = plugin_for(config)
     stage = plugin.build_probe_layers(2, torch.device("cpu"))

@@ -154,12 +154,11 @@ class HFPlugin(ModelPlugin):
         with torch.no_grad():  # one tensor read at a time: a whole checkpoint beside the stage would double it
             for name, tensor in iter_tensors(weight_files(self.config.path), list(params)):
                 params[name].copy_(tensor)
-        rotary = stage.base.rotary_emb  # its inverse frequencies are buffers computed at construction
-        stage.base.rotary_emb = type(rotary)(config=stage.config).to(device)
+        _rebuild_rotary(stage, device)
 
     def build_probe_layers(self, count: int, device: torch.device) -> nn.Module:
         stage = super().build_probe_layers(count, device)
-        stage.base.rotary_emb = type(stage.base.rotary_emb)(config=stage.config).to(device)  # buffers from its config
+        _rebuild_rotary(stage, device)
         return stage
 
     def read_directory_weights(self) -> dict[str, torch.Tensor]:
@@ -303,3 +302,8 @@ class HFPlugin(ModelPlugin):
 
         self.check_vllm()
         yield VLLMSource(model_dir=str(self.config.path), max_context=self.config.max_positions)
+
+
+def _rebuild_rotary(stage: DecoderStage, device: torch.device) -> None:
+    """A stage allocated empty holds no rotary frequencies: they are buffers computed at construction."""
+    stage.base.rotary_emb = type(stage.base.rotary_emb)(config=stage.config).to(device)
