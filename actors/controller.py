@@ -210,6 +210,12 @@ class ElasticController:
         }
 
     @ray.method(concurrency_group="control")
+    def wait_for_step(self, steps: int, timeout_s: float) -> dict:
+        """The status once `steps` steps are done, the job ended, or `timeout_s` passed (a long poll)."""
+        self.accounts.progress.wait_for(steps, timeout_s, ended=lambda: self.machine.done)
+        return self.status()
+
+    @ray.method(concurrency_group="control")
     def resize(self, num_workers: int, reason: str = "") -> int:
         """Ask training to run on `num_workers` whole devices (plus any harvest ranks, a valid size in
         all); returns once it does."""

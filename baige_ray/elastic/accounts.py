@@ -12,6 +12,7 @@ from pathlib import Path
 
 from baige_ray.api.elastic import ElasticConfig
 from baige_ray.elastic.step_log import StepLog
+from baige_ray.elastic.step_progress import StepProgress
 from baige_ray.ops.expert_load import expert_load, imbalance
 from baige_ray.ops.metrics import JobMetrics, estimate_mfu
 
@@ -31,7 +32,16 @@ class StepAccounts:
         self.started_at = time.time()
         self.generation_steps = 0  # steps completed since the last regroup
         self.num_parameters = 0
-        self.next_step = 0  # one past the last step recorded, or past the snapshot training resumed from
+        self.progress = StepProgress()  # next_step, which callers may wait on
+
+    @property
+    def next_step(self) -> int:
+        """One past the last step recorded, or past the snapshot training resumed from."""
+        return self.progress.next_step
+
+    @next_step.setter
+    def next_step(self, step: int) -> None:
+        self.progress.set(step)
 
     def open(self, path: Path, *, resume: bool) -> None:
         self.log = StepLog(path, resume=resume)

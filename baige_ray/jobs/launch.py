@@ -51,6 +51,11 @@ class TrainingJob:
     def status(self) -> dict:
         return ray.get(self.controller.status.remote())
 
+    def wait_for_step(self, steps: int, timeout_s: float = 60.0) -> dict:
+        """The job's status once `steps` steps are done, the job ended, or `timeout_s` passed, whichever
+        comes first (its "step" and "state" say which)."""
+        return ray.get(self.controller.wait_for_step.remote(steps, timeout_s))
+
     def resize(self, num_workers: int, *, reason: str = "") -> int:
         """Train on `num_workers` whole devices; returns once it does."""
         return ray.get(self.controller.resize.remote(num_workers, reason))

@@ -1,9 +1,10 @@
-"""Rollouts on the serving replicas of the pool: every completion of an iteration requested at once
-through the application's deployment handle, so Serve spreads them over its replicas and each replica
-batches what it holds.
+"""Rollouts on the serving replicas of the pool: every group of an iteration (a prompt and one sampling
+of it per completion) requested at once through the application's deployment handle, so Serve spreads
+the groups over its replicas and each replica batches what it holds. A group travels as one call and
+comes back as one answer (`ModelServer.token_completions`), not a message per token.
 
-A request whose replica dies mid-answer (the handle raises ActorDiedError) is issued again, from the
-start, to whichever replica Serve picks; its seed makes the answer the same (`GRPOConfig.sample_seed`),
+A group whose replica dies mid-answer (the handle raises ActorDiedError) is issued again, from the
+start, to whichever replica Serve picks; its seeds make the answers the same (`GRPOConfig.sample_seed`),
 so a run with a replica killed matches the run without. Sampling draws from the whole distribution
 (no top-k): the policy gradient is taken for the policy as it is.
 """
@@ -25,14 +26,16 @@ MAX_RETRY_PAUSE_S = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutRequest:
+class RolloutGroup:
+    """Completions of one prompt: one per sampling (each with its own seed)."""
+
     prompt: tuple[int, ...]
-    params: SamplingParams
+    params: tuple[SamplingParams, ...]
 
 
 @dataclasses.dataclass
 class RolloutStats:
-    reissued: int = 0  # requests issued again after their replica failed
+    reissued: int = 0  # completions requested again after their replica failed
     failures: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -45,36 +48,40 @@ class RolloutClient:
         self._handle = serve.get_deployment_handle(deployment_name, app_name=app_name)
         self.eos_token_id, self.retry_s = eos_token_id, retry_s
 
-    def generate(self, requests: Sequence[RolloutRequest],
+    def generate(self, groups: Sequence[RolloutGroup],
                  generating: threading.Event | None = None) -> tuple[list[list[int]], RolloutStats]:
-        """Each request's completion: its sampled tokens, ending with the end-of-text token when the
-        model chose to stop (it is trained to stop, so the token is part of what it did).
-        `generating` is set once the first token arrived (replicas are busy with the batch)."""
+        """Every group's completions, group after group: each its sampled tokens, ending with the
+        end-of-text token when the model chose to stop (it is trained to stop, so the token is part of
+        what it did). `generating` is set once a replica sampled a first token (replicas are busy with
+        the batch)."""
         stats = RolloutStats()
-        return asyncio.run(self._all(requests, stats, generating or threading.Event())), stats
+        answers = asyncio.run(self._all(groups, stats, generating or threading.Event()))
+        return [completion for answer in answers for completion in answer], stats
 
-    async def _all(self, requests: Sequence[RolloutRequest], stats: RolloutStats,
-                   generating: threading.Event) -> list[list[int]]:
-        return list(await asyncio.gather(*(self._one(request, stats, generating) for request in requests)))
+    async def _all(self, groups: Sequence[RolloutGroup], stats: RolloutStats,
+                   generating: threading.Event) -> list[list[list[int]]]:
+        return list(await asyncio.gather(*(self._group(group, stats, generating) for group in groups)))
 
-    async def _one(self, request: RolloutRequest, stats: RolloutStats, generating: threading.Event) -> list[int]:
+    async def _group(self, group: RolloutGroup, stats: RolloutStats, generating: threading.Event) -> list[list[int]]:
         deadline, pause = time.monotonic() + self.retry_s, FIRST_RETRY_PAUSE_S
         while True:
             try:
-                tokens = []
-                async for token in self._handle.options(stream=True).token_stream.remote(list(request.prompt),
-                                                                                         request.params):
-                    tokens.append(token)
+                async for answer in self._handle.options(stream=True).token_completions.remote(
+                        list(group.prompt), list(group.params)):
                     generating.set()
+                    completions = answer
                 break
-            except ray.exceptions.RayActorError as error:  # its replica died: the answer is made again from the start
+            except ray.exceptions.RayActorError as error:  # its replica died: the answers are made again from the start
                 stats.failures.append(f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}")
                 if time.monotonic() + pause > deadline:
-                    raise RuntimeError(f"a rollout request kept failing for {self.retry_s:g}s; last: "
+                    raise RuntimeError(f"a rollout group kept failing for {self.retry_s:g}s; last: "
                                        f"{stats.failures[-1]}") from error
-                stats.reissued += 1
+                stats.reissued += len(group.params)
                 await asyncio.sleep(pause)
                 pause = min(2 * pause, MAX_RETRY_PAUSE_S)
-        if len(tokens) < request.params.max_new_tokens and self.eos_token_id is not None:
-            tokens.append(self.eos_token_id)  # it stopped before its budget: it sampled end-of-text
+        return [self._with_end(tokens, params) for tokens, params in zip(completions, group.params)]
+
+    def _with_end(self, tokens: list[int], params: SamplingParams) -> list[int]:
+        if len(tokens) < params.max_new_tokens and self.eos_token_id is not None:
+            return [*tokens, self.eos_token_id]  # it stopped before its budget: it sampled end-of-text
         return tokens

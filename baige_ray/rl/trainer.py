@@ -37,12 +37,13 @@ from baige_ray.rl.config import GRPOConfig
 from baige_ray.rl.faults import RolloutFaultPlan
 from baige_ray.rl.objective import PolicyObjective, pack_rollouts
 from baige_ray.rl.rollout_source import RolloutSource, start_board
-from baige_ray.rl.rollouts import RolloutClient, RolloutRequest
+from baige_ray.rl.rollouts import RolloutClient, RolloutGroup
 from baige_ray.serving.causal_lm_generation import SamplingParams
 
 logger = logging.getLogger(__name__)
 Reward = Callable[[str, str], float]
-STEP_POLL_S = 0.05
+STEP_WAIT_S = 30.0  # one long poll of the job; a step (or its recovery) may take longer: it asks again
+SNAPSHOT_POLL_S = 0.01  # the snapshot of a step is copied just after it, on a thread of the worker
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -64,7 +65,7 @@ class IterationRecord:
     scoring_s: float
     training_s: float = math.nan  # the step of this iteration's rollouts, from its gate opening to its end
     refit_s: float = math.nan  # its weights into every rollout replica (nan for the last iteration: none follows)
-    reissued: int = 0  # rollout requests issued again after their replica died
+    reissued: int = 0  # completions requested again after their replica died
     loss: float | None = None
 
     @property
@@ -170,14 +171,15 @@ class GRPOTrainer:
     def _rollout_and_publish(self, iteration: int, info, client: RolloutClient, board,
                              failures: list[str]) -> IterationRecord:
         prompts = self.config.prompt_indices(iteration, len(self.prompts))
-        requests = [RolloutRequest(tuple(self.prompt_tokens[p]), self._sampling(iteration, j, i))
-                    for j, p in enumerate(prompts) for i in range(self.config.group_size)]
+        groups = [RolloutGroup(tuple(self.prompt_tokens[p]),
+                               tuple(self._sampling(iteration, j, i) for i in range(self.config.group_size)))
+                  for j, p in enumerate(prompts)]
         generating = threading.Event()
         injector = None
         if self.rollout_faults is not None:
             injector = self.rollout_faults.arm(iteration, info.app_name, generating)
         started = time.perf_counter()
-        completions, stats = client.generate(requests, generating)
+        completions, stats = client.generate(groups, generating)
         rollout_s = time.perf_counter() - started
         if injector is not None:
             injector.join()
@@ -187,7 +189,8 @@ class GRPOTrainer:
         scoring_s = time.perf_counter() - started
         advantages = group_advantages(torch.tensor(rewards).view(len(prompts), self.config.group_size),
                                       scale_by_std=self.config.loss.scale_by_std).flatten().tolist()
-        inputs, targets = pack_rollouts([r.prompt for r in requests], completions, advantages, self.model.seq_len,
+        prompt_of_completion = [group.prompt for group in groups for _ in group.params]
+        inputs, targets = pack_rollouts(prompt_of_completion, completions, advantages, self.model.seq_len,
                                         pad_id=self.pad_id)
         ray.get(board.publish.remote(iteration, inputs, targets))
         return IterationRecord(iteration=iteration, rewards=rewards, rollout_s=rollout_s, scoring_s=scoring_s,
@@ -212,11 +215,10 @@ class GRPOTrainer:
 
     def _wait_for_steps(self, job, steps: int) -> float:
         """Wait until the job has finished `steps` steps; the time it did."""
-        while (status := job.status())["step"] < steps:
+        while (status := job.wait_for_step(steps, STEP_WAIT_S))["step"] < steps:
             if status["state"] in ("finished", "failed"):
                 raise RuntimeError(f"the policy's training job ended ({status['state']}) at step {status['step']}, "
                                    f"before step {steps}: {status['events'][-1:]}")
-            time.sleep(STEP_POLL_S)
         return time.perf_counter()
 
     def _refit(self, job, info, step: int) -> float:
@@ -246,4 +248,4 @@ class GRPOTrainer:
             if state[0] >= step:
                 return state
             self._wait_for_steps(job, step + 1)  # raises if the job ended meanwhile
-            time.sleep(STEP_POLL_S)
+            time.sleep(SNAPSHOT_POLL_S)

@@ -399,17 +399,14 @@ def reload_weights(
     """Swap every replica's weights in place (no restart); returns the new weights version.
 
     With `wait=False` it returns once the weights are published: replicas started from then on
-    load them, running ones swap at their next report (within a second or so)."""
+    load them, running ones swap as soon as they hear of them (the registry's long poll)."""
     step, state_ref, config = _resolve_source(source, model_config)
     registry = _registry(info)
     version = ray.get(registry.publish_weights.remote(step, [state_ref], config))
     if not wait:
         return version
-    deadline = time.monotonic() + timeout_s
-    while behind := ray.get(registry.replicas_behind.remote(version)):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{info.app_name}: replicas {behind} still on older weights after {timeout_s:g}s")
-        time.sleep(0.1)
+    if behind := ray.get(registry.caught_up.remote(version, timeout_s)):
+        raise TimeoutError(f"{info.app_name}: replicas {behind} still on older weights after {timeout_s:g}s")
     return version
 
 

@@ -20,10 +20,10 @@ the engine has no room to queue is answered 503 with Retry-After; a malformed on
 one whose prompt and max_tokens exceed the model's context 400, unless it asks for the prompt's last
 tokens only with `truncate_prompt_tokens` (serving/context_length.py).
 The engine is the built-in one or vLLM (`engine="vllm"`, serving/vllm_engine.py). Weights come from
-the application's ServingRegistry: the newest version when the replica starts, and any newer one the
-registry names in answer to the replica's periodic report. vLLM takes new weights in place between
-two steps; the built-in engine gets a new engine built aside, and requests already in the old one
-finish on the weights they started with.
+the application's ServingRegistry: the newest version when the replica starts, and any newer one as soon as
+it is published (between two load reports the replica waits on the registry's long poll). vLLM takes new weights in place between
+two steps, and so does the built-in engine for new weights of the model it runs (another model gets a new
+engine built aside, and requests already in the old one finish on the weights they started with).
 
 A replica generates before it takes requests (its constructor's warm-up, through the engine it will
 serve with), so a model the engine cannot run fails the replica's start, and `serve()`, with the
@@ -144,6 +144,11 @@ class ModelServer:
             # vLLM takes new weights in place, between two steps: running requests go on, no restart.
             engine = self._runner.engine
             await self._runner.between_steps(lambda: engine.load_weights(state))
+        elif self._runner is not None and self._expert_ranks is None and model_config == self._model_config:
+            # The same model on the built-in engine: its weights copied in place between two steps (no model
+            # built: an RL policy's replicas take new weights every iteration), as with vLLM.
+            engine, prefixes = self._runner.engine, self._prefix_store(plugin_for(model_config), version)
+            await self._runner.between_steps(lambda: engine.load_weights(state, prefixes))
         elif self._expert_ranks is not None and model_config == self._model_config:
             # The expert ranks hold this model's experts: new weights go to them in place, between two
             # steps (running requests go on with the new weights, as with vLLM).
@@ -397,6 +402,36 @@ class ModelServer:
         finally:
             self._ongoing -= 1
 
+    async def token_completions(self, prompt: list[int],
+                                params: list[SamplingParams]) -> AsyncIterator[list[list[int]] | None]:
+        """One completion of `prompt` per entry of `params` (an RL group), decoded in one batch, for callers
+        in the cluster (a deployment handle with stream=True): yields None once the first token is
+        sampled, then every completion's token ids at once: two messages for the group where
+        `token_stream` sends one per token and request."""
+        runner = self._require_runner()
+        self._ongoing += len(params)
+        sampling = asyncio.Event()
+
+        async def completion(one: SamplingParams) -> list[int]:
+            async with contextlib.aclosing(self._events(runner, prompt, one)) as events:
+                tokens = []
+                async for event in events:
+                    if event.token is not None:
+                        tokens.append(event.token)
+                        sampling.set()
+                return tokens
+
+        everything = asyncio.ensure_future(asyncio.gather(*(completion(one) for one in params)))
+        try:
+            first = asyncio.ensure_future(sampling.wait())
+            await asyncio.wait([first, everything], return_when=asyncio.FIRST_COMPLETED)
+            first.cancel()
+            yield None
+            yield await everything
+        finally:
+            everything.cancel()
+            self._ongoing -= len(params)
+
     def _require_runner(self) -> EngineRunner:
         if self._runner is None:
             raise EngineFull("the model is still loading")
@@ -427,9 +462,10 @@ class ModelServer:
                 device=(self._node, self._devices[0]) if self._devices else None, engine=self._engine_load(),
             )
             self._metrics.queue_depth(self._ongoing, replica=self._replica)
+            if newest == self._version:  # until the next report, or sooner if new weights are published
+                newest = await self._registry.newer_weights.remote(self._version, REPORT_INTERVAL_S)
             if newest != self._version:
-                await self._load_newest_weights()
-            await asyncio.sleep(REPORT_INTERVAL_S)
+                await self._load_newest_weights()  # then report at once that they are loaded
 
     def _engine_load(self) -> EngineLoad | None:
         engine = self._runner.engine if self._runner is not None else None

@@ -38,6 +38,7 @@ import torch
 
 from baige_ray.api.validation import require_int
 from baige_ray.models.generation import KV, KVDecoder, sample_token, seeded_generator
+from baige_ray.models.weights_in_place import copy_weights_in_place
 from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams
 from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.kv_batch import PaddedKVBatch
@@ -168,6 +169,13 @@ class ContinuousBatchingEngine:
         self._queue: RequestQueue[_Request] = RequestQueue(limits.max_waiting)
         self._running: list[_Request] = []
         self._cache = PaddedKVBatch()
+
+    def load_weights(self, weights: dict[str, torch.Tensor], prefixes: PrefixBlockStore | None = None) -> None:
+        """New weights of the model it runs, copied in between two steps (the engine's thread), and
+        `prefixes` as the cache of the new weights (the old one's blocks are of the old weights). Running
+        requests go on with the new weights."""
+        copy_weights_in_place(self.decoder.model, weights)
+        self.prefixes = prefixes
 
     # -- any thread ---------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: SamplingParams, on_event: EventSink) -> int:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from baige_ray.models.generation import KVDecoder, sample_token, seeded_generator
+from baige_ray.models.weights_in_place import copy_weights_in_place
 from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams
 from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.engine import (
@@ -51,6 +52,10 @@ class PrefillEngine:
         self.decoder, self.eos_token_id, self.limits = decoder, eos_token_id, limits
         self._queue: RequestQueue[_Prompt] = RequestQueue(limits.max_waiting)
         self._num_prefilling = 0
+
+    def load_weights(self, weights: dict[str, torch.Tensor], prefixes: None = None) -> None:
+        """New weights of the model it runs, copied in between two steps (the engine's thread)."""
+        copy_weights_in_place(self.decoder.model, weights)
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, on_prefilled: PrefillSink) -> int:
         """Queue a prompt; returns its id. Raises EngineFull when `max_waiting` are already queued, and

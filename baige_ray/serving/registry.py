@@ -5,12 +5,16 @@ snapshot, or a checkpoint the driver loaded and verified). The registry fetches 
 its own copy in the object store, so serving keeps working after the training worker that produced
 the snapshot is released for lending. A replica loads the newest version when it starts (so a lent
 replica starts with the current weights) and learns of newer ones in the answer to its periodic
-load report, which is how weights are swapped in place on every replica without a redeploy.
+load report, which is how weights are swapped in place on every replica without a redeploy. Between two
+reports a replica waits on `newer_weights` (a long poll, as Serve's own controller pushes config), so a
+publish reaches every replica at once instead of at its next report.
 It also keeps the application's event log (in memory): a replica whose engine failed records it there.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 
 import ray
@@ -20,6 +24,7 @@ from baige_ray.policies.disaggregation import SideLoad
 from baige_ray.serving.ledger import EngineLoad, RequestLedger
 
 REGISTRY_NAMESPACE = "baige"
+STALE_RECHECK_S = 0.5  # a replica that stopped reporting leaves the live set without a report to wake anyone
 
 
 def registry_name(app_name: str) -> str:
@@ -36,15 +41,26 @@ class ServingRegistry:
         self._loaded_versions: dict[str, int] = {}
         self._devices: dict[str, tuple[str, int]] = {}
         self._events = EventLog(None)
+        self._published = asyncio.Event()  # set, and replaced, at each publish: wakes the replicas' long polls
+        self._reported_load = asyncio.Event()  # likewise when a replica reports new weights loaded
 
-    def publish_weights(self, step: int, state_refs: list, model_config) -> int:
+    async def publish_weights(self, step: int, state_refs: list, model_config) -> int:
         """Hold a private copy of the state in `state_refs[0]`; returns the new weights version."""
-        state = ray.get(state_refs[0])
+        state = await state_refs[0]
         if not isinstance(state, dict) or not state:
             raise ValueError(f"the published state is {type(state).__name__}, expected a non-empty dict of tensors")
         self._state_ref = ray.put(state)
         self._step, self._model_config = step, model_config
         self._version += 1
+        self._published.set()
+        self._published = asyncio.Event()
+        return self._version
+
+    async def newer_weights(self, version: int, timeout_s: float) -> int:
+        """The newest weights version, as soon as it is newer than `version` or after `timeout_s`."""
+        if self._version <= version:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._published.wait(), timeout_s)
         return self._version
 
     def weights(self) -> tuple[int, int, object, list]:
@@ -54,21 +70,32 @@ class ServingRegistry:
             raise LookupError("no weights published yet")
         return self._version, self._step, self._model_config, [self._state_ref]
 
-    def report(self, replica: str, latencies: list[float], busy_s: float, ongoing: int, loaded_version: int,
-               device: tuple[str, int] | None = None, engine: EngineLoad | None = None) -> int:
+    async def report(self, replica: str, latencies: list[float], busy_s: float, ongoing: int, loaded_version: int,
+                     device: tuple[str, int] | None = None, engine: EngineLoad | None = None) -> int:
         """Account a replica's recent work (and the (node id, device index) it runs on, if any, and its
         engine's role and queue); answers the newest weights version."""
         if device is not None:
             self._devices[replica] = (str(device[0]), int(device[1]))
         now = time.time()
         self._ledger.record(replica, now, latencies, busy_s, ongoing, engine)
-        self._loaded_versions[replica] = loaded_version
+        if self._loaded_versions.get(replica) != loaded_version:
+            self._loaded_versions[replica] = loaded_version
+            self._reported_load.set()
+            self._reported_load = asyncio.Event()
         return self._version
 
     def replicas_behind(self, version: int) -> list[str]:
         """Live replicas still serving weights older than `version`."""
         live = self._ledger.live_replicas(time.time())
         return sorted(r for r in live if self._loaded_versions.get(r, 0) < version)
+
+    async def caught_up(self, version: int, timeout_s: float) -> list[str]:
+        """Live replicas still behind `version`, as soon as there are none or after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while (behind := self.replicas_behind(version)) and (left := deadline - time.monotonic()) > 0:
+            with contextlib.suppress(asyncio.TimeoutError):  # woken by a report; or look again: one may have died
+                await asyncio.wait_for(self._reported_load.wait(), min(left, STALE_RECHECK_S))
+        return behind
 
     def load(self, window_s: float = 5.0) -> dict:
         window = self._ledger.window(time.time(), window_s)
