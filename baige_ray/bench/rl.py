@@ -32,9 +32,13 @@ from typing import Any
 from baige_ray.bench.measure import report_stage
 
 ROOT = Path(__file__).resolve().parents[2]
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64)
 SEQ_LEN = 32
+
+
+def policy_shape(hidden: int, layers: int) -> dict[str, int]:
+    """A Llama of `hidden` width (heads of 16, two query heads per key-value head) and `layers` layers."""
+    return dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                num_attention_heads=hidden // 16, num_key_value_heads=max(1, hidden // 32), max_position_embeddings=64)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=6)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--hidden-size", type=int, default=64, help="the policy's width (a multiple of 32)")
+    parser.add_argument("--num-layers", type=int, default=2, help="the policy's layers")
     parser.add_argument("--quick", action="store_true", help="6 iterations")
     parser.add_argument("--no-peer", action="store_true", help="leave TRL out")
     parser.add_argument("--work-dir", default=None)
@@ -67,7 +73,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     iterations = 6 if args.quick else args.iterations
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-rl-"))
-    model_dir = _make_policy(work)
+    model_dir = _make_policy(work, policy_shape(args.hidden_size, args.num_layers))
     prompts = arithmetic_prompts()
     with open_cluster(ROOT / "clusters" / "sim-2x4.yaml", log_to_driver=False):
         report_stage(args, "baige-ray GRPO", 0, 4)
@@ -81,7 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return _summary(clean, faulted, refit, peer)
 
 
-def _make_policy(work: Path) -> Path:
+def _make_policy(work: Path, shape: dict[str, int]) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -95,7 +101,7 @@ def _make_policy(work: Path) -> Path:
     tokenizer = load_tokenizer(tokenizer_dir)
     model_dir = work / "policy"
     config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, **SHAPE)
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, **shape)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
