@@ -24,6 +24,7 @@ BENCHMARK_MODULES: dict[str, str] = {
     "prefix": "baige_ray.bench.prefix",
     "ettr": "baige_ray.bench.ettr",
     "rl": "baige_ray.bench.rl",
+    "soak": "baige_ray.bench.soak",
 }
 
 

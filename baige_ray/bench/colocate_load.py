@@ -52,6 +52,7 @@ class RequestResult:
     sent_at: float  # seconds from the start of the replay
     latency_s: float | None  # None: failed
     status: int  # HTTP status, 0 for a connection error or timeout
+    finished_at: float | None = None  # seconds from the start of the replay when the answer (or error) came
 
 
 def request_body(index: int, max_new_tokens: int) -> dict:
@@ -68,9 +69,9 @@ async def _send(session, url: str, index: int, started: float, max_new_tokens: i
             await response.read()
             status = response.status
     except (aiohttp.ClientError, asyncio.TimeoutError):
-        return RequestResult(sent - started, None, 0)
+        return RequestResult(sent - started, None, 0, time.perf_counter() - started)
     latency = time.perf_counter() - sent
-    return RequestResult(sent - started, latency if status == 200 else None, status)
+    return RequestResult(sent - started, latency if status == 200 else None, status, time.perf_counter() - started)
 
 
 async def _replay(url: str, arrivals: Sequence[float], max_new_tokens: int, timeout_s: float) -> list[RequestResult]:

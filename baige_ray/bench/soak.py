@@ -1,0 +1,302 @@
+"""Chaos under load: an elastic job and a served application on one pool, faults at seeded random moments.
+
+On the simulated 2 x 4 cluster: a tiny Hugging Face Llama trains as an elastic job (4 workers, one
+warm spare, checkpoints persisted every 25 steps, a constant learning rate after the warm-up), while 2
+replicas of the built-in engine serve it and a replayed request load (Poisson arrivals at `--rate`)
+runs against them over HTTP. Faults come at seeded moments (soak_schedule.py): a worker SIGKILLed, a
+worker frozen with SIGSTOP, a worker throttled into a straggler, a replica SIGKILLed.
+
+Reported per fault kind: injected, detected, recovered, detection and recovery seconds (p50, max) and
+steps lost. A worker fault is detected at the job's first "failure" or "straggler" event after it and
+recovered at the next "recovered" event (whose record names the steps redone); a replica fault is
+detected when Ray lists the replica dead and recovered when the application has its replicas again.
+For serving: requests, failed requests (those in flight when a replica was killed, and all others),
+the share answered within `--slo-s`. For the run: the final loss against a fault-free run of the same
+steps, each long-lived process's resident memory from a third of the soak (the tenth minute at most) to
+the end, and the processes still alive after the cluster shut down.
+
+Not injected yet (issue #33 names them): a node removed, the controller or the arbiter killed, a
+persisted checkpoint corrupted, the checkpoint disk filled, load spikes that force lending (this soak
+runs no arbiter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from baige_ray.bench.measure import report_stage
+from baige_ray.bench.soak_schedule import FAULT_KINDS, ScheduledFault, Throttle, fault_schedule
+
+ROOT = Path(__file__).resolve().parents[2]
+NUM_WORKERS, NUM_REPLICAS = 4, 2
+WORKER_EVENT_WAIT_S = 90.0  # a fault no event answers within this is counted undetected
+REPLICA_RECOVERY_WAIT_S = 120.0
+MEMORY_EVERY_S = 10.0
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--minutes", type=float, default=30.0, help="how long faults and load run")
+    parser.add_argument("--seed", type=int, default=0, help="the fault schedule's and the load's seed")
+    parser.add_argument("--rate", type=float, default=2.0, help="requests/s of the replayed load")
+    parser.add_argument("--slo-s", type=float, default=2.0, help="the latency a request is answered within")
+    parser.add_argument("--work-dir", default=None)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from baige_ray.models.hf.tiny import make_llama_tiny
+    from baige_ray.topology.connect import open_cluster
+
+    duration_s = args.minutes * 60
+    if duration_s <= 0 or args.rate <= 0:
+        raise ValueError(f"--minutes={args.minutes} and --rate={args.rate} are invalid: expected > 0")
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-soak-"))
+    model, data = make_llama_tiny(work / "llama", seq_len=64, vocab_size=512, shape=SHAPE, name="llama-soak")
+    schedule = fault_schedule(duration_s, args.seed)
+    seen_pids: set[int] = set()
+    with open_cluster(ROOT / "clusters" / "sim-2x4.yaml", log_to_driver=False):
+        report_stage(args, "soak: training, serving and faults", 0, 2)
+        soak = _soak(args, model, data, work, schedule, duration_s, seen_pids)
+        report_stage(args, "the fault-free run of the same steps", 1, 2)
+        clean = _train(model, data, work, "soak-fault-free", soak["steps_done"]).wait()
+    soak["left_behind"] = _still_alive(seen_pids)
+    return _summary(soak, clean, args)
+
+
+# ----- the soak -----------------------------------------------------------------------------------------
+
+
+def _train_config(num_steps: int):
+    from baige_ray.api.configs import TrainConfig
+
+    # Constant after the warm-up: the first steps of any run are the same steps, whatever num_steps says.
+    return TrainConfig(num_steps=num_steps, global_batch_size=12, learning_rate=2e-3, min_learning_rate=2e-3,
+                       warmup_steps=10, seed=0)
+
+
+def _train(model, data, work: Path, name: str, num_steps: int, faulted: bool = False):
+    from baige_ray.api.configs import RunConfig, ScalingConfig
+    from baige_ray.api.elastic import ElasticConfig
+    from baige_ray.jobs.launch import launch
+
+    elastic = ElasticConfig(num_spares=1, min_workers=2, max_recoveries=10_000) if not faulted else ElasticConfig(
+        num_spares=1, min_workers=2, max_recoveries=10_000, persist_every=25, persist_path=work / "checkpoints")
+    return launch(model, data=data, train=_train_config(num_steps), scaling=ScalingConfig(num_workers=NUM_WORKERS),
+                  run=RunConfig(name=name, storage_path=work / "runs", show_progress=False), elastic=elastic)
+
+
+def _soak(args, model, data, work: Path, schedule: list[ScheduledFault], duration_s: float,
+          seen_pids: set[int]) -> dict[str, Any]:
+    from baige_ray.bench.colocate_load import arrival_times, replay
+    from baige_ray.serving.app import serve, shutdown
+
+    info = serve(model.path, model_config=model, name="soak", num_replicas=NUM_REPLICAS, port=8019)
+    job = _train(model, data, work, "soak", 1_000_000, faulted=True)
+    try:
+        job.wait_for_step(3, 300.0)  # the workers are up and stepping
+        memory = _MemorySampler(seen_pids)
+        arrivals = arrival_times([args.rate], hour_s=duration_s, seed=args.seed)
+        answers: list = []
+        load = threading.Thread(target=lambda: answers.extend(replay(info.url + "/generate", arrivals)), daemon=True)
+        started = time.monotonic()
+        load.start()
+        outcomes = [_inject(fault, started, job, info.app_name, seen_pids) for fault in schedule]
+        time.sleep(max(0.0, started + duration_s - time.monotonic()))
+        load.join(timeout=120.0)
+        memory.stop()
+        job.stop()
+        result = job.wait(timeout_s=300.0)
+    finally:
+        shutdown(info)
+    events = _job_events(work / "runs" / "soak" / "events.jsonl")
+    for outcome in outcomes:
+        if outcome["kind"] != "replica_kill":
+            outcome.update(_worker_fault_outcome(outcome["at"], events))
+    kills = [o["at"] - started for o in outcomes if o["kind"] == "replica_kill"]
+    return {"faults": outcomes, "requests": [vars(a) for a in answers], "replica_kills_s": kills,
+            "losses": {m.step: m.loss for m in result.metrics}, "steps_done": max(m.step for m in result.metrics) + 1,
+            "memory": memory.growth(min(600.0, duration_s / 3)), "started": started}
+
+
+def _inject(fault: ScheduledFault, started: float, job, app_name: str, seen_pids: set[int]) -> dict[str, Any]:
+    """Carry out `fault` once its moment came; what happened (replica faults with their timings)."""
+    time.sleep(max(0.0, started + fault.at_s - time.monotonic()))
+    if fault.kind == "replica_kill":
+        return _kill_replica(fault, app_name, seen_pids)
+    workers = [w for w in job.status()["workers"] if w["pid"] is not None]
+    pid = workers[fault.pick % len(workers)]["pid"]
+    seen_pids.add(pid)
+    outcome = {"kind": fault.kind, "at": time.time(), "pid": pid}
+    if fault.kind == "worker_kill":
+        os.kill(pid, signal.SIGKILL)
+    elif fault.kind == "worker_freeze":
+        os.kill(pid, signal.SIGSTOP)
+    else:
+        outcome["throttle"] = Throttle(pid, limit_s=WORKER_EVENT_WAIT_S)
+    return outcome
+
+
+def _kill_replica(fault: ScheduledFault, app_name: str, seen_pids: set[int]) -> dict[str, Any]:
+    from baige_ray.rl.faults import replica_pids
+
+    before = replica_pids(app_name)
+    seen_pids.update(before)
+    pid = before[fault.pick % len(before)]
+    at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    detected = recovered = None
+    while time.time() - at < REPLICA_RECOVERY_WAIT_S and recovered is None:
+        time.sleep(0.25)
+        alive = replica_pids(app_name)
+        seen_pids.update(alive)
+        if detected is None and pid not in alive:
+            detected = time.time() - at
+        if detected is not None and len(alive) >= len(before):
+            recovered = time.time() - at
+    return {"kind": "replica_kill", "at": at, "pid": pid, "detected_s": detected, "recovered_s": recovered,
+            "steps_lost": 0}
+
+
+def _job_events(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _worker_fault_outcome(at: float, events: list[dict]) -> dict[str, Any]:
+    """When the job noticed a worker fault injected at `at` (wall clock), when it recovered, steps redone."""
+    noticed = next((e for e in events if e["time"] >= at and e["kind"] in ("failure", "straggler")
+                    and e["time"] - at <= WORKER_EVENT_WAIT_S), None)
+    if noticed is None:
+        return {"detected_s": None, "recovered_s": None, "steps_lost": None}
+    # The recovery's own record: the "recovered" event of its first step done (an earlier one says what it decided).
+    recovered = next((e for e in events if e["time"] >= noticed["time"] and e["kind"] == "recovered"
+                      and "recovery_s" in e), None)
+    return {"detected_s": noticed["time"] - at, "recovered_s": None if recovered is None else recovered["time"] - at,
+            "steps_lost": None if recovered is None else recovered.get("lost_steps")}
+
+
+class _MemorySampler:
+    """Resident memory of every live actor process of the cluster, every MEMORY_EVERY_S seconds."""
+
+    def __init__(self, seen_pids: set[int]):
+        self.seen_pids, self.samples = seen_pids, []  # (seconds since start, {pid: (class, rss)})
+        self.started = time.monotonic()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+        self._sample()
+
+    def _run(self) -> None:
+        while not self._done.wait(MEMORY_EVERY_S):
+            self._sample()
+
+    def _sample(self) -> None:
+        import psutil
+        from ray.util.state import list_actors
+
+        rss = {}
+        for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000):
+            try:
+                rss[actor.pid] = (actor.class_name, psutil.Process(actor.pid).memory_info().rss)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        self.seen_pids.update(rss)
+        self.samples.append((time.monotonic() - self.started, rss))
+
+    def growth(self, from_s: float) -> dict[str, Any]:
+        """Per process alive from `from_s` to the end: its resident memory's relative growth."""
+        first = next(((t, rss) for t, rss in self.samples if t >= from_s), self.samples[0])
+        last = self.samples[-1]
+        grown = {f"{first[1][pid][0]}:{pid}": (last[1][pid][1] - first[1][pid][1]) / first[1][pid][1]
+                 for pid in first[1] if pid in last[1] and first[1][pid][1] > 0}
+        return {"from_s": round(first[0], 1), "to_s": round(last[0], 1), "growth": grown}
+
+
+def _still_alive(pids: set[int], wait_s: float = 15.0) -> list[int]:
+    """The processes among `pids` still alive `wait_s` after the cluster shut down."""
+    import psutil
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = [pid for pid in sorted(pids) if psutil.pid_exists(pid)
+                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
+
+
+# ----- the figures --------------------------------------------------------------------------------------
+
+
+def _summary(soak: dict[str, Any], clean, args) -> dict[str, Any]:
+    per_kind = {kind: _kind_figures([f for f in soak["faults"] if f["kind"] == kind]) for kind in FAULT_KINDS}
+    for fault in soak["faults"]:
+        fault.pop("throttle", None)
+    clean_losses = {m.step: m.loss for m in clean.metrics}
+    common = sorted(set(soak["losses"]) & set(clean_losses))
+    last = common[-1]
+    requests = soak["requests"]
+    failed = [r for r in requests if r["latency_s"] is None]
+    on_killed = [r for r in failed if any(r["sent_at"] <= kill <= (r["finished_at"] or float("inf"))
+                                          for kill in soak["replica_kills_s"])]
+    growth = soak["memory"]["growth"]
+    worker_kinds = [k for k in FAULT_KINDS if k != "replica_kill"]
+    return {
+        "minutes": args.minutes, "seed": args.seed,
+        "faults_injected": len(soak["faults"]),
+        "faults_recovered": sum(f["recovered_s"] is not None for f in soak["faults"]),
+        "max_steps_lost": max([f["steps_lost"] or 0 for f in soak["faults"] if f["kind"] in worker_kinds] or [0]),
+        "per_kind": per_kind,
+        "requests": len(requests), "failed_requests_on_killed_replicas": len(on_killed),
+        "failed_requests_other": len(failed) - len(on_killed),
+        "slo_attainment": sum(r["latency_s"] is not None and r["latency_s"] <= args.slo_s for r in requests)
+        / max(1, len(requests)),
+        "steps": soak["steps_done"], "final_loss": soak["losses"][last], "fault_free_final_loss": clean_losses[last],
+        "loss_rel_diff": abs(soak["losses"][last] - clean_losses[last]) / abs(clean_losses[last]),
+        "loss_max_rel_diff": max(abs(soak["losses"][s] - clean_losses[s]) / abs(clean_losses[s]) for s in common),
+        "rss_growth": max(growth.values(), default=0.0), "rss_growth_per_process": growth,
+        "rss_window_s": [soak["memory"]["from_s"], soak["memory"]["to_s"]],
+        "left_behind": soak["left_behind"], "faults": soak["faults"],
+    }
+
+
+def _kind_figures(faults: list[dict]) -> dict[str, Any]:
+    detected = [f["detected_s"] for f in faults if f["detected_s"] is not None]
+    recovered = [f["recovered_s"] for f in faults if f["recovered_s"] is not None]
+
+    def p50_max(values: list[float]) -> list[float] | None:
+        return [round(statistics.median(values), 3), round(max(values), 3)] if values else None
+
+    return {"injected": len(faults), "detected": len(detected), "recovered": len(recovered),
+            "detection_s": p50_max(detected), "recovery_s": p50_max(recovered),
+            "steps_lost": [f["steps_lost"] for f in faults]}
+
+
+def summarize(result: dict[str, Any]) -> str:
+    lines = [f"soak of {result['minutes']:g} min (seed {result['seed']}): {result['faults_injected']} faults, "
+             f"{result['faults_recovered']} recovered, at most {result['max_steps_lost']} step(s) lost"]
+    for kind, figures in result["per_kind"].items():
+        lines.append(f"  {kind:<14} injected {figures['injected']}, detected {figures['detected']}, recovered "
+                     f"{figures['recovered']}, detection p50/max {figures['detection_s']} s, recovery "
+                     f"{figures['recovery_s']} s, steps lost {figures['steps_lost']}")
+    lines += [f"requests {result['requests']}: failed in flight on a killed replica "
+              f"{result['failed_requests_on_killed_replicas']}, other {result['failed_requests_other']}; "
+              f"within the SLO {result['slo_attainment']:.3f}",
+              f"{result['steps']} steps: final loss {result['final_loss']:.6f} against {result['fault_free_final_loss']:.6f} "
+              f"fault-free (relative {result['loss_rel_diff']:.2e})",
+              f"resident memory growth, largest {result['rss_growth']:+.1%} over {result['rss_window_s']} s; "
+              f"processes left behind: {result['left_behind'] or 'none'}"]
+    return "\n".join(lines)
