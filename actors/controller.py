@@ -162,7 +162,7 @@ class ElasticController:
         return self.steps.run(self.step, run_ahead) or (Phase.RUNNING, "")
 
     def _finish(self) -> dict:
-        result = {"phase": self.machine.phase.value, "metrics": self.accounts.records,
+        result = {"phase": self.machine.phase.value, "metrics": self.accounts.all_records(),
                   "recoveries": self.recovery.history, "layout": self.crew.layout.describe(),
                   "workers": [w.info for w in self.crew.members], "elapsed_s": time.time() - self.accounts.started_at,
                   "checkpoint_path": None, "status": self.status()}

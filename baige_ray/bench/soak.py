@@ -29,6 +29,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,7 @@ def _soak(args, model, data, work: Path, schedule: list[ScheduledFault], duratio
     job = _train(model, data, work, "soak", 1_000_000, faulted=True)
     try:
         job.wait_for_step(3, 300.0)  # the workers are up and stepping
-        memory = _MemorySampler(seen_pids)
+        memory = _MemorySampler(seen_pids, lambda: {w["pid"] for w in job.status()["workers"]})
         arrivals = arrival_times([args.rate], hour_s=duration_s, seed=args.seed)
         answers: list = []
         load = threading.Thread(target=lambda: answers.extend(replay(info.url + "/generate", arrivals)), daemon=True)
@@ -185,10 +186,11 @@ def _worker_fault_outcome(at: float, events: list[dict]) -> dict[str, Any]:
 
 
 class _MemorySampler:
-    """Resident memory of every live actor process of the cluster, every MEMORY_EVERY_S seconds."""
+    """Resident memory of every live actor process of the cluster, every MEMORY_EVERY_S seconds, and which
+    of them are the job's workers then (a warm spare grows when it joins: that is not a leak)."""
 
-    def __init__(self, seen_pids: set[int]):
-        self.seen_pids, self.samples = seen_pids, []  # (seconds since start, {pid: (class, rss)})
+    def __init__(self, seen_pids: set[int], members: Callable[[], set[int]]):
+        self.seen_pids, self.members, self.samples = seen_pids, members, []  # (s since start, {pid: (class, rss)}, members)
         self.started = time.monotonic()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -207,6 +209,7 @@ class _MemorySampler:
         import psutil
         from ray.util.state import list_actors
 
+        members = self.members()
         rss = {}
         for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000):
             try:
@@ -214,15 +217,21 @@ class _MemorySampler:
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
         self.seen_pids.update(rss)
-        self.samples.append((time.monotonic() - self.started, rss))
+        self.samples.append((time.monotonic() - self.started, rss, members))
 
     def growth(self, from_s: float) -> dict[str, Any]:
-        """Per process alive from `from_s` to the end: its resident memory's relative growth."""
-        first = next(((t, rss) for t, rss in self.samples if t >= from_s), self.samples[0])
-        last = self.samples[-1]
-        grown = {f"{first[1][pid][0]}:{pid}": (last[1][pid][1] - first[1][pid][1]) / first[1][pid][1]
-                 for pid in first[1] if pid in last[1] and first[1][pid][1] > 0}
-        return {"from_s": round(first[0], 1), "to_s": round(last[0], 1), "growth": grown}
+        """Per process alive from `from_s` to the end: its resident memory's relative growth, a worker's
+        from the first sample at or after `from_s` in which it had already been a member one sample."""
+        first = next((i for i, sample in enumerate(self.samples) if sample[0] >= from_s), len(self.samples) - 1)
+        last_rss = self.samples[-1][1]
+        grown = {}
+        for pid, (name, _) in self.samples[first][1].items():
+            settled = next((rss[pid][1] for i, (_, rss, members) in enumerate(self.samples[first:], first)
+                            if pid in rss and (name != "ElasticWorkerActor"
+                                               or (pid in members and pid in self.samples[max(0, i - 1)][2]))), None)
+            if settled and pid in last_rss:
+                grown[f"{name}:{pid}"] = (last_rss[pid][1] - settled) / settled
+        return {"from_s": round(self.samples[first][0], 1), "to_s": round(self.samples[-1][0], 1), "growth": grown}
 
 
 def _still_alive(pids: set[int], wait_s: float = 15.0) -> list[int]:

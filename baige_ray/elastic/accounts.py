@@ -18,6 +18,7 @@ from baige_ray.ops.metrics import JobMetrics, estimate_mfu
 
 WARMUP_STEPS = 2  # first steps build caches; their times do not set the deadline
 COMPUTE_HISTORY = 50  # steps of per-rank compute times the straggler policy may look at
+RECENT_STEP_TIMES = 100  # what deadlines and rates read (their last 20); older ones are the step log's
 
 
 class StepAccounts:
@@ -48,6 +49,7 @@ class StepAccounts:
 
     @property
     def records(self) -> list[dict]:
+        """The newest steps' records (step_log.RECENT_RECORDS of them at most)."""
         return self.log.records if self.log is not None else []
 
     def resume_after(self, snapshot_step: int | None) -> int:
@@ -99,7 +101,7 @@ class StepAccounts:
             "peak_device_memory_bytes": max(m.get("peak_device_memory_bytes", 0) for m in per_rank),
         })
         self._export(per_rank, seconds, places)
-        self.step_times.append(seconds)
+        self.step_times = (self.step_times + [seconds])[-RECENT_STEP_TIMES:]
         self.generation_steps += 1
         self.productive_s += seconds
         if self.generation_steps > WARMUP_STEPS:  # a new engine's first steps build caches: not a chip's pace
@@ -123,8 +125,12 @@ class StepAccounts:
             "partial": len(reported) < len(per_rank),
         })
 
+    def all_records(self) -> list[dict]:
+        """Every step's record (from the log's file: memory keeps the newest only)."""
+        return self.log.all_records() if self.log is not None else []
+
     def unlogged_steps(self, before: int) -> list[int]:
-        logged = {record["step"] for record in self.records}
+        logged = {record["step"] for record in self.all_records()}
         return [step for step in range(before) if step not in logged]
 
     def _record_expert_load(self, per_rank: list[dict], stages: list[int]) -> dict:
