@@ -190,7 +190,8 @@ class _MemorySampler:
     of them are the job's workers then (a warm spare grows when it joins: that is not a leak)."""
 
     def __init__(self, seen_pids: set[int], members: Callable[[], set[int]]):
-        self.seen_pids, self.members, self.samples = seen_pids, members, []  # (s since start, {pid: (class, rss)}, members)
+        self.seen_pids, self.members = seen_pids, members
+        self.samples = []  # (seconds since the start, {pid: (class, rss)}, the job's worker pids)
         self.started = time.monotonic()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -304,7 +305,8 @@ def summarize(result: dict[str, Any]) -> str:
     lines += [f"requests {result['requests']}: failed in flight on a killed replica "
               f"{result['failed_requests_on_killed_replicas']}, other {result['failed_requests_other']}; "
               f"within the SLO {result['slo_attainment']:.3f}",
-              f"{result['steps']} steps: final loss {result['final_loss']:.6f} against {result['fault_free_final_loss']:.6f} "
+              f"{result['steps']} steps: final loss {result['final_loss']:.6f} against "
+              f"{result['fault_free_final_loss']:.6f} "
               f"fault-free (relative {result['loss_rel_diff']:.2e})",
               f"resident memory growth, largest {result['rss_growth']:+.1%} over {result['rss_window_s']} s; "
               f"processes left behind: {result['left_behind'] or 'none'}"]

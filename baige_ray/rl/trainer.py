@@ -43,7 +43,7 @@ from baige_ray.serving.causal_lm_generation import SamplingParams
 logger = logging.getLogger(__name__)
 Reward = Callable[[str, str], float]
 STEP_WAIT_S = 30.0  # one long poll of the job; a step (or its recovery) may take longer: it asks again
-SNAPSHOT_POLL_S = 0.01  # the snapshot of a step is copied just after it, on a thread of the worker
+SNAPSHOT_POLL_S = 0.05  # a snapshot is copied just after its step; each look assembles the whole model: not faster
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)

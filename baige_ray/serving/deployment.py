@@ -20,10 +20,11 @@ the engine has no room to queue is answered 503 with Retry-After; a malformed on
 one whose prompt and max_tokens exceed the model's context 400, unless it asks for the prompt's last
 tokens only with `truncate_prompt_tokens` (serving/context_length.py).
 The engine is the built-in one or vLLM (`engine="vllm"`, serving/vllm_engine.py). Weights come from
-the application's ServingRegistry: the newest version when the replica starts, and any newer one as soon as
-it is published (between two load reports the replica waits on the registry's long poll). vLLM takes new weights in place between
-two steps, and so does the built-in engine for new weights of the model it runs (another model gets a new
-engine built aside, and requests already in the old one finish on the weights they started with).
+the application's ServingRegistry: the newest version when the replica starts, and any newer one as soon
+as it is published (between two load reports the replica waits on the registry's long poll). vLLM takes
+new weights in place between two steps, and so does the built-in engine for new weights of the model it
+runs (another model gets a new engine built aside, and requests already in the old one finish on the
+weights they started with).
 
 A replica generates before it takes requests (its constructor's warm-up, through the engine it will
 serve with), so a model the engine cannot run fails the replica's start, and `serve()`, with the
