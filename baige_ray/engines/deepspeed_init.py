@@ -1,4 +1,4 @@
-"""`deepspeed.initialize` without the seconds DeepSpeed spends compiling an optimizer nobody uses.
+"""`deepspeed.initialize` without the seconds DeepSpeed spends compiling code our engines never run.
 
 On every ZeRO initialize, DeepSpeed (0.19) imports its Muon optimizer, to add it to the optimizers
 ZeRO supports and to ask whether the one at hand is Muon. Muon's module compiles its kernels when
@@ -6,6 +6,12 @@ imported (`torch.compile` at definition), which loads torch's inductor: about 5 
 worker process, 20-30 s of wall time when 8 workers share 2 cores, for an optimizer none of our
 engines runs. Here that module is imported first with its compilation deferred to the kernels'
 first call: the same functions, compiled when Muon really runs, free when it does not.
+
+On CPU, DeepSpeed's communication backend also builds a C++ extension on its first start on a machine
+(40-50 s of compiling, once per Python environment, while every worker of the node waits on its lock):
+shared-memory kernels for `inference_all_reduce`, DeepSpeed's inference-time tensor parallelism. Training
+never calls it (ZeRO's collectives are torch.distributed's), so the extension is marked unavailable
+before the backend starts, through the table of compatible ops DeepSpeed keeps for that purpose.
 """
 
 from __future__ import annotations
@@ -19,10 +25,12 @@ MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
 def initialize(**kwargs: Any):
-    """`deepspeed.initialize(**kwargs)`, with Muon's kernels compiled only if they run."""
+    """`deepspeed.initialize(**kwargs)`, with Muon's kernels compiled only if they run and without building
+    the inference-only shared-memory all-reduce."""
     import deepspeed
 
     import_muon_lazily()
+    skip_inference_all_reduce_build()
     return deepspeed.initialize(**kwargs)
 
 
@@ -40,6 +48,17 @@ def import_muon_lazily() -> None:
         pass  # a DeepSpeed without Muon: nothing to defer
     finally:
         compiler.compile = eager_compile
+
+
+def skip_inference_all_reduce_build() -> None:
+    """Mark DeepSpeed's shared-memory all-reduce extension (CPU accelerator only) as unavailable, so its
+    backend starts without compiling it; a no-op where the accelerator has no such op."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
 def _compile_on_first_call(fn=None, **options: Any):

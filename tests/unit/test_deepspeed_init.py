@@ -1,5 +1,6 @@
 """DeepSpeed's Muon module is imported without compiling its kernels (which loads torch's inductor, ~5 s a
-worker), and a deferred kernel is compiled on its first call with the options it was declared with."""
+worker), a deferred kernel is compiled on its first call with the options it was declared with, and the
+communication backend starts without building its inference-only shared-memory extension (40-50 s)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,10 @@ def test_deferred_kernel_compiles_on_first_call_only(monkeypatch):
     assert bare(2) == 5 and bare(3) == 7
     assert with_options(1) == 4
     assert compiled == [{}, {"mode": "max-autotune"}]
+
+
+def test_the_backend_starts_without_building_the_shared_memory_extension():
+    from deepspeed.comm.torch import build_shm_op
+
+    deepspeed_init.skip_inference_all_reduce_build()
+    assert build_shm_op() is None
