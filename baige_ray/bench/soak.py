@@ -3,28 +3,28 @@
 On the simulated 2 x 4 cluster: a tiny Hugging Face Llama trains as an elastic job (4 workers, one
 warm spare, checkpoints persisted every 25 steps, a constant learning rate after the warm-up), while 2
 replicas of the built-in engine serve it and a replayed request load (Poisson arrivals at `--rate`)
-runs against them over HTTP. Faults come at seeded moments (soak_schedule.py): a worker SIGKILLed, a
-worker frozen with SIGSTOP, a worker throttled into a straggler, a replica SIGKILLed.
+runs against them over HTTP. Faults come at seeded moments (soak_schedule.py), carried out by
+soak_faults.py: a worker SIGKILLed, frozen with SIGSTOP or throttled into a straggler, a replica
+SIGKILLed, the controller SIGKILLed, the worker node stopped and started again, and the newest persisted
+checkpoint damaged while every worker is killed (the job must skip it and restore the one before).
 
 Reported per fault kind: injected, detected, recovered, detection and recovery seconds (p50, max) and
-steps lost. A worker fault is detected at the job's first "failure" or "straggler" event after it and
-recovered at the next "recovered" event (whose record names the steps redone); a replica fault is
-detected when Ray lists the replica dead and recovered when the application has its replicas again.
-For serving: requests, failed requests (those in flight when a replica was killed, and all others),
-the share answered within `--slo-s`. For the run: the final loss against a fault-free run of the same
-steps, each long-lived process's resident memory from a third of the soak (the tenth minute at most) to
-the end, and the processes still alive after the cluster shut down.
+steps lost. A job fault is detected at the job's first event that answers it (a "failure" or
+"straggler"; a "controller_restart"; a skipped persisted checkpoint) and recovered at the next
+"recovered" event (whose record names the steps redone); a replica fault is detected when Ray lists the
+replica dead and recovered when the application has its replicas again. For serving: requests, failed
+requests (those in flight when a replica was killed or its node lost, and all others), the share
+answered within `--slo-s`. For the run: the final loss against a fault-free run of the same steps, each
+long-lived process's resident memory from a third of the soak (the tenth minute at most) to the end, and
+the processes still alive after the cluster shut down.
 
-Not injected yet (issue #33 names them): a node removed, the controller or the arbiter killed, a
-persisted checkpoint corrupted, the checkpoint disk filled, load spikes that force lending (this soak
-runs no arbiter).
+Not injected yet (issue #33 names them): the arbiter killed, the checkpoint disk filled, load spikes that
+force lending (this soak runs no arbiter).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import statistics
 import tempfile
 import threading
@@ -34,12 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from baige_ray.bench.measure import report_stage
-from baige_ray.bench.soak_schedule import FAULT_KINDS, ScheduledFault, Throttle, fault_schedule
+from baige_ray.bench.soak_faults import FaultInjector
+from baige_ray.bench.soak_schedule import FAULT_KINDS, ScheduledFault, fault_schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_WORKERS, NUM_REPLICAS = 4, 2
-WORKER_EVENT_WAIT_S = 90.0  # a fault no event answers within this is counted undetected
-REPLICA_RECOVERY_WAIT_S = 120.0
+JOB_EVENT_WAIT_S = 90.0  # a fault no event answers within this is counted undetected
+RUN_NAME = "soak"
+PROCESS_FAULTS = ("worker_kill", "worker_freeze", "straggler", "controller_kill")  # at most 1 step each
 MEMORY_EVERY_S = 10.0
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
@@ -100,16 +102,20 @@ def _soak(args, model, data, work: Path, schedule: list[ScheduledFault], duratio
     from baige_ray.serving.app import serve, shutdown
 
     info = serve(model.path, model_config=model, name="soak", num_replicas=NUM_REPLICAS, port=8019)
-    job = _train(model, data, work, "soak", 1_000_000, faulted=True)
+    job = _train(model, data, work, RUN_NAME, 1_000_000, faulted=True)
     try:
         job.wait_for_step(3, 300.0)  # the workers are up and stepping
         memory = _MemorySampler(seen_pids, lambda: {w["pid"] for w in job.status()["workers"]})
+        injector = FaultInjector(job, RUN_NAME, info.app_name, work / "checkpoints", NUM_WORKERS, seen_pids)
         arrivals = arrival_times([args.rate], hour_s=duration_s, seed=args.seed)
         answers: list = []
         load = threading.Thread(target=lambda: answers.extend(replay(info.url + "/generate", arrivals)), daemon=True)
         started = time.monotonic()
         load.start()
-        outcomes = [_inject(fault, started, job, info.app_name, seen_pids) for fault in schedule]
+        outcomes = []
+        for fault in schedule:
+            time.sleep(max(0.0, started + fault.at_s - time.monotonic()))
+            outcomes.append(injector.inject(fault))
         time.sleep(max(0.0, started + duration_s - time.monotonic()))
         load.join(timeout=120.0)
         memory.stop()
@@ -117,53 +123,16 @@ def _soak(args, model, data, work: Path, schedule: list[ScheduledFault], duratio
         result = job.wait(timeout_s=300.0)
     finally:
         shutdown(info)
-    events = _job_events(work / "runs" / "soak" / "events.jsonl")
+    events = _job_events(work / "runs" / RUN_NAME / "events.jsonl")
+    wall_started = time.time() - (time.monotonic() - started)
     for outcome in outcomes:
         if outcome["kind"] != "replica_kill":
-            outcome.update(_worker_fault_outcome(outcome["at"], events))
-    kills = [o["at"] - started for o in outcomes if o["kind"] == "replica_kill"]
+            outcome.update(_job_fault_outcome(outcome, events))
+    # Requests in flight on a replica that died: one killed, or every one on a lost node.
+    kills = [o["at"] - wall_started for o in outcomes if o["kind"] in ("replica_kill", "node_loss")]
     return {"faults": outcomes, "requests": [vars(a) for a in answers], "replica_kills_s": kills,
             "losses": {m.step: m.loss for m in result.metrics}, "steps_done": max(m.step for m in result.metrics) + 1,
             "memory": memory.growth(min(600.0, duration_s / 3)), "started": started}
-
-
-def _inject(fault: ScheduledFault, started: float, job, app_name: str, seen_pids: set[int]) -> dict[str, Any]:
-    """Carry out `fault` once its moment came; what happened (replica faults with their timings)."""
-    time.sleep(max(0.0, started + fault.at_s - time.monotonic()))
-    if fault.kind == "replica_kill":
-        return _kill_replica(fault, app_name, seen_pids)
-    workers = [w for w in job.status()["workers"] if w["pid"] is not None]
-    pid = workers[fault.pick % len(workers)]["pid"]
-    seen_pids.add(pid)
-    outcome = {"kind": fault.kind, "at": time.time(), "pid": pid}
-    if fault.kind == "worker_kill":
-        os.kill(pid, signal.SIGKILL)
-    elif fault.kind == "worker_freeze":
-        os.kill(pid, signal.SIGSTOP)
-    else:
-        outcome["throttle"] = Throttle(pid, limit_s=WORKER_EVENT_WAIT_S)
-    return outcome
-
-
-def _kill_replica(fault: ScheduledFault, app_name: str, seen_pids: set[int]) -> dict[str, Any]:
-    from baige_ray.rl.faults import replica_pids
-
-    before = replica_pids(app_name)
-    seen_pids.update(before)
-    pid = before[fault.pick % len(before)]
-    at = time.time()
-    os.kill(pid, signal.SIGKILL)
-    detected = recovered = None
-    while time.time() - at < REPLICA_RECOVERY_WAIT_S and recovered is None:
-        time.sleep(0.25)
-        alive = replica_pids(app_name)
-        seen_pids.update(alive)
-        if detected is None and pid not in alive:
-            detected = time.time() - at
-        if detected is not None and len(alive) >= len(before):
-            recovered = time.time() - at
-    return {"kind": "replica_kill", "at": at, "pid": pid, "detected_s": detected, "recovered_s": recovered,
-            "steps_lost": 0}
 
 
 def _job_events(path: Path) -> list[dict]:
@@ -172,10 +141,20 @@ def _job_events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _worker_fault_outcome(at: float, events: list[dict]) -> dict[str, Any]:
-    """When the job noticed a worker fault injected at `at` (wall clock), when it recovered, steps redone."""
-    noticed = next((e for e in events if e["time"] >= at and e["kind"] in ("failure", "straggler")
-                    and e["time"] - at <= WORKER_EVENT_WAIT_S), None)
+def _answers(outcome: dict[str, Any]) -> Callable[[dict], bool]:
+    """Which event of the job's log says it noticed `outcome`'s fault."""
+    if outcome["kind"] == "controller_kill":
+        return lambda event: event["kind"] == "controller_restart"
+    if outcome["kind"] == "checkpoint_corrupt":
+        return lambda event: (event["kind"] == "checkpoint" and event["reason"].startswith("skipped persisted step")
+                              and event.get("step") == outcome["corrupted_step"])
+    return lambda event: event["kind"] in ("failure", "straggler")
+
+
+def _job_fault_outcome(outcome: dict[str, Any], events: list[dict]) -> dict[str, Any]:
+    """When the job noticed a fault injected at `outcome["at"]` (wall clock), when it recovered, steps redone."""
+    at, answers = outcome["at"], _answers(outcome)
+    noticed = next((e for e in events if e["time"] >= at and answers(e) and e["time"] - at <= JOB_EVENT_WAIT_S), None)
     if noticed is None:
         return {"detected_s": None, "recovered_s": None, "steps_lost": None}
     # The recovery's own record: the "recovered" event of its first step done (an earlier one says what it decided).
@@ -263,12 +242,16 @@ def _summary(soak: dict[str, Any], clean, args) -> dict[str, Any]:
     on_killed = [r for r in failed if any(r["sent_at"] <= kill <= (r["finished_at"] or float("inf"))
                                           for kill in soak["replica_kills_s"])]
     growth = soak["memory"]["growth"]
-    worker_kinds = [k for k in FAULT_KINDS if k != "replica_kill"]
+
+    def most_lost(kinds: tuple[str, ...]) -> int:
+        return max([f["steps_lost"] or 0 for f in soak["faults"] if f["kind"] in kinds] or [0])
+
     return {
         "minutes": args.minutes, "seed": args.seed,
         "faults_injected": len(soak["faults"]),
         "faults_recovered": sum(f["recovered_s"] is not None for f in soak["faults"]),
-        "max_steps_lost": max([f["steps_lost"] or 0 for f in soak["faults"] if f["kind"] in worker_kinds] or [0]),
+        "max_steps_lost": most_lost(PROCESS_FAULTS), "max_steps_lost_node": most_lost(("node_loss",)),
+        "max_steps_lost_checkpoint": most_lost(("checkpoint_corrupt",)),
         "per_kind": per_kind,
         "requests": len(requests), "failed_requests_on_killed_replicas": len(on_killed),
         "failed_requests_other": len(failed) - len(on_killed),
@@ -297,7 +280,9 @@ def _kind_figures(faults: list[dict]) -> dict[str, Any]:
 
 def summarize(result: dict[str, Any]) -> str:
     lines = [f"soak of {result['minutes']:g} min (seed {result['seed']}): {result['faults_injected']} faults, "
-             f"{result['faults_recovered']} recovered, at most {result['max_steps_lost']} step(s) lost"]
+             f"{result['faults_recovered']} recovered; steps lost at most {result['max_steps_lost']} per process "
+             f"fault, {result['max_steps_lost_node']} per node loss, {result['max_steps_lost_checkpoint']} per "
+             f"corrupted checkpoint (restored from the one before)"]
     for kind, figures in result["per_kind"].items():
         lines.append(f"  {kind:<14} injected {figures['injected']}, detected {figures['detected']}, recovered "
                      f"{figures['recovered']}, detection p50/max {figures['detection_s']} s, recovery "

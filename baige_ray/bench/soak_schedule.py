@@ -1,9 +1,10 @@
 """The soak's faults: a seeded schedule (pure) and what each kind does to a live process (signals).
 
-Every kind is a real signal to a real process, found by pid: a worker SIGKILLed, a worker frozen with
-SIGSTOP (wedged: it answers nothing), a straggler (SIGSTOP / SIGCONT in turns, so it runs a share of the
-time, as a throttled chip does), a serving replica SIGKILLed. Kinds come round in a seeded order, so a
-soak of a few minutes meets each of them.
+The kinds (soak_faults.py carries them out): a worker SIGKILLed, a worker frozen with SIGSTOP (wedged:
+it answers nothing), a straggler (SIGSTOP / SIGCONT in turns, so it runs a share of the time, as a
+throttled chip does), a serving replica SIGKILLed, the job's controller SIGKILLed, a node lost and
+returned, a persisted checkpoint corrupted while every worker dies. Kinds come round in a seeded order,
+so a soak of a few minutes meets most of them and a longer one each of them several times.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-FAULT_KINDS = ("worker_kill", "worker_freeze", "straggler", "replica_kill")
+FAULT_KINDS = ("worker_kill", "worker_freeze", "straggler", "replica_kill", "controller_kill", "node_loss",
+               "checkpoint_corrupt")
 
 
 @dataclass(frozen=True)
@@ -28,17 +30,23 @@ class ScheduledFault:
 def fault_schedule(duration_s: float, seed: int, *, first_s: float = 20.0, gap_s: tuple[float, float] = (25.0, 40.0),
                    quiet_end_s: float = 20.0) -> list[ScheduledFault]:
     """Faults from `first_s` on, `gap_s` apart (uniform), none in the last `quiet_end_s` (the last one's
-    recovery must fit); kinds in rounds, each round a seeded shuffle of every kind."""
+    recovery must fit); kinds in rounds, each round a seeded shuffle of every kind. A soak too short for one
+    round at those gaps has them shortened in proportion, so that it still meets every kind once."""
     if duration_s <= 0 or first_s < 0 or not 0 < gap_s[0] <= gap_s[1] or quiet_end_s < 0:
         raise ValueError(f"invalid fault schedule: duration_s={duration_s}, first_s={first_s}, gap_s={gap_s}, "
                          f"quiet_end_s={quiet_end_s}")
+    window = duration_s - quiet_end_s - first_s
+    scale = min(1.0, max(0.0, window) / ((len(FAULT_KINDS) - 1) * gap_s[1]))
+    shortest, longest = gap_s[0] * scale, gap_s[1] * scale
     rng = random.Random(seed)
     faults, at, kinds = [], first_s, []
     while at <= duration_s - quiet_end_s:
         if not kinds:
             kinds = rng.sample(FAULT_KINDS, len(FAULT_KINDS))
         faults.append(ScheduledFault(at_s=round(at, 3), kind=kinds.pop(0), pick=rng.randrange(1 << 16)))
-        at += rng.uniform(*gap_s)
+        if longest <= 0:
+            break
+        at += rng.uniform(shortest, longest)
     return faults
 
 

@@ -27,6 +27,7 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -252,11 +253,15 @@ def load_checkpoint(path: Path) -> tuple[int, CanonicalState, dict]:
     return manifest["step"], state, meta_record["meta"]
 
 
-def load_latest_good(root: Path) -> tuple[int, CanonicalState, dict] | None:
-    """The newest checkpoint that is committed and verifies; bad ones are skipped with a warning saying why."""
+def load_latest_good(root: Path, on_skip: Callable[[int, Path, CheckpointError], None] | None = None,
+                     ) -> tuple[int, CanonicalState, dict] | None:
+    """The newest checkpoint that is committed and verifies; bad ones are skipped with a warning saying why
+    (and handed to `on_skip`, for a job's own record of them)."""
     for step, path in reversed(_step_dirs(root)):
         try:
             return load_checkpoint(path)
         except CheckpointError as error:
             logger.warning("skipping checkpoint of step %d at %s: %s", step, path, error)
+            if on_skip is not None:
+                on_skip(step, path, error)
     return None

@@ -139,7 +139,8 @@ class StateSources:
     def persisted_state(self):
         if self.elastic.persist_path is None:
             return None, None
-        found = load_latest_good(self.elastic.persist_path)
+        found = load_latest_good(self.elastic.persist_path, on_skip=lambda step, path, error: self.events.record(
+            "checkpoint", f"skipped persisted step {step}: {error}", step=step, skipped=str(path)))
         if found is None:
             return None, None
         step, state, _ = found

@@ -100,6 +100,18 @@ class SimulatedCluster:
         self._cluster.remove_node(self._worker_nodes.pop(index))
 
     @property
+    def worker_node_indices(self) -> list[int]:
+        """Descriptor indices of the running non-head nodes."""
+        return sorted(self._worker_nodes)
+
+    def node_type_of(self, index: int) -> str:
+        """The name of the descriptor's node type for node `index`."""
+        names = [group.type for group in self.descriptor.nodes for _ in range(group.count)]
+        if not 0 <= index < len(names):
+            raise ValueError(f"index={index} is invalid: expected 0 <= index < {len(names)}")
+        return names[index]
+
+    @property
     def address(self) -> str:
         if self._cluster is None:
             raise RuntimeError("SimulatedCluster.address read before start()")

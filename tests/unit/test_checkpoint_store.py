@@ -151,10 +151,12 @@ def test_load_latest_good_falls_back_to_the_previous_good_checkpoint(two_checkpo
     else:
         (newest / META_FILE).unlink()
     with caplog.at_level(logging.WARNING, logger="baige_ray.checkpoint.store"):
-        step, state, meta = load_latest_good(root)
+        skipped = []
+        step, state, meta = load_latest_good(root, on_skip=lambda step, path, error: skipped.append((step, path)))
     assert step == 10 and meta == {"which": "older"}
     assert_states_equal(older, state)
     assert any("step 20" in record.getMessage() and str(newest) in record.getMessage() for record in caplog.records)
+    assert skipped == [(20, newest)]
 
 
 def test_load_latest_good_without_a_good_checkpoint_is_none(tmp_path):

@@ -2,7 +2,7 @@ import pytest
 import yaml
 
 from baige_ray.topology.descriptor import descriptor_from_dict, load_descriptor
-from baige_ray.topology.simulated import node_args
+from baige_ray.topology.simulated import SimulatedCluster, node_args
 
 from ..conftest import SIM_2X4
 
@@ -20,6 +20,13 @@ def test_simulated_node_advertises_fake_gpus_and_markers():
     assert args["num_gpus"] == 4
     assert args["resources"]["baige_node_1"] == 1.0
     assert args["resources"][f"baige_chip_{node_type.chip.model}"] == 4.0
+
+
+def test_a_simulated_node_index_names_its_type_and_a_wrong_one_is_refused():
+    cluster = SimulatedCluster(load_descriptor(SIM_2X4))  # not started: nothing runs yet
+    assert cluster.node_type_of(1) == "sim-a100-node" and cluster.worker_node_indices == []
+    with pytest.raises(ValueError, match="index=2 is invalid"):
+        cluster.node_type_of(2)
 
 
 def _raw():

@@ -11,6 +11,12 @@ def test_a_three_minute_soak_meets_every_kind_and_the_schedule_repeats_with_its_
     assert schedule == fault_schedule(180.0, seed=3) and schedule != fault_schedule(180.0, seed=4)
     times = [fault.at_s for fault in schedule]
     assert times[0] == 20.0 and times[-1] <= 160.0
+    scale = 140.0 / (6 * 40.0)  # one round of 7 kinds, 6 gaps, fits between 20 s and 160 s
+    assert all(25.0 * scale <= b - a <= 40.0 * scale for a, b in zip(times, times[1:]))
+
+
+def test_a_long_soak_keeps_the_full_gaps():
+    times = [fault.at_s for fault in fault_schedule(1800.0, seed=1)]
     assert all(25.0 <= b - a <= 40.0 for a, b in zip(times, times[1:]))
 
 

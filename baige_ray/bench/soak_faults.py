@@ -1,0 +1,169 @@
+"""The soak's faults carried out on the live pool: real signals to real processes, a node taken away and
+given back, a persisted checkpoint damaged on disk.
+
+`FaultInjector.inject` carries out one scheduled fault and returns what it did (wall-clock `at`, the
+process or node hit). How the job noticed and recovered is read afterwards from its event log
+(soak.py); a replica kill is followed here, from Ray's list of live actors.
+
+- worker_kill / worker_freeze / straggler: SIGKILL, SIGSTOP, or SIGSTOP/SIGCONT in turns to one worker.
+- replica_kill: SIGKILL to one serving replica; detected when Ray lists it dead, recovered when the
+  application has as many replicas as before.
+- controller_kill: SIGKILL to the job's controller; Ray restarts it and it finds its workers again.
+- node_loss: the simulated worker node stopped (every process on it dies at once, workers and
+  replicas alike) and started again `NODE_DOWN_S` later; the job shrinks, then grows back.
+- checkpoint_corrupt: every worker SIGKILLed and the newest persisted checkpoint's largest file damaged
+  in the middle (size unchanged), so the job must restore from disk and meets the damage: it has to
+  skip that checkpoint (its checksum) and restore the one before.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from baige_ray.bench.soak_schedule import ScheduledFault, Throttle
+
+REPLICA_RECOVERY_WAIT_S = 120.0
+NODE_DOWN_S = 20.0
+REGROW_WAIT_S = 120.0
+STRAGGLER_LIMIT_S = 90.0
+
+
+class FaultInjector:
+    """Faults on one soak's job (`job`, run `run_name`), application `app_name` and persisted checkpoints
+    under `checkpoints`; every pid it touches goes into `seen_pids` (for the left-behind check)."""
+
+    def __init__(self, job, run_name: str, app_name: str, checkpoints: Path, num_workers: int,
+                 seen_pids: set[int]):
+        self.job, self.run_name, self.app_name = job, run_name, app_name
+        self.checkpoints, self.num_workers, self.seen_pids = Path(checkpoints), num_workers, seen_pids
+
+    def inject(self, fault: ScheduledFault) -> dict[str, Any]:
+        return {
+            "worker_kill": self._signal_worker,
+            "worker_freeze": self._signal_worker,
+            "straggler": self._signal_worker,
+            "replica_kill": self._kill_replica,
+            "controller_kill": self._kill_controller,
+            "node_loss": self._lose_node,
+            "checkpoint_corrupt": self._corrupt_checkpoint,
+        }[fault.kind](fault)
+
+    # ----- processes -----
+
+    def _worker_pids(self) -> list[int]:
+        pids = [w["pid"] for w in self.job.status()["workers"] if w["pid"] is not None]
+        self.seen_pids.update(pids)
+        return pids
+
+    def _signal_worker(self, fault: ScheduledFault) -> dict[str, Any]:
+        pids = self._worker_pids()
+        pid = pids[fault.pick % len(pids)]
+        outcome = {"kind": fault.kind, "at": time.time(), "pid": pid}
+        if fault.kind == "worker_kill":
+            os.kill(pid, signal.SIGKILL)
+        elif fault.kind == "worker_freeze":
+            os.kill(pid, signal.SIGSTOP)
+        else:
+            outcome["throttle"] = Throttle(pid, limit_s=STRAGGLER_LIMIT_S)
+        return outcome
+
+    def _kill_controller(self, fault: ScheduledFault) -> dict[str, Any]:
+        from ray.util.state import list_actors
+
+        name = f"baige-controller:{self.run_name}"
+        alive = list_actors(filters=[("name", "=", name), ("state", "=", "ALIVE")])
+        if not alive:
+            raise RuntimeError(f"no live controller named {name!r} to kill")
+        pid = alive[0].pid
+        self.seen_pids.add(pid)
+        at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        return {"kind": fault.kind, "at": at, "pid": pid}
+
+    def _kill_replica(self, fault: ScheduledFault) -> dict[str, Any]:
+        before = self._replica_pids()
+        pid = before[fault.pick % len(before)]
+        at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        detected, recovered = self._follow_replicas(at, lambda alive: pid not in alive, len(before))
+        return {"kind": fault.kind, "at": at, "pid": pid, "detected_s": detected, "recovered_s": recovered,
+                "steps_lost": 0}
+
+    def _replica_pids(self) -> list[int]:
+        from ray.util.state import list_actors
+
+        actors = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
+        pids = sorted(a.pid for a in actors if a.class_name.startswith(f"ServeReplica:{self.app_name}:"))
+        self.seen_pids.update(pids)
+        return pids
+
+    def _follow_replicas(self, at: float, gone, count: int) -> tuple[float | None, float | None]:
+        """Seconds from `at` until `gone(live pids)` held, then until `count` replicas were live again."""
+        detected = recovered = None
+        while time.time() - at < REPLICA_RECOVERY_WAIT_S and recovered is None:
+            time.sleep(0.25)
+            alive = self._replica_pids()
+            if detected is None and gone(alive):
+                detected = time.time() - at
+            if detected is not None and len(alive) >= count:
+                recovered = time.time() - at
+        return detected, recovered
+
+    # ----- a node -----
+
+    def _lose_node(self, fault: ScheduledFault) -> dict[str, Any]:
+        """Stop a worker node, start it again NODE_DOWN_S later; how long the job took to regrow."""
+        from baige_ray.topology.simulated import SimulatedCluster
+
+        cluster = SimulatedCluster.active()
+        indices = cluster.worker_node_indices
+        index = indices[fault.pick % len(indices)]
+        node_type = cluster.node_type_of(index)
+        replicas_before = self._replica_pids()
+        self._worker_pids()
+        at = time.time()
+        cluster.remove_node(index)
+        time.sleep(max(0.0, at + NODE_DOWN_S - time.time()))
+        cluster.add_node(node_type, index)
+        back = time.time()
+        regrown = None
+        while time.time() - back < REGROW_WAIT_S:
+            status = self.job.status()
+            if status["num_workers"] >= self.num_workers and len(self._replica_pids()) >= len(replicas_before):
+                regrown = time.time() - at
+                break
+            time.sleep(0.5)
+        return {"kind": fault.kind, "at": at, "node": index, "back_s": round(back - at, 3), "regrown_s": regrown}
+
+    # ----- a checkpoint -----
+
+    def _corrupt_checkpoint(self, fault: ScheduledFault) -> dict[str, Any]:
+        from baige_ray.checkpoint.store import list_checkpoints
+
+        pids = self._worker_pids()
+        at = time.time()
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        committed = list_checkpoints(self.checkpoints)
+        if not committed:
+            return {"kind": fault.kind, "at": at, "pids": pids, "corrupted_step": None}
+        step, path = committed[-1]
+        damaged = damage_largest_file(path)
+        return {"kind": fault.kind, "at": at, "pids": pids, "corrupted_step": step, "damaged": str(damaged)}
+
+
+def damage_largest_file(checkpoint: Path, length: int = 64) -> Path:
+    """Invert `length` bytes in the middle of the largest file of `checkpoint` (its size unchanged, as a bad
+    sector or a torn overwrite leaves it); returns the file."""
+    largest = max((p for p in checkpoint.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
+    middle = largest.stat().st_size // 2
+    with open(largest, "r+b") as file:
+        file.seek(middle)
+        original = file.read(length)
+        file.seek(middle)
+        file.write(bytes(byte ^ 0xFF for byte in original))
+    return largest
