@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from baige_ray.actors.controller import CONTROLLER_THREADS, ElasticController
 from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
@@ -30,6 +29,7 @@ from baige_ray.jobs.fit import check_execution, check_speeds
 from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.runtime.progress import JobProgress
 from baige_ray.topology.descriptor import ClusterDescriptor
+from baige_ray.topology.head import on_head_node
 from baige_ray.topology.simulated import SimulatedCluster
 
 CONTROLLER_RESTARTS = 3
@@ -113,14 +113,6 @@ class TrainingJob:
             self._progress = None
 
 
-def head_node_id() -> str:
-    """The Ray head node's id (the driver's own node is ambiguous when simulated nodes share one IP)."""
-    for node in ray.nodes():
-        if node["Alive"] and "node:__internal_head__" in node["Resources"]:
-            return node["NodeID"]
-    return ray.get_runtime_context().get_node_id()
-
-
 def kill_run_actors(run_name: str) -> int:
     """Kill the detached actors a run left behind (a crashed driver, a failed test); returns how many."""
     killed = kill_named_actors((f"baige-worker:{run_name}:", f"baige-controller:{run_name}"))
@@ -197,9 +189,7 @@ def _start_controller(job: TrainJob, scaling: ScalingConfig, run: RunConfig, ela
         namespace=NAMESPACE,
         lifetime="detached",
         num_cpus=0,
-        # On the head node (it needs no resources there): a worker node's loss must not take the
-        # controller too. Hard affinity: Ray's soft affinity placed it on other nodes in practice.
-        scheduling_strategy=NodeAffinitySchedulingStrategy(head_node_id(), soft=False),
+        scheduling_strategy=on_head_node(),  # a worker node's loss must not take the controller too
         max_restarts=CONTROLLER_RESTARTS,
         max_task_retries=CONTROLLER_RESTARTS,
     ).remote(job, scaling, run, elastic, layout, **options)

@@ -10,6 +10,7 @@ import torch
 
 from baige_ray.elastic.workers import NAMESPACE
 from baige_ray.models.plugin import ProvidedSamples
+from baige_ray.topology.head import on_head_node
 
 BOARD_PREFIX = "baige-rollouts:"
 
@@ -38,5 +39,5 @@ def start_board(run_name: str, batch_size: int, keep: int = 2) -> ray.actor.Acto
     it ends with that driver."""
     from baige_ray.actors.rollout_board import RolloutBoard
 
-    return ray.remote(RolloutBoard).options(name=BOARD_PREFIX + run_name, namespace=NAMESPACE,
-                                            num_cpus=0).remote(batch_size, keep)
+    return ray.remote(RolloutBoard).options(name=BOARD_PREFIX + run_name, namespace=NAMESPACE, num_cpus=0,
+                                            scheduling_strategy=on_head_node()).remote(batch_size, keep)

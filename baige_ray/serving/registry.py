@@ -22,6 +22,7 @@ import ray
 from baige_ray.ops.events import EventLog
 from baige_ray.policies.disaggregation import SideLoad
 from baige_ray.serving.ledger import EngineLoad, RequestLedger
+from baige_ray.topology.head import on_head_node
 
 REGISTRY_NAMESPACE = "baige"
 STALE_RECHECK_S = 0.5  # a replica that stopped reporting leaves the live set without a report to wake anyone
@@ -133,6 +134,7 @@ def get_or_create_registry(app_name: str) -> ray.actor.ActorHandle:
             get_if_exists=True,
             lifetime="detached",
             num_cpus=0,
+            scheduling_strategy=on_head_node(),  # replicas on a lost node die; the weights they serve must not
         )
         .remote()
     )
