@@ -35,6 +35,7 @@ from typing import Any
 
 from baige_ray.bench.measure import report_stage
 from baige_ray.bench.soak_faults import FaultInjector
+from baige_ray.bench.soak_memory import memory_growth
 from baige_ray.bench.soak_schedule import FAULT_KINDS, ScheduledFault, fault_schedule
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -200,18 +201,7 @@ class _MemorySampler:
         self.samples.append((time.monotonic() - self.started, rss, members))
 
     def growth(self, from_s: float) -> dict[str, Any]:
-        """Per process alive from `from_s` to the end: its resident memory's relative growth, a worker's
-        from the first sample at or after `from_s` in which it had already been a member one sample."""
-        first = next((i for i, sample in enumerate(self.samples) if sample[0] >= from_s), len(self.samples) - 1)
-        last_rss = self.samples[-1][1]
-        grown = {}
-        for pid, (name, _) in self.samples[first][1].items():
-            settled = next((rss[pid][1] for i, (_, rss, members) in enumerate(self.samples[first:], first)
-                            if pid in rss and (name != "ElasticWorkerActor"
-                                               or (pid in members and pid in self.samples[max(0, i - 1)][2]))), None)
-            if settled and pid in last_rss:
-                grown[f"{name}:{pid}"] = (last_rss[pid][1] - settled) / settled
-        return {"from_s": round(self.samples[first][0], 1), "to_s": round(self.samples[-1][0], 1), "growth": grown}
+        return memory_growth(self.samples, from_s)
 
 
 def _still_alive(pids: set[int], wait_s: float = 15.0) -> list[int]:
