@@ -35,6 +35,7 @@ from baige_ray.elastic.workers import Worker, WorkerPool, restarted_by_ray
 from baige_ray.engines.train_job import TrainJob
 from baige_ray.ops.events import EventLog
 from baige_ray.parallel.layout import ParallelLayout
+from baige_ray.parallel.packed_tensors import pack_tensors
 from baige_ray.runtime.resources import choose_device_resource
 
 CONTROLLER_THREADS = {"max_concurrency": 1, "concurrency_groups": {"loop": 1, "control": 4}}
@@ -260,13 +261,15 @@ class ElasticController:
 
     @ray.method(concurrency_group="control")
     def latest_model_state(self) -> tuple[int, ray.ObjectRef]:
-        """(step, ref to the canonical model weights) from the newest in-memory snapshot."""
+        """(step, ref to the canonical model weights) from the newest in-memory snapshot: a `PackedTensors`
+        (a mapping of names to tensors whose bytes Ray moves without pickling them)."""
         for _ in range(10):  # stages can be a step apart for a moment while training runs
-            step, state = StateSources.gather_state(list(enumerate(self.crew.members)), self.crew.layout)
+            step, state = StateSources.gather_state(list(enumerate(self.crew.members)), self.crew.layout,
+                                                    weights_only=True)
             if state is not None:
                 break
             time.sleep(0.05)
         if state is None:
             raise RuntimeError("no snapshot yet: training has not completed a step")
-        return step, self.pool.put(state["model"])
+        return step, self.pool.put(pack_tensors(state["model"]))
 

@@ -383,6 +383,11 @@ class ElasticWorkerActor(WorkerActor):
         return self.snapshots.latest_copy() if self.snapshots is not None else None
 
     @ray.method(concurrency_group="control")
+    def weights_snapshot_with_step(self) -> tuple[int, CanonicalState] | None:
+        """(step, the newest snapshot's weights, packed), for serving them while training goes on."""
+        return self.snapshots.latest_weights_copy() if self.snapshots is not None else None
+
+    @ray.method(concurrency_group="control")
     def snapshot_state(self) -> CanonicalState:
         # A copy: the snapshot's buffers are reused two steps later, while Ray may still be sending these.
         latest = self.snapshots.latest_copy() if self.snapshots is not None else None

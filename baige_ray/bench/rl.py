@@ -142,6 +142,7 @@ def _refit_vs_checkpoint(model_dir: Path, final_state, work: Path) -> dict[str, 
 
     from baige_ray.models.hf import HFModel
     from baige_ray.models.plugin import plugin_for
+    from baige_ray.parallel.packed_tensors import pack_tensors
     from baige_ray.serving.app import reload_weights, serve, shutdown
 
     model = HFModel(model_dir, seq_len=SEQ_LEN)
@@ -149,7 +150,7 @@ def _refit_vs_checkpoint(model_dir: Path, final_state, work: Path) -> dict[str, 
     try:
         weights = ray.get(final_state)["model"]
         started = time.perf_counter()
-        reload_weights(info, (1, ray.put(weights)), model_config=model)
+        reload_weights(info, (1, ray.put(pack_tensors(weights))), model_config=model)  # as the job hands it over
         memory_s = time.perf_counter() - started
         started = time.perf_counter()
         directory = plugin_for(model).save_final(work / "refit-checkpoint", weights, step=2)

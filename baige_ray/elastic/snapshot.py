@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from baige_ray.elastic.shelf import SnapshotShelf
 from baige_ray.engines.base import Engine
+from baige_ray.parallel.packed_tensors import pack_tensors
 from baige_ray.parallel.shards import ShardedPart
 from baige_ray.parallel.state import CanonicalState
 
@@ -118,6 +119,19 @@ class HostSnapshotter:
             if isinstance(state, ShardedPart):
                 return step, ShardedPart(_clone_tree(state.state), dict(state.boxes))
             return step, _clone_tree(state)
+
+    def latest_weights_copy(self) -> tuple[int, CanonicalState | ShardedPart] | None:
+        """The newest snapshot's weights alone (no optimizer state), copied and packed so that Ray moves
+        them without pickling (parallel/packed_tensors.py): what serving them needs."""
+        self._await_copy()
+        with self._buffers:
+            if self._latest is None:
+                return None
+            step, state = self._latest
+            if isinstance(state, ShardedPart):
+                model = pack_tensors(_clone_tree(state.state["model"]))
+                return step, ShardedPart({"model": model, "optimizer": {}}, dict(state.boxes))
+            return step, {"model": pack_tensors(_clone_tree(state["model"])), "optimizer": {}}
 
     def drop(self) -> None:
         """Forget the engine (a new generation builds a new one); the latest snapshot is kept."""

@@ -122,15 +122,16 @@ class StateSources:
         self._replica_behind = behind
 
     @staticmethod
-    def gather_state(holders: list[tuple[int, Worker]], layout: ParallelLayout):
+    def gather_state(holders: list[tuple[int, Worker]], layout: ParallelLayout, *, weights_only: bool = False):
         """(step, canonical state) assembled from one snapshot per pipeline stage (every rank's shards when
         sharded), fetched here while training may go on: each part comes with its own step, and parts of
-        different steps are not merged."""
+        different steps are not merged. `weights_only`: without the optimizer state (for serving)."""
         sharded = layout.snapshots_are_sharded
         sources: dict[int, Worker] = {}
         for rank, worker in holders:
             sources.setdefault(rank if sharded else layout.coords(rank).pp, worker)
-        parts = answers_or_none([w.actor.snapshot_with_step.remote() for w in sources.values()])
+        method = "weights_snapshot_with_step" if weights_only else "snapshot_with_step"
+        parts = answers_or_none([getattr(w.actor, method).remote() for w in sources.values()])
         steps = {part[0] for part in parts if part is not None}
         if None in parts or len(steps) != 1 or len(sources) != (layout.world_size if sharded else layout.pp):
             return None, None  # a stage missing or mid-step: the next attempt will do

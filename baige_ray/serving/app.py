@@ -34,6 +34,7 @@ from ray import serve as ray_serve
 from baige_ray.api.errors import ServingError
 from baige_ray.api.validation import require_int, require_number
 from baige_ray.models.plugin import plugin_for
+from baige_ray.parallel.packed_tensors import pack_tensors
 from baige_ray.policies.disaggregation import SplitPolicy
 from baige_ray.runtime.checkpoint_io import load_checkpoint
 from baige_ray.serving.deployment import HEALTH_CHECK_PERIOD_S, ModelServer
@@ -162,7 +163,7 @@ def _resolve_source(source: Any, model_config: Any) -> tuple[int, ray.ObjectRef,
     job, an ObjectRef or (step, ObjectRef)."""
     if isinstance(source, (str, Path)):
         step, state, config = load_checkpoint(Path(source))  # checksum-verified; safetensors or weights_only
-        return step, ray.put(state), config
+        return step, ray.put(pack_tensors(state)), config
     if hasattr(source, "latest_model_state") and hasattr(source, "model"):  # a TrainingJob: its newest snapshot
         model_config = source.model if model_config is None else model_config
         source = source.latest_model_state()

@@ -53,6 +53,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from baige_ray.api.errors import ServingError
 from baige_ray.models.plugin import plugin_for
 from baige_ray.ops.metrics import ServingMetrics
+from baige_ray.parallel.packed_tensors import state_tensors
 from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.context_length import fit_context
 from baige_ray.serving.engine import ContinuousBatchingEngine, EngineFull, EngineLimits, TokenEvent, generate_all
@@ -140,7 +141,8 @@ class ModelServer:
         version, step, model_config, (state_ref,) = await self._registry.weights.remote()
         if version == self._version:
             return
-        state = await state_ref
+        published = await state_ref  # a dict of tensors, or PackedTensors whose arrays lie in the object store
+        state = state_tensors(published)
         if self._engine_name == "vllm" and self._runner is not None and model_config == self._model_config:
             # vLLM takes new weights in place, between two steps: running requests go on, no restart.
             engine = self._runner.engine
@@ -149,7 +151,8 @@ class ModelServer:
             # The same model on the built-in engine: its weights copied in place between two steps (no model
             # built: an RL policy's replicas take new weights every iteration), as with vLLM.
             engine, prefixes = self._runner.engine, self._prefix_store(plugin_for(model_config), version)
-            await self._runner.between_steps(lambda: engine.load_weights(state, prefixes))
+            views = state_tensors(published, copy=False)  # only read, by the copy into the model
+            await self._runner.between_steps(lambda: engine.load_weights(views, prefixes))
         elif self._expert_ranks is not None and model_config == self._model_config:
             # The expert ranks hold this model's experts: new weights go to them in place, between two
             # steps (running requests go on with the new weights, as with vLLM).

@@ -3,7 +3,8 @@
 Weights arrive as an ObjectRef to {param name: CPU tensor} (a live training job's in-memory
 snapshot, or a checkpoint the driver loaded and verified). The registry fetches them once and puts
 its own copy in the object store, so serving keeps working after the training worker that produced
-the snapshot is released for lending. A replica loads the newest version when it starts (so a lent
+the snapshot is released for lending; that copy is packed (parallel/packed_tensors.py), so replicas
+read it where it lies instead of unpickling it. A replica loads the newest version when it starts (so a lent
 replica starts with the current weights) and learns of newer ones in the answer to its periodic
 load report, which is how weights are swapped in place on every replica without a redeploy. Between two
 reports a replica waits on `newer_weights` (a long poll, as Serve's own controller pushes config), so a
@@ -16,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Mapping
 
 import ray
 
 from baige_ray.ops.events import EventLog
+from baige_ray.parallel.packed_tensors import PackedTensors, pack_tensors
 from baige_ray.policies.disaggregation import SideLoad
 from baige_ray.serving.ledger import EngineLoad, RequestLedger
 from baige_ray.topology.head import on_head_node
@@ -48,9 +51,9 @@ class ServingRegistry:
     async def publish_weights(self, step: int, state_refs: list, model_config) -> int:
         """Hold a private copy of the state in `state_refs[0]`; returns the new weights version."""
         state = await state_refs[0]
-        if not isinstance(state, dict) or not state:
+        if not isinstance(state, Mapping) or not state:
             raise ValueError(f"the published state is {type(state).__name__}, expected a non-empty dict of tensors")
-        self._state_ref = ray.put(state)
+        self._state_ref = ray.put(state if isinstance(state, PackedTensors) else pack_tensors(state))
         self._step, self._model_config = step, model_config
         self._version += 1
         self._published.set()

@@ -11,6 +11,7 @@ from baige_ray.elastic.faults import FaultKind, FaultPlan
 from baige_ray.elastic.machine import Phase, StateMachine
 from baige_ray.elastic.sizing import layout_for, valid_sizes
 from baige_ray.elastic.snapshot import HostSnapshotter
+from baige_ray.parallel.packed_tensors import PackedTensors
 from baige_ray.engines.factory import build_engine
 from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.mlp import MLPConfig
@@ -100,3 +101,21 @@ def test_snapshot_restores_the_exact_state_of_the_step_it_was_taken_after():
     assert restored.train_step(3)["loss"] == continued
     for name, param in restored.module.named_parameters():
         assert torch.equal(param, dict(engine.module.named_parameters())[name])
+
+
+def test_the_weights_copy_for_serving_is_packed_private_and_without_optimizer_state():
+    job = TrainJob(model=MLPConfig(sizes=(16, 32, 8)), train=TrainConfig(num_steps=8, global_batch_size=8))
+    engine = build_engine(job, ParallelLayout())
+    snapshots = HostSnapshotter(engine)
+    engine.train_step(0)
+    snapshots.after_step(0)
+    step, weights = snapshots.latest_weights_copy()
+    _, full = snapshots.latest()
+    assert step == 0 and isinstance(weights["model"], PackedTensors) and weights["optimizer"] == {}
+    expected = {name: tensor.clone() for name, tensor in full["model"].items()}
+    for later in (1, 2):  # the snapshot's buffers are reused two steps later: the copy must not see it
+        engine.train_step(later)
+        snapshots.after_step(later)
+    now = snapshots.latest()[1]["model"]
+    assert any(not torch.equal(now[name], tensor) for name, tensor in expected.items())  # training moved on
+    assert all(torch.equal(weights["model"][name], tensor) for name, tensor in expected.items())
