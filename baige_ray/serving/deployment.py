@@ -142,12 +142,14 @@ class ModelServer:
         if version == self._version:
             return
         published = await state_ref  # a dict of tensors, or PackedTensors whose arrays lie in the object store
-        state = state_tensors(published)
+        builtin_in_place = (self._engine_name != "vllm" and self._runner is not None and self._expert_ranks is None
+                            and model_config == self._model_config)
+        state = None if builtin_in_place else state_tensors(published)  # private copies, for anything else
         if self._engine_name == "vllm" and self._runner is not None and model_config == self._model_config:
             # vLLM takes new weights in place, between two steps: running requests go on, no restart.
             engine = self._runner.engine
             await self._runner.between_steps(lambda: engine.load_weights(state))
-        elif self._runner is not None and self._expert_ranks is None and model_config == self._model_config:
+        elif builtin_in_place:
             # The same model on the built-in engine: its weights copied in place between two steps (no model
             # built: an RL policy's replicas take new weights every iteration), as with vLLM.
             engine, prefixes = self._runner.engine, self._prefix_store(plugin_for(model_config), version)
