@@ -111,27 +111,22 @@ class HostSnapshotter:
 
     def latest_copy(self) -> tuple[int, CanonicalState] | None:
         """The newest snapshot, copied: safe to hand to another thread or process while training goes on."""
-        self._await_copy()
-        with self._buffers:
-            if self._latest is None:
-                return None
-            step, state = self._latest
-            if isinstance(state, ShardedPart):
-                return step, ShardedPart(_clone_tree(state.state), dict(state.boxes))
-            return step, _clone_tree(state)
+        return self._latest_copied(_clone_tree)
 
     def latest_weights_copy(self) -> tuple[int, CanonicalState | ShardedPart] | None:
         """The newest snapshot's weights alone (no optimizer state), copied and packed so that Ray moves
         them without pickling (parallel/packed_tensors.py): what serving them needs."""
+        return self._latest_copied(lambda state: {"model": pack_tensors(_clone_tree(state["model"])), "optimizer": {}})
+
+    def _latest_copied(self, copy: Callable[[CanonicalState], CanonicalState]):
         self._await_copy()
         with self._buffers:
             if self._latest is None:
                 return None
             step, state = self._latest
             if isinstance(state, ShardedPart):
-                model = pack_tensors(_clone_tree(state.state["model"]))
-                return step, ShardedPart({"model": model, "optimizer": {}}, dict(state.boxes))
-            return step, {"model": pack_tensors(_clone_tree(state["model"])), "optimizer": {}}
+                return step, ShardedPart(copy(state.state), dict(state.boxes))
+            return step, copy(state)
 
     def drop(self) -> None:
         """Forget the engine (a new generation builds a new one); the latest snapshot is kept."""
