@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from baige_ray.bench.soak_schedule import ScheduledFault, Throttle
+from baige_ray.rl.faults import live_replica_pids, replica_pids
 
 REPLICA_RECOVERY_WAIT_S = 120.0
 NODE_DOWN_S = 20.0
@@ -85,33 +86,26 @@ class FaultInjector:
         return {"kind": fault.kind, "at": at, "pid": pid}
 
     def _kill_replica(self, fault: ScheduledFault) -> dict[str, Any]:
-        before = self._replica_pids()
+        before = replica_pids(self.app_name)
+        self.seen_pids.update(before)
         pid = before[fault.pick % len(before)]
         at = time.time()
         os.kill(pid, signal.SIGKILL)
-        detected, recovered = self._follow_replicas(at, lambda alive: pid not in alive, len(before))
-        return {"kind": fault.kind, "at": at, "pid": pid, "detected_s": detected, "recovered_s": recovered,
-                "steps_lost": 0}
-
-    def _replica_pids(self) -> list[int]:
-        from ray.util.state import list_actors
-
-        actors = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
-        pids = sorted(a.pid for a in actors if a.class_name.startswith(f"ServeReplica:{self.app_name}:"))
-        self.seen_pids.update(pids)
-        return pids
-
-    def _follow_replicas(self, at: float, gone, count: int) -> tuple[float | None, float | None]:
-        """Seconds from `at` until `gone(live pids)` held, then until `count` replicas were live again."""
         detected = recovered = None
         while time.time() - at < REPLICA_RECOVERY_WAIT_S and recovered is None:
             time.sleep(0.25)
             alive = self._replica_pids()
-            if detected is None and gone(alive):
+            if detected is None and pid not in alive:
                 detected = time.time() - at
-            if detected is not None and len(alive) >= count:
+            if detected is not None and len(alive) >= len(before):
                 recovered = time.time() - at
-        return detected, recovered
+        return {"kind": fault.kind, "at": at, "pid": pid, "detected_s": detected, "recovered_s": recovered,
+                "steps_lost": 0}
+
+    def _replica_pids(self) -> list[int]:
+        pids = live_replica_pids(self.app_name)
+        self.seen_pids.update(pids)
+        return pids
 
     # ----- a node -----
 
@@ -124,7 +118,7 @@ class FaultInjector:
         index = indices[fault.pick % len(indices)]
         node_type = cluster.node_type_of(index)
         replicas_before = self._replica_pids()
-        self._worker_pids()
+        self._worker_pids()  # the pids about to die, for the left-behind check
         at = time.time()
         cluster.remove_node(index)
         time.sleep(max(0.0, at + NODE_DOWN_S - time.time()))

@@ -55,12 +55,17 @@ class RolloutFaultPlan:
 
 
 def replica_pids(app_name: str) -> list[int]:
-    """Process ids of the application's live replicas (this node's Ray state API: the test clusters'
-    processes all run here)."""
-    from ray.util.state import list_actors
-
-    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
-    pids = sorted(a.pid for a in actors if a.class_name.startswith(f"ServeReplica:{app_name}:"))
+    """Process ids of the application's live replicas, to kill one; RuntimeError when there is none."""
+    pids = live_replica_pids(app_name)
     if not pids:
         raise RuntimeError(f"no live replica of application {app_name!r} to kill")
     return pids
+
+
+def live_replica_pids(app_name: str) -> list[int]:
+    """Process ids of the application's live replicas, possibly none (this node's Ray state API: the test
+    clusters' processes all run here)."""
+    from ray.util.state import list_actors
+
+    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
+    return sorted(a.pid for a in actors if a.class_name.startswith(f"ServeReplica:{app_name}:"))
