@@ -31,6 +31,7 @@ REPLICA_RECOVERY_WAIT_S = 120.0
 NODE_DOWN_S = 20.0
 REGROW_WAIT_S = 120.0
 STRAGGLER_LIMIT_S = 90.0
+WORKERS_WAIT_S = 120.0
 
 
 class FaultInjector:
@@ -56,7 +57,13 @@ class FaultInjector:
     # ----- processes -----
 
     def _worker_pids(self) -> list[int]:
-        pids = [w["pid"] for w in self.job.status()["workers"] if w["pid"] is not None]
+        """The job's live workers; while it has none (still restoring from an earlier fault), the fault
+        waits for them: a worker fault needs a worker to hit."""
+        deadline = time.monotonic() + WORKERS_WAIT_S
+        while not (pids := [w["pid"] for w in self.job.status()["workers"] if w["pid"] is not None]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the job had no live worker for {WORKERS_WAIT_S:g} s")
+            time.sleep(0.25)
         self.seen_pids.update(pids)
         return pids
 
