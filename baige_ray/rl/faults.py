@@ -1,10 +1,9 @@
 """Faults for rollout replicas, scheduled by iteration: a replica SIGKILLed while it generates.
 
 `RolloutFaultPlan` is what `GRPOTrainer(rollout_faults=...)` fires: at iteration t, `after_s`
-seconds after the rollout's first token arrived (the replicas are generating), one replica of the
-rollout application is killed
-with SIGKILL (a real signal to its process, found through Ray's state API). Serve starts a
-replacement; the requests it held are re-issued to the others (rl/rollouts.py).
+seconds after a replica sampled the first token of a group (it holds requests), that replica is killed
+with SIGKILL (a real signal to the process id it reported). Serve starts a replacement; the requests
+it held are re-issued to the others (rl/rollouts.py).
 """
 
 from __future__ import annotations
@@ -14,6 +13,8 @@ import os
 import signal
 import threading
 import time
+
+from baige_ray.rl.rollouts import BusyReplicas
 
 START_TIMEOUT_S = 120.0
 
@@ -33,24 +34,25 @@ class RolloutFaultPlan:
         self.kills.append(ReplicaKill(iteration, after_s))
         return self
 
-    def arm(self, iteration: int, app_name: str, generating: threading.Event) -> threading.Thread | None:
-        """A started thread that carries out the kills due at `iteration` once `generating` is set
-        (None when none is due). The victims are looked up now, before the rollout starts: Ray's
-        state API takes longer to answer than a small model takes to generate a batch."""
+    def arm(self, iteration: int, busy: BusyReplicas) -> threading.Thread | None:
+        """A started thread that carries out the kills due at `iteration`, each on a replica `busy`
+        reports and none killed before (None when no kill is due)."""
         due = [k for k in self.kills if k.iteration == iteration]
         if not due:
             return None
-        victims = [(kill, replica_pids(app_name)[0]) for kill in due]
-        thread = threading.Thread(target=self._fire, args=(iteration, victims, generating), daemon=True)
+        thread = threading.Thread(target=self._fire, args=(iteration, due, busy), daemon=True)
         thread.start()
         return thread
 
-    def _fire(self, iteration: int, victims: list[tuple[ReplicaKill, int]], generating: threading.Event) -> None:
-        for kill, pid in victims:
-            if not generating.wait(START_TIMEOUT_S):
-                return  # the rollout never produced a token: it fails on its own
+    def _fire(self, iteration: int, due: list[ReplicaKill], busy: BusyReplicas) -> None:
+        killed: list[int] = []
+        for kill in due:
+            pid = busy.wait_for_one(START_TIMEOUT_S, besides=killed)
+            if pid is None:
+                return  # no replica began a group: the rollout fails or ends on its own
             time.sleep(kill.after_s)
             os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
             self.fired.append({"iteration": iteration, "pid": pid, "at": time.time()})
 
 

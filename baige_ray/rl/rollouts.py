@@ -33,6 +33,29 @@ class RolloutGroup:
     params: tuple[SamplingParams, ...]
 
 
+class BusyReplicas:
+    """The replicas that began sampling, by process id, in the order their first token came: what a fault
+    injector waits on to kill a replica that holds requests (not one Serve left idle)."""
+
+    def __init__(self):
+        self._pids: list[int] = []
+        self._changed = threading.Condition()
+
+    def started(self, pid: int) -> None:
+        with self._changed:
+            self._pids.append(pid)
+            self._changed.notify_all()
+
+    def wait_for_one(self, timeout_s: float, *, besides: Sequence[int] = ()) -> int | None:
+        """The first busy replica not in `besides`, once there is one; None after `timeout_s`."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._first_besides(besides) is not None, timeout_s)
+            return self._first_besides(besides)
+
+    def _first_besides(self, besides: Sequence[int]) -> int | None:
+        return next((pid for pid in self._pids if pid not in besides), None)
+
+
 @dataclasses.dataclass
 class RolloutStats:
     reissued: int = 0  # completions requested again after their replica failed
@@ -49,27 +72,28 @@ class RolloutClient:
         self.eos_token_id, self.retry_s = eos_token_id, retry_s
 
     def generate(self, groups: Sequence[RolloutGroup],
-                 generating: threading.Event | None = None) -> tuple[list[list[int]], RolloutStats]:
+                 busy: BusyReplicas | None = None) -> tuple[list[list[int]], RolloutStats]:
         """Every group's completions, group after group: each its sampled tokens, ending with the
         end-of-text token when the model chose to stop (it is trained to stop, so the token is part of
-        what it did). `generating` is set once a replica sampled a first token (replicas are busy with
-        the batch)."""
+        what it did). `busy` learns each replica that sampled a first token for a group."""
         stats = RolloutStats()
-        answers = asyncio.run(self._all(groups, stats, generating or threading.Event()))
+        answers = asyncio.run(self._all(groups, stats, busy or BusyReplicas()))
         return [completion for answer in answers for completion in answer], stats
 
     async def _all(self, groups: Sequence[RolloutGroup], stats: RolloutStats,
-                   generating: threading.Event) -> list[list[list[int]]]:
-        return list(await asyncio.gather(*(self._group(group, stats, generating) for group in groups)))
+                   busy: BusyReplicas) -> list[list[list[int]]]:
+        return list(await asyncio.gather(*(self._group(group, stats, busy) for group in groups)))
 
-    async def _group(self, group: RolloutGroup, stats: RolloutStats, generating: threading.Event) -> list[list[int]]:
+    async def _group(self, group: RolloutGroup, stats: RolloutStats, busy: BusyReplicas) -> list[list[int]]:
         deadline, pause = time.monotonic() + self.retry_s, FIRST_RETRY_PAUSE_S
         while True:
             try:
                 async for answer in self._handle.options(stream=True).token_completions.remote(
                         list(group.prompt), list(group.params)):
-                    generating.set()
-                    completions = answer
+                    if isinstance(answer, int):  # the replica's process id: it began sampling the group
+                        busy.started(answer)
+                    else:
+                        completions = answer
                 break
             except ray.exceptions.RayActorError as error:  # its replica died: the answers are made again from the start
                 stats.failures.append(f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}")

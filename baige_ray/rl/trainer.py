@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,7 +36,7 @@ from baige_ray.rl.config import GRPOConfig
 from baige_ray.rl.faults import RolloutFaultPlan
 from baige_ray.rl.objective import PolicyObjective, pack_rollouts
 from baige_ray.rl.rollout_source import RolloutSource, start_board
-from baige_ray.rl.rollouts import RolloutClient, RolloutGroup
+from baige_ray.rl.rollouts import BusyReplicas, RolloutClient, RolloutGroup
 from baige_ray.serving.causal_lm_generation import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -137,7 +136,7 @@ class GRPOTrainer:
             client = RolloutClient(info.app_name, info.deployment_name, eos_token_id=self.tokenizer.eos_token_id,
                                    retry_s=self.config.rollout_retry_s)
             failures: list[str] = []
-            records = [self._rollout_and_publish(0, info, client, board, failures)]
+            records = [self._rollout_and_publish(0, client, board, failures)]
             job = launch(self.model, data=RolloutSource(self.run.name),
                          objective=PolicyObjective(loss_config=self.config.loss), steps_allowed=1,
                          train=self._train_config(), scaling=self.scaling,
@@ -147,7 +146,7 @@ class GRPOTrainer:
             for iteration in range(1, self.config.num_iterations):
                 records[-1].training_s = self._wait_for_steps(job, iteration) - opened
                 records[-1].refit_s = self._refit(job, info, iteration - 1)
-                records.append(self._rollout_and_publish(iteration, info, client, board, failures))
+                records.append(self._rollout_and_publish(iteration, client, board, failures))
                 job.allow_steps(iteration + 1)
                 opened = time.perf_counter()
             training, job = job.wait(), None
@@ -168,18 +167,18 @@ class GRPOTrainer:
                            min_learning_rate=c.learning_rate, warmup_steps=0,
                            weight_decay=c.weight_decay, grad_clip=c.grad_clip, seed=c.seed)
 
-    def _rollout_and_publish(self, iteration: int, info, client: RolloutClient, board,
+    def _rollout_and_publish(self, iteration: int, client: RolloutClient, board,
                              failures: list[str]) -> IterationRecord:
         prompts = self.config.prompt_indices(iteration, len(self.prompts))
         groups = [RolloutGroup(tuple(self.prompt_tokens[p]),
                                tuple(self._sampling(iteration, j, i) for i in range(self.config.group_size)))
                   for j, p in enumerate(prompts)]
-        generating = threading.Event()
+        busy = BusyReplicas()
         injector = None
         if self.rollout_faults is not None:
-            injector = self.rollout_faults.arm(iteration, info.app_name, generating)
+            injector = self.rollout_faults.arm(iteration, busy)
         started = time.perf_counter()
-        completions, stats = client.generate(groups, generating)
+        completions, stats = client.generate(groups, busy)
         rollout_s = time.perf_counter() - started
         if injector is not None:
             injector.join()

@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -411,9 +412,9 @@ class ModelServer:
     async def token_completions(self, prompt: list[int],
                                 params: list[SamplingParams]) -> AsyncIterator[list[list[int]] | None]:
         """One completion of `prompt` per entry of `params` (an RL group), decoded in one batch, for callers
-        in the cluster (a deployment handle with stream=True): yields None once the first token is
-        sampled, then every completion's token ids at once: two messages for the group where
-        `token_stream` sends one per token and request."""
+        in the cluster (a deployment handle with stream=True): yields this replica's process id once the
+        first token is sampled (who is busy, for a fault injector to pick), then every completion's token
+        ids at once: two messages for the group where `token_stream` sends one per token and request."""
         runner = self._require_runner()
         self._ongoing += len(params)
         sampling = asyncio.Event()
@@ -432,7 +433,7 @@ class ModelServer:
             first = asyncio.ensure_future(sampling.wait())
             await asyncio.wait([first, everything], return_when=asyncio.FIRST_COMPLETED)
             first.cancel()
-            yield None
+            yield os.getpid()
             yield await everything
         finally:
             everything.cancel()
