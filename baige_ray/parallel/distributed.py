@@ -10,6 +10,7 @@ join the next generation: no restart, no re-import of torch.
 from __future__ import annotations
 
 import datetime
+import socket
 import sys
 import threading
 import time
@@ -40,6 +41,9 @@ class GroupMembership:
             )
         if self.generation < 0:
             raise ValueError(f"GroupMembership.generation={self.generation!r} is invalid: expected >= 0")
+
+
+STORE_CONNECT_TIMEOUT_S = 5.0  # the host's store is listening before any member is asked to join
 
 
 class ProcessGroupMember:
@@ -76,16 +80,29 @@ class ProcessGroupMember:
         self.membership = membership
 
     def leave(self) -> None:
+        # The groups are held until the caches below let go of them, then destroyed on another thread:
+        # gloo's destructor waits for a collective still in flight, which a live peer that left it (an
+        # aborted step, a regroup a member died in) holds for the whole timeout.
+        groups = list(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else []
         if dist.is_initialized():
             dist.destroy_process_group()
         forget_device_meshes()
         forget_deepspeed_groups()
+        threading.Thread(target=groups.clear, name="baige-destroy-process-groups", daemon=True).start()
         self.membership = None
 
     def _store_for(self, address: StoreAddress) -> dist.Store:
         if address == self._hosted_address and self._hosted_store is not None:
             return self._hosted_store
-        return dist.TCPStore(address.host, address.port, is_master=False, timeout=self.timeout)
+        # TCPStore retries a refused connection for twice its timeout: a member asked to join a generation
+        # whose host died must fail at once (a dead process) or soon (a dead node), not hold the next regroup.
+        connect_s = min(STORE_CONNECT_TIMEOUT_S, self.timeout.total_seconds())
+        with socket.create_connection((address.host, address.port), timeout=connect_s):
+            pass
+        store = dist.TCPStore(address.host, address.port, is_master=False,
+                              timeout=datetime.timedelta(seconds=connect_s))
+        store.set_timeout(self.timeout)
+        return store
 
 
 class RendezvousAbandoned(RuntimeError):
