@@ -29,6 +29,7 @@ is tested without Ray; `JobTrainingSide` and the serving sides (serving_sides.py
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -39,6 +40,7 @@ from typing import Any, Protocol
 
 from baige_ray.actors.serving_sides import serving_side
 from baige_ray.api.validation import require_int, require_number
+from baige_ray.elastic.workers import restarted_by_ray
 from baige_ray.ops.events import EventLog
 from baige_ray.policies.lending import (
     LendingAction,
@@ -298,9 +300,15 @@ class PoolArbiter:
     def __init__(self, job_name: str, serve_info: Any, model_config: Any, config: ArbiterConfig):
         from baige_ray.ops.metrics import JobMetrics
 
-        self._loop = ArbiterLoop(JobTrainingSide(job_name), serving_side(serve_info, model_config, config.min_infer_devices), config)
-        self._loop.events.record("start", "the pool arbiter takes the split as it finds it",
-                                 train_devices=self._loop.train_devices, infer_devices=self._loop.infer_devices)
+        serving = serving_side(serve_info, model_config, config.min_infer_devices)
+        self._loop = ArbiterLoop(JobTrainingSide(job_name), serving, config)
+        if restarted_by_ray():  # what it measured (capacity, lend latency) died with it; the split is observed
+            kind, reason = "arbiter_restart", ("Ray restarted the pool arbiter after its process died; "
+                                       "it takes the split as it finds it")
+        else:
+            kind, reason = "start", "the pool arbiter takes the split as it finds it"
+        self._loop.events.record(kind, reason, train_devices=self._loop.train_devices,
+                                 infer_devices=self._loop.infer_devices, pid=os.getpid())
         self._metrics = JobMetrics(job=job_name)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -319,7 +327,7 @@ class PoolArbiter:
 
     def status(self) -> dict:
         with self._lock:
-            return {**self._loop.status(), "errors": list(self._errors)}
+            return {**self._loop.status(), "errors": list(self._errors), "pid": os.getpid()}
 
     def stop(self) -> dict:
         """Stop deciding (the pool stays split as it is); returns the final status."""
@@ -329,9 +337,15 @@ class PoolArbiter:
 
 
 def start_pool_arbiter(job_name: str, serve_info: Any, model_config: Any, config: ArbiterConfig):
-    """The PoolArbiter actor for a launched job and a served application (it starts polling at once)."""
+    """The PoolArbiter actor for a launched job and a served application (it starts polling at once).
+
+    Ray restarts it if its process dies, on the head node like the controller, so a worker node's loss
+    does not end the arbitration; `config.event_log` keeps its decisions across restarts."""
     import ray
 
+    from baige_ray.topology.head import on_head_node
+
     return ray.remote(PoolArbiter).options(
-        name=f"baige-arbiter:{job_name}", namespace="baige", num_cpus=0, max_concurrency=4
+        name=f"baige-arbiter:{job_name}", namespace="baige", num_cpus=0, max_concurrency=4, max_restarts=-1,
+        scheduling_strategy=on_head_node(),
     ).remote(job_name, serve_info, model_config, config)

@@ -2,24 +2,27 @@
 
 On the simulated 2 x 4 cluster: a tiny Hugging Face Llama trains as an elastic job (4 workers, one
 warm spare, checkpoints persisted every 25 steps, a constant learning rate after the warm-up), while 2
-replicas of the built-in engine serve it and a replayed request load (Poisson arrivals at `--rate`)
-runs against them over HTTP. Faults come at seeded moments (soak_schedule.py), carried out by
-soak_faults.py: a worker SIGKILLed, frozen with SIGSTOP or throttled into a straggler, a replica
-SIGKILLed, the controller SIGKILLed, the worker node stopped and started again, and the newest persisted
-checkpoint damaged while every worker is killed (the job must skip it and restore the one before).
+replicas of the built-in engine serve it and the pool arbiter moves devices between the two. A replayed
+request load (Poisson arrivals) runs against the replicas over HTTP: `--rate` requests/s, with seeded
+spikes at `--spike-utilization` of what the 2 replicas answer (measured before the soak), which the
+arbiter meets by lending a training device and ends by taking it back. Faults come at seeded moments
+(soak_schedule.py), carried out by soak_faults.py: a worker SIGKILLed, frozen with SIGSTOP or throttled
+into a straggler, a replica SIGKILLed, the controller SIGKILLed, the arbiter SIGKILLed, the worker node
+stopped and started again, and the newest persisted checkpoint damaged while every worker is killed (the
+job must skip it and restore the one before).
 
 Reported per fault kind: injected, detected, recovered, detection and recovery seconds (p50, max) and
 steps lost. A job fault is detected at the job's first event that answers it (a "failure" or
 "straggler"; a "controller_restart"; a skipped persisted checkpoint) and recovered at the next
 "recovered" event (whose record names the steps redone); a replica fault is detected when Ray lists the
-replica dead and recovered when the application has its replicas again. For serving: requests, failed
+replica dead and recovered when the application has its replicas again; an arbiter fault is detected
+when Ray has restarted it and recovered at its first decision after that. For serving: requests, failed
 requests (those in flight when a replica was killed or its node lost, and all others), the share
 answered within `--slo-s`. For the run: the final loss against a fault-free run of the same steps, each
 long-lived process's resident memory from a third of the soak (the tenth minute at most) to the end, and
-the processes still alive after the cluster shut down.
+the processes still alive after the cluster shut down; the arbiter's lends and reclaims.
 
-Not injected yet (issue #33 names them): the arbiter killed, the checkpoint disk filled, load spikes that
-force lending (this soak runs no arbiter).
+Not injected yet (issue #33 names it): the checkpoint disk filled.
 """
 
 from __future__ import annotations
@@ -36,21 +39,25 @@ from typing import Any
 from baige_ray.bench.measure import report_stage
 from baige_ray.bench.soak_faults import FaultInjector
 from baige_ray.bench.soak_memory import memory_growth
-from baige_ray.bench.soak_schedule import FAULT_KINDS, ScheduledFault, fault_schedule
+from baige_ray.bench.soak_schedule import FAULT_KINDS, ScheduledFault, fault_schedule, spiky_rates
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_WORKERS, NUM_REPLICAS = 4, 2
 JOB_EVENT_WAIT_S = 90.0  # a fault no event answers within this is counted undetected
 RUN_NAME = "soak"
+FOLLOWED_BY_THE_INJECTOR = ("replica_kill", "arbiter_kill")  # not through the job's events
 PROCESS_FAULTS = ("worker_kill", "worker_freeze", "straggler", "controller_kill")  # at most 1 step each
 MEMORY_EVERY_S = 10.0
+SEGMENT_S = 20.0  # the load's rate changes (a spike or not) at this period
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minutes", type=float, default=30.0, help="how long faults and load run")
     parser.add_argument("--seed", type=int, default=0, help="the fault schedule's and the load's seed")
-    parser.add_argument("--rate", type=float, default=2.0, help="requests/s of the replayed load")
+    parser.add_argument("--rate", type=float, default=2.0, help="requests/s of the replayed load between spikes")
+    parser.add_argument("--spike-utilization", type=float, default=1.2,
+                        help="the load's spikes, as a share of what the served replicas answer (measured)")
     parser.add_argument("--slo-s", type=float, default=2.0, help="the latency a request is answered within")
     parser.add_argument("--work-dir", default=None)
 
@@ -60,8 +67,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from baige_ray.topology.connect import open_cluster
 
     duration_s = args.minutes * 60
-    if duration_s <= 0 or args.rate <= 0:
-        raise ValueError(f"--minutes={args.minutes} and --rate={args.rate} are invalid: expected > 0")
+    if duration_s <= 0 or args.rate <= 0 or args.spike_utilization <= 0:
+        raise ValueError(f"--minutes={args.minutes}, --rate={args.rate} and --spike-utilization="
+                         f"{args.spike_utilization} are invalid: expected > 0")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-soak-"))
     model, data = make_llama_tiny(work / "llama", seq_len=64, vocab_size=512, shape=SHAPE, name="llama-soak")
     schedule = fault_schedule(duration_s, args.seed)
@@ -99,16 +107,24 @@ def _train(model, data, work: Path, name: str, num_steps: int, faulted: bool = F
 
 def _soak(args, model, data, work: Path, schedule: list[ScheduledFault], duration_s: float,
           seen_pids: set[int]) -> dict[str, Any]:
-    from baige_ray.bench.colocate_load import arrival_times, replay
+    import ray
+
+    from baige_ray.actors.arbiter import start_pool_arbiter
+    from baige_ray.bench.colocate_load import arrival_times, replay, saturated_throughput
     from baige_ray.serving.app import serve, shutdown
 
     info = serve(model.path, model_config=model, name="soak", num_replicas=NUM_REPLICAS, port=8019)
     job = _train(model, data, work, RUN_NAME, 1_000_000, faulted=True)
+    arbiter = None
     try:
         job.wait_for_step(3, 300.0)  # the workers are up and stepping
+        capacity = saturated_throughput(info.url + "/generate") / NUM_REPLICAS  # beside training, as in the soak
+        arbiter = start_pool_arbiter(RUN_NAME, info, model, _arbiter_config(args, capacity, work))
         memory = _MemorySampler(seen_pids, lambda: {w["pid"] for w in job.status()["workers"]})
-        injector = FaultInjector(job, RUN_NAME, info.app_name, work / "checkpoints", NUM_WORKERS, seen_pids)
-        arrivals = arrival_times([args.rate], hour_s=duration_s, seed=args.seed)
+        injector = FaultInjector(job, RUN_NAME, info.app_name, arbiter, work / "checkpoints", seen_pids)
+        spike_rate = max(args.rate, args.spike_utilization * capacity * NUM_REPLICAS)
+        rates = spiky_rates(duration_s, args.rate, spike_rate, args.seed, segment_s=SEGMENT_S)
+        arrivals = [at for at in arrival_times(rates, hour_s=SEGMENT_S, seed=args.seed) if at < duration_s]
         answers: list = []
         load = threading.Thread(target=lambda: answers.extend(replay(info.url + "/generate", arrivals)), daemon=True)
         started = time.monotonic()
@@ -120,20 +136,38 @@ def _soak(args, model, data, work: Path, schedule: list[ScheduledFault], duratio
         time.sleep(max(0.0, started + duration_s - time.monotonic()))
         load.join(timeout=120.0)
         memory.stop()
+        ray.get(arbiter.stop.remote(), timeout=60)
         job.stop()
         result = job.wait(timeout_s=300.0)
     finally:
+        if arbiter is not None:
+            ray.kill(arbiter, no_restart=True)
         shutdown(info)
     events = _job_events(work / "runs" / RUN_NAME / "events.jsonl")
     wall_started = time.time() - (time.monotonic() - started)
     for outcome in outcomes:
-        if outcome["kind"] != "replica_kill":
+        if outcome["kind"] not in FOLLOWED_BY_THE_INJECTOR:
             outcome.update(_job_fault_outcome(outcome, events))
     # Requests in flight on a replica that died: one killed, or every one on a lost node.
     kills = [o["at"] - wall_started for o in outcomes if o["kind"] in ("replica_kill", "node_loss")]
+    moves = [e["kind"] for e in _job_events(work / "arbiter-events.jsonl") if e["kind"] in ("lend", "reclaim")]
     return {"faults": outcomes, "requests": [vars(a) for a in answers], "replica_kills_s": kills,
+            "replica_capacity": capacity, "spike_rate": spike_rate, "lends": moves.count("lend"),
+            "reclaims": moves.count("reclaim"),
             "losses": {m.step: m.loss for m in result.metrics}, "steps_done": max(m.step for m in result.metrics) + 1,
             "memory": memory.growth(min(600.0, duration_s / 3)), "started": started}
+
+
+def _arbiter_config(args, capacity: float, work: Path):
+    """Lend when the replicas run above 80% of what they answer, take back below 45%: a spike lends, the
+    base load after it reclaims. Training keeps 2 of its 4 workers (sizes dividing the batch of 12)."""
+    from baige_ray.actors.arbiter import ArbiterConfig
+    from baige_ray.policies.lending import LendingPolicy
+
+    return ArbiterConfig(slo_p99_s=args.slo_s, replica_capacity=capacity, min_train_devices=2,
+                         min_infer_devices=NUM_REPLICAS, train_sizes=(2, 3, 4), load_window_s=4.0,
+                         trend_window_s=None, policy=LendingPolicy(cooldown_s=10.0, breach_cooldown_s=10.0),
+                         event_log=work / "arbiter-events.jsonl")
 
 
 def _job_events(path: Path) -> list[dict]:
@@ -252,7 +286,9 @@ def _summary(soak: dict[str, Any], clean, args) -> dict[str, Any]:
         "loss_max_rel_diff": max(abs(soak["losses"][s] - clean_losses[s]) / abs(clean_losses[s]) for s in common),
         "rss_growth": max(growth.values(), default=0.0), "rss_growth_per_process": growth,
         "rss_window_s": [soak["memory"]["from_s"], soak["memory"]["to_s"]],
-        "left_behind": soak["left_behind"], "faults": soak["faults"],
+        "left_behind": soak["left_behind"], "replica_capacity": round(soak["replica_capacity"], 2),
+        "spike_rate": round(soak["spike_rate"], 2), "lends": soak["lends"], "reclaims": soak["reclaims"],
+        "faults": soak["faults"],
     }
 
 
@@ -279,7 +315,8 @@ def summarize(result: dict[str, Any]) -> str:
                      f"{figures['recovery_s']} s, steps lost {figures['steps_lost']}")
     lines += [f"requests {result['requests']}: failed in flight on a killed replica "
               f"{result['failed_requests_on_killed_replicas']}, other {result['failed_requests_other']}; "
-              f"within the SLO {result['slo_attainment']:.3f}",
+              f"within the SLO {result['slo_attainment']:.3f}; spikes at {result['spike_rate']} requests/s (a "
+              f"replica answers {result['replica_capacity']}): {result['lends']} lends, {result['reclaims']} reclaims",
               f"{result['steps']} steps: final loss {result['final_loss']:.6f} against "
               f"{result['fault_free_final_loss']:.6f} "
               f"fault-free (relative {result['loss_rel_diff']:.2e})",

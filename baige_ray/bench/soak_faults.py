@@ -9,6 +9,8 @@ process or node hit). How the job noticed and recovered is read afterwards from 
 - replica_kill: SIGKILL to one serving replica; detected when Ray lists it dead, recovered when the
   application has as many replicas as before.
 - controller_kill: SIGKILL to the job's controller; Ray restarts it and it finds its workers again.
+- arbiter_kill: SIGKILL to the pool arbiter; detected when Ray has restarted it (its new process answers),
+  recovered at its first decision after that.
 - node_loss: the simulated worker node stopped (every process on it dies at once, workers and
   replicas alike) and started again `NODE_DOWN_S` later; the job shrinks, then grows back.
 - checkpoint_corrupt: every worker SIGKILLed and the newest persisted checkpoint's largest file damaged
@@ -28,6 +30,7 @@ from baige_ray.bench.soak_schedule import ScheduledFault, Throttle
 from baige_ray.rl.faults import live_replica_pids, replica_pids
 
 REPLICA_RECOVERY_WAIT_S = 120.0
+ARBITER_RECOVERY_WAIT_S = 120.0
 NODE_DOWN_S = 20.0
 REGROW_WAIT_S = 120.0
 STRAGGLER_LIMIT_S = 90.0
@@ -35,13 +38,13 @@ WORKERS_WAIT_S = 120.0
 
 
 class FaultInjector:
-    """Faults on one soak's job (`job`, run `run_name`), application `app_name` and persisted checkpoints
-    under `checkpoints`; every pid it touches goes into `seen_pids` (for the left-behind check)."""
+    """Faults on one soak's job (`job`, run `run_name`), application `app_name`, pool arbiter (an actor
+    handle) and persisted checkpoints under `checkpoints`; every pid it touches goes into `seen_pids`
+    (for the left-behind check)."""
 
-    def __init__(self, job, run_name: str, app_name: str, checkpoints: Path, num_workers: int,
-                 seen_pids: set[int]):
-        self.job, self.run_name, self.app_name = job, run_name, app_name
-        self.checkpoints, self.num_workers, self.seen_pids = Path(checkpoints), num_workers, seen_pids
+    def __init__(self, job, run_name: str, app_name: str, arbiter, checkpoints: Path, seen_pids: set[int]):
+        self.job, self.run_name, self.app_name, self.arbiter = job, run_name, app_name, arbiter
+        self.checkpoints, self.seen_pids = Path(checkpoints), seen_pids
 
     def inject(self, fault: ScheduledFault) -> dict[str, Any]:
         return {
@@ -50,6 +53,7 @@ class FaultInjector:
             "straggler": self._signal_worker,
             "replica_kill": self._kill_replica,
             "controller_kill": self._kill_controller,
+            "arbiter_kill": self._kill_arbiter,
             "node_loss": self._lose_node,
             "checkpoint_corrupt": self._corrupt_checkpoint,
         }[fault.kind](fault)
@@ -92,6 +96,29 @@ class FaultInjector:
         os.kill(pid, signal.SIGKILL)
         return {"kind": fault.kind, "at": at, "pid": pid}
 
+    def _kill_arbiter(self, fault: ScheduledFault) -> dict[str, Any]:
+        import ray
+
+        pid = ray.get(self.arbiter.status.remote(), timeout=60)["pid"]
+        self.seen_pids.add(pid)
+        at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        detected = recovered = None
+        while time.time() - at < ARBITER_RECOVERY_WAIT_S and recovered is None:
+            time.sleep(0.25)
+            try:
+                status = ray.get(self.arbiter.status.remote(), timeout=5)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # not restarted yet
+                continue
+            if status["pid"] == pid:
+                continue  # the signal has not landed yet
+            self.seen_pids.add(status["pid"])
+            detected = detected or time.time() - at
+            if status["last_decision"] is not None:
+                recovered = time.time() - at
+        return {"kind": fault.kind, "at": at, "pid": pid, "detected_s": detected, "recovered_s": recovered,
+                "steps_lost": 0}
+
     def _kill_replica(self, fault: ScheduledFault) -> dict[str, Any]:
         before = replica_pids(self.app_name)
         self.seen_pids.update(before)
@@ -125,7 +152,7 @@ class FaultInjector:
         index = indices[fault.pick % len(indices)]
         node_type = cluster.node_type_of(index)
         replicas_before = self._replica_pids()
-        self._worker_pids()  # the pids about to die, for the left-behind check
+        workers_before = len(self._worker_pids())  # and the pids about to die, for the left-behind check
         at = time.time()
         cluster.remove_node(index)
         time.sleep(max(0.0, at + NODE_DOWN_S - time.time()))
@@ -134,7 +161,7 @@ class FaultInjector:
         regrown = None
         while time.time() - back < REGROW_WAIT_S:
             status = self.job.status()
-            if status["num_workers"] >= self.num_workers and len(self._replica_pids()) >= len(replicas_before):
+            if status["num_workers"] >= workers_before and len(self._replica_pids()) >= len(replicas_before):
                 regrown = time.time() - at
                 break
             time.sleep(0.5)

@@ -2,9 +2,14 @@
 
 The kinds (soak_faults.py carries them out): a worker SIGKILLed, a worker frozen with SIGSTOP (wedged:
 it answers nothing), a straggler (SIGSTOP / SIGCONT in turns, so it runs a share of the time, as a
-throttled chip does), a serving replica SIGKILLed, the job's controller SIGKILLed, a node lost and
-returned, a persisted checkpoint corrupted while every worker dies. Kinds come round in a seeded order,
-so a soak of a few minutes meets most of them and a longer one each of them several times.
+throttled chip does), a serving replica SIGKILLed, the job's controller SIGKILLed, the pool arbiter
+SIGKILLed, a node lost and returned, a persisted checkpoint corrupted while every worker dies. Kinds come
+round in a seeded order, so a soak of a few minutes meets each of them once and a longer one several
+times.
+
+The load beside them (`spiky_rates`) is a base rate with seeded spikes, each one segment long, that the
+served replicas cannot absorb alone: the arbiter has to lend training's devices to serving, then take
+them back when the spike has passed.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-FAULT_KINDS = ("worker_kill", "worker_freeze", "straggler", "replica_kill", "controller_kill", "node_loss",
-               "checkpoint_corrupt")
+FAULT_KINDS = ("worker_kill", "worker_freeze", "straggler", "replica_kill", "controller_kill", "arbiter_kill",
+               "node_loss", "checkpoint_corrupt")
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,19 @@ def fault_schedule(duration_s: float, seed: int, *, first_s: float = 20.0, gap_s
             break
         at += rng.uniform(shortest, longest)
     return faults
+
+
+def spiky_rates(duration_s: float, base_rate: float, spike_rate: float, seed: int, *, segment_s: float = 20.0,
+                spike_every: int = 4) -> list[float]:
+    """Requests/s for each `segment_s` of the soak: `spike_rate` in one segment of every `spike_every`
+    (which one, seeded; never the first, so the arbiter measures the base load first), `base_rate` in
+    the others."""
+    if duration_s <= 0 or not 0 < base_rate <= spike_rate or segment_s <= 0 or spike_every < 2:
+        raise ValueError(f"invalid load: duration_s={duration_s}, base_rate={base_rate}, spike_rate={spike_rate}, "
+                         f"segment_s={segment_s}, spike_every={spike_every}")
+    offset = random.Random(seed).randrange(1, spike_every)
+    segments = max(1, round(duration_s / segment_s))
+    return [spike_rate if segment % spike_every == offset else base_rate for segment in range(segments)]
 
 
 class Throttle:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import socket
 import threading
 import time
@@ -19,15 +21,18 @@ import urllib.error
 import urllib.request
 
 import pytest
+import ray
+import ray.util.state
 
 import baige_ray as br
-from baige_ray.actors.arbiter import ArbiterConfig, ArbiterLoop, JobTrainingSide
+from baige_ray.actors.arbiter import ArbiterConfig, ArbiterLoop, JobTrainingSide, start_pool_arbiter
 from baige_ray.actors.serving_sides import ServeServingSide
 from baige_ray.api.elastic import ElasticConfig
 from baige_ray.jobs.launch import launch
 from baige_ray.ops.events import EventLog
 from baige_ray.policies.lending import LendingAction, LendingPolicy
 from baige_ray.serving import replica_states, serve, shutdown
+from baige_ray.topology.head import head_node_id
 from tests.hf_helpers import SEQ_LEN, VOCAB_SIZE, build_tiny_hf
 
 
@@ -104,6 +109,35 @@ def job_and_app(sim_cluster, tmp_path_factory):
         job.stop()
     except Exception:  # the test already stopped the job and its controller is gone
         pass
+
+
+def test_a_killed_arbiter_is_restarted_on_the_head_node_and_arbitrates_again(job_and_app, tmp_path):
+    """SIGKILL to the PoolArbiter's process: Ray starts it again, it logs the restart and keeps deciding
+    (a capacity this high holds the split, so the pool is left as the next test expects it)."""
+    job, info, model = job_and_app
+    config = ArbiterConfig(slo_p99_s=30.0, replica_capacity=1000.0, capacity_from_reports=False,
+                           train_sizes=(3, 4), poll_interval_s=0.2, event_log=tmp_path / "arbiter.jsonl")
+    arbiter = start_pool_arbiter(job.name, info, model, config)
+    try:
+        before = ray.get(arbiter.status.remote(), timeout=60)
+        os.kill(before["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                after = ray.get(arbiter.status.remote(), timeout=10)
+                if after["pid"] != before["pid"] and after["last_decision"] is not None:
+                    break
+            except ray.exceptions.RayActorError:  # dead, not yet restarted
+                pass
+            assert time.monotonic() < deadline, "the arbiter did not come back"
+            time.sleep(0.2)
+        node = ray.util.state.get_actor(arbiter._actor_id.hex()).node_id
+        assert node == head_node_id()
+        kinds = [json.loads(line)["kind"] for line in (tmp_path / "arbiter.jsonl").read_text().splitlines()]
+        assert kinds[0] == "start" and "arbiter_restart" in kinds and after["last_decision"]["action"] == "hold"
+        assert (after["train_devices"], after["infer_devices"]) == (4, 1)
+    finally:
+        ray.kill(arbiter, no_restart=True)
 
 
 def test_lend_and_reclaim_lose_no_request_and_training_continues(job_and_app):
