@@ -9,7 +9,7 @@ arbiter meets by lending a training device and ends by taking it back. Faults co
 (soak_schedule.py), carried out by soak_faults.py: a worker SIGKILLed, frozen with SIGSTOP or throttled
 into a straggler, a replica SIGKILLed, the controller SIGKILLed, the arbiter SIGKILLed, the worker node
 stopped and started again, and the newest persisted checkpoint damaged while every worker is killed (the
-job must skip it and restore the one before).
+job must skip it and restore the one before), and the checkpoints' disk filled to the last byte for 20 s.
 
 Reported per fault kind: injected, detected, recovered, detection and recovery seconds (p50, max) and
 steps lost. A job fault is detected at the job's first event that answers it (a "failure" or
@@ -22,7 +22,8 @@ answered within `--slo-s`. For the run: the final loss against a fault-free run 
 long-lived process's resident memory from a third of the soak (the tenth minute at most) to the end, and
 the processes still alive after the cluster shut down; the arbiter's lends and reclaims.
 
-Not injected yet (issue #33 names it): the checkpoint disk filled.
+The checkpoints' disk is filled only where the soak may mount a tmpfs of its own for them (root);
+elsewhere that kind is listed under `not_injected`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from baige_ray.bench.measure import report_stage
-from baige_ray.bench.soak_faults import FaultInjector
+from baige_ray.bench.soak_faults import FaultInjector, checkpoint_volume
 from baige_ray.bench.soak_memory import memory_growth
 from baige_ray.bench.soak_schedule import FAULT_KINDS, ScheduledFault, fault_schedule, spiky_rates
 
@@ -74,9 +75,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, data = make_llama_tiny(work / "llama", seq_len=64, vocab_size=512, shape=SHAPE, name="llama-soak")
     schedule = fault_schedule(duration_s, args.seed)
     seen_pids: set[int] = set()
-    with open_cluster(ROOT / "clusters" / "sim-2x4.yaml", log_to_driver=False):
+    with checkpoint_volume(work / "checkpoints") as own_volume, \
+            open_cluster(ROOT / "clusters" / "sim-2x4.yaml", log_to_driver=False):
         report_stage(args, "soak: training, serving and faults", 0, 2)
-        soak = _soak(args, model, data, work, schedule, duration_s, seen_pids)
+        soak = _soak(args, model, data, work, schedule, duration_s, seen_pids, own_volume)
         report_stage(args, "the fault-free run of the same steps", 1, 2)
         clean = _train(model, data, work, "soak-fault-free", soak["steps_done"]).wait()
     soak["left_behind"] = _still_alive(seen_pids)
@@ -106,7 +108,7 @@ def _train(model, data, work: Path, name: str, num_steps: int, faulted: bool = F
 
 
 def _soak(args, model, data, work: Path, schedule: list[ScheduledFault], duration_s: float,
-          seen_pids: set[int]) -> dict[str, Any]:
+          seen_pids: set[int], checkpoints_on_own_volume: bool) -> dict[str, Any]:
     import ray
 
     from baige_ray.actors.arbiter import start_pool_arbiter
@@ -121,7 +123,8 @@ def _soak(args, model, data, work: Path, schedule: list[ScheduledFault], duratio
         capacity = saturated_throughput(info.url + "/generate") / NUM_REPLICAS  # beside training, as in the soak
         arbiter = start_pool_arbiter(RUN_NAME, info, model, _arbiter_config(args, capacity, work))
         memory = _MemorySampler(seen_pids, lambda: {w["pid"] for w in job.status()["workers"]})
-        injector = FaultInjector(job, RUN_NAME, info.app_name, arbiter, work / "checkpoints", seen_pids)
+        injector = FaultInjector(job, RUN_NAME, info.app_name, arbiter, work / "checkpoints", seen_pids,
+                                 checkpoints_on_own_volume=checkpoints_on_own_volume)
         spike_rate = max(args.rate, args.spike_utilization * capacity * NUM_REPLICAS)
         rates = spiky_rates(duration_s, args.rate, spike_rate, args.seed, segment_s=SEGMENT_S)
         arrivals = [at for at in arrival_times(rates, hour_s=SEGMENT_S, seed=args.seed) if at < duration_s]
@@ -136,24 +139,27 @@ def _soak(args, model, data, work: Path, schedule: list[ScheduledFault], duratio
         time.sleep(max(0.0, started + duration_s - time.monotonic()))
         load.join(timeout=120.0)
         memory.stop()
-        ray.get(arbiter.stop.remote(), timeout=60)
         job.stop()
         result = job.wait(timeout_s=300.0)
     finally:
-        if arbiter is not None:
+        if arbiter is not None:  # mid-lend perhaps (a lend waits for training to shrink): its log has its moves
             ray.kill(arbiter, no_restart=True)
         shutdown(info)
     events = _job_events(work / "runs" / RUN_NAME / "events.jsonl")
     wall_started = time.time() - (time.monotonic() - started)
+    not_injected = [o for o in outcomes if "skipped" in o]
+    outcomes = [o for o in outcomes if "skipped" not in o]
     for outcome in outcomes:
         if outcome["kind"] not in FOLLOWED_BY_THE_INJECTOR:
             outcome.update(_job_fault_outcome(outcome, events))
     # Requests in flight on a replica that died: one killed, or every one on a lost node.
     kills = [o["at"] - wall_started for o in outcomes if o["kind"] in ("replica_kill", "node_loss")]
-    moves = [e["kind"] for e in _job_events(work / "arbiter-events.jsonl") if e["kind"] in ("lend", "reclaim")]
-    return {"faults": outcomes, "requests": [vars(a) for a in answers], "replica_kills_s": kills,
-            "replica_capacity": capacity, "spike_rate": spike_rate, "lends": moves.count("lend"),
-            "reclaims": moves.count("reclaim"),
+    moves = [e for e in _job_events(work / "arbiter-events.jsonl") if e["kind"] in ("lend", "reclaim")]
+    return {"faults": outcomes, "not_injected": not_injected, "requests": [vars(a) for a in answers],
+            "replica_kills_s": kills,
+            "replica_capacity": capacity, "spike_rate": spike_rate,
+            "lends": [round(e["took_s"], 1) for e in moves if e["kind"] == "lend"],
+            "reclaims": [round(e["took_s"], 1) for e in moves if e["kind"] == "reclaim"],
             "losses": {m.step: m.loss for m in result.metrics}, "steps_done": max(m.step for m in result.metrics) + 1,
             "memory": memory.growth(min(600.0, duration_s / 3)), "started": started}
 
@@ -183,7 +189,13 @@ def _answers(outcome: dict[str, Any]) -> Callable[[dict], bool]:
     if outcome["kind"] == "checkpoint_corrupt":
         return lambda event: (event["kind"] == "checkpoint" and event["reason"].startswith("skipped persisted step")
                               and event.get("step") == outcome["corrupted_step"])
+    if outcome["kind"] == "checkpoint_disk_full":
+        return lambda event: event["kind"] == "checkpoint" and _persist_failed(event)
     return lambda event: event["kind"] in ("failure", "straggler")
+
+
+def _persist_failed(event: dict) -> bool:
+    return event["reason"].startswith("persisting step") and " failed: " in event["reason"]
 
 
 def _job_fault_outcome(outcome: dict[str, Any], events: list[dict]) -> dict[str, Any]:
@@ -192,6 +204,14 @@ def _job_fault_outcome(outcome: dict[str, Any], events: list[dict]) -> dict[str,
     noticed = next((e for e in events if e["time"] >= at and answers(e) and e["time"] - at <= JOB_EVENT_WAIT_S), None)
     if noticed is None:
         return {"detected_s": None, "recovered_s": None, "steps_lost": None}
+    if outcome["kind"] == "checkpoint_disk_full":  # training never stopped: recovered once a checkpoint lands again
+        persisted = next((e for e in events if e["time"] >= outcome["freed_at"] and e["kind"] == "checkpoint"
+                          and e["reason"].startswith("persisted step")), None)
+        until = persisted["time"] if persisted is not None else float("inf")
+        failed = sum(at <= e["time"] <= until and e["kind"] == "checkpoint" and _persist_failed(e) for e in events)
+        recovered = None if persisted is None else persisted["time"] - at
+        return {"detected_s": noticed["time"] - at, "recovered_s": recovered, "steps_lost": 0,
+                "checkpoints_failed": failed}
     # The recovery's own record: the "recovered" event of its first step done (an earlier one says what it decided).
     recovered = next((e for e in events if e["time"] >= noticed["time"] and e["kind"] == "recovered"
                       and "recovery_s" in e), None)
@@ -287,8 +307,8 @@ def _summary(soak: dict[str, Any], clean, args) -> dict[str, Any]:
         "rss_growth": max(growth.values(), default=0.0), "rss_growth_per_process": growth,
         "rss_window_s": [soak["memory"]["from_s"], soak["memory"]["to_s"]],
         "left_behind": soak["left_behind"], "replica_capacity": round(soak["replica_capacity"], 2),
-        "spike_rate": round(soak["spike_rate"], 2), "lends": soak["lends"], "reclaims": soak["reclaims"],
-        "faults": soak["faults"],
+        "spike_rate": round(soak["spike_rate"], 2), "lends_s": soak["lends"], "reclaims_s": soak["reclaims"],
+        "faults": soak["faults"], "not_injected": soak["not_injected"],
     }
 
 
@@ -316,7 +336,8 @@ def summarize(result: dict[str, Any]) -> str:
     lines += [f"requests {result['requests']}: failed in flight on a killed replica "
               f"{result['failed_requests_on_killed_replicas']}, other {result['failed_requests_other']}; "
               f"within the SLO {result['slo_attainment']:.3f}; spikes at {result['spike_rate']} requests/s (a "
-              f"replica answers {result['replica_capacity']}): {result['lends']} lends, {result['reclaims']} reclaims",
+              f"replica answers {result['replica_capacity']}): lends took {result['lends_s']} s, reclaims "
+              f"{result['reclaims_s']} s",
               f"{result['steps']} steps: final loss {result['final_loss']:.6f} against "
               f"{result['fault_free_final_loss']:.6f} "
               f"fault-free (relative {result['loss_rel_diff']:.2e})",

@@ -16,13 +16,20 @@ process or node hit). How the job noticed and recovered is read afterwards from 
 - checkpoint_corrupt: every worker SIGKILLed and the newest persisted checkpoint's largest file damaged
   in the middle (size unchanged), so the job must restore from disk and meets the damage: it has to
   skip that checkpoint (its checksum) and restore the one before.
+- checkpoint_disk_full: the checkpoints' volume (a tmpfs of its own, `checkpoint_volume`) filled to the
+  last byte for `DISK_FULL_S`, then freed; the job trains on, records each checkpoint that failed, and
+  persists again once there is room. Without the right to mount (not root) it is not injected.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import signal
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +42,9 @@ NODE_DOWN_S = 20.0
 REGROW_WAIT_S = 120.0
 STRAGGLER_LIMIT_S = 90.0
 WORKERS_WAIT_S = 120.0
+DISK_FULL_S = 20.0  # a checkpoint is due every 2-3 s in the soak: several fail
+VOLUME_SIZE = "128m"  # the checkpoints' tmpfs: a tiny model's few checkpoints take a few MB
+FILLER_NAME = "soak-filler.bin"
 
 
 class FaultInjector:
@@ -42,9 +52,11 @@ class FaultInjector:
     handle) and persisted checkpoints under `checkpoints`; every pid it touches goes into `seen_pids`
     (for the left-behind check)."""
 
-    def __init__(self, job, run_name: str, app_name: str, arbiter, checkpoints: Path, seen_pids: set[int]):
+    def __init__(self, job, run_name: str, app_name: str, arbiter, checkpoints: Path, seen_pids: set[int], *,
+                 checkpoints_on_own_volume: bool):
         self.job, self.run_name, self.app_name, self.arbiter = job, run_name, app_name, arbiter
         self.checkpoints, self.seen_pids = Path(checkpoints), seen_pids
+        self.checkpoints_on_own_volume = checkpoints_on_own_volume
 
     def inject(self, fault: ScheduledFault) -> dict[str, Any]:
         return {
@@ -56,6 +68,7 @@ class FaultInjector:
             "arbiter_kill": self._kill_arbiter,
             "node_loss": self._lose_node,
             "checkpoint_corrupt": self._corrupt_checkpoint,
+            "checkpoint_disk_full": self._fill_checkpoint_disk,
         }[fault.kind](fault)
 
     # ----- processes -----
@@ -182,6 +195,49 @@ class FaultInjector:
         step, path = committed[-1]
         damaged = damage_largest_file(path)
         return {"kind": fault.kind, "at": at, "pids": pids, "corrupted_step": step, "damaged": str(damaged)}
+
+
+    def _fill_checkpoint_disk(self, fault: ScheduledFault) -> dict[str, Any]:
+        at = time.time()
+        if not self.checkpoints_on_own_volume:
+            return {"kind": fault.kind, "at": at, "skipped": "the checkpoints are not on a volume of their own "
+                                                               "(mounting one needs root): filling it would fill /tmp"}
+        filler = self.checkpoints / FILLER_NAME
+        filled = fill_volume(filler)
+        time.sleep(max(0.0, at + DISK_FULL_S - time.time()))
+        filler.unlink()
+        return {"kind": fault.kind, "at": at, "filled_bytes": filled, "freed_at": time.time()}
+
+
+@contextlib.contextmanager
+def checkpoint_volume(path: Path) -> Iterator[bool]:
+    """`path` as a tmpfs of its own while the context lasts, so that filling it fills no other disk;
+    yields False (and mounts nothing) where mounting is not allowed."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={VOLUME_SIZE}", "tmpfs", str(path)],
+                             capture_output=True).returncode == 0
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", "--lazy", str(path)], capture_output=True)
+
+
+def fill_volume(filler: Path, chunk_bytes: int = 1 << 20) -> int:
+    """Write zeros to `filler` until its volume has no byte left; returns how many were written."""
+    written, size = 0, chunk_bytes
+    descriptor = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        while size >= 1:
+            try:
+                written += os.write(descriptor, bytes(size))
+            except OSError as error:
+                if error.errno != errno.ENOSPC:
+                    raise
+                size //= 2  # the last bytes, in smaller writes
+        return written
+    finally:
+        os.close(descriptor)
 
 
 def damage_largest_file(checkpoint: Path, length: int = 64) -> Path:

@@ -3,7 +3,8 @@
 The kinds (soak_faults.py carries them out): a worker SIGKILLed, a worker frozen with SIGSTOP (wedged:
 it answers nothing), a straggler (SIGSTOP / SIGCONT in turns, so it runs a share of the time, as a
 throttled chip does), a serving replica SIGKILLed, the job's controller SIGKILLed, the pool arbiter
-SIGKILLed, a node lost and returned, a persisted checkpoint corrupted while every worker dies. Kinds come
+SIGKILLed, a node lost and returned, a persisted checkpoint corrupted while every worker dies, the
+checkpoints' disk full for a while. Kinds come
 round in a seeded order, so a soak of a few minutes meets each of them once and a longer one several
 times.
 
@@ -22,7 +23,7 @@ import time
 from dataclasses import dataclass
 
 FAULT_KINDS = ("worker_kill", "worker_freeze", "straggler", "replica_kill", "controller_kill", "arbiter_kill",
-               "node_loss", "checkpoint_corrupt")
+               "node_loss", "checkpoint_corrupt", "checkpoint_disk_full")
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,14 @@ them, only the newest waiting one is kept: at most one snapshot is being written
 and at most one waits, so memory stays bounded and `submit` never blocks. A
 failed write is recorded in `errors` (with a note naming its step) and logged;
 it is never raised into the training thread, and the next snapshot is tried as usual.
+`on_written` hears of every write, done or failed (the elastic job's events).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,8 @@ from baige_ray.parallel.state import CanonicalState
 logger = logging.getLogger(__name__)
 
 WriteCheckpoint = Callable[..., Path]
+# (step, the error or None, seconds the write took), called on the writer thread.
+OnWritten = Callable[[int, BaseException | None, float], None]
 
 
 @dataclass(frozen=True)
@@ -34,12 +38,14 @@ class _Submission:
 class AsyncPersister:
     """`submit(step, state, meta)` returns at once; a writer thread persists the newest submission under `root`."""
 
-    def __init__(self, root: Path, *, keep_last: int = 3, write: WriteCheckpoint = write_checkpoint):
+    def __init__(self, root: Path, *, keep_last: int = 3, write: WriteCheckpoint = write_checkpoint,
+                 on_written: OnWritten | None = None):
         if keep_last < 1:
             raise ValueError(f"AsyncPersister.keep_last={keep_last!r} is invalid: expected >= 1")
         self.root = Path(root)
         self.keep_last = keep_last
         self._write = write
+        self._on_written = on_written
         self._condition = threading.Condition()
         self._pending: _Submission | None = None
         self._writing = False
@@ -115,12 +121,23 @@ class AsyncPersister:
                     self._condition.notify_all()
 
     def _persist(self, submission: _Submission) -> bool:
+        started = time.perf_counter()
         try:
             self._write(self.root, submission.step, submission.state, meta=submission.meta, keep_last=self.keep_last)
-            return True
         except Exception as error:  # recorded for the owner to inspect; the thread keeps serving
             error.add_note(f"while persisting the checkpoint of step {submission.step} under {self.root}")
             logger.error("persisting step %d under %s failed: %r", submission.step, self.root, error)
             with self._condition:
                 self._errors.append(error)
+            self._report(submission.step, error, started)
             return False
+        self._report(submission.step, None, started)
+        return True
+
+    def _report(self, step: int, error: BaseException | None, started: float) -> None:
+        if self._on_written is None:
+            return
+        try:
+            self._on_written(step, error, time.perf_counter() - started)
+        except Exception:  # a listener's failure is not the checkpoint's
+            logger.exception("the on_written listener failed for step %d", step)

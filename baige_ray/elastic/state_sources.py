@@ -158,7 +158,8 @@ class StateSources:
             self._commit_sharded(step, members, meta)
             return
         if self._persister is None:
-            self._persister = AsyncPersister(self.elastic.persist_path, keep_last=self.elastic.keep_checkpoints)
+            self._persister = AsyncPersister(self.elastic.persist_path, keep_last=self.elastic.keep_checkpoints,
+                                             on_written=self._record_written)
         persister, holders = self._persister, list(enumerate(members))
 
         def gather_and_submit() -> None:  # off the training loop: fetching the snapshot takes a while
@@ -181,6 +182,14 @@ class StateSources:
             return None
         self._staged[step] = begin_checkpoint(self.elastic.persist_path, step)
         return str(self._staged[step])
+
+    def _record_written(self, step: int, error: BaseException | None, seconds: float) -> None:
+        """What the persister did, as the job's event (a full disk, a dead mount: the job trains on)."""
+        if error is not None:
+            self.events.record("checkpoint", f"persisting step {step} failed: {error}", step=step)
+        else:
+            self.events.record("checkpoint", f"persisted step {step} in {seconds:.1f} s", step=step,
+                               seconds=round(seconds, 3))
 
     def _commit_sharded(self, step: int, members: list[Worker], meta: dict) -> None:
         """A thread waits for every rank's files of step `step` and commits the checkpoint; a lost worker

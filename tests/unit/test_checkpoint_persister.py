@@ -108,3 +108,22 @@ def test_corrupting_the_newest_falls_back_to_the_previous_persisted_step(tmp_pat
 def test_keep_last_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="keep_last=0"):
         AsyncPersister(tmp_path, keep_last=0)
+
+
+def test_every_write_done_or_failed_is_reported_to_the_listener(tmp_path, state):
+    heard = []
+    attempts = iter([OSError(28, "No space left on device"), None])
+
+    def write(root, step, state, *, meta, keep_last):
+        if (error := next(attempts)) is not None:
+            raise error
+        return root
+
+    with AsyncPersister(tmp_path, write=write, on_written=lambda *args: heard.append(args)) as persister:
+        persister.submit(24, state, {})
+        assert persister.flush(timeout=30)
+        persister.submit(49, state, {})
+        assert persister.flush(timeout=30)
+    (failed_step, error, _), (done_step, none, seconds) = heard
+    assert (failed_step, done_step, none) == (24, 49, None) and "No space left" in str(error) and seconds >= 0
+    assert persister.last_persisted_step == 49 and len(persister.errors) == 1
