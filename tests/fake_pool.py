@@ -104,6 +104,7 @@ class FakeWorker:
         self.hang_at: int | None = None  # the step that never ends (heartbeats still answer)
         self.die_at: int | None = None  # the step it dies in
         self.die_in_rejoin = False
+        self.freeze_in_rejoin = False
         self.freeze_at: int | None = None  # the step it freezes in
         self._step_began: dict[int, float] = {}
         self.arrived: dict[int, float] = {}  # step -> when this rank reached its collective
@@ -152,6 +153,9 @@ class FakeWorker:
         if self.die_in_rejoin:
             self.kill()
             return Answered(error=RayActorError())
+        if self.freeze_in_rejoin:
+            self.freeze()
+            return Later(lambda: None if self.alive else Answered(error=RayActorError()))
         group = self.cluster.groups.setdefault((membership.store, membership.generation),
                                                Group(membership.world_size))
         group.joined[membership.rank] = self

@@ -45,7 +45,15 @@ class Worker:
                 "device_index": info.device_index, "pid": info.pid, "speed": self.speed, "share": self.share}
 
 
+class MemberSilent(RuntimeError):
+    """A member stopped answering heartbeats while the group regrouped (frozen: SIGSTOP, a hung host)."""
+
+
 class WorkerPool:
+    # A member silent this long while regrouping is taken for frozen (building an engine and loading
+    # state keep the control thread answering, as a step does; a stopped process answers nothing).
+    regroup_silence_s = 5.0
+
     def __init__(self, scaling: ScalingConfig, run_name: str, resource: str, remote_cls: Any,
                  snapshot_slots: int = 2):
         """`remote_cls`: the worker actor class under `ray.remote`, with its concurrency groups."""
@@ -169,13 +177,13 @@ class WorkerPool:
     def by_locality(workers: list[Worker]) -> list[Worker]:
         return sorted(workers, key=lambda w: w.info.location)
 
-    @staticmethod
-    def regroup(members: list[Worker], generation: int, job, layout, state_parts: list, timeout_s: float,
+    def regroup(self, members: list[Worker], generation: int, job, layout, state_parts: list, timeout_s: float,
                 faults: dict | None = None) -> list[dict]:
         """Join `members`, in rank order, into generation `generation`; each builds its engine and loads the state.
 
         Returns each rank's engine report (parameter count, data fingerprint). Raises as soon as one
-        member fails: the others are still waiting for it, and the caller abandons the generation."""
+        member fails or falls silent (MemberSilent): the others are still waiting for it, and the
+        caller abandons the generation."""
         first = members[0]
         store = calls.get(first.actor.host_store.remote(first.info.node_ip), timeout=timeout_s)
         faults = faults or {}
@@ -186,7 +194,29 @@ class WorkerPool:
             )
             for rank, worker in enumerate(members)
         ]
-        return get_failing_fast(refs, timeout_s)
+        return self._answers_while_heard(refs, members, timeout_s)
+
+    def _answers_while_heard(self, refs: list, members: list[Worker], timeout_s: float) -> list:
+        """Every member's answer; the first failure raises at once, and so does a member still working
+        that answers no heartbeat for `regroup_silence_s`."""
+        deadline = time.monotonic() + timeout_s
+        pending = dict(zip(refs, range(len(refs))))
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise GetTimeoutError(f"{len(pending)} of {len(refs)} members unanswered after {timeout_s:.0f}s")
+            done, _ = calls.wait(list(pending), num_returns=1, timeout=min(self.regroup_silence_s, remaining))
+            for ref in done:
+                calls.get(ref)  # raises the member's own failure
+                del pending[ref]
+            if not done:
+                ranks = list(pending.values())
+                heard = self.responsive([members[rank] for rank in ranks], timeout_s=self.regroup_silence_s)
+                silent = [rank for rank, alive in zip(ranks, heard) if not alive]
+                if silent:
+                    raise MemberSilent(f"rank(s) {silent} answered no heartbeat for {self.regroup_silence_s:g}s "
+                                       f"while regrouping")
+        return calls.get(refs)
 
     @staticmethod
     def abandon(workers: list[Worker], generation: int, timeout_s: float = 2.0) -> None:

@@ -152,6 +152,20 @@ def test_a_worker_lost_while_the_group_reforms_is_recovered_from_again(tmp_path)
     assert result["recoveries"][0]["resumed_step"] == 2
 
 
+def test_a_worker_frozen_while_the_group_reforms_is_found_by_its_silence_and_recovered_from(tmp_path):
+    cluster = FakeCluster({"n0": 4})
+    cluster.scripted[1] = {"die_at": 2}
+    cluster.scripted[2] = {"freeze_in_rejoin": True}  # the first spare stops (SIGSTOP) joining the new group
+    pool = FakeWorkerPool(cluster)
+    pool.regroup_silence_s = 0.3
+    ctl = controller(tmp_path, cluster, num_spares=2, pool=pool)
+    started = time.monotonic()
+    result = ctl.run()
+    assert time.monotonic() - started < 30, "the regroup waited out its timeout for the frozen member"
+    assert "lost while regrouping (MemberSilent)" in " ".join(e["reason"] for e in ctl.events.recent())
+    assert losses(result) == fault_free(6) and len(result["workers"]) == 2
+
+
 def test_a_job_below_its_minimum_with_no_capacity_left_fails(tmp_path):
     cluster = FakeCluster({"n0": 1, "n1": 1})
     cluster.hooks.append(lambda worker, step: cluster.lose_node("n1") if step == 2 and "n1" in cluster.slots else None)
