@@ -33,6 +33,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minutes", type=float, default=30.0, help="how long faults and load run")
     parser.add_argument("--seed", type=int, default=0, help="the fault schedule's and the load's seed")
     parser.add_argument("--rate", type=float, default=2.0, help="requests/s of the replayed load between spikes")
-    parser.add_argument("--spike-utilization", type=float, default=1.2,
+    parser.add_argument("--spike-utilization", type=float, default=0.9,
                         help="the load's spikes, as a share of what the served replicas answer (measured)")
     parser.add_argument("--slo-s", type=float, default=2.0, help="the latency a request is answered within")
     parser.add_argument("--work-dir", default=None)
@@ -150,7 +151,7 @@ def _soak(args, model, data, work: Path, schedule: list[ScheduledFault], duratio
     not_injected = [o for o in outcomes if "skipped" in o]
     outcomes = [o for o in outcomes if "skipped" not in o]
     for outcome in outcomes:
-        if outcome["kind"] not in FOLLOWED_BY_THE_INJECTOR:
+        if outcome["kind"] not in FOLLOWED_BY_THE_INJECTOR and "detected_s" not in outcome:
             outcome.update(_job_fault_outcome(outcome, events))
     # Requests in flight on a replica that died: one killed, or every one on a lost node.
     kills = [o["at"] - wall_started for o in outcomes if o["kind"] in ("replica_kill", "node_loss")]
@@ -299,6 +300,7 @@ def _summary(soak: dict[str, Any], clean, args) -> dict[str, Any]:
         "per_kind": per_kind,
         "requests": len(requests), "failed_requests_on_killed_replicas": len(on_killed),
         "failed_requests_other": len(failed) - len(on_killed),
+        "failed_statuses": dict(Counter(str(r["status"]) for r in failed)),  # 0: no answer (timeout, refused)
         "slo_attainment": sum(r["latency_s"] is not None and r["latency_s"] <= args.slo_s for r in requests)
         / max(1, len(requests)),
         "steps": soak["steps_done"], "final_loss": soak["losses"][last], "fault_free_final_loss": clean_losses[last],

@@ -43,6 +43,7 @@ REGROW_WAIT_S = 120.0
 STRAGGLER_LIMIT_S = 90.0
 WORKERS_WAIT_S = 120.0
 DISK_FULL_S = 20.0  # a checkpoint is due every 2-3 s in the soak: several fail
+DISK_FULL_MAX_S = 90.0
 VOLUME_SIZE = "128m"  # the checkpoints' tmpfs: a tiny model's few checkpoints take a few MB
 FILLER_NAME = "soak-filler.bin"
 
@@ -74,15 +75,18 @@ class FaultInjector:
     # ----- processes -----
 
     def _worker_pids(self) -> list[int]:
-        """The job's live workers; while it has none (still restoring from an earlier fault), the fault
-        waits for them: a worker fault needs a worker to hit."""
+        return [w["pid"] for w in self._live_workers()]
+
+    def _live_workers(self) -> list[dict]:
+        """The job's live workers (as its status describes them); while it has none (still restoring from
+        an earlier fault), the fault waits for them: a worker fault needs a worker to hit."""
         deadline = time.monotonic() + WORKERS_WAIT_S
-        while not (pids := [w["pid"] for w in self.job.status()["workers"] if w["pid"] is not None]):
+        while not (workers := [w for w in self.job.status()["workers"] if w["pid"] is not None]):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the job had no live worker for {WORKERS_WAIT_S:g} s")
             time.sleep(0.25)
-        self.seen_pids.update(pids)
-        return pids
+        self.seen_pids.update(w["pid"] for w in workers)
+        return workers
 
     def _signal_worker(self, fault: ScheduledFault) -> dict[str, Any]:
         pids = self._worker_pids()
@@ -149,36 +153,54 @@ class FaultInjector:
         return {"kind": fault.kind, "at": at, "pid": pid, "detected_s": detected, "recovered_s": recovered,
                 "steps_lost": 0}
 
-    def _replica_pids(self) -> list[int]:
-        pids = live_replica_pids(self.app_name)
+    def _replica_pids(self, on_node: str | None = None) -> list[int]:
+        pids = live_replica_pids(self.app_name, on_node=on_node)
         self.seen_pids.update(pids)
         return pids
 
     # ----- a node -----
 
     def _lose_node(self, fault: ScheduledFault) -> dict[str, Any]:
-        """Stop a worker node, start it again NODE_DOWN_S later; how long the job took to regrow."""
+        """Stop a worker node, start it again NODE_DOWN_S later; how long the pool took to regrow. A node
+        holding none of the job's workers is noticed by serving alone (its replicas), or by nothing."""
         from baige_ray.topology.simulated import SimulatedCluster
 
         cluster = SimulatedCluster.active()
         indices = cluster.worker_node_indices
         index = indices[fault.pick % len(indices)]
-        node_type = cluster.node_type_of(index)
-        replicas_before = self._replica_pids()
-        workers_before = len(self._worker_pids())  # and the pids about to die, for the left-behind check
+        node_type, node_id = cluster.node_type_of(index), cluster.node_id_of(index)
+        workers = self._live_workers()
+        workers_on_node = sum(w["node_id"] == node_id for w in workers)
+        replicas_on_node = self._replica_pids(on_node=node_id)
         at = time.time()
+        if not workers_on_node and not replicas_on_node:
+            return {"kind": fault.kind, "at": at, "node": index,
+                    "skipped": "the node held none of the job's workers and no replica"}
         cluster.remove_node(index)
-        time.sleep(max(0.0, at + NODE_DOWN_S - time.time()))
+        replicas_gone = None
+        while time.time() - at < NODE_DOWN_S:
+            if replicas_gone is None and not set(replicas_on_node) & set(self._replica_pids()):
+                replicas_gone = time.time() - at
+            time.sleep(0.25)
         cluster.add_node(node_type, index)
         back = time.time()
         regrown = None
         while time.time() - back < REGROW_WAIT_S:
-            status = self.job.status()
-            if status["num_workers"] >= workers_before and len(self._replica_pids()) >= len(replicas_before):
+            if (self.job.status()["num_workers"] >= len(workers)
+                    and len(self._replica_pids()) >= self._replicas_wanted()):
                 regrown = time.time() - at
                 break
             time.sleep(0.5)
-        return {"kind": fault.kind, "at": at, "node": index, "back_s": round(back - at, 3), "regrown_s": regrown}
+        outcome = {"kind": fault.kind, "at": at, "node": index, "workers_on_node": workers_on_node,
+                   "replicas_on_node": len(replicas_on_node), "back_s": round(back - at, 3), "regrown_s": regrown}
+        if not workers_on_node:  # the job saw nothing: serving's loss and return are the figures
+            outcome.update(detected_s=replicas_gone, recovered_s=regrown, steps_lost=0)
+        return outcome
+
+    def _replicas_wanted(self) -> int:
+        import ray
+
+        return ray.get(self.arbiter.status.remote(), timeout=60)["infer_devices"]
 
     # ----- a checkpoint -----
 
@@ -204,9 +226,16 @@ class FaultInjector:
                                                                "(mounting one needs root): filling it would fill /tmp"}
         filler = self.checkpoints / FILLER_NAME
         filled = fill_volume(filler)
-        time.sleep(max(0.0, at + DISK_FULL_S - time.time()))
+        # Full for DISK_FULL_S, and longer if no checkpoint was due meanwhile (the job recovering from
+        # another fault writes none): the fault is that a write meets the full disk.
+        while time.time() < at + DISK_FULL_MAX_S and (time.time() < at + DISK_FULL_S or not self._persist_failed(at)):
+            time.sleep(0.5)
         filler.unlink()
         return {"kind": fault.kind, "at": at, "filled_bytes": filled, "freed_at": time.time()}
+
+    def _persist_failed(self, since: float) -> bool:
+        return any(e["time"] >= since and e["kind"] == "checkpoint" and " failed: " in e["reason"]
+                   for e in self.job.status()["events"])
 
 
 @contextlib.contextmanager

@@ -64,10 +64,11 @@ def replica_pids(app_name: str) -> list[int]:
     return pids
 
 
-def live_replica_pids(app_name: str) -> list[int]:
-    """Process ids of the application's live replicas, possibly none (this node's Ray state API: the test
-    clusters' processes all run here)."""
+def live_replica_pids(app_name: str, on_node: str | None = None) -> list[int]:
+    """Process ids of the application's live replicas (on Ray node `on_node` only, if given), possibly
+    none (this node's Ray state API: the test clusters' processes all run here)."""
     from ray.util.state import list_actors
 
     actors = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
-    return sorted(a.pid for a in actors if a.class_name.startswith(f"ServeReplica:{app_name}:"))
+    return sorted(a.pid for a in actors if a.class_name.startswith(f"ServeReplica:{app_name}:")
+                  and (on_node is None or a.node_id == on_node))

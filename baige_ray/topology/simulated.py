@@ -99,6 +99,13 @@ class SimulatedCluster:
                              f"{sorted(self._worker_nodes)}")
         self._cluster.remove_node(self._worker_nodes.pop(index))
 
+    def node_id_of(self, index: int) -> str:
+        """The Ray node id of the running non-head node advertising descriptor index `index`."""
+        if index not in self._worker_nodes:
+            raise ValueError(f"index={index} is invalid: expected one of the running non-head nodes "
+                             f"{sorted(self._worker_nodes)}")
+        return self._worker_nodes[index].node_id
+
     @property
     def worker_node_indices(self) -> list[int]:
         """Descriptor indices of the running non-head nodes."""
