@@ -171,7 +171,10 @@ def _arbiter_config(args, capacity: float, work: Path):
     from baige_ray.actors.arbiter import ArbiterConfig
     from baige_ray.policies.lending import LendingPolicy
 
-    return ArbiterConfig(slo_p99_s=args.slo_s, replica_capacity=capacity, min_train_devices=2,
+    # The capacity stays the one measured (closed loop, beside training): what replicas report per busy
+    # second counts a full batch as fast, and a spike then read as 0.5 utilization lent nothing.
+    return ArbiterConfig(slo_p99_s=args.slo_s, replica_capacity=capacity, capacity_from_reports=False,
+                         min_train_devices=2,
                          min_infer_devices=NUM_REPLICAS, train_sizes=(2, 3, 4), load_window_s=4.0,
                          trend_window_s=None, policy=LendingPolicy(cooldown_s=10.0, breach_cooldown_s=10.0),
                          event_log=work / "arbiter-events.jsonl")
