@@ -102,18 +102,13 @@ class Crew:
         self.members, self.layout, self.failed_regroups = members, layout, 0
         self.record.save(self.members, self.layout, self.generation)
 
-    def assume(self, members: list[Worker], *, layout: ParallelLayout | None = None,
-               generation: int | None = None) -> None:
-        """Take `members` as the group without forming it: a regroup that failed part way (recovery
-        works out who is left), or the group a restarted controller found."""
-        self.members = members
-        self.layout = layout or self.layout
-        self.generation = self.generation if generation is None else generation
+    def assume(self, members: list[Worker], *, layout: ParallelLayout, generation: int) -> None:
+        """Take `members` as the group without forming it: the group a restarted controller found."""
+        self.members, self.layout, self.generation = members, layout, generation
 
-    def regroup_failed(self, members: list[Worker]) -> int:
-        """A regroup of `members` failed part way; they stay the group recovery starts from. Returns
-        how many regroups in a row have failed."""
-        self.assume(members)
+    def regroup_failed(self) -> int:
+        """A regroup failed part way; the generation that last formed stays the group recovery starts
+        from (its snapshots match its layout). Returns how many regroups in a row have failed."""
         self.failed_regroups += 1
         return self.failed_regroups
 

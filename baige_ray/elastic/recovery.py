@@ -194,14 +194,21 @@ class Recovery:
         return ordered[:size]
 
     def lost_during_regroup(self, members: list[Worker], error: Exception) -> tuple[Phase, str]:
-        """A regroup failed part way (here or in a resize): recover again with those of `members` left."""
+        """A regroup of `members` failed part way (here or in a resize): recover again from the generation
+        that last formed (its snapshots match its layout), without those of it that are gone. Workers
+        that were joining it (spares, growth) go back to the spares if they still answer."""
+        formed = list(self.crew.members)
+        joining = [w for w in members if w.name not in {f.name for f in formed}]
         # Heartbeats, not pings: the living may still be blocked in the failed rendezvous.
-        answered = self.pool.responsive(members, timeout_s=2.0)
+        answered = dict(zip((w.name for w in formed + joining),
+                            self.pool.responsive(formed + joining, timeout_s=2.0)))
         dead = {rank: f"lost while regrouping ({type(error).__name__})"
-                for rank, alive in enumerate(answered) if not alive}
+                for rank, worker in enumerate(formed) if not answered[worker.name]}
         # The living may wait for the dead to arrive: free them before the next regroup queues behind.
-        self.pool.abandon([w for w, alive in zip(members, answered) if alive], self.crew.generation)
-        failures = self.crew.regroup_failed(members)
+        self.pool.abandon([w for w in formed + joining if answered[w.name]], self.crew.generation)
+        self.crew.add_spares([w for w in joining if answered[w.name] and w.share >= 1])
+        self.pool.stop([w for w in joining if not answered[w.name] or w.share < 1])
+        failures = self.crew.regroup_failed()
         if not dead and failures > MAX_REGROUP_RETRIES:
             return Phase.FAILED, f"regrouping failed {failures} times with every worker alive: {error}"
         # With everyone alive the rendezvous itself failed (e.g. it waited on a member that died

@@ -236,6 +236,31 @@ def test_the_job_grows_back_when_capacity_returns(tmp_path):
     assert losses(result) == fault_free(60)
 
 
+def test_a_member_lost_while_the_job_grows_is_recovered_from_the_generation_that_formed(tmp_path):
+    """The growth regroup (2 -> 3 workers) loses rank 0: recovery reads the 2-worker generation's
+    snapshots in its own layout (it read the 3 joining ranks' in the 2-rank layout and raised), and the
+    worker that was joining takes the lost rank."""
+    cluster = FakeCluster({"n0": 2, "n1": 1})
+    cluster.step_s = 0.01
+    ctl = controller(tmp_path, cluster, workers=3, steps=60, min_workers=1)
+    thread, out = run_in_thread(ctl)
+    wait_for_step(ctl, 3)
+    cluster.lose_node("n1")
+    deadline = time.monotonic() + 10
+    while ctl.status()["num_workers"] != 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    cluster.named(ctl.crew.members[0].name).die_in_rejoin = True
+    # The joining worker holds an old snapshot, as a survivor left over by an earlier shrink does.
+    cluster.scripted[len(cluster.workers)] = {"snapshots": [(0, {"model": {"w": 1.0}, "optimizer": {}})]}
+    cluster.add_node("n2", 1)
+    thread.join(20)
+    result = out["result"]
+    assert ctl.status()["state"] == "finished"
+    assert "lost while regrouping (RayActorError)" in " ".join(e["reason"] for e in ctl.events.recent(200))
+    assert losses(result) == fault_free(60)
+
+
 def test_a_stop_request_ends_the_job_at_a_step_boundary(tmp_path):
     cluster = FakeCluster({"n0": 2})
     cluster.step_s = 0.01
