@@ -67,6 +67,13 @@ def run_in_thread(ctl: ElasticController) -> tuple[threading.Thread, dict]:
     return thread, out
 
 
+def wait_for_workers(ctl: ElasticController, count: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while ctl.status()["num_workers"] != count:
+        assert time.monotonic() < deadline, f"the job never had {count} workers"
+        time.sleep(0.01)
+
+
 def wait_for_step(ctl: ElasticController, step: int, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while ctl.step < step:
@@ -212,21 +219,23 @@ def test_harvest_ranks_join_beside_replicas_and_are_given_back(tmp_path):
     assert losses(result) == fault_free(40)
 
 
-def test_the_job_grows_back_when_capacity_returns(tmp_path):
-    cluster = FakeCluster({"n0": 1, "n1": 1})
+def running_until_n1_is_lost(tmp_path: Path, nodes: dict[str, int]):
+    """A 60-step job on every device of `nodes`, running in a thread, shrunk by the loss of node n1."""
+    cluster = FakeCluster(nodes)
     cluster.step_s = 0.01
-    ctl = controller(tmp_path, cluster, workers=2, steps=60, min_workers=1)
+    workers = sum(nodes.values())
+    ctl = controller(tmp_path, cluster, workers=workers, steps=60, min_workers=1)
     thread, out = run_in_thread(ctl)
     wait_for_step(ctl, 3)
     cluster.lose_node("n1")
-    deadline = time.monotonic() + 5
-    while ctl.status()["num_workers"] != 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for_workers(ctl, workers - nodes["n1"])
+    return cluster, ctl, thread, out
+
+
+def test_the_job_grows_back_when_capacity_returns(tmp_path):
+    cluster, ctl, thread, out = running_until_n1_is_lost(tmp_path, {"n0": 1, "n1": 1})
     cluster.add_node("n2", 1)
-    while ctl.status()["num_workers"] != 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for_workers(ctl, 2)
     thread.join(10)
     result = out["result"]
     resizes = [e for e in ctl.events.recent(200) if e["kind"] == "resize"]
@@ -240,16 +249,7 @@ def test_a_member_lost_while_the_job_grows_is_recovered_from_the_generation_that
     """The growth regroup (2 -> 3 workers) loses rank 0: recovery reads the 2-worker generation's
     snapshots in its own layout (it read the 3 joining ranks' in the 2-rank layout and raised), and the
     worker that was joining takes the lost rank."""
-    cluster = FakeCluster({"n0": 2, "n1": 1})
-    cluster.step_s = 0.01
-    ctl = controller(tmp_path, cluster, workers=3, steps=60, min_workers=1)
-    thread, out = run_in_thread(ctl)
-    wait_for_step(ctl, 3)
-    cluster.lose_node("n1")
-    deadline = time.monotonic() + 10
-    while ctl.status()["num_workers"] != 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    cluster, ctl, thread, out = running_until_n1_is_lost(tmp_path, {"n0": 2, "n1": 1})
     cluster.named(ctl.crew.members[0].name).die_in_rejoin = True
     # The joining worker holds an old snapshot, as a survivor left over by an earlier shrink does.
     cluster.scripted[len(cluster.workers)] = {"snapshots": [(0, {"model": {"w": 1.0}, "optimizer": {}})]}
