@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from baige_ray.bench.measure import report_stage
-from baige_ray.bench.soak_faults import FaultInjector, checkpoint_volume
+from baige_ray.bench.soak_faults import FaultInjector, checkpoint_volume, persist_failed
 from baige_ray.bench.soak_memory import memory_growth
 from baige_ray.bench.soak_schedule import FAULT_KINDS, ScheduledFault, fault_schedule, spiky_rates
 
@@ -194,12 +194,8 @@ def _answers(outcome: dict[str, Any]) -> Callable[[dict], bool]:
         return lambda event: (event["kind"] == "checkpoint" and event["reason"].startswith("skipped persisted step")
                               and event.get("step") == outcome["corrupted_step"])
     if outcome["kind"] == "checkpoint_disk_full":
-        return lambda event: event["kind"] == "checkpoint" and _persist_failed(event)
+        return persist_failed
     return lambda event: event["kind"] in ("failure", "straggler")
-
-
-def _persist_failed(event: dict) -> bool:
-    return event["reason"].startswith("persisting step") and " failed: " in event["reason"]
 
 
 def _job_fault_outcome(outcome: dict[str, Any], events: list[dict]) -> dict[str, Any]:
@@ -212,7 +208,7 @@ def _job_fault_outcome(outcome: dict[str, Any], events: list[dict]) -> dict[str,
         persisted = next((e for e in events if e["time"] >= outcome["freed_at"] and e["kind"] == "checkpoint"
                           and e["reason"].startswith("persisted step")), None)
         until = persisted["time"] if persisted is not None else float("inf")
-        failed = sum(at <= e["time"] <= until and e["kind"] == "checkpoint" and _persist_failed(e) for e in events)
+        failed = sum(at <= e["time"] <= until and persist_failed(e) for e in events)
         recovered = None if persisted is None else persisted["time"] - at
         return {"detected_s": noticed["time"] - at, "recovered_s": recovered, "steps_lost": 0,
                 "checkpoints_failed": failed}

@@ -218,7 +218,6 @@ class FaultInjector:
         damaged = damage_largest_file(path)
         return {"kind": fault.kind, "at": at, "pids": pids, "corrupted_step": step, "damaged": str(damaged)}
 
-
     def _fill_checkpoint_disk(self, fault: ScheduledFault) -> dict[str, Any]:
         at = time.time()
         if not self.checkpoints_on_own_volume:
@@ -234,8 +233,13 @@ class FaultInjector:
         return {"kind": fault.kind, "at": at, "filled_bytes": filled, "freed_at": time.time()}
 
     def _persist_failed(self, since: float) -> bool:
-        return any(e["time"] >= since and e["kind"] == "checkpoint" and " failed: " in e["reason"]
-                   for e in self.job.status()["events"])
+        return any(e["time"] >= since and persist_failed(e) for e in self.job.status()["events"])
+
+
+def persist_failed(event: dict) -> bool:
+    """Whether a job event says a checkpoint could not be written."""
+    return (event["kind"] == "checkpoint" and event["reason"].startswith("persisting step")
+            and " failed: " in event["reason"])
 
 
 @contextlib.contextmanager

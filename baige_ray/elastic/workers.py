@@ -245,15 +245,3 @@ def kill_named_actors(prefixes: tuple[str, ...], keep: set[str] = frozenset()) -
             except ValueError:  # gone meanwhile
                 pass
     return killed
-
-
-def get_failing_fast(refs: list[ray.ObjectRef], timeout_s: float) -> list:
-    """`ray.get(refs)`, but the first failure raises when it happens, not once every other call ends."""
-    deadline = time.monotonic() + timeout_s
-    pending = list(refs)
-    while pending:
-        done, pending = calls.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        if not done:
-            raise GetTimeoutError(f"{len(pending)} of {len(refs)} calls unanswered after {timeout_s:.0f}s")
-        calls.get(done[0])
-    return calls.get(refs)

@@ -410,7 +410,7 @@ class ModelServer:
             self._ongoing -= 1
 
     async def token_completions(self, prompt: list[int],
-                                params: list[SamplingParams]) -> AsyncIterator[list[list[int]] | None]:
+                                params: list[SamplingParams]) -> AsyncIterator[int | list[list[int]]]:
         """One completion of `prompt` per entry of `params` (an RL group), decoded in one batch, for callers
         in the cluster (a deployment handle with stream=True): yields this replica's process id once the
         first token is sampled (who is busy, for a fault injector to pick), then every completion's token

@@ -94,17 +94,18 @@ class SimulatedCluster:
         """Stop the node advertising descriptor index `index` (never the head node 0)."""
         if self._cluster is None:
             raise RuntimeError("SimulatedCluster.remove_node called before start()")
-        if index not in self._worker_nodes:
-            raise ValueError(f"index={index} is invalid: expected one of the running non-head nodes "
-                             f"{sorted(self._worker_nodes)}")
-        self._cluster.remove_node(self._worker_nodes.pop(index))
+        self._cluster.remove_node(self._running_worker_node(index))
+        del self._worker_nodes[index]
 
     def node_id_of(self, index: int) -> str:
         """The Ray node id of the running non-head node advertising descriptor index `index`."""
+        return self._running_worker_node(index).node_id
+
+    def _running_worker_node(self, index: int):
         if index not in self._worker_nodes:
             raise ValueError(f"index={index} is invalid: expected one of the running non-head nodes "
                              f"{sorted(self._worker_nodes)}")
-        return self._worker_nodes[index].node_id
+        return self._worker_nodes[index]
 
     @property
     def worker_node_indices(self) -> list[int]:
