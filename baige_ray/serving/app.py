@@ -47,17 +47,20 @@ from baige_ray.serving.disaggregation import (
 from baige_ray.serving.expert_parallel import ExpertParallelServing
 from baige_ray.serving.kv_blocks import KVCacheConfig
 from baige_ray.serving.openai_api import CompletionLimits
+from baige_ray.serving.prefix_router import INGRESS_DEPLOYMENT, PrefixRoutingIngress, router_config
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, get_or_create_registry, registry_name
 from baige_ray.serving.requests import RequestLimits
 from baige_ray.serving.vllm_engine import vllm_available
 
 ENGINES = ("builtin", "vllm")
+ROUTINGS = ("default", "prefix")
 
 logger = logging.getLogger(__name__)
 
 DEPLOYMENT_NAME = "ModelServer"
 _BUSY_REPLICA_STATES = ("STARTING", "UPDATING", "RECOVERING", "STOPPING", "PENDING_MIGRATION")
 STARTUP_POLL_S = 0.2
+INGRESS_MAX_ONGOING = 4096  # the prefix-routing ingress only relays: the replicas' own bounds hold
 # How Serve's deployment status message begins once a replica's constructor raised (ray 2.x); the
 # deployment turns DEPLOY_FAILED only after three such failures in a row.
 _REPLICA_START_FAILED = "A replica failed to start"
@@ -67,8 +70,9 @@ _REPLICA_START_FAILED = "A replica failed to start"
 class ServeHandleInfo:
     url: str
     app_name: str
-    deployment_name: str = DEPLOYMENT_NAME  # the one that takes HTTP (with disaggregation: the decode side)
+    deployment_name: str = DEPLOYMENT_NAME  # the replicas (with disaggregation: the decode side, which takes HTTP)
     prefill_deployment_name: str | None = None  # set when the application is disaggregated
+    ingress_deployment_name: str | None = None  # set with routing="prefix": it takes HTTP, routes to the replicas
     split: SplitPolicy | None = None  # how a disaggregated application's sides are sized
 
     @property
@@ -91,10 +95,16 @@ class ServeOptions:
     disaggregation: DisaggregationOptions | None = None  # prefill and decode on separate replicas
     expert_parallel: ExpertParallelServing | None = None  # each replica's experts over expert ranks
     kv_cache: KVCacheConfig | None = None  # the built-in engine's prefix cache (serving/kv_blocks.py)
+    routing: str = "default"  # or "prefix": to the replica holding the prompt's prefix (serving/prefix_router.py)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"ServeOptions.engine={self.engine!r} is invalid: expected one of {list(ENGINES)}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"ServeOptions.routing={self.routing!r} is invalid: expected one of {list(ROUTINGS)}")
+        if self.routing == "prefix" and self.disaggregation is not None:
+            raise ValueError("ServeOptions.routing='prefix' is set with disaggregation: decode replicas take HTTP "
+                             "themselves and hand prompts to prefill replicas; use routing='default'")
         if self.disaggregation is not None:
             self._check_disaggregation()
         if self.expert_parallel is not None:
@@ -200,6 +210,7 @@ def serve(
     disaggregation: DisaggregationOptions | None = None,
     expert_parallel: ExpertParallelServing | None = None,
     kv_cache: KVCacheConfig | None = None,
+    routing: str = "default",
 ) -> ServeHandleInfo:
     """Serve the model in `source` as application `name`; returns once every replica has generated a
     token through its engine and answers. Raises ServingError with the engine's error, and leaves no
@@ -225,14 +236,17 @@ def serve(
     With `kv_cache` (built-in engine) each replica keeps its prompts' and answers' keys and values in
     blocks found by their prefix, in device, host and disk tiers of the sizes given: a prompt starting
     with cached blocks (a shared system prompt, the turns of a chat so far) prefills only the rest;
-    GET /health reports hits per tier. vLLM replicas run vLLM's own prefix caching.
+    GET /health reports hits per tier. vLLM replicas run vLLM's own prefix caching. With
+    `routing="prefix"` a thin ingress takes HTTP and sends each request to the replica that holds the
+    longest prefix of its prompt, or to the least loaded when that one is overloaded
+    (serving/prefix_router.py); answers are the same as without it.
     """
     settings = ServeOptions(
         route_prefix=route_prefix, host=host, port=port, num_replicas=num_replicas,
         ray_actor_options=ray_actor_options, device_share=device_share, max_batch_size=max_batch_size,
         max_ongoing_requests=max_ongoing_requests,
         max_queued_requests=max_queued_requests, engine=engine, disaggregation=disaggregation,
-        expert_parallel=expert_parallel, kv_cache=kv_cache,
+        expert_parallel=expert_parallel, kv_cache=kv_cache, routing=routing,
     )
     limits = limits or RequestLimits()
     step, state_ref, config = _resolve_source(source, model_config)
@@ -325,6 +339,8 @@ def _bind(settings: ServeOptions, name: str, limits: RequestLimits,
     )
     if settings.expert_parallel is not None:  # an expert rank takes what a replica takes: a device each
         server_options.update(expert_parallel=settings.expert_parallel, expert_actor_options=actor_options)
+    if settings.disaggregation is None and settings.routing == "prefix":
+        return _bind_prefix_routed(settings, deployment_options, server_options, limits, completion_limits)
     if settings.disaggregation is None:
         application = ray_serve.deployment(ModelServer).options(
             name=DEPLOYMENT_NAME, num_replicas=settings.num_replicas,
@@ -335,6 +351,21 @@ def _bind(settings: ServeOptions, name: str, limits: RequestLimits,
                                      server_options=server_options, max_queued_requests=settings.max_queued_requests)
     return application, dict(deployment_name=DECODE_DEPLOYMENT, prefill_deployment_name=PREFILL_DEPLOYMENT,
                               split=settings.disaggregation.split)
+
+
+def _bind_prefix_routed(settings: ServeOptions, deployment_options: dict, server_options: dict, limits: RequestLimits,
+                        completion_limits: CompletionLimits) -> tuple[Any, dict[str, Any]]:
+    """The replicas behind a prefix-routing ingress: the replicas' queue bound now holds at the ingress's
+    handle, and the ingress (an async relay, no device) passes on whatever the replicas can take."""
+    servers = ray_serve.deployment(ModelServer).options(
+        name=DEPLOYMENT_NAME, num_replicas=settings.num_replicas, max_queued_requests=settings.max_queued_requests,
+        **deployment_options, **router_config(),
+    ).bind(**server_options)
+    ingress = ray_serve.deployment(PrefixRoutingIngress).options(
+        name=INGRESS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=INGRESS_MAX_ONGOING, logging_config={"enable_access_log": False},
+    ).bind(servers, max(limits.max_body_bytes, completion_limits.max_body_bytes))
+    return ingress, dict(ingress_deployment_name=INGRESS_DEPLOYMENT)
 
 
 def _proxy_address(host: str, port: int) -> tuple[str, int]:
@@ -420,6 +451,12 @@ def serving_events(info: ServeHandleInfo, n: int = 20) -> list[dict]:
     """The application's last `n` events (ops/events.py), oldest first: e.g. a "failure" when a replica's
     engine failed, with its replica id, rank, node and the engine's error."""
     return ray.get(_registry(info).events.remote(n))
+
+
+def prefix_cache_stats(info: ServeHandleInfo) -> dict[str, dict]:
+    """Each replica's prefix cache (built-in engine with `kv_cache`) as it last reported it: blocks,
+    hits per tier, misses, bytes moved between tiers."""
+    return ray.get(_registry(info).prefix_caches.remote())
 
 
 def busy_seconds(info: ServeHandleInfo) -> dict[str, float]:

@@ -75,6 +75,7 @@ from baige_ray.serving.openai_api import (
     usage_chunk,
 )
 from baige_ray.serving.openai_chat import chat_chunk, chat_response, parse_chat_request
+from baige_ray.serving.prefix_router import ResponseHead, RoutedRequest
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, registry_name
 from baige_ray.serving.requests import (
     GenerateRequest,
@@ -275,14 +276,32 @@ class ModelServer:
             return _error(503, f"{error}; retry after {RETRY_AFTER_S} s", openai=openai,
                           headers={"Retry-After": str(RETRY_AFTER_S)})
 
+    async def routed(self, request: RoutedRequest) -> AsyncIterator[ResponseHead | bytes]:
+        """The answer to an HTTP request a prefix-routing ingress forwarded (serving/prefix_router.py), as
+        `__call__` gives it: its head, then its body (server-sent events chunk by chunk)."""
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": request.body, "more_body": False}
+
+        response = await self(Request(request.scope, receive))
+        streamed = isinstance(response, StreamingResponse)
+        yield ResponseHead(status=response.status_code, headers=list(response.raw_headers), streamed=streamed)
+        if not streamed:
+            yield response.body
+            return
+        try:
+            async for chunk in response.body_iterator:
+                yield chunk if isinstance(chunk, bytes) else chunk.encode()
+        finally:
+            await response.body_iterator.aclose()  # a client gone mid-stream: its request leaves the batch
+
     def _health(self) -> JSONResponse:
         health = {"status": "ok", "step": self._step, "replica": self._replica, "node_id": self._node,
                   "devices": self._devices, "compute_device": str(self._compute_device)}
         if self._expert_ranks is not None:
             health["experts"] = self._expert_ranks.stats()
-        engine = self._runner.engine if self._runner is not None else None
-        if isinstance(engine, ContinuousBatchingEngine) and engine.prefixes is not None:
-            health["prefix_cache"] = engine.prefixes.report()
+        if (prefix_cache := self._prefix_cache_report()) is not None:
+            health["prefix_cache"] = prefix_cache
         try:
             self.check_health()
         except EngineFailed as error:  # 503 until Serve replaces the replica
@@ -467,12 +486,19 @@ class ModelServer:
             newest = await self._registry.report.remote(
                 self._replica, latencies, busy_s, self._ongoing, self._version,
                 device=(self._node, self._devices[0]) if self._devices else None, engine=self._engine_load(),
+                prefix_cache=self._prefix_cache_report(),
             )
             self._metrics.queue_depth(self._ongoing, replica=self._replica)
             if newest == self._version:  # until the next report, or sooner if new weights are published
                 newest = await self._registry.newer_weights.remote(self._version, REPORT_INTERVAL_S)
             if newest != self._version:
                 await self._load_newest_weights()  # then report at once that they are loaded
+
+    def _prefix_cache_report(self) -> dict | None:
+        engine = self._runner.engine if self._runner is not None else None
+        if isinstance(engine, ContinuousBatchingEngine) and engine.prefixes is not None:
+            return engine.prefixes.report()
+        return None
 
     def _engine_load(self) -> EngineLoad | None:
         engine = self._runner.engine if self._runner is not None else None

@@ -44,6 +44,7 @@ class ServingRegistry:
         self._ledger = RequestLedger()
         self._loaded_versions: dict[str, int] = {}
         self._devices: dict[str, tuple[str, int]] = {}
+        self._prefix_caches: dict[str, dict] = {}  # replica -> its prefix cache's last report
         self._events = EventLog(None)
         self._published = asyncio.Event()  # set, and replaced, at each publish: wakes the replicas' long polls
         self._reported_load = asyncio.Event()  # likewise when a replica reports new weights loaded
@@ -75,11 +76,14 @@ class ServingRegistry:
         return self._version, self._step, self._model_config, [self._state_ref]
 
     async def report(self, replica: str, latencies: list[float], busy_s: float, ongoing: int, loaded_version: int,
-                     device: tuple[str, int] | None = None, engine: EngineLoad | None = None) -> int:
-        """Account a replica's recent work (and the (node id, device index) it runs on, if any, and its
-        engine's role and queue); answers the newest weights version."""
+                     device: tuple[str, int] | None = None, engine: EngineLoad | None = None,
+                     prefix_cache: dict | None = None) -> int:
+        """Account a replica's recent work (and the (node id, device index) it runs on, if any, its
+        engine's role and queue, its prefix cache's counts); answers the newest weights version."""
         if device is not None:
             self._devices[replica] = (str(device[0]), int(device[1]))
+        if prefix_cache is not None:
+            self._prefix_caches[replica] = prefix_cache
         now = time.time()
         self._ledger.record(replica, now, latencies, busy_s, ongoing, engine)
         if self._loaded_versions.get(replica) != loaded_version:
@@ -115,6 +119,10 @@ class ServingRegistry:
     def replica_devices(self) -> dict[str, tuple[str, int]]:
         """(node id, device index) of each replica that holds a device."""
         return dict(self._devices)
+
+    def prefix_caches(self) -> dict[str, dict]:
+        """Each replica's prefix cache as it last reported it (blocks, hits per tier, misses, bytes moved)."""
+        return dict(self._prefix_caches)
 
     def requests_served(self) -> int:
         return self._ledger.requests_served()
