@@ -12,7 +12,9 @@ p99 (submit to first token), generated tokens/s, hits per tier, bytes moved betw
 - `tiers`: many system prompts visited in turn, the device tier a quarter of the working set, the
   host tier another quarter and the rest on disk, so most hits come from host memory and disk.
 
-Cache-aware routing over 2 replicas (`routing_hit_rate_vs_single`) is not built yet: reported null.
+- `routing`: the hit rate of 2 replicas behind `serve(..., routing="prefix")` over one replica's, against
+  Serve's default routing, on a text workload of the same kind through the `openai` client
+  (bench/prefix_routing.py; `--no-routing` leaves it out).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from baige_ray.bench.measure import report_stage
+from baige_ray.bench.prefix_routing import run_routing
 
 # Grouped-query attention as in the models users serve (2 KV heads of 64): keys and values are small
 # beside the compute that makes them, which is what makes keeping them pay.
@@ -42,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-tokens", type=int, default=16)
     parser.add_argument("--quick", action="store_true", help="fewer requests, concurrency 4 only")
     parser.add_argument("--work-dir", default=None, help="the disk tier's directory (default: a temp dir)")
+    parser.add_argument("--no-routing", action="store_true", help="leave out routing over 2 served replicas")
 
 
 @dataclass(frozen=True)
@@ -174,24 +178,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         turns=3, system_tokens=args.system_tokens, user_tokens=args.user_tokens,
                         vocab=MODEL_SHAPE["vocab_size"])
     run_engine(model, sessions[:2], concurrency=2, answer_tokens=2)  # warm-up: first forwards are slow
-    by_level = {}
+    by_level, stages = {}, 2 * len(levels) + 2
     for index, level in enumerate(levels):
-        report_stage(args, f"concurrency {level}: without reuse", 2 * index, 2 * len(levels) + 1)
+        report_stage(args, f"concurrency {level}: without reuse", 2 * index, stages)
         none = run_engine(model, sessions, concurrency=level, answer_tokens=args.answer_tokens)
-        report_stage(args, f"concurrency {level}: with reuse", 2 * index + 1, 2 * len(levels) + 1)
+        report_stage(args, f"concurrency {level}: with reuse", 2 * index + 1, stages)
         reuse = run_engine(model, sessions, concurrency=level, answer_tokens=args.answer_tokens,
                            store=_store(args.block_tokens, 1 << 30))
         by_level[level] = {"none": none.summary(), "reuse": reuse.summary(),
                            "tokens_equal": sorted(none.answers) == sorted(reuse.answers)}
-    report_stage(args, "working set 4x the device tier", 2 * len(levels), 2 * len(levels) + 1)
+    report_stage(args, "working set 4x the device tier", 2 * len(levels), stages)
     tiers = _tiers(model, args, quick)
+    report_stage(args, "routing over 2 served replicas", 2 * len(levels) + 1, stages)
+    routing = None if args.no_routing else run_routing(args, MODEL_SHAPE, _work_dir(args))
     worst = min(levels, key=lambda level: by_level[level]["none"]["ttft_p50_s"] / by_level[level]["reuse"]["ttft_p50_s"])
     return {
         "ttft_p50_speedup": min(v["none"]["ttft_p50_s"] / v["reuse"]["ttft_p50_s"] for v in by_level.values()),
         "throughput_speedup": min(v["reuse"]["tokens_per_s"] / v["none"]["tokens_per_s"] for v in by_level.values()),
         "tier_ttft_p50_speedup": tiers["none"]["ttft_p50_s"] / tiers["tiered"]["ttft_p50_s"],
-        "routing_hit_rate_vs_single": None,
-        "not_measured": ["cache-aware routing over 2 replicas: not built yet"],
+        "routing_hit_rate_vs_single": routing["routing_hit_rate_vs_single"] if routing else None,
+        "default_routing_hit_rate_vs_single": routing["default_hit_rate_vs_single"] if routing else None,
+        "routing": routing,
         "tokens_equal": all(v["tokens_equal"] for v in by_level.values()) and tiers["tokens_equal"],
         "worst_concurrency": worst, "by_concurrency": by_level, "tiers": tiers,
         "workload": {"sessions": len(sessions), "system_tokens": args.system_tokens, "user_tokens": args.user_tokens,
@@ -207,12 +214,18 @@ def _tiers(model, args: argparse.Namespace, quick: bool) -> dict[str, Any]:
                         system_tokens=args.system_tokens, user_tokens=args.user_tokens, vocab=MODEL_SHAPE["vocab_size"])
     block = block_size_bytes(args.block_tokens)
     working_set = systems * (args.system_tokens + args.user_tokens + args.answer_tokens) // args.block_tokens * block
-    directory = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-prefix-")) / "kv"
+    directory = _work_dir(args) / "kv"
     store = _store(args.block_tokens, working_set // 4, working_set // 4, 2 * working_set, str(directory))
     none = run_engine(model, sessions, concurrency=1, answer_tokens=args.answer_tokens)
     tiered = run_engine(model, sessions, concurrency=1, answer_tokens=args.answer_tokens, store=store)
     return {"working_set_bytes": working_set, "device_bytes": working_set // 4, "host_bytes": working_set // 4,
             "none": none.summary(), "tiered": tiered.summary(), "tokens_equal": none.answers == tiered.answers}
+
+
+def _work_dir(args: argparse.Namespace) -> Path:
+    if args.work_dir is None:
+        args.work_dir = tempfile.mkdtemp(prefix="bench-prefix-")
+    return Path(args.work_dir)
 
 
 def summarize(result: dict[str, Any]) -> str:
@@ -226,6 +239,9 @@ def summarize(result: dict[str, Any]) -> str:
     lines.append(f"working set {tiers['working_set_bytes'] / 2**20:.1f} MiB, device tier a quarter: TTFT p50 "
                  f"{1000 * tiers['none']['ttft_p50_s']:.1f} ms recomputed, {1000 * tiers['tiered']['ttft_p50_s']:.1f} ms "
                  f"from the tiers; hits {tiers['tiered']['cache']['hits']}")
+    for name, one in (result["routing"] or {}).get("runs", {}).items():
+        lines.append(f"{name:>8} routing, {one['replicas']} replica(s): hit rate {one['hit_rate']:.3f}, TTFT p50 "
+                     f"{1000 * one['ttft_p50_s']:.1f} ms, p99 {1000 * one['ttft_p99_s']:.1f} ms")
     lines.append(f"TTFT p50 speedup {result['ttft_p50_speedup']:.2f}x, tokens/s {result['throughput_speedup']:.2f}x, "
                  f"tiers {result['tier_ttft_p50_speedup']:.2f}x; tokens equal: {result['tokens_equal']}")
     return "\n".join(lines)

@@ -82,3 +82,17 @@ def test_the_text_a_request_is_routed_on(payload, expected):
 
 def test_a_malformed_body_is_routed_on_nothing():
     assert routing_text(b"{not json") == "" and routing_text(b"[1, 2]") == "" and routing_text(b"\xff") == ""
+
+
+def test_the_routing_benchs_workload_shares_system_prompts_and_gives_each_chat_its_own():
+    from baige_ray.bench.prefix_routing import text_workload
+
+    corpus = "".join(chr(ord("a") + i % 26) * (1 + i % 7) for i in range(2000))
+    sessions = text_workload(corpus, seed=3, systems=2, shared_requests=4, chats=2, turns=3, system_chars=40,
+                             user_chars=8)
+    assert sessions == text_workload(corpus, seed=3, systems=2, shared_requests=4, chats=2, turns=3,
+                                     system_chars=40, user_chars=8)
+    shared, chats = sessions[0::2][:2] + sessions[4:], [sessions[1], sessions[3]]
+    assert [len(s.messages) for s in chats] == [3, 3] and chats[0].system != chats[1].system
+    assert len({s.system for s in shared}) == 2 and all(len(s.messages) == 1 for s in shared)
+    assert all(len(s.system) == 40 and all(len(m) == 8 for m in s.messages) for s in sessions)
