@@ -8,6 +8,9 @@ replica is cheaper than waiting behind the batch, and the least loaded replicas 
 A request that matches nothing anywhere (a new system prompt, a first turn) also goes to the least
 loaded, which spreads new prefixes over the replicas.
 
+A replica that stops (a device lent back to training, a scale-down) hands its hottest blocks to the peer
+that holds the fewest, so the pool keeps what was hot and the load of prefixes stays spread.
+
 Queue lengths may be unknown (a replica not probed yet): an unknown queue is not judged overloaded,
 and the least loaded are chosen among the known ones (Serve probes the rest).
 """
@@ -62,3 +65,11 @@ def _least_loaded(observation: RoutingObservation) -> tuple[str, ...]:
         return tuple(sorted(observation.queue_lengths))
     shortest = min(known.values())
     return tuple(sorted(replica for replica, length in known.items() if length == shortest))
+
+
+def choose_heir(held_blocks: dict[str, int]) -> tuple[tuple[str, ...], ...]:
+    """Ranks for a stopping replica's blocks: the peer holding the fewest first, then everyone."""
+    if not held_blocks:
+        return ()
+    everyone = tuple(sorted(held_blocks))
+    return (min(everyone, key=lambda replica: (held_blocks[replica], replica)),), everyone

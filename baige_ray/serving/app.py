@@ -360,7 +360,7 @@ def _bind_prefix_routed(settings: ServeOptions, deployment_options: dict, server
     servers = ray_serve.deployment(ModelServer).options(
         name=DEPLOYMENT_NAME, num_replicas=settings.num_replicas, max_queued_requests=settings.max_queued_requests,
         **deployment_options, **router_config(),
-    ).bind(**server_options)
+    ).bind(**server_options, handover_via=INGRESS_DEPLOYMENT)
     ingress = ray_serve.deployment(PrefixRoutingIngress).options(
         name=INGRESS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=INGRESS_MAX_ONGOING, logging_config={"enable_access_log": False},

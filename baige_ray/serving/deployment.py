@@ -62,7 +62,7 @@ from baige_ray.serving.engine_runner import EngineFailed, EngineRunner
 from baige_ray.serving.expert_parallel import ExpertParallelServing
 from baige_ray.serving.expert_ranks import ExpertRanks
 from baige_ray.serving.generators import TextOutput, text_generator
-from baige_ray.serving.kv_blocks import KVCacheConfig, PrefixBlockStore
+from baige_ray.serving.kv_blocks import BlockHandover, KVCacheConfig, PrefixBlockStore
 from baige_ray.serving.ledger import EngineLoad
 from baige_ray.serving.openai_api import (
     CompletionLimits,
@@ -93,6 +93,7 @@ RETRY_AFTER_S = 1
 # Serve marks a replica unhealthy after three failed checks in a row: a failed engine is replaced
 # about three periods after it failed (Serve's default period is 10 s).
 HEALTH_CHECK_PERIOD_S = 1.0
+HANDOVER_TIMEOUT_S = 10.0  # well within Serve's graceful shutdown timeout (60 s)
 ROUTES = {"generate": "POST", "v1/completions": "POST", "v1/chat/completions": "POST", "v1/models": "GET",
           "health": "GET"}
 
@@ -110,12 +111,14 @@ class ModelServer:
 
     async def __init__(self, *, app_name: str, limits: dict, engine_limits: dict, completion_limits: dict | None = None,
                        engine: str = "builtin", expert_parallel: ExpertParallelServing | None = None,
-                       expert_actor_options: dict | None = None, kv_cache: dict | None = None):
+                       expert_actor_options: dict | None = None, kv_cache: dict | None = None,
+                       handover_via: str | None = None):
         torch.set_num_threads(1)  # replicas share few cores with training workers
         self._limits = RequestLimits(**limits)
         self._engine_limits = EngineLimits(**engine_limits)
         self._completion_limits = CompletionLimits(**(completion_limits or {}))
         self._kv_cache = KVCacheConfig(**kv_cache) if kv_cache else None
+        self._handover_via = handover_via  # the prefix-routing ingress, whose router credits the peer; else None
         self._app_name = app_name
         self._created = int(time.time())
         self._registry = ray.get_actor(registry_name(app_name), namespace=REGISTRY_NAMESPACE)
@@ -210,6 +213,52 @@ class ModelServer:
         if config.disk_dir:  # files of its own: the store's index of them lives in this process
             config = dataclasses.replace(config, disk_dir=str(Path(config.disk_dir) / f"{self._app_name}-{self._replica}"))
         return PrefixBlockStore(config, self._compute_device, namespace=f"{plugin.describe()}@v{version}")
+
+    # -- prefix blocks handed over when the replica stops ---------------------------------------
+    async def __del__(self) -> None:
+        """Serve calls this once a stopping replica (a device lent back to training, a scale-down) has
+        drained: its hottest prefix blocks go to a peer, so what was hot stays in the pool."""
+        store = self._prefix_store_in_use()
+        if store is None or not self._peers_stay():
+            return
+        try:
+            handover = await self._runner.between_steps(lambda: store.hottest(store.config.device_bytes))
+            if not handover.ids:
+                return
+            kept = await asyncio.wait_for(self._handover_target().remote(
+                dataclasses.replace(handover, departed=self._replica)), HANDOVER_TIMEOUT_S)
+        except Exception as error:  # a stop must not fail for its hand-over: the blocks are then lost, no more
+            logger.warning("replica %s of %s: prefix blocks not handed over: %r", self._replica, self._app_name, error)
+            return
+        self._registry.record_event.remote("kv_handover", f"a stopping replica handed {len(handover.ids)} prefix "
+                                           f"blocks to a peer, which kept {kept}", replica=self._replica,
+                                           app=self._app_name, blocks=len(handover.ids), kept=kept)
+
+    def _peers_stay(self) -> bool:
+        """Whether a peer of this deployment keeps running: not when the application is being deleted."""
+        context = serve.get_replica_context()
+        application = serve.status().applications.get(self._app_name)
+        if application is None or application.status == "DELETING":
+            return False
+        deployment = application.deployments.get(context.deployment)
+        return deployment is not None and deployment.replica_states.get("RUNNING", 0) > 0
+
+    def _handover_target(self):
+        if self._handover_via is not None:  # through the ingress: its router picks the peer and credits it
+            return serve.get_deployment_handle(self._handover_via, app_name=self._app_name).hand_over
+        deployment = serve.get_replica_context().deployment
+        return serve.get_deployment_handle(deployment, app_name=self._app_name).adopt_blocks
+
+    async def adopt_blocks(self, handover: BlockHandover) -> int:
+        """Keep a stopping peer's prefix blocks (on the same weights; else none); how many were kept."""
+        store = self._prefix_store_in_use()
+        if store is None:
+            return 0
+        return await self._runner.between_steps(lambda: store.adopt(handover))
+
+    def _prefix_store_in_use(self) -> PrefixBlockStore | None:
+        engine = self._runner.engine if self._runner is not None else None
+        return engine.prefixes if isinstance(engine, ContinuousBatchingEngine) else None
 
     # -- engine failures -----------------------------------------------------------------------
     def _watch_engine(self, runner: EngineRunner) -> EngineRunner:
@@ -495,10 +544,8 @@ class ModelServer:
                 await self._load_newest_weights()  # then report at once that they are loaded
 
     def _prefix_cache_report(self) -> dict | None:
-        engine = self._runner.engine if self._runner is not None else None
-        if isinstance(engine, ContinuousBatchingEngine) and engine.prefixes is not None:
-            return engine.prefixes.report()
-        return None
+        store = self._prefix_store_in_use()
+        return None if store is None else store.report()
 
     def _engine_load(self) -> EngineLoad | None:
         engine = self._runner.engine if self._runner is not None else None

@@ -98,6 +98,8 @@ class CacheStats:
     stored: int = 0
     moved_bytes: dict[str, int] = field(default_factory=dict)
     dropped: int = 0
+    handed_over: int = 0  # blocks given to a peer when this replica stopped
+    adopted: int = 0  # blocks a stopping peer gave this replica
 
     def moved(self, source: str, target: str, size: int) -> None:
         key = f"{source}->{target}"
@@ -105,7 +107,18 @@ class CacheStats:
 
     def as_dict(self) -> dict:
         return {"hits": dict(self.hits), "misses": self.misses, "stored": self.stored,
-                "moved_bytes": dict(self.moved_bytes), "dropped": self.dropped}
+                "moved_bytes": dict(self.moved_bytes), "dropped": self.dropped, "handed_over": self.handed_over,
+                "adopted": self.adopted}
+
+
+@dataclass(frozen=True)
+class BlockHandover:
+    """Blocks a stopping replica gives a peer; `departed` names the giver for the router's index."""
+
+    namespace: str  # the model and weights the blocks were made with
+    ids: list[str]
+    blocks: list[KV]
+    departed: str = ""
 
 
 class PrefixBlockStore:
@@ -163,6 +176,28 @@ class PrefixBlockStore:
             self.stats.stored += 1
             self._put_memory("device", block_id, block)
         self.settle()
+
+    def hottest(self, max_bytes: int) -> BlockHandover:
+        """The most recently used blocks of the memory tiers (device first), on the host, up to `max_bytes`:
+        what a replica that stops hands a peer (the disk tier's files stay: a peer could not read them)."""
+        chosen, size = [], 0
+        newest_first = [(i, self._memory[tier][i]) for tier in ("device", "host") for i in reversed(self._memory[tier])]
+        for block_id, block in newest_first:
+            if size + block_bytes(block) > max_bytes:
+                break
+            chosen.append((block_id, self._to(block, torch.device("cpu"))))
+            size += block_bytes(block)
+        self.stats.handed_over += len(chosen)
+        chosen.reverse()  # coldest first: adopted in this order, the hottest end up the most recent
+        return BlockHandover(namespace=self.namespace, ids=[i for i, _ in chosen], blocks=[b for _, b in chosen])
+
+    def adopt(self, handover: BlockHandover) -> int:
+        """Keep a stopping peer's blocks (made under the same model and weights, else none); how many."""
+        if handover.namespace != self.namespace:
+            return 0
+        self.put(handover.ids, [self._to(block, self.device) for block in handover.blocks])
+        self.stats.adopted += len(handover.ids)
+        return len(handover.ids)
 
     def tier_of(self, block_id: str) -> str | None:
         if block_id in self._memory["device"]:

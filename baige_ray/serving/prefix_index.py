@@ -5,6 +5,8 @@ cut into blocks of `block_chars` characters and each block is named by a hash ch
 block before it (as the replicas' KV blocks are over tokens), so equal ids mean equal prefixes. A
 request routed to a replica is recorded as held there; what a replica's own cache later lets go of
 is forgotten here in the same least-recently-used order, by a bound on the blocks kept per replica.
+A replica that stops hands its hottest blocks to a peer: its entries wait (`keep_only` retires them,
+the newest few stopped replicas' at most) until `transfer` credits them to the peer that took them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from baige_ray.api.validation import require_int
 
 DEFAULT_BLOCK_CHARS = 64
 DEFAULT_BLOCKS_PER_REPLICA = 65536  # 4 MiB of prompt text per replica at 64 characters a block
+MAX_RETIRED = 4  # stopped replicas whose entries wait for their hand-over
 
 
 def text_block_ids(text: str, block_chars: int = DEFAULT_BLOCK_CHARS) -> list[bytes]:
@@ -36,6 +39,7 @@ class PrefixIndex:
         self.blocks_per_replica = blocks_per_replica
         self._by_replica: dict[str, OrderedDict[bytes, None]] = {}
         self._holders: dict[bytes, set[str]] = {}
+        self._retired: OrderedDict[str, OrderedDict[bytes, None]] = OrderedDict()
 
     def matched_blocks(self, ids: Sequence[bytes], replicas: Iterable[str]) -> dict[str, int]:
         """For each of `replicas`, how many leading blocks of `ids` it holds."""
@@ -62,10 +66,23 @@ class PrefixIndex:
             self._forget(replica, held.popitem(last=False)[0])
 
     def keep_only(self, replicas: Iterable[str]) -> None:
-        """Forget every replica not in `replicas` (stopped, lent back to training, dead)."""
-        for replica in set(self._by_replica) - set(replicas):
-            for block_id in self._by_replica.pop(replica):
+        """Retire every replica not in `replicas` (stopped, lent back to training, dead): nothing is routed
+        to it, and its entries wait for a `transfer`."""
+        for replica in sorted(set(self._by_replica) - set(replicas)):
+            held = self._by_replica.pop(replica)
+            for block_id in held:
                 self._forget(replica, block_id)
+            self._retired[replica] = held
+            while len(self._retired) > MAX_RETIRED:
+                self._retired.popitem(last=False)
+
+    def transfer(self, departed: str, heir: str) -> int:
+        """`heir` took `departed`'s blocks as it stopped: its retired entries become the heir's; how many."""
+        held = self._retired.pop(departed, None)
+        if held is None:
+            return 0
+        self.record(list(held), heir)
+        return len(held)
 
     def num_blocks(self, replica: str) -> int:
         return len(self._by_replica.get(replica, ()))

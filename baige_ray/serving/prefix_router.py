@@ -30,7 +30,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from baige_ray.api.validation import require_int
-from baige_ray.policies.prefix_routing import RoutingObservation, choose_replicas
+from baige_ray.policies.prefix_routing import RoutingObservation, choose_heir, choose_replicas
+from baige_ray.serving.kv_blocks import BlockHandover
 from baige_ray.serving.prefix_index import DEFAULT_BLOCK_CHARS, DEFAULT_BLOCKS_PER_REPLICA, PrefixIndex, text_block_ids
 from baige_ray.serving.requests import RequestError, decode_json_object, read_body
 
@@ -98,6 +99,9 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        if _arg(pending_request, "departed") and by_id:  # a stopping replica's blocks
+            ranks = choose_heir({unique: self._index.num_blocks(unique) for unique in by_id})
+            return [[by_id[unique] for unique in rank] for rank in ranks]
         text = _prompt_of(pending_request)
         if not text or not by_id:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
@@ -111,6 +115,9 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         return [[by_id[unique] for unique in rank] for rank in decision.ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        if departed := _arg(pending_request, "departed"):
+            self._index.transfer(departed, replica_id.unique_id)
+            return
         text = _prompt_of(pending_request)
         if text:
             self._index.record(text_block_ids(text, self._block_chars), replica_id.unique_id)
@@ -125,12 +132,18 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
 
 
 def _prompt_of(pending_request: PendingRequest | None) -> str:
+    return _arg(pending_request, "prompt")
+
+
+def _arg(pending_request: PendingRequest | None, name: str) -> str:
+    """The string attribute `name` of the request's first argument ("" if none): a RoutedRequest's
+    `prompt`, a BlockHandover's `departed`."""
     if pending_request is None or not pending_request.args:
         return ""
     # By attribute, as Serve's own routers read prompts: the ingress's class reaches its replica pickled by
     # value, so the requests it sends are instances of a copy of RoutedRequest, not of this module's.
-    prompt = getattr(pending_request.args[0], "prompt", None)
-    return prompt if isinstance(prompt, str) else ""
+    value = getattr(pending_request.args[0], name, None)
+    return value if isinstance(value, str) else ""
 
 
 def router_config(overload_margin: int = DEFAULT_OVERLOAD_MARGIN) -> dict:
@@ -149,7 +162,13 @@ class PrefixRoutingIngress:
 
     def __init__(self, servers: DeploymentHandle, max_body_bytes: int):
         self._servers = servers.options(method_name="routed", stream=True)
+        self._adopters = servers.options(method_name="adopt_blocks")
         self._max_body_bytes = max_body_bytes
+
+    async def hand_over(self, handover: BlockHandover) -> int:
+        """A stopping replica's hottest blocks, to the peer this ingress's router picks (it credits the
+        departed replica's prefixes to that peer); how many the peer kept."""
+        return await self._adopters.remote(handover)
 
     async def __call__(self, request: Request) -> Response:
         try:

@@ -2,18 +2,20 @@
 
 Requests sharing a system prompt and the turns of a chat go to the replica that holds their prefix,
 so the other replica never looks those blocks up; answers are transformers' greedy tokens, whole or
-streamed, and malformed requests still get their 4xx through the ingress.
+streamed, and malformed requests still get their 4xx through the ingress. A replica scaled away hands
+its hot blocks to the one left, which then finds every prompt either of them had seen.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from baige_ray.serving import KVCacheConfig, serve, shutdown
-from baige_ray.serving.app import prefix_cache_stats
+from baige_ray.serving import KVCacheConfig, scale_replicas, serve, shutdown
+from baige_ray.serving.app import prefix_cache_stats, serving_events
 from tests.hf_helpers import build_tiny_hf
 from tests.ray.test_serving import call, free_port
 
@@ -55,10 +57,15 @@ def greedy(model_dir, prompt: str, max_new_tokens: int) -> str:
     return tokenizer.decode(out[0, ids.shape[1]:])
 
 
-def lookups(app) -> dict[str, int]:
-    """Blocks each replica looked for (found in any tier or not), as reported to the registry."""
+def reported(app) -> dict[str, dict]:
+    """Each replica's prefix cache counts, once every replica has reported since the last request."""
     time.sleep(1.2)  # replicas report every 0.5 s
-    return {replica: sum(report["hits"].values()) + report["misses"] for replica, report in prefix_cache_stats(app).items()}
+    return prefix_cache_stats(app)
+
+
+def lookups(app) -> dict[str, int]:
+    """Blocks each replica looked for (found in any tier or not)."""
+    return {replica: sum(report["hits"].values()) + report["misses"] for replica, report in reported(app).items()}
 
 
 def test_requests_sharing_a_prefix_go_to_the_replica_holding_it_with_transformers_tokens(app, client, tiny):
@@ -90,3 +97,23 @@ def test_chat_turns_follow_their_history_and_bad_requests_get_their_4xx(app, cli
     assert call(f"{app.url}/nowhere")[0] == 404
     status, health = call(f"{app.url}/health")
     assert status == 200 and "prefix_cache" in health
+
+
+def test_a_replica_scaled_away_hands_its_blocks_to_the_one_left(app, client):
+    prompts = [f"Topic {n}: " + "the standard library module " * 3 + str(n) for n in range(6)]
+
+    def ask(prompt: str) -> str:
+        return client.completions.create(model="prefix-routed", prompt=prompt, max_tokens=4, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(len(prompts)) as pool:  # at once: least loaded first spreads them over both
+        answers = list(pool.map(ask, prompts))
+    stored = {replica: report["stored"] for replica, report in reported(app).items()}
+    assert len(stored) == 2 and all(stored.values()), stored
+    scale_replicas(app, 1)
+    handed = [event for event in serving_events(app, 50) if event["kind"] == "kv_handover"]
+    assert len(handed) == 1 and handed[0]["blocks"] > 0 and handed[0]["kept"] == handed[0]["blocks"], handed
+    (left,) = set(stored) - {handed[0]["replica"]}
+    before = reported(app)[left]
+    assert [ask(prompt) for prompt in prompts] == answers
+    after = reported(app)[left]
+    assert after["hits"]["device"] > before["hits"]["device"] and after["misses"] == before["misses"], (before, after)

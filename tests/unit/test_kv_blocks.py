@@ -168,3 +168,19 @@ def test_serve_options_take_a_kv_cache_for_colocated_built_in_replicas_only():
         ServeOptions(kv_cache=KVCacheConfig(), disaggregation=DisaggregationOptions())
     with pytest.raises(ValueError, match="ServeOptions.kv_cache=.*expected a KVCacheConfig"):
         ServeOptions(kv_cache={"block_tokens": 16})
+
+
+def test_a_stopping_replica_hands_its_hottest_memory_blocks_to_a_peer_on_the_same_weights(tmp_path):
+    giver = _store(tmp_path / "giver", device_blocks=2, host_blocks=2, disk_blocks=2)
+    ids = [f"{i:064x}" for i in range(6)]
+    for index, block_id in enumerate(ids):
+        giver.put([block_id], [_block(float(index))])
+    handover = giver.hottest(3 * BLOCK_BYTES)  # device (5, 4) then host (3); the disk tier's files stay
+    assert handover.ids == [ids[3], ids[4], ids[5]] and giver.stats.handed_over == 3
+    peer = _store(tmp_path / "peer", device_blocks=2, host_blocks=2, disk_blocks=0)
+    assert peer.adopt(handover) == 3 and peer.stats.adopted == 3
+    assert [peer.tier_of(i) for i in ids[3:]] == ["host", "device", "device"]  # the hottest stay the most recent
+    (block,) = peer.take([ids[5]])
+    assert torch.equal(block[0][0], torch.full((1, HEADS, BLOCK, HEAD_DIM), 5.0))
+    other_weights = PrefixBlockStore(peer.config, torch.device("cpu"), namespace="model-v2")
+    assert other_weights.adopt(handover) == 0 and other_weights.num_blocks()["device"] == 0

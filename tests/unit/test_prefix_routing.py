@@ -96,3 +96,18 @@ def test_the_routing_benchs_workload_shares_system_prompts_and_gives_each_chat_i
     assert [len(s.messages) for s in chats] == [3, 3] and chats[0].system != chats[1].system
     assert len({s.system for s in shared}) == 2 and all(len(s.messages) == 1 for s in shared)
     assert all(len(s.system) == 40 and all(len(m) == 8 for m in s.messages) for s in sessions)
+
+
+def test_a_stopped_replicas_prefixes_are_credited_to_the_peer_that_took_its_blocks():
+    from baige_ray.policies.prefix_routing import choose_heir
+
+    index = PrefixIndex()
+    chat = text_block_ids(SYSTEM, 8)
+    index.record(chat, "a")
+    index.record(chat[:2], "b")
+    index.keep_only(["b", "c"])  # a stopped: nothing is routed to it
+    assert index.matched_blocks(chat, ["a", "b", "c"]) == {"a": 0, "b": 2, "c": 0}
+    assert choose_heir({"b": index.num_blocks("b"), "c": index.num_blocks("c")}) == (("c",), ("b", "c"))
+    assert index.transfer("a", "c") == len(chat) and index.transfer("a", "c") == 0
+    assert index.matched_blocks(chat, ["b", "c"]) == {"b": 2, "c": len(chat)}
+    assert choose_heir({}) == ()
