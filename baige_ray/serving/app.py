@@ -124,11 +124,10 @@ class ServeOptions:
     def _check_kv_cache(self) -> None:
         if not isinstance(self.kv_cache, KVCacheConfig):
             raise ValueError(f"ServeOptions.kv_cache={self.kv_cache!r} is invalid: expected a KVCacheConfig or None")
-        if self.engine != "builtin" or self.disaggregation is not None:
-            raise ValueError("ServeOptions.kv_cache is set with engine="
-                             f"{self.engine!r}{' and disaggregation' if self.disaggregation else ''}: it sizes the "
-                             "built-in engine's prefix cache on colocated replicas (vLLM replicas use vLLM's own "
-                             "prefix caching, always on); use engine='builtin' and disaggregation=None")
+        if self.engine != "builtin":
+            raise ValueError(f"ServeOptions.kv_cache is set with engine={self.engine!r}: it sizes the built-in "
+                             "engine's prefix cache (vLLM replicas use vLLM's own prefix caching, always on); use "
+                             "engine='builtin' or kv_cache=None")
 
     def _check_expert_parallel(self) -> None:
         if not isinstance(self.expert_parallel, ExpertParallelServing):
@@ -235,8 +234,8 @@ def serve(
     copied (serving/expert_parallel.py); GET /health reports the placement and each rank's rows.
     With `kv_cache` (built-in engine) each replica keeps its prompts' and answers' keys and values in
     blocks found by their prefix, in device, host and disk tiers of the sizes given: a prompt starting
-    with cached blocks (a shared system prompt, the turns of a chat so far) prefills only the rest;
-    GET /health reports hits per tier. vLLM replicas run vLLM's own prefix caching. With
+    with cached blocks (a shared system prompt, the turns of a chat so far) prefills only the rest, and a
+    disaggregated hand-off carries only what the decode replica lacks; GET /health reports hits per tier. vLLM replicas run vLLM's own prefix caching. With
     `routing="prefix"` a thin ingress takes HTTP and sends each request to the replica that holds the
     longest prefix of its prompt, or to the least loaded when that one is overloaded
     (serving/prefix_router.py); answers are the same as without it.

@@ -69,8 +69,10 @@ class PrefillServer(ModelServer):
     ROLE = "prefill"
 
     def _build_runner(self, model_config, state: dict, *, first: bool, version: int) -> EngineRunner:
-        generator = text_generator(plugin_for(model_config), state)
-        engine = PrefillEngine(generator.decoder, eos_token_id=generator.codec.eos_token_id, limits=self._engine_limits)
+        plugin = plugin_for(model_config)
+        generator = text_generator(plugin, state)
+        engine = PrefillEngine(generator.decoder, eos_token_id=generator.codec.eos_token_id, limits=self._engine_limits,
+                               prefixes=self._prefix_store(plugin, version))
         if first:  # a fresh process's first forwards are slow (see ModelServer); not on a request's time
             warmup = SamplingParams(max_new_tokens=WARMUP_TOKENS, temperature=1.0, seed=0)
             for _ in range(self._engine_limits.max_batch_size):
@@ -81,11 +83,12 @@ class PrefillServer(ModelServer):
     def _events(self, runner: EngineRunner, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
         raise RuntimeError("a prefill replica does not decode: send requests to the application's decode replicas")
 
-    async def prefill(self, prompt: list[int], params: SamplingParams) -> PrefilledRequest:
-        """The request's hand-off, stamped with the weights version that ran it."""
+    async def prefill(self, prompt: list[int], params: SamplingParams, known_tokens: int = 0) -> PrefilledRequest:
+        """The request's hand-off, stamped with the weights version that ran it; without the keys and values
+        of the first `known_tokens` tokens (the decode replica's prefix cache holds them)."""
         self._ensure_reporter()
         runner, version = self._require_runner(), self._version
-        prefilled = await runner.prefill(prompt, params)
+        prefilled = await runner.prefill(prompt, params, known_tokens)
         return dataclasses.replace(prefilled, weights_version=version)
 
 
@@ -104,7 +107,7 @@ class DecodeServer(ModelServer):
     async def _handed_off(self, runner: EngineRunner, version: int, prompt: list[int],
                           params: SamplingParams) -> AsyncIterator[TokenEvent]:
         try:
-            prefilled = await self._prefill.prefill.remote(prompt, params)
+            prefilled = await self._prefill.prefill.remote(prompt, params, runner.engine.known_prefix_tokens(prompt))
         except BackPressureError as error:
             raise EngineFull(f"the prefill replicas' queues are full: {error}") from error
         if prefilled.weights_version == version:

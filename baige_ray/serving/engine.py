@@ -42,7 +42,7 @@ from baige_ray.models.weights_in_place import copy_weights_in_place
 from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams
 from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.kv_batch import PaddedKVBatch
-from baige_ray.serving.kv_blocks import PrefixBlockStore, join_blocks, slice_blocks
+from baige_ray.serving.kv_blocks import PrefixBlockStore
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,12 @@ class PrefilledRequest:
     budget: int  # new tokens the request may have, the first one included
     first_token: int  # the end-of-text token when finish_reason is "stop"
     finish_reason: FinishReason | None  # set when the first token already ended the request: nothing to decode
-    kv: KV  # per layer (keys, values), each [1, kv_heads, prompt_length, head_dim], on the CPU; empty when finished
+    kv: KV  # per layer (keys, values), each [1, kv_heads, prompt_length - kv_from, head_dim], on the CPU; empty
+    # when finished
     generator_state: torch.Tensor  # the request's sampling generator after its first token
     weights_version: int = 0  # of the weights that ran the prompt (the server sets it)
+    prompt: tuple[int, ...] = ()  # its tokens: the decode side keeps its blocks and those of the answer
+    kv_from: int = 0  # the first position `kv` holds: the decode side had the blocks before it in its prefix cache
 
     def first_events(self) -> list[TokenEvent]:
         """What the client sees of the prefill: the first token, and the end if that token brought it."""
@@ -92,7 +95,8 @@ class _Request:
     generated: int = 0
     last_token: int = 0
     sampled: list[int] = field(default_factory=list)  # every token sampled, end-of-text included
-    prefilled: KV | None = None  # the prompt's cache when another engine prefilled it
+    prefilled: KV | None = None  # the prompt's cache when another engine prefilled it (from position kv_from)
+    kv_from: int = 0
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -204,9 +208,10 @@ class ContinuousBatchingEngine:
         generator.set_state(prefilled.generator_state)
         device = self.decoder.device
         request = _Request(
-            id=self._queue.next_id(), prompt=[], params=prefilled.params, on_event=on_event,
+            id=self._queue.next_id(), prompt=list(prefilled.prompt), params=prefilled.params, on_event=on_event,
             budget=prefilled.budget, generator=generator, generated=1, last_token=prefilled.first_token,
-            prefilled=[(keys.to(device), values.to(device)) for keys, values in prefilled.kv],
+            sampled=[prefilled.first_token], prefilled=[(keys.to(device), values.to(device)) for keys, values in prefilled.kv],
+            kv_from=prefilled.kv_from,
         )
         self._queue.put(request)
         return request.id
@@ -214,6 +219,11 @@ class ContinuousBatchingEngine:
     def cancel(self, request_id: int) -> None:
         """Stop a request (its client went away); it gets no further events."""
         self._queue.cancel(request_id)
+
+    def known_prefix_tokens(self, prompt: Sequence[int]) -> int:
+        """Leading tokens of `prompt` whose keys and values this engine's prefix cache holds: a prefill
+        engine need not send those (any thread)."""
+        return 0 if self.prefixes is None else self.prefixes.cached_tokens(prompt)
 
     @property
     def num_waiting(self) -> int:
@@ -253,10 +263,28 @@ class ContinuousBatchingEngine:
             if request.prefilled is None:
                 self._prefill(request)
             else:
+                cache = self._whole_prompt_cache(request)
                 self._running.append(request)
-                self._cache.add(request.prefilled, request.prefilled[0][0].shape[2])
+                self._cache.add(cache, cache[0][0].shape[2])
                 request.prefilled = None
         return admitted
+
+    def _whole_prompt_cache(self, request: _Request) -> KV:
+        """A prefilled request's cache over its whole prompt: what the prefill engine sent, after the leading
+        blocks this engine's prefix cache holds (recomputed here if they went meanwhile)."""
+        if request.kv_from == 0:
+            self._store_blocks(request.prompt, request.prefilled)
+            return request.prefilled
+        past, cached = (None, 0) if self.prefixes is None else self.prefixes.cached_prefix(request.prompt,
+                                                                                            limit=request.kv_from)
+        if cached < request.kv_from:
+            tokens = torch.tensor([request.prompt[cached:request.kv_from]], dtype=torch.long)
+            _, past = self.decoder.forward(tokens, torch.arange(cached, request.kv_from)[None, :],
+                                           torch.ones(1, request.kv_from, dtype=torch.long), past)
+        cache = [(torch.cat([past_keys, keys], dim=2), torch.cat([past_values, values], dim=2))
+                 for (past_keys, past_values), (keys, values) in zip(past, request.prefilled)]
+        self._store_blocks(request.prompt, cache)
+        return cache
 
     def _prefill(self, request: _Request) -> None:
         length = len(request.prompt)
@@ -273,25 +301,11 @@ class ContinuousBatchingEngine:
             self._cache.add(cache, length)
 
     def _cached_prefix(self, prompt: list[int]) -> tuple[KV | None, int]:
-        """The cached keys and values of the prompt's leading full blocks, and how many tokens they hold;
-        the last token is always prefilled (its logits give the first new token)."""
-        if self.prefixes is None:
-            return None, 0
-        size = self.prefixes.config.block_tokens
-        wanted = self.prefixes.ids(prompt[: (len(prompt) - 1) // size * size])
-        blocks = self.prefixes.take(wanted)
-        self.prefixes.count_misses(len(wanted) - len(blocks))
-        return (join_blocks(blocks), len(blocks) * size) if blocks else (None, 0)
+        return (None, 0) if self.prefixes is None else self.prefixes.cached_prefix(prompt)
 
     def _store_blocks(self, tokens: list[int], cache: KV) -> None:
-        """Keep the full blocks of `tokens` (whose keys and values `cache`, batch 1, holds) not kept yet."""
-        if self.prefixes is None:
-            return
-        ids = self.prefixes.ids(tokens)
-        new = [index for index, block_id in enumerate(ids) if self.prefixes.tier_of(block_id) is None]
-        if new:
-            first = new[0]
-            self.prefixes.put(ids[first:], slice_blocks(cache, first, len(ids) - first, self.prefixes.config.block_tokens))
+        if self.prefixes is not None:
+            self.prefixes.keep_tokens(tokens, cache)
 
     def _decode(self) -> None:
         tokens = torch.tensor([[request.last_token] for request in self._running], dtype=torch.long)
@@ -307,7 +321,7 @@ class ContinuousBatchingEngine:
     def _store_answer(self, row: int) -> None:
         """Keep the blocks of a finished row's prompt and answer (the next turn of a chat starts with them)."""
         request = self._running[row]
-        if self.prefixes is None or not request.prompt:  # a request prefilled elsewhere: its prompt is unknown here
+        if self.prefixes is None or not request.prompt:  # prefilled elsewhere by a sender that did not say it
             return
         length = self._cache.lengths[row]
         fed = request.prompt + request.sampled[:-1]  # the last token sampled was never run through the model

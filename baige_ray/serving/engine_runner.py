@@ -184,9 +184,9 @@ class EngineRunner:
                                         first=prefilled.first_events()):
             yield event
 
-    async def prefill(self, prompt: list[int], params: SamplingParams) -> PrefilledRequest:
-        """The request's hand-off once a PrefillEngine ran its prompt; raises EngineFull when the queue is full,
-        EngineFailed when the engine failed (before or while running it)."""
+    async def prefill(self, prompt: list[int], params: SamplingParams, known_tokens: int = 0) -> PrefilledRequest:
+        """The request's hand-off once a PrefillEngine ran its prompt (without the first `known_tokens` tokens'
+        keys and values); raises EngineFull when the queue is full, EngineFailed when the engine failed."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
 
@@ -204,7 +204,7 @@ class EngineRunner:
 
         key, request_id = self._watch(fail), None
         try:
-            request_id = self.engine.submit(prompt, params, deliver)
+            request_id = self.engine.submit(prompt, params, deliver, known_tokens)
             return await future
         except asyncio.CancelledError:  # the caller went away: its prompt need not run
             if request_id is not None:

@@ -164,6 +164,36 @@ class PrefixBlockStore:
     def count_misses(self, count: int) -> None:
         self.stats.misses += count
 
+    def cached_prefix(self, prompt: Sequence[int], limit: int | None = None) -> tuple[KV | None, int]:
+        """The cached keys and values of the prompt's leading full blocks (at most `limit` tokens' worth),
+        and how many tokens they hold; never the last token (its logits give the first new token)."""
+        size = self.config.block_tokens
+        usable = (len(prompt) - 1) // size * size if limit is None else min(limit, (len(prompt) - 1) // size * size)
+        wanted = self.ids(prompt[:usable])
+        blocks = self.take(wanted)
+        self.count_misses(len(wanted) - len(blocks))
+        return (join_blocks(blocks), len(blocks) * size) if blocks else (None, 0)
+
+    def cached_tokens(self, prompt: Sequence[int]) -> int:
+        """How many leading tokens of `prompt` (the last excepted) the tiers hold, without taking them.
+        Safe from another thread than the engine's: it only tests membership; the engine takes them later
+        and copes with a block gone meanwhile."""
+        size = self.config.block_tokens
+        held = 0
+        for block_id in self.ids(prompt[: (len(prompt) - 1) // size * size]):
+            if self.tier_of(block_id) is None:
+                break
+            held += size
+        return held
+
+    def keep_tokens(self, tokens: Sequence[int], cache: KV) -> None:
+        """Keep the full blocks of `tokens` (whose keys and values the batch-1 `cache` holds) not kept yet."""
+        ids = self.ids(tokens)
+        new = [index for index, block_id in enumerate(ids) if self.tier_of(block_id) is None]
+        if new:
+            first = new[0]
+            self.put(ids[first:], slice_blocks(cache, first, len(ids) - first, self.config.block_tokens))
+
     def put(self, ids: Sequence[str], blocks: Sequence[KV]) -> None:
         """Keep `blocks` under `ids` in the device tier (an id already kept only becomes the most recent)."""
         for block_id, block in zip(ids, blocks):

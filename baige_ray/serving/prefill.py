@@ -10,6 +10,11 @@ batch and resumes the generator, so the request gets the tokens one colocated en
 
 A hand-off holds only CPU tensors, ints and the sampling params, so it travels through Ray's object
 store to a decode replica in another process or on another node.
+
+With prefix caches (serving/kv_blocks.py) on both sides, the decode side says how many leading tokens
+its own cache holds (`known_tokens`) and the hand-off carries keys and values only after them
+(`kv_from`); the decode engine takes the rest from its blocks. The prefill engine then runs each prompt
+on its own, from the first token after the blocks its own cache holds, and keeps the prompt's blocks.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from baige_ray.serving.engine import (
     PrefilledRequest,
     RequestQueue,
 )
+from baige_ray.serving.kv_blocks import PrefixBlockStore
 
 PrefillSink = Callable[[PrefilledRequest], None]
 
@@ -42,29 +48,39 @@ class _Prompt:
     params: SamplingParams
     budget: int
     on_prefilled: PrefillSink
+    known_tokens: int = 0  # leading tokens the receiving engine's prefix cache holds: not sent
 
 
 class PrefillEngine:
     """`submit` and `cancel` from any thread, `step` from one (engine_runner.py); `on_prefilled` runs on
     the stepping thread and must not block."""
 
-    def __init__(self, decoder: KVDecoder, *, eos_token_id: int | None, limits: EngineLimits = EngineLimits()):
+    def __init__(self, decoder: KVDecoder, *, eos_token_id: int | None, limits: EngineLimits = EngineLimits(),
+                 prefixes: PrefixBlockStore | None = None):
         self.decoder, self.eos_token_id, self.limits = decoder, eos_token_id, limits
+        self.prefixes = prefixes
         self._queue: RequestQueue[_Prompt] = RequestQueue(limits.max_waiting)
         self._num_prefilling = 0
 
-    def load_weights(self, weights: dict[str, torch.Tensor], prefixes: None = None) -> None:
-        """New weights of the model it runs, copied in between two steps (the engine's thread)."""
+    def load_weights(self, weights: dict[str, torch.Tensor], prefixes: PrefixBlockStore | None = None) -> None:
+        """New weights of the model it runs, copied in between two steps (the engine's thread), and
+        `prefixes` as the cache of the new weights."""
         copy_weights_in_place(self.decoder.model, weights)
+        self.prefixes = prefixes
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams, on_prefilled: PrefillSink) -> int:
-        """Queue a prompt; returns its id. Raises EngineFull when `max_waiting` are already queued, and
-        ValueError when the prompt and its new tokens do not fit the context (it is never cut)."""
+    def submit(self, prompt: Sequence[int], params: SamplingParams, on_prefilled: PrefillSink,
+               known_tokens: int = 0) -> int:
+        """Queue a prompt; returns its id. `known_tokens` leading tokens' keys and values are not sent (the
+        receiver holds them). Raises EngineFull when `max_waiting` are already queued, and ValueError when
+        the prompt and its new tokens do not fit the context (it is never cut)."""
         if not prompt:
             raise ValueError("the prompt is empty: a request needs at least one token")
+        if not 0 <= known_tokens < len(prompt):
+            raise ValueError(f"known_tokens={known_tokens} is invalid: expected 0 to {len(prompt) - 1} (the prompt's "
+                             "last token is always run here)")
         require_fit(len(prompt), params.max_new_tokens, self.decoder.max_context)
         request = _Prompt(id=self._queue.next_id(), tokens=list(prompt), params=params, on_prefilled=on_prefilled,
-                          budget=params.max_new_tokens)
+                          budget=params.max_new_tokens, known_tokens=known_tokens)
         self._queue.put(request)
         return request.id
 
@@ -93,13 +109,17 @@ class PrefillEngine:
         batch: list[_Prompt] = []
         while len(batch) < self.limits.max_batch_size and (request := self._queue.take()) is not None:
             batch.append(request)
-        groups: dict[int, list[_Prompt]] = defaultdict(list)
-        for request in batch:
-            groups[len(request.tokens)].append(request)
         self._num_prefilling = len(batch)
         try:
-            for group in groups.values():
-                self._prefill(group)
+            if self.prefixes is not None:  # each from where its cached prefix ends
+                for request in batch:
+                    self._prefill_cached(request)
+            else:
+                groups: dict[int, list[_Prompt]] = defaultdict(list)
+                for request in batch:
+                    groups[len(request.tokens)].append(request)
+                for group in groups.values():
+                    self._prefill(group)
         finally:
             self._num_prefilling = 0
         return bool(batch)
@@ -110,31 +130,50 @@ class PrefillEngine:
         logits, cache = self.decoder.forward(tokens, torch.arange(length).repeat(rows, 1),
                                              torch.ones(rows, length, dtype=torch.long), None)
         for row, request in enumerate(group):
-            generator = seeded_generator(request.params.seed)
-            token = sample_token(logits[row], request.params.temperature, generator, request.params.top_k)
-            finish: FinishReason | None = "stop" if token == self.eos_token_id else None
-            if finish is None and request.budget <= 1:
-                finish = "length"
-            # Copies, not views: a row sliced from the group's cache would carry the whole group's storage.
-            kv = [] if finish else [(_own_row(keys, row), _own_row(values, row)) for keys, values in cache]
-            request.on_prefilled(PrefilledRequest(
-                params=request.params, prompt_length=length, budget=request.budget, first_token=token,
-                finish_reason=finish, kv=kv, generator_state=generator.get_state(),
-            ))
+            self._hand_off(request, logits[row], cache, row)
+
+    def _prefill_cached(self, request: _Prompt) -> None:
+        length = len(request.tokens)
+        past, cached = self.prefixes.cached_prefix(request.tokens)
+        logits, cache = self.decoder.forward(torch.tensor([request.tokens[cached:]], dtype=torch.long),
+                                             torch.arange(cached, length)[None, :],
+                                             torch.ones(1, length, dtype=torch.long), past)
+        self._hand_off(request, logits[0], cache, 0)  # before the blocks are kept: the first token waits on it
+        self.prefixes.keep_tokens(request.tokens, cache)
+        self.prefixes.settle()
+
+    def _hand_off(self, request: _Prompt, logits: torch.Tensor, cache, row: int) -> None:
+        generator = seeded_generator(request.params.seed)
+        token = sample_token(logits, request.params.temperature, generator, request.params.top_k)
+        finish: FinishReason | None = "stop" if token == self.eos_token_id else None
+        if finish is None and request.budget <= 1:
+            finish = "length"
+        start = request.known_tokens
+        # Copies, not views: a row sliced from the group's cache would carry the whole group's storage.
+        kv = [] if finish else [(_own_row(keys, row, start), _own_row(values, row, start)) for keys, values in cache]
+        request.on_prefilled(PrefilledRequest(
+            params=request.params, prompt_length=len(request.tokens), budget=request.budget, first_token=token,
+            finish_reason=finish, kv=kv, generator_state=generator.get_state(), prompt=tuple(request.tokens),
+            kv_from=0 if finish else start,
+        ))
 
 
-def _own_row(tensor: torch.Tensor, row: int) -> torch.Tensor:
-    return tensor[row : row + 1].to("cpu", copy=True)
+def _own_row(tensor: torch.Tensor, row: int, start: int) -> torch.Tensor:
+    return tensor[row : row + 1, :, start:].to("cpu", copy=True)
 
 
 def generate_disaggregated(prefill: PrefillEngine, decode: ContinuousBatchingEngine, prompts: Sequence[Sequence[int]],
-                           params: Sequence[SamplingParams]) -> list[Generation]:
+                           params: Sequence[SamplingParams],
+                           hand_offs: list[PrefilledRequest] | None = None) -> list[Generation]:
     """Prefill on one engine, decode on the other, on the calling thread (tests): a prefill step's
-    requests join the decode batch while earlier ones are decoding."""
+    requests join the decode batch while earlier ones are decoding. Each hand-off is appended to
+    `hand_offs` when given."""
     collector = GenerationCollector(len(prompts))
 
     def hand_off(index: int) -> PrefillSink:
         def on_prefilled(prefilled: PrefilledRequest) -> None:
+            if hand_offs is not None:
+                hand_offs.append(prefilled)
             sink = collector.sink(index)
             for event in prefilled.first_events():
                 sink(event)
@@ -143,7 +182,7 @@ def generate_disaggregated(prefill: PrefillEngine, decode: ContinuousBatchingEng
         return on_prefilled
 
     for index, (prompt, request_params) in enumerate(zip(prompts, params)):
-        prefill.submit(prompt, request_params, hand_off(index))
+        prefill.submit(prompt, request_params, hand_off(index), known_tokens=decode.known_prefix_tokens(prompt))
     while prefill.step() | decode.step():  # `|`, not `or`: both engines step every round
         pass
     return collector.generations()

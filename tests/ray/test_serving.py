@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +23,8 @@ from baige_ray.checkpoint.final import save_model_checkpoint
 from baige_ray.models.gpt import GPT, GPTConfig
 from baige_ray.models.gpt_decoding import decode_tokens, generate_batch
 from baige_ray.runtime.checkpoint_io import load_model
-from baige_ray.serving import rebalance, reload_weights, scale_replicas, serve, shutdown, side_loads
+from baige_ray.serving import KVCacheConfig, rebalance, reload_weights, scale_replicas, serve, shutdown, side_loads
+from baige_ray.serving.app import prefix_cache_stats
 from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.disaggregation import PREFILL_DEPLOYMENT, DisaggregationOptions
 from baige_ray.serving.expert_parallel import ExpertParallelServing
@@ -126,9 +128,10 @@ def test_overload_is_answered_503_not_failed(app):
 
 @pytest.fixture(scope="module")
 def disaggregated_app(app):
-    """Beside `app` on the same Serve instance: one prefill and one decode replica."""
+    """Beside `app` on the same Serve instance: one prefill and one decode replica, each with a prefix cache."""
     info = serve((3, ray.put(initial_state())), model_config=CONFIG, name="test-gpt-pd", route_prefix="/pd",
-                 max_batch_size=4, disaggregation=DisaggregationOptions(prefill_replicas=1, decode_replicas=1))
+                 max_batch_size=4, disaggregation=DisaggregationOptions(prefill_replicas=1, decode_replicas=1),
+                 kv_cache=KVCacheConfig(block_tokens=4))
     yield info
     shutdown(info)
 
@@ -147,6 +150,11 @@ def test_a_disaggregated_app_answers_with_the_colocated_greedy_tokens(app, disag
     chunks = stream(disaggregated_app.url + "/v1/completions", {**body, "model": "test-gpt-pd"})
     assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == split["choices"][0]["text"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # The same prompt again: both sides run it from their prefix blocks, with the same answer.
+    assert call(disaggregated_app.url + "/v1/completions", {**body, "model": "test-gpt-pd"})[1]["choices"] == \
+        split["choices"]
+    time.sleep(1.2)  # the replicas' next reports carry their counts
+    assert all(sum(report["hits"].values()) > 0 for report in prefix_cache_stats(disaggregated_app).values())
 
 
 def test_prefill_replicas_hand_the_prompt_cache_over_through_ray(disaggregated_app):
@@ -158,6 +166,9 @@ def test_prefill_replicas_hand_the_prompt_cache_over_through_ray(disaggregated_a
     assert (prefilled.prompt_length, prefilled.budget, prefilled.finish_reason) == (9, 8, None)
     assert len(prefilled.kv) == CONFIG.num_layers and prefilled.kv[0][0].shape[2] == 9
     assert prefilled.weights_version >= 1
+    # A decode replica holding the first 8 tokens' blocks is sent the last token's keys and values only.
+    rest = handle.prefill.remote(list(b"import os"), params, 8).result(timeout_s=60)
+    assert (rest.kv_from, rest.kv[0][0].shape[2], rest.first_token) == (8, 1, prefilled.first_token)
 
 
 def test_the_sides_resize_by_the_split_policy_as_the_arbiter_asks(disaggregated_app):

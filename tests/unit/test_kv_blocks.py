@@ -159,13 +159,18 @@ def test_new_weights_find_nothing_of_the_old_ones_in_any_tier(tmp_path):
     assert new.take(new.ids(tokens)) == [] and not list((tmp_path / "kv").glob("*.safetensors"))
 
 
-def test_serve_options_take_a_kv_cache_for_colocated_built_in_replicas_only():
+def test_serve_options_take_a_kv_cache_for_built_in_replicas_and_a_routing():
     from baige_ray.serving.app import ServeOptions
     from baige_ray.serving.disaggregation import DisaggregationOptions
 
     assert ServeOptions(kv_cache=KVCacheConfig(block_tokens=32)).kv_cache.block_tokens == 32
-    with pytest.raises(ValueError, match="ServeOptions.kv_cache.*disaggregation"):
-        ServeOptions(kv_cache=KVCacheConfig(), disaggregation=DisaggregationOptions())
+    assert ServeOptions(kv_cache=KVCacheConfig(), disaggregation=DisaggregationOptions()).kv_cache.enabled
+    with pytest.raises(ValueError, match="ServeOptions.kv_cache is set with engine='vllm'"):
+        ServeOptions(kv_cache=KVCacheConfig(), engine="vllm")
+    with pytest.raises(ValueError, match="ServeOptions.routing='nearest' is invalid"):
+        ServeOptions(routing="nearest")
+    with pytest.raises(ValueError, match="ServeOptions.routing='prefix' is set with disaggregation"):
+        ServeOptions(routing="prefix", disaggregation=DisaggregationOptions())
     with pytest.raises(ValueError, match="ServeOptions.kv_cache=.*expected a KVCacheConfig"):
         ServeOptions(kv_cache={"block_tokens": 16})
 

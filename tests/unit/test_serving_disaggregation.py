@@ -16,7 +16,14 @@ from baige_ray.models.hf.decoding import HFDecoder
 from baige_ray.serving.app import ServeOptions
 from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.disaggregation import DisaggregationOptions
-from baige_ray.serving.engine import ContinuousBatchingEngine, EngineLimits, PrefilledRequest, TokenEvent, generate_all
+from baige_ray.serving.engine import (
+    ContinuousBatchingEngine,
+    EngineLimits,
+    GenerationCollector,
+    PrefilledRequest,
+    TokenEvent,
+    generate_all,
+)
 from baige_ray.serving.prefill import PrefillEngine, generate_disaggregated
 from tests.hf_helpers import VOCAB_SIZE, llama_config
 
@@ -128,3 +135,59 @@ def test_serve_options_refuse_disaggregation_with_vllm_or_a_replica_count():
     with pytest.raises(ValueError, match="ServeOptions.disaggregation"):
         ServeOptions(disaggregation={"prefill_replicas": 2})
     assert ServeOptions(disaggregation=DisaggregationOptions(prefill_replicas=2)).disaggregation.prefill_replicas == 2
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
+def test_with_prefix_caches_the_hand_off_carries_only_what_the_decode_side_lacks(decoders, model, temperature):
+    from baige_ray.serving.kv_blocks import KVCacheConfig, PrefixBlockStore
+
+    decoder, vocab = decoders[model], VOCAB_SIZE if model == "llama" else 256
+    generator = torch.Generator().manual_seed(2)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=generator).tolist()
+
+    def store() -> PrefixBlockStore:
+        return PrefixBlockStore(KVCacheConfig(block_tokens=4), torch.device("cpu"), namespace="model@v1")
+
+    system = tokens(12)  # three blocks
+    params = [SamplingParams(max_new_tokens=6, temperature=temperature, seed=seed) for seed in (0, 1)]
+    prefill = PrefillEngine(decoder, eos_token_id=None, limits=EngineLimits(max_batch_size=2), prefixes=store())
+    decode = ContinuousBatchingEngine(decoder, eos_token_id=None, limits=EngineLimits(max_batch_size=4),
+                                      prefixes=store())
+    first = [system + tokens(3), system + tokens(5)]
+    answers = generate_disaggregated(prefill, decode, first, params)
+    # Another question on the system prompt, and a chat's next turn (the first prompt, its answer, a message).
+    second = [system + tokens(4), first[0] + answers[0].tokens + tokens(3)]
+    hand_offs = []
+    again = generate_disaggregated(prefill, decode, second, params, hand_offs=hand_offs)
+
+    def uncached() -> ContinuousBatchingEngine:
+        return ContinuousBatchingEngine(decoder, eos_token_id=None, limits=EngineLimits(max_batch_size=4))
+
+    assert answers == generate_all(uncached(), first, params) and again == generate_all(uncached(), second, params)
+    # The decode side held the system prompt's 3 blocks, and the first turn's prompt and answer (20 tokens).
+    assert sorted(hand_off.kv_from for hand_off in hand_offs) == [12, 20]
+    assert all(hand_off.kv[0][0].shape[2] == hand_off.prompt_length - hand_off.kv_from for hand_off in hand_offs)
+    assert prefill.prefixes.stats.hits["device"] >= 3 + 3  # the prefill side ran both from its own blocks too
+
+
+def test_blocks_the_decode_side_lost_since_it_said_it_held_them_are_recomputed_there(decoders):
+    decoder = decoders["llama"]
+    prompt = torch.randint(0, VOCAB_SIZE, (15,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = [SamplingParams(max_new_tokens=5, temperature=0.0)]
+    prefill = PrefillEngine(decoder, eos_token_id=None)
+    decode = ContinuousBatchingEngine(decoder, eos_token_id=None)  # no prefix cache at all: nothing to take
+    hand_offs = []
+    sink = GenerationCollector(1)
+    prefill.submit(prompt, params[0], hand_offs.append, known_tokens=8)  # as if the decode side had held 2 blocks
+    prefill.step()
+    (hand_off,) = hand_offs
+    assert hand_off.kv_from == 8 and hand_off.kv[0][0].shape[2] == 7
+    for event in hand_off.first_events():
+        sink.sink(0)(event)
+    decode.submit_prefilled(hand_off, sink.sink(0))
+    while decode.step():
+        pass
+    assert sink.generations() == generate_all(ContinuousBatchingEngine(decoder, eos_token_id=None), [prompt], params)
