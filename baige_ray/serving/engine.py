@@ -2,7 +2,7 @@
 
 Each `step()` first admits waiting requests while the batch has room: a joining request's prompt
 is prefilled on its own (one forward over its tokens, its first token sampled) and its cache joins
-the batch's (`PaddedKVBatch`). Then one decode forward runs over every running row's newest token
+the batch's (`PagedKVBatch`: blocks of a pool, gathered for each forward). Then one decode forward runs over every running row's newest token
 and each row samples its next one. A row that samples end-of-text, reaches its token budget or is
 cancelled leaves at once, freeing its slot for the next waiting request.
 
@@ -41,7 +41,7 @@ from baige_ray.models.generation import KV, KVDecoder, sample_token, seeded_gene
 from baige_ray.models.weights_in_place import copy_weights_in_place
 from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams
 from baige_ray.serving.context_length import require_fit
-from baige_ray.serving.kv_batch import PaddedKVBatch
+from baige_ray.serving.kv_batch import PagedKVBatch
 from baige_ray.serving.kv_blocks import PrefixBlockStore
 
 
@@ -172,7 +172,7 @@ class ContinuousBatchingEngine:
         self.prefixes = prefixes
         self._queue: RequestQueue[_Request] = RequestQueue(limits.max_waiting)
         self._running: list[_Request] = []
-        self._cache = PaddedKVBatch()
+        self._cache = PagedKVBatch()
 
     def load_weights(self, weights: dict[str, torch.Tensor], prefixes: PrefixBlockStore | None = None) -> None:
         """New weights of the model it runs, copied in between two steps (the engine's thread), and
@@ -327,9 +327,7 @@ class ContinuousBatchingEngine:
         fed = request.prompt + request.sampled[:-1]  # the last token sampled was never run through the model
         if len(fed) != length:
             raise RuntimeError(f"row {row} holds {length} tokens' keys, expected {len(fed)}")
-        self._store_blocks(fed, [(keys[row:row + 1, :, keys.shape[2] - length:],
-                                  values[row:row + 1, :, values.shape[2] - length:])
-                                 for keys, values in self._cache.layers])
+        self._store_blocks(fed, self._cache.row(row))
 
     def _keep_rows(self, rows: list[int]) -> None:
         self._running = [self._running[row] for row in rows]
