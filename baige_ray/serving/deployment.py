@@ -55,6 +55,7 @@ from baige_ray.api.errors import ServingError
 from baige_ray.models.plugin import plugin_for
 from baige_ray.ops.metrics import ServingMetrics
 from baige_ray.parallel.packed_tensors import state_tensors
+from baige_ray.serving.block_handover import BlockHandoverClient
 from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.context_length import fit_context
 from baige_ray.serving.engine import ContinuousBatchingEngine, EngineFull, EngineLimits, TokenEvent, generate_all
@@ -93,7 +94,6 @@ RETRY_AFTER_S = 1
 # Serve marks a replica unhealthy after three failed checks in a row: a failed engine is replaced
 # about three periods after it failed (Serve's default period is 10 s).
 HEALTH_CHECK_PERIOD_S = 1.0
-HANDOVER_TIMEOUT_S = 10.0  # well within Serve's graceful shutdown timeout (60 s)
 ROUTES = {"generate": "POST", "v1/completions": "POST", "v1/chat/completions": "POST", "v1/models": "GET",
           "health": "GET"}
 
@@ -118,12 +118,12 @@ class ModelServer:
         self._engine_limits = EngineLimits(**engine_limits)
         self._completion_limits = CompletionLimits(**(completion_limits or {}))
         self._kv_cache = KVCacheConfig(**kv_cache) if kv_cache else None
-        self._handover_via = handover_via  # the prefix-routing ingress, whose router credits the peer; else None
         self._app_name = app_name
         self._created = int(time.time())
         self._registry = ray.get_actor(registry_name(app_name), namespace=REGISTRY_NAMESPACE)
         context = serve.get_replica_context()
         self._replica = context.replica_id.unique_id
+        self._handover = BlockHandoverClient(app_name=app_name, replica=self._replica, via=handover_via)
         self._rank = getattr(context.rank, "rank", context.rank)  # the replica's rank in its deployment (events)
         self._node = ray.get_runtime_context().get_node_id()
         self._devices = [int(index) for index in ray.get_gpu_ids()]  # the (possibly shared) devices it holds
@@ -216,38 +216,11 @@ class ModelServer:
 
     # -- prefix blocks handed over when the replica stops ---------------------------------------
     async def __del__(self) -> None:
-        """Serve calls this once a stopping replica (a device lent back to training, a scale-down) has
-        drained: its hottest prefix blocks go to a peer, so what was hot stays in the pool."""
+        """Serve calls this once a stopping replica has drained: its hottest prefix blocks go to a peer
+        (serving/block_handover.py)."""
         store = self._prefix_store_in_use()
-        if store is None or not self._peers_stay():
-            return
-        try:
-            handover = await self._runner.between_steps(lambda: store.hottest(store.config.device_bytes))
-            if not handover.ids:
-                return
-            kept = await asyncio.wait_for(self._handover_target().remote(
-                dataclasses.replace(handover, departed=self._replica)), HANDOVER_TIMEOUT_S)
-        except Exception as error:  # a stop must not fail for its hand-over: the blocks are then lost, no more
-            logger.warning("replica %s of %s: prefix blocks not handed over: %r", self._replica, self._app_name, error)
-            return
-        self._registry.record_event.remote("kv_handover", f"a stopping replica handed {len(handover.ids)} prefix "
-                                           f"blocks to a peer, which kept {kept}", replica=self._replica,
-                                           app=self._app_name, blocks=len(handover.ids), kept=kept)
-
-    def _peers_stay(self) -> bool:
-        """Whether a peer of this deployment keeps running: not when the application is being deleted."""
-        context = serve.get_replica_context()
-        application = serve.status().applications.get(self._app_name)
-        if application is None or application.status == "DELETING":
-            return False
-        deployment = application.deployments.get(context.deployment)
-        return deployment is not None and deployment.replica_states.get("RUNNING", 0) > 0
-
-    def _handover_target(self):
-        if self._handover_via is not None:  # through the ingress: its router picks the peer and credits it
-            return serve.get_deployment_handle(self._handover_via, app_name=self._app_name).hand_over
-        deployment = serve.get_replica_context().deployment
-        return serve.get_deployment_handle(deployment, app_name=self._app_name).adopt_blocks
+        if store is not None:
+            await self._handover.hand_over(store, self._runner, self._registry)
 
     async def adopt_blocks(self, handover: BlockHandover) -> int:
         """Keep a stopping peer's prefix blocks (on the same weights; else none); how many were kept."""
