@@ -51,6 +51,7 @@ from baige_ray.serving.prefix_router import INGRESS_DEPLOYMENT, PrefixRoutingIng
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, get_or_create_registry, registry_name
 from baige_ray.serving.requests import RequestLimits
 from baige_ray.serving.vllm_engine import vllm_available
+from baige_ray.topology.head import HEAD_NODE_RESOURCE
 
 ENGINES = ("builtin", "vllm")
 ROUTINGS = ("default", "prefix")
@@ -360,8 +361,10 @@ def _bind_prefix_routed(settings: ServeOptions, deployment_options: dict, server
         name=DEPLOYMENT_NAME, num_replicas=settings.num_replicas, max_queued_requests=settings.max_queued_requests,
         **deployment_options, **router_config(),
     ).bind(**server_options, handover_via=INGRESS_DEPLOYMENT)
+    # On the head node, beside Serve's proxy: a worker node's loss must not take the application's ingress.
     ingress = ray_serve.deployment(PrefixRoutingIngress).options(
-        name=INGRESS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
+        name=INGRESS_DEPLOYMENT, num_replicas=1,
+        ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
         max_ongoing_requests=INGRESS_MAX_ONGOING, logging_config={"enable_access_log": False},
     ).bind(servers, max(limits.max_body_bytes, completion_limits.max_body_bytes))
     return ingress, dict(ingress_deployment_name=INGRESS_DEPLOYMENT)

@@ -8,11 +8,14 @@ from __future__ import annotations
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource (a little of it is asked
+# by a Serve deployment that must run there: deployments take resources, not a scheduling strategy)
+
 
 def head_node_id() -> str:
     """The Ray head node's id (the driver's own node is ambiguous when simulated nodes share one IP)."""
     for node in ray.nodes():
-        if node["Alive"] and "node:__internal_head__" in node["Resources"]:
+        if node["Alive"] and HEAD_NODE_RESOURCE in node["Resources"]:
             return node["NodeID"]
     return ray.get_runtime_context().get_node_id()
 
