@@ -67,14 +67,14 @@ def _replay(url: str, app: str, sessions: list[TextSession], *, concurrency: int
             prompt = session.system
             for message in session.messages:
                 prompt += message
-                started, answer = time.perf_counter(), ""
+                started, pieces = time.perf_counter(), []
                 for chunk in client.completions.create(model=app, prompt=prompt, max_tokens=answer_tokens,
                                                        temperature=0, stream=True):
-                    if not answer:
+                    if not pieces:
                         with lock:
                             ttfts.append(time.perf_counter() - started)
-                    answer += chunk.choices[0].text or " "
-                prompt += answer
+                    pieces.append(chunk.choices[0].text)
+                prompt += "".join(pieces)
 
     threads = [threading.Thread(target=converse) for _ in range(concurrency)]
     for thread in threads:

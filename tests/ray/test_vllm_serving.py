@@ -67,8 +67,9 @@ def trained_gpt(local_ray, tmp_path_factory):
 def gpt_app(trained_gpt):
     config, result = trained_gpt
     weights = ray.put(ray.get(result.final_state)["model"])
+    # Beside the Llama application at /, behind the prefix-routing ingress (it relays to vLLM replicas too).
     info = serve((4, weights), model_config=config, name="gpt-vllm", port=free_port(), engine="vllm",
-                 route_prefix="/gpt")  # beside the Llama application at /
+                 route_prefix="/gpt", routing="prefix")
     yield info
     shutdown(info)
 
