@@ -36,7 +36,7 @@ def _rank(rank: int, port: int, results) -> None:
         after = dispatcher.stats()
         dispatcher.close()
         results[0] = {"alone": alone, "spread": spread, "rebalanced": rebalanced, "before": before, "after": after}
-    dist.destroy_process_group()
+    _leave_group()
 
 
 def test_experts_over_three_ranks_generate_one_process_tokens_and_rebalancing_evens_the_load():
@@ -89,6 +89,13 @@ def _mixtral_rank(rank: int, port: int, results) -> None:
         spread = greedy()
         results[0] = {"alone": alone, "spread": spread, "placements": dispatcher.stats()["placements_made"]}
         dispatcher.close()
+    _leave_group()
+
+
+def _leave_group() -> None:
+    # Every rank past its last message before any destroys the group: rank 0 destroying it while a peer
+    # still read the stop broadcast aborted once in gloo ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
