@@ -12,6 +12,8 @@ p99 (submit to first token), generated tokens/s, hits per tier, bytes moved betw
 - `tiers`: many system prompts visited in turn, the device tier a quarter of the working set, the
   host tier another quarter and the rest on disk, so most hits come from host memory and disk.
 
+- `handoff`: prefill/decode disaggregation in this process, the same sessions one turn at a time, with a
+  prefix cache on both sides and without: the keys and values the hand-offs carried (bench/prefix_handoff.py).
 - `routing`: the hit rate of 2 replicas behind `serve(..., routing="prefix")` over one replica's, against
   Serve's default routing, on a text workload of the same kind through the `openai` client
   (bench/prefix_routing.py; `--no-routing` leaves it out).
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from baige_ray.bench.measure import report_stage
+from baige_ray.bench.prefix_handoff import measure_handoffs
 from baige_ray.bench.prefix_routing import run_routing
 
 # Grouped-query attention as in the models users serve (2 KV heads of 64): keys and values are small
@@ -178,7 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         turns=3, system_tokens=args.system_tokens, user_tokens=args.user_tokens,
                         vocab=MODEL_SHAPE["vocab_size"])
     run_engine(model, sessions[:2], concurrency=2, answer_tokens=2)  # warm-up: first forwards are slow
-    by_level, stages = {}, 2 * len(levels) + 2
+    by_level, stages = {}, 2 * len(levels) + 3
     for index, level in enumerate(levels):
         report_stage(args, f"concurrency {level}: without reuse", 2 * index, stages)
         none = run_engine(model, sessions, concurrency=level, answer_tokens=args.answer_tokens)
@@ -189,7 +192,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "tokens_equal": sorted(none.answers) == sorted(reuse.answers)}
     report_stage(args, "working set 4x the device tier", 2 * len(levels), stages)
     tiers = _tiers(model, args, quick)
-    report_stage(args, "routing over 2 served replicas", 2 * len(levels) + 1, stages)
+    report_stage(args, "disaggregated hand-offs", 2 * len(levels) + 1, stages)
+    from baige_ray.models.hf.decoding import HFDecoder
+
+    handoff = measure_handoffs(HFDecoder(model, MODEL_SHAPE["max_position_embeddings"]), sessions[:8 if quick else 16],
+                               answer_tokens=args.answer_tokens, store=lambda: _store(args.block_tokens, 1 << 30))
+    report_stage(args, "routing over 2 served replicas", 2 * len(levels) + 2, stages)
     routing = None if args.no_routing else run_routing(args, MODEL_SHAPE, _work_dir(args))
     worst = min(levels, key=lambda level: by_level[level]["none"]["ttft_p50_s"] / by_level[level]["reuse"]["ttft_p50_s"])
     return {
@@ -198,8 +206,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tier_ttft_p50_speedup": tiers["none"]["ttft_p50_s"] / tiers["tiered"]["ttft_p50_s"],
         "routing_hit_rate_vs_single": routing["routing_hit_rate_vs_single"] if routing else None,
         "default_routing_hit_rate_vs_single": routing["default_hit_rate_vs_single"] if routing else None,
+        "handoff_bytes_ratio": handoff["bytes_ratio"], "handoff": handoff,
         "routing": routing,
-        "tokens_equal": all(v["tokens_equal"] for v in by_level.values()) and tiers["tokens_equal"],
+        "tokens_equal": (all(v["tokens_equal"] for v in by_level.values()) and tiers["tokens_equal"]
+                         and handoff["tokens_equal"]),
         "worst_concurrency": worst, "by_concurrency": by_level, "tiers": tiers,
         "workload": {"sessions": len(sessions), "system_tokens": args.system_tokens, "user_tokens": args.user_tokens,
                      "answer_tokens": args.answer_tokens, "block_tokens": args.block_tokens},
@@ -239,6 +249,10 @@ def summarize(result: dict[str, Any]) -> str:
     lines.append(f"working set {tiers['working_set_bytes'] / 2**20:.1f} MiB, device tier a quarter: TTFT p50 "
                  f"{1000 * tiers['none']['ttft_p50_s']:.1f} ms recomputed, {1000 * tiers['tiered']['ttft_p50_s']:.1f} ms "
                  f"from the tiers; hits {tiers['tiered']['cache']['hits']}")
+    handoff = result["handoff"]
+    lines.append(f"disaggregated hand-offs: {handoff['with_cache']['bytes'] / 2**20:.1f} MiB with prefix caches "
+                 f"against {handoff['without_cache']['bytes'] / 2**20:.1f} MiB without "
+                 f"({handoff['with_cache']['tokens_sent']} of {handoff['with_cache']['prompt_tokens']} prompt tokens sent)")
     for name, one in (result["routing"] or {}).get("runs", {}).items():
         lines.append(f"{name:>8} routing, {one['replicas']} replica(s): hit rate {one['hit_rate']:.3f}, TTFT p50 "
                      f"{1000 * one['ttft_p50_s']:.1f} ms, p99 {1000 * one['ttft_p99_s']:.1f} ms")
