@@ -250,9 +250,10 @@ def summarize(result: dict[str, Any]) -> str:
                  f"{1000 * tiers['none']['ttft_p50_s']:.1f} ms recomputed, {1000 * tiers['tiered']['ttft_p50_s']:.1f} ms "
                  f"from the tiers; hits {tiers['tiered']['cache']['hits']}")
     handoff = result["handoff"]
-    lines.append(f"disaggregated hand-offs: {handoff['with_cache']['bytes'] / 2**20:.1f} MiB with prefix caches "
-                 f"against {handoff['without_cache']['bytes'] / 2**20:.1f} MiB without "
-                 f"({handoff['with_cache']['tokens_sent']} of {handoff['with_cache']['prompt_tokens']} prompt tokens sent)")
+    cached, uncached = handoff["with_cache"], handoff["without_cache"]
+    lines.append(f"disaggregated hand-offs: {cached['bytes'] / 2**20:.1f} MiB with prefix caches against "
+                 f"{uncached['bytes'] / 2**20:.1f} MiB without ({cached['tokens_sent']} of {cached['prompt_tokens']} "
+                 "prompt tokens sent)")
     for name, one in (result["routing"] or {}).get("runs", {}).items():
         lines.append(f"{name:>8} routing, {one['replicas']} replica(s): hit rate {one['hit_rate']:.3f}, TTFT p50 "
                      f"{1000 * one['ttft_p50_s']:.1f} ms, p99 {1000 * one['ttft_p99_s']:.1f} ms")

@@ -236,9 +236,10 @@ def serve(
     With `kv_cache` (built-in engine) each replica keeps its prompts' and answers' keys and values in
     blocks found by their prefix, in device, host and disk tiers of the sizes given: a prompt starting
     with cached blocks (a shared system prompt, the turns of a chat so far) prefills only the rest, and a
-    disaggregated hand-off carries only what the decode replica lacks; GET /health reports hits per tier. vLLM replicas run vLLM's own prefix caching. With
-    `routing="prefix"` a thin ingress takes HTTP and sends each request to the replica that holds the
-    longest prefix of its prompt, or to the least loaded when that one is overloaded
+    disaggregated hand-off carries only what the decode replica lacks; GET /health reports hits per tier.
+    vLLM replicas run vLLM's own prefix caching. With `routing="prefix"` a thin ingress takes HTTP and
+    sends each request to the replica that holds the longest prefix of its prompt, or to the least
+    loaded when that one is overloaded
     (serving/prefix_router.py); answers are the same as without it.
     """
     settings = ServeOptions(

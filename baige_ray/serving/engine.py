@@ -2,9 +2,10 @@
 
 Each `step()` first admits waiting requests while the batch has room: a joining request's prompt
 is prefilled on its own (one forward over its tokens, its first token sampled) and its cache joins
-the batch's (`PagedKVBatch`: blocks of a pool, gathered for each forward). Then one decode forward runs over every running row's newest token
-and each row samples its next one. A row that samples end-of-text, reaches its token budget or is
-cancelled leaves at once, freeing its slot for the next waiting request.
+the batch's (`PagedKVBatch`: blocks of a pool, gathered for each forward). Then one decode forward
+runs over every running row's newest token and each row samples its next one. A row that samples
+end-of-text, reaches its token budget or is cancelled leaves at once, freeing its slot for the next
+waiting request.
 
 Each row samples with its own seeded generator (models/generation.py), so a request's tokens do not
 depend on what it shares the batch with, up to floating-point summation order. Tokens go to the
@@ -210,8 +211,8 @@ class ContinuousBatchingEngine:
         request = _Request(
             id=self._queue.next_id(), prompt=list(prefilled.prompt), params=prefilled.params, on_event=on_event,
             budget=prefilled.budget, generator=generator, generated=1, last_token=prefilled.first_token,
-            sampled=[prefilled.first_token], prefilled=[(keys.to(device), values.to(device)) for keys, values in prefilled.kv],
-            kv_from=prefilled.kv_from,
+            sampled=[prefilled.first_token], kv_from=prefilled.kv_from,
+            prefilled=[(keys.to(device), values.to(device)) for keys, values in prefilled.kv],
         )
         self._queue.put(request)
         return request.id

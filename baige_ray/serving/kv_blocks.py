@@ -167,24 +167,26 @@ class PrefixBlockStore:
     def cached_prefix(self, prompt: Sequence[int], limit: int | None = None) -> tuple[KV | None, int]:
         """The cached keys and values of the prompt's leading full blocks (at most `limit` tokens' worth),
         and how many tokens they hold; never the last token (its logits give the first new token)."""
-        size = self.config.block_tokens
-        usable = (len(prompt) - 1) // size * size if limit is None else min(limit, (len(prompt) - 1) // size * size)
+        usable = self._reusable_tokens(prompt) if limit is None else min(limit, self._reusable_tokens(prompt))
         wanted = self.ids(prompt[:usable])
         blocks = self.take(wanted)
         self.count_misses(len(wanted) - len(blocks))
-        return (join_blocks(blocks), len(blocks) * size) if blocks else (None, 0)
+        return (join_blocks(blocks), len(blocks) * self.config.block_tokens) if blocks else (None, 0)
 
     def cached_tokens(self, prompt: Sequence[int]) -> int:
         """How many leading tokens of `prompt` (the last excepted) the tiers hold, without taking them.
         Safe from another thread than the engine's: it only tests membership; the engine takes them later
         and copes with a block gone meanwhile."""
-        size = self.config.block_tokens
         held = 0
-        for block_id in self.ids(prompt[: (len(prompt) - 1) // size * size]):
+        for block_id in self.ids(prompt[:self._reusable_tokens(prompt)]):
             if self.tier_of(block_id) is None:
                 break
-            held += size
+            held += self.config.block_tokens
         return held
+
+    def _reusable_tokens(self, prompt: Sequence[int]) -> int:
+        """The full blocks' tokens of `prompt` without its last token (whose logits give the first new one)."""
+        return (len(prompt) - 1) // self.config.block_tokens * self.config.block_tokens
 
     def keep_tokens(self, tokens: Sequence[int], cache: KV) -> None:
         """Keep the full blocks of `tokens` (whose keys and values the batch-1 `cache` holds) not kept yet."""

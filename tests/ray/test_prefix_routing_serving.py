@@ -103,7 +103,8 @@ def test_a_replica_scaled_away_hands_its_blocks_to_the_one_left(app, client):
     prompts = [f"Topic {n}: " + "the standard library module " * 3 + str(n) for n in range(6)]
 
     def ask(prompt: str) -> str:
-        return client.completions.create(model="prefix-routed", prompt=prompt, max_tokens=4, temperature=0).choices[0].text
+        reply = client.completions.create(model="prefix-routed", prompt=prompt, max_tokens=4, temperature=0)
+        return reply.choices[0].text
 
     with ThreadPoolExecutor(len(prompts)) as pool:  # at once: least loaded first spreads them over both
         answers = list(pool.map(ask, prompts))
