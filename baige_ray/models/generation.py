@@ -121,6 +121,11 @@ def seeded_generator(seed: int | None) -> torch.Generator:
     return generator
 
 
+def token_log_prob(logits: torch.Tensor, token: int) -> float:
+    """log p(token) under the raw `logits` of one position (no temperature, no top-k), in fp32."""
+    return float(F.log_softmax(logits.float(), dim=-1)[token])
+
+
 def sample_token(logits: torch.Tensor, temperature: float, generator: torch.Generator,
                  top_k: int | None = TOP_K) -> int:
     """Argmax at temperature 0; otherwise a draw from the top-k of softmax(logits / temperature)."""

@@ -14,8 +14,11 @@ from baige_ray.models.policy_loss import PolicyLossConfig
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class GRPOConfig:
     """One iteration samples `group_size` completions of each of `prompts_per_iteration` prompts (the
-    prompts in a seeded order, epoch after epoch), scores them, and takes one optimizer step on all of
-    them (GRPO's single update per batch: the sampling policy is the one being updated).
+    prompts in a seeded order, epoch after epoch), scores them, and takes `updates_per_iteration`
+    optimizer steps on all of them (GRPO's mu: after the first, the policy has moved away from the one
+    that sampled, and the ratio against the sampling engine's log-probabilities is what the clip bounds).
+    A KL penalty (`loss.kl_coef` > 0) compares the policy with its starting weights, which a reference
+    actor of the run holds.
 
     Completion i of prompt p in iteration t is sampled with seed `sample_seed(t, p, i)`, so a run is
     reproducible with its `seed`, and a request re-issued after a rollout replica died gets the tokens
@@ -30,13 +33,14 @@ class GRPOConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     micro_batch_size: int | None = None
+    updates_per_iteration: int = 1
     seed: int = 0
     loss: PolicyLossConfig = PolicyLossConfig()
     rollout_retry_s: float = 120.0  # a rollout request whose replica died is re-issued until this has passed
     refit_timeout_s: float = 120.0  # a weight sync that has not reached every rollout replica by then fails
 
     def __post_init__(self) -> None:
-        for name in ("num_iterations", "prompts_per_iteration", "max_new_tokens"):
+        for name in ("num_iterations", "prompts_per_iteration", "max_new_tokens", "updates_per_iteration"):
             require_int("GRPOConfig", name, getattr(self, name), minimum=1)
         require_int("GRPOConfig", "group_size", self.group_size, minimum=2)  # advantages compare within a group
         require_int("GRPOConfig", "seed", self.seed, minimum=0)
@@ -53,6 +57,11 @@ class GRPOConfig:
                                  f"divisor of the batch, prompts_per_iteration x group_size = {self.batch_size}")
         if not isinstance(self.loss, PolicyLossConfig):
             raise ValueError(f"GRPOConfig.loss={self.loss!r} is invalid: expected a PolicyLossConfig")
+
+    @property
+    def num_steps(self) -> int:
+        """Optimizer steps of the whole run."""
+        return self.num_iterations * self.updates_per_iteration
 
     @property
     def batch_size(self) -> int:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import ray
 
-from baige_ray.serving.causal_lm_generation import SamplingParams
+from baige_ray.serving.causal_lm_generation import Generation, SamplingParams
 
 FIRST_RETRY_PAUSE_S = 0.25  # doubled after each failure: Serve needs a moment to stop routing to a dead replica
 MAX_RETRY_PAUSE_S = 4.0
@@ -56,6 +56,16 @@ class BusyReplicas:
         return next((pid for pid in self._pids if pid not in besides), None)
 
 
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One sampled completion: its tokens, ending with the end-of-text token when the model chose to stop
+    (it is trained to stop, so the token is part of what it did), and the log-probability the sampling
+    engine gave each of them (None when it was not asked for them)."""
+
+    tokens: list[int]
+    log_probs: list[float] | None = None
+
+
 @dataclasses.dataclass
 class RolloutStats:
     reissued: int = 0  # completions requested again after their replica failed
@@ -72,19 +82,18 @@ class RolloutClient:
         self.eos_token_id, self.retry_s = eos_token_id, retry_s
 
     def generate(self, groups: Sequence[RolloutGroup],
-                 busy: BusyReplicas | None = None) -> tuple[list[list[int]], RolloutStats]:
-        """Every group's completions, group after group: each its sampled tokens, ending with the
-        end-of-text token when the model chose to stop (it is trained to stop, so the token is part of
-        what it did). `busy` learns each replica that sampled a first token for a group."""
+                 busy: BusyReplicas | None = None) -> tuple[list[Completion], RolloutStats]:
+        """Every group's completions, group after group. `busy` learns each replica that sampled a first
+        token for a group."""
         stats = RolloutStats()
         answers = asyncio.run(self._all(groups, stats, busy or BusyReplicas()))
         return [completion for answer in answers for completion in answer], stats
 
     async def _all(self, groups: Sequence[RolloutGroup], stats: RolloutStats,
-                   busy: BusyReplicas) -> list[list[list[int]]]:
+                   busy: BusyReplicas) -> list[list[Completion]]:
         return list(await asyncio.gather(*(self._group(group, stats, busy) for group in groups)))
 
-    async def _group(self, group: RolloutGroup, stats: RolloutStats, busy: BusyReplicas) -> list[list[int]]:
+    async def _group(self, group: RolloutGroup, stats: RolloutStats, busy: BusyReplicas) -> list[Completion]:
         deadline, pause = time.monotonic() + self.retry_s, FIRST_RETRY_PAUSE_S
         while True:
             try:
@@ -103,9 +112,14 @@ class RolloutClient:
                 stats.reissued += len(group.params)
                 await asyncio.sleep(pause)
                 pause = min(2 * pause, MAX_RETRY_PAUSE_S)
-        return [self._with_end(tokens, params) for tokens, params in zip(completions, group.params)]
+        return [self._completion(generation) for generation in completions]
 
-    def _with_end(self, tokens: list[int], params: SamplingParams) -> list[int]:
-        if len(tokens) < params.max_new_tokens and self.eos_token_id is not None:
-            return [*tokens, self.eos_token_id]  # it stopped before its budget: it sampled end-of-text
-        return tokens
+    def _completion(self, generation: Generation) -> Completion:
+        tokens = list(generation.tokens)
+        if generation.finish_reason == "stop" and self.eos_token_id is not None:
+            tokens.append(self.eos_token_id)  # it stopped before its budget: it sampled end-of-text
+        log_probs = generation.log_probs
+        if log_probs is not None and len(log_probs) != len(tokens):
+            raise RuntimeError(f"a rollout replica answered {len(tokens)} tokens with {len(log_probs)} "
+                               "log-probabilities: expected one each")
+        return Completion(tokens, None if log_probs is None else list(log_probs))

@@ -14,6 +14,11 @@ Each iteration t:
 The rollout of t + 1 needs the weights of step t: the phases run in turn, on separate devices
 ("split" placement: the replicas and the workers each hold their own). Placing rollout and training
 on the same devices in turns ("colocated") is not built yet.
+
+With `updates_per_iteration` u > 1, iteration t's rollouts serve steps [t u, (t + 1) u) and the refit
+follows the last of them. The sampling engine reports each token's log-probability, so every update's
+ratio is taken against the policy that sampled. With a KL penalty, a reference actor
+(rl/reference.py) scores each completion under the starting weights before the rollouts are published.
 """
 
 from __future__ import annotations
@@ -31,12 +36,14 @@ import torch
 
 from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
 from baige_ray.api.elastic import ElasticConfig
+from baige_ray.api.validation import require_int, require_number
 from baige_ray.models.policy_loss import group_advantages
 from baige_ray.rl.config import GRPOConfig
 from baige_ray.rl.faults import RolloutFaultPlan
 from baige_ray.rl.objective import PolicyObjective, pack_rollouts
 from baige_ray.rl.rollout_source import RolloutSource, start_board
-from baige_ray.rl.rollouts import BusyReplicas, RolloutClient, RolloutGroup
+from baige_ray.rl.reference import start_reference
+from baige_ray.rl.rollouts import BusyReplicas, Completion, RolloutClient, RolloutGroup
 from baige_ray.serving.causal_lm_generation import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -48,12 +55,20 @@ SNAPSHOT_POLL_S = 0.05  # a snapshot is copied just after its step; each look as
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class RolloutOptions:
     """The rollout replicas: how many, on which engine ("builtin" or "vllm"), how many sequences each
-    decodes together."""
+    decodes together, the share of a device each holds where the pool has devices; the share of one
+    the KL penalty's reference actor holds (below 1 - `device_share`, it fits beside a replica)."""
 
     num_replicas: int = 1
     engine: str = "builtin"
     max_batch_size: int = 64
     port: int = 8000
+    device_share: float = 1.0
+    reference_device_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        require_int("RolloutOptions", "num_replicas", self.num_replicas, minimum=1)
+        for name in ("device_share", "reference_device_share"):
+            require_number("RolloutOptions", name, getattr(self, name), minimum=0, exclusive_minimum=True, maximum=1)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -61,7 +76,7 @@ class IterationRecord:
     iteration: int
     rewards: list[float]
     rollout_s: float
-    scoring_s: float
+    scoring_s: float  # the reward, and the reference policy's log-probabilities where there is a KL penalty
     training_s: float = math.nan  # the step of this iteration's rollouts, from its gate opening to its end
     refit_s: float = math.nan  # its weights into every rollout replica (nan for the last iteration: none follows)
     reissued: int = 0  # completions requested again after their replica died
@@ -111,6 +126,7 @@ class GRPOTrainer:
         self.prompt_tokens = [list(self.tokenizer(p)["input_ids"]) for p in self.prompts]
         self._check_lengths()
         self.pad_id = next((t for t in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id) if t is not None), 0)
+        self._reference: ray.actor.ActorHandle | None = None  # the KL penalty's, while a run holds one
 
     def _check_lengths(self) -> None:
         longest = max(len(tokens) for tokens in self.prompt_tokens)
@@ -125,12 +141,16 @@ class GRPOTrainer:
         from baige_ray.jobs.launch import launch
         from baige_ray.serving.app import serve, shutdown
 
+        check_devices(self._devices_needed(), ray.cluster_resources().get("GPU", 0.0))
         name = f"{self.run.name}-rollouts"  # its own route: other applications may hold "/"
         info = serve(self.model.path, model_config=self.model, name=name, route_prefix=f"/{name}",
                      num_replicas=self.rollout.num_replicas, engine=self.rollout.engine,
                      max_batch_size=self.rollout.max_batch_size, port=self.rollout.port,
-                     max_ongoing_requests=max(32, self.config.batch_size))
-        board = start_board(self.run.name, self.config.batch_size)
+                     max_ongoing_requests=max(32, self.config.batch_size), device_share=self.rollout.device_share)
+        updates = self.config.updates_per_iteration
+        board = start_board(self.run.name, self.config.batch_size, keep=2 * updates)
+        if self.config.loss.kl_coef > 0:
+            self._reference = start_reference(self.run.name, self.model, self.rollout.reference_device_share)
         job = None
         try:
             client = RolloutClient(info.app_name, info.deployment_name, eos_token_id=self.tokenizer.eos_token_id,
@@ -138,16 +158,16 @@ class GRPOTrainer:
             failures: list[str] = []
             records = [self._rollout_and_publish(0, client, board, failures)]
             job = launch(self.model, data=RolloutSource(self.run.name),
-                         objective=PolicyObjective(loss_config=self.config.loss), steps_allowed=1,
+                         objective=PolicyObjective(loss_config=self.config.loss), steps_allowed=updates,
                          train=self._train_config(), scaling=self.scaling,
                          run=dataclasses.replace(self.run, show_progress=False), elastic=self.elastic,
                          layout=self.layout, faults=self.faults)
             opened = time.perf_counter()
             for iteration in range(1, self.config.num_iterations):
-                records[-1].training_s = self._wait_for_steps(job, iteration) - opened
-                records[-1].refit_s = self._refit(job, info, iteration - 1)
+                records[-1].training_s = self._wait_for_steps(job, iteration * updates) - opened
+                records[-1].refit_s = self._refit(job, info, iteration * updates - 1)
                 records.append(self._rollout_and_publish(iteration, client, board, failures))
-                job.allow_steps(iteration + 1)
+                job.allow_steps((iteration + 1) * updates)
                 opened = time.perf_counter()
             training, job = job.wait(), None
             records[-1].training_s = time.perf_counter() - opened
@@ -156,13 +176,17 @@ class GRPOTrainer:
                 job.kill()
             shutdown(info)
             ray.kill(board)
-        for record, metrics in zip(records, sorted(training.metrics, key=lambda m: m.step)):
+            if self._reference is not None:
+                ray.kill(self._reference)
+                self._reference = None
+        by_step = sorted(training.metrics, key=lambda m: m.step)
+        for record, metrics in zip(records, by_step[::updates]):  # each iteration's first update: on-policy
             record.loss = metrics.loss
         return RLResult(iterations=records, training=training, rollout_failures=failures)
 
     def _train_config(self) -> TrainConfig:
         c = self.config
-        return TrainConfig(num_steps=c.num_iterations, global_batch_size=c.batch_size,
+        return TrainConfig(num_steps=c.num_steps, global_batch_size=c.batch_size,
                            micro_batch_size=c.micro_batch_size, learning_rate=c.learning_rate,
                            min_learning_rate=c.learning_rate, warmup_steps=0,
                            weight_decay=c.weight_decay, grad_clip=c.grad_clip, seed=c.seed)
@@ -184,20 +208,35 @@ class GRPOTrainer:
             injector.join()
         failures.extend(stats.failures)
         started = time.perf_counter()
-        rewards = self._score(prompts, completions)
+        rewards = self._score(prompts, [completion.tokens for completion in completions])
+        prompt_of_completion = [group.prompt for group in groups for _ in group.params]
+        reference = self._reference_log_probs(prompt_of_completion, completions)
         scoring_s = time.perf_counter() - started
         advantages = group_advantages(torch.tensor(rewards).view(len(prompts), self.config.group_size),
                                       scale_by_std=self.config.loss.scale_by_std).flatten().tolist()
-        prompt_of_completion = [group.prompt for group in groups for _ in group.params]
-        inputs, targets = pack_rollouts(prompt_of_completion, completions, advantages, self.model.seq_len,
-                                        pad_id=self.pad_id)
-        ray.get(board.publish.remote(iteration, inputs, targets))
+        inputs, targets = pack_rollouts(prompt_of_completion, [completion.tokens for completion in completions],
+                                        advantages, self.model.seq_len, pad_id=self.pad_id,
+                                        sampled_log_probs=[completion.log_probs for completion in completions],
+                                        ref_log_probs=reference)
+        updates = self.config.updates_per_iteration
+        ray.get(board.publish.remote(iteration * updates, inputs, targets, steps=updates))
         return IterationRecord(iteration=iteration, rewards=rewards, rollout_s=rollout_s, scoring_s=scoring_s,
                                reissued=stats.reissued)
 
     def _sampling(self, iteration: int, prompt: int, sample: int) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.config.max_new_tokens, temperature=self.config.temperature,
-                              top_k=None, seed=self.config.sample_seed(iteration, prompt, sample))
+                              top_k=None, seed=self.config.sample_seed(iteration, prompt, sample), log_probs=True)
+
+    def _reference_log_probs(self, prompts: list[tuple[int, ...]],
+                             completions: list[Completion]) -> list[list[float]] | None:
+        """Each completion token's log-probability under the starting weights (None without a KL penalty)."""
+        if self._reference is None:
+            return None
+        kept = [completion.tokens[: self.model.seq_len + 1 - len(prompt)]  # what pack_rollouts keeps
+                for prompt, completion in zip(prompts, completions)]
+        scored = ray.get(self._reference.log_probs.remote([list(p) + k for p, k in zip(prompts, kept)],
+                                                          [len(p) for p in prompts]))
+        return [figures + [0.0] * (len(c.tokens) - len(figures)) for figures, c in zip(scored, completions)]
 
     def _score(self, prompts: list[int], completions: list[list[int]]) -> list[float]:
         rewards = []
@@ -209,6 +248,14 @@ class GRPOTrainer:
                 raise ValueError(f"reward({prompt!r}, {text!r}) returned {value!r}: expected a finite number")
             rewards.append(float(value))
         return rewards
+
+    def _devices_needed(self) -> dict[str, float]:
+        spares = self.elastic.num_spares if self.elastic is not None else ElasticConfig().num_spares
+        needed = {"rollout replicas": self.rollout.num_replicas * self.rollout.device_share,
+                  "training workers (spares included)": float(self.scaling.num_workers + spares)}
+        if self.config.loss.kl_coef > 0:
+            needed["the reference policy"] = self.rollout.reference_device_share
+        return needed
 
     # ----- the training side -----
 
@@ -248,3 +295,13 @@ class GRPOTrainer:
                 return state
             self._wait_for_steps(job, step + 1)  # raises if the job ended meanwhile
             time.sleep(SNAPSHOT_POLL_S)
+
+
+def check_devices(needed: dict[str, float], available: float) -> None:
+    """Refuse a run whose parts cannot all hold their devices at once (where the pool has devices: on
+    CPUs every part shares the cores), naming what each needs, before anything starts."""
+    if available <= 0 or sum(needed.values()) <= available + 1e-9:
+        return
+    parts = ", ".join(f"{name} {amount:g}" for name, amount in needed.items())
+    raise ValueError(f"the run needs {sum(needed.values()):g} devices ({parts}) and the pool has {available:g}: "
+                     "use fewer workers or replicas, or smaller RolloutOptions.device_share / reference_device_share")

@@ -38,12 +38,17 @@ FinishReason = Literal["stop", "length"]
 
 @dataclass(kw_only=True, frozen=True)
 class SamplingParams:
-    """How one request samples: temperature 0 is greedy; otherwise top-k then multinomial."""
+    """How one request samples: temperature 0 is greedy; otherwise top-k then multinomial.
+
+    `log_probs`: report each sampled token's log-probability under the model's own distribution
+    (log-softmax of the raw logits: before temperature and top-k, as vLLM's raw log-probs), which is
+    what a policy-gradient loss compares its policy with."""
 
     max_new_tokens: int
     temperature: float
     top_k: int | None = 40
     seed: int | None = None
+    log_probs: bool = False
 
     def __post_init__(self) -> None:
         require_int("SamplingParams", "max_new_tokens", self.max_new_tokens, minimum=1)
@@ -54,14 +59,18 @@ class SamplingParams:
             require_int("SamplingParams", "top_k", self.top_k, minimum=1)
         if self.seed is not None:
             require_int("SamplingParams", "seed", self.seed, minimum=0)
+        if not isinstance(self.log_probs, bool):
+            raise ValueError(f"SamplingParams.log_probs={self.log_probs!r} is invalid: expected a bool")
 
 
 @dataclass(kw_only=True, frozen=True)
 class Generation:
-    """New tokens of one request; an eos token that stopped it is not included."""
+    """New tokens of one request; an eos token that stopped it is not included. `log_probs` (when the
+    request asked for them): one per token sampled, the stopping eos token's last."""
 
     tokens: list[int]
     finish_reason: FinishReason
+    log_probs: list[float] | None = None
 
 
 def _last_logits(model: Any, input_ids: torch.Tensor, past: Any, options: dict[str, Any]) -> tuple[torch.Tensor, Any]:

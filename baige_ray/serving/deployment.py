@@ -56,7 +56,7 @@ from baige_ray.models.plugin import plugin_for
 from baige_ray.ops.metrics import ServingMetrics
 from baige_ray.parallel.packed_tensors import state_tensors
 from baige_ray.serving.block_handover import BlockHandoverClient
-from baige_ray.serving.causal_lm_generation import SamplingParams
+from baige_ray.serving.causal_lm_generation import Generation, SamplingParams
 from baige_ray.serving.context_length import fit_context
 from baige_ray.serving.engine import ContinuousBatchingEngine, EngineFull, EngineLimits, TokenEvent, generate_all
 from baige_ray.serving.engine_runner import EngineFailed, EngineRunner
@@ -451,23 +451,28 @@ class ModelServer:
             self._ongoing -= 1
 
     async def token_completions(self, prompt: list[int],
-                                params: list[SamplingParams]) -> AsyncIterator[int | list[list[int]]]:
+                                params: list[SamplingParams]) -> AsyncIterator[int | list[Generation]]:
         """One completion of `prompt` per entry of `params` (an RL group), decoded in one batch, for callers
         in the cluster (a deployment handle with stream=True): yields this replica's process id once the
-        first token is sampled (who is busy, for a fault injector to pick), then every completion's token
-        ids at once: two messages for the group where `token_stream` sends one per token and request."""
+        first token is sampled (who is busy, for a fault injector to pick), then every completion at once
+        (its tokens, why it ended, the log-probabilities it asked for): two messages for the group where
+        `token_stream` sends one per token and request."""
         runner = self._require_runner()
         self._ongoing += len(params)
         sampling = asyncio.Event()
 
-        async def completion(one: SamplingParams) -> list[int]:
+        async def completion(one: SamplingParams) -> Generation:
             async with contextlib.aclosing(self._events(runner, prompt, one)) as events:
-                tokens = []
+                tokens, log_probs, reason = [], [], "length"
                 async for event in events:
                     if event.token is not None:
                         tokens.append(event.token)
                         sampling.set()
-                return tokens
+                    else:
+                        reason = event.finish_reason or reason
+                    if event.log_prob is not None:
+                        log_probs.append(event.log_prob)
+                return Generation(tokens=tokens, finish_reason=reason, log_probs=log_probs if one.log_probs else None)
 
         everything = asyncio.ensure_future(asyncio.gather(*(completion(one) for one in params)))
         try:

@@ -38,7 +38,7 @@ from typing import Generic, Protocol, TypeVar
 import torch
 
 from baige_ray.api.validation import require_int
-from baige_ray.models.generation import KV, KVDecoder, sample_token, seeded_generator
+from baige_ray.models.generation import KV, KVDecoder, sample_token, seeded_generator, token_log_prob
 from baige_ray.models.weights_in_place import copy_weights_in_place
 from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams
 from baige_ray.serving.context_length import require_fit
@@ -48,10 +48,13 @@ from baige_ray.serving.kv_blocks import PrefixBlockStore
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """A sampled token (`finish_reason` None), or the end of a request (`token` None)."""
+    """A sampled token (`finish_reason` None), or the end of a request (`token` None). `log_prob`, when
+    the request asked for it: the sampled token's, on the end event the end-of-text token's (when it
+    was sampled)."""
 
     token: int | None
     finish_reason: FinishReason | None = None
+    log_prob: float | None = None
 
 
 EventSink = Callable[[TokenEvent], None]
@@ -70,12 +73,13 @@ class PrefilledRequest:
     weights_version: int = 0  # of the weights that ran the prompt (the server sets it)
     prompt: tuple[int, ...] = ()  # its tokens: the decode side keeps its blocks and those of the answer
     kv_from: int = 0  # the first position `kv` holds: the decode side had the blocks before it in its prefix cache
+    first_log_prob: float | None = None  # the first token's, when the request asked for log-probabilities
 
     def first_events(self) -> list[TokenEvent]:
         """What the client sees of the prefill: the first token, and the end if that token brought it."""
         if self.finish_reason == "stop":  # an end-of-text token is not reported as text
-            return [TokenEvent(None, "stop")]
-        events = [TokenEvent(self.first_token)]
+            return [TokenEvent(None, "stop", self.first_log_prob)]
+        events = [TokenEvent(self.first_token, log_prob=self.first_log_prob)]
         if self.finish_reason == "length":
             events.append(TokenEvent(None, "length"))
         return events
@@ -337,13 +341,14 @@ class ContinuousBatchingEngine:
     def _emit(self, request: _Request, logits: torch.Tensor) -> FinishReason | None:
         """Sample the request's next token and report it; returns why it finished, if it did."""
         token = sample_token(logits, request.params.temperature, request.generator, request.params.top_k)
+        log_prob = token_log_prob(logits, token) if request.params.log_probs else None
         request.last_token = token
         request.sampled.append(token)
         if token == self.eos_token_id:
-            request.on_event(TokenEvent(None, "stop"))
+            request.on_event(TokenEvent(None, "stop", log_prob))
             return "stop"
         request.generated += 1
-        request.on_event(TokenEvent(token))
+        request.on_event(TokenEvent(token, log_prob=log_prob))
         if request.generated >= request.budget:
             request.on_event(TokenEvent(None, "length"))
             return "length"
@@ -356,6 +361,7 @@ class GenerationCollector:
     def __init__(self, num_requests: int):
         self._tokens: list[list[int]] = [[] for _ in range(num_requests)]
         self._reasons: list[FinishReason | None] = [None] * num_requests
+        self._log_probs: list[list[float]] = [[] for _ in range(num_requests)]
 
     def sink(self, index: int) -> EventSink:
         def on_event(event: TokenEvent) -> None:
@@ -363,10 +369,13 @@ class GenerationCollector:
                 self._tokens[index].append(event.token)
             else:
                 self._reasons[index] = event.finish_reason
+            if event.log_prob is not None:
+                self._log_probs[index].append(event.log_prob)
         return on_event
 
     def generations(self) -> list[Generation]:
-        return [Generation(tokens=t, finish_reason=r) for t, r in zip(self._tokens, self._reasons)]
+        return [Generation(tokens=t, finish_reason=r, log_probs=lp or None)
+                for t, r, lp in zip(self._tokens, self._reasons, self._log_probs)]
 
 
 def generate_all(engine: ContinuousBatchingEngine, prompts: Sequence[Sequence[int]],

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from baige_ray.models.generation import KVDecoder, sample_token, seeded_generator
+from baige_ray.models.generation import KVDecoder, sample_token, seeded_generator, token_log_prob
 from baige_ray.models.weights_in_place import copy_weights_in_place
 from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams
 from baige_ray.serving.context_length import require_fit
@@ -145,6 +145,7 @@ class PrefillEngine:
     def _hand_off(self, request: _Prompt, logits: torch.Tensor, cache, row: int) -> None:
         generator = seeded_generator(request.params.seed)
         token = sample_token(logits, request.params.temperature, generator, request.params.top_k)
+        log_prob = token_log_prob(logits, token) if request.params.log_probs else None
         finish: FinishReason | None = "stop" if token == self.eos_token_id else None
         if finish is None and request.budget <= 1:
             finish = "length"
@@ -154,7 +155,7 @@ class PrefillEngine:
         request.on_prefilled(PrefilledRequest(
             params=request.params, prompt_length=len(request.tokens), budget=request.budget, first_token=token,
             finish_reason=finish, kv=kv, generator_state=generator.get_state(), prompt=tuple(request.tokens),
-            kv_from=0 if finish else start,
+            kv_from=0 if finish else start, first_log_prob=log_prob,
         ))
 
 

@@ -150,6 +150,7 @@ class VLLMEngine:
             max_tokens=params.max_new_tokens,
             temperature=params.temperature, top_k=params.top_k if params.top_k is not None else 0,
             seed=params.seed, output_kind=RequestOutputKind.DELTA,
+            logprobs=0 if params.log_probs else None,  # the sampled token's alone, from the raw logits
         )
 
     def _deliver(self, output: Any) -> None:
@@ -157,12 +158,25 @@ class VLLMEngine:
         if sink is None:
             return
         completion = output.outputs[0]
-        for token in completion.token_ids:
+        log_probs = _sampled_log_probs(completion)
+        eos_log_prob = None
+        for token, log_prob in zip(completion.token_ids, log_probs):
             if token != self.eos_token_id:
-                sink(TokenEvent(token))
+                sink(TokenEvent(token, log_prob=log_prob))
+            else:
+                eos_log_prob = log_prob
         if output.finished:
             del self._sinks[output.request_id]
-            sink(TokenEvent(None, "stop" if completion.finish_reason == "stop" else "length"))
+            stopped = completion.finish_reason == "stop"
+            sink(TokenEvent(None, "stop" if stopped else "length", eos_log_prob if stopped else None))
+
+
+def _sampled_log_probs(completion: Any) -> list[float | None]:
+    """Each new token's log-probability where the request asked for them (vLLM's per-position dicts of
+    token id to Logprob), else None for each."""
+    if not completion.logprobs:
+        return [None] * len(completion.token_ids)
+    return [float(ranked[token].logprob) for token, ranked in zip(completion.token_ids, completion.logprobs)]
 
 
 def repack_tied_head(worker: Any) -> bool:

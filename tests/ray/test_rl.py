@@ -1,6 +1,7 @@
 """GRPO in the shared pool (rl/trainer.py): rollouts on two serving replicas, the policy trained as an
-elastic job, its weights into the replicas in memory after every step; a trainer worker SIGKILLed
-mid-step and a rollout replica SIGKILLed mid-batch leave the run exactly where the fault-free one is."""
+elastic job (two updates per batch, a KL penalty to the starting weights held by a reference actor),
+its weights into the replicas in memory after every iteration; a trainer worker SIGKILLed mid-step and
+a rollout replica SIGKILLed mid-batch leave the run exactly where the fault-free one is."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from baige_ray.api.configs import RunConfig, ScalingConfig
 from baige_ray.api.elastic import ElasticConfig
 from baige_ray.elastic.faults import FaultPlan
 from baige_ray.models.hf import HFModel
+from baige_ray.models.policy_loss import PolicyLossConfig
 from baige_ray.rl.config import GRPOConfig
 from baige_ray.rl.faults import RolloutFaultPlan
 from baige_ray.rl.trainer import GRPOTrainer, RolloutOptions
@@ -21,7 +23,8 @@ from tests.hf_helpers import SEQ_LEN, build_tiny_hf
 from tests.ray.test_serving import free_port
 
 PROMPTS = ["def ", "class ", "import ", "return ", "if ", "for "]
-CONFIG = GRPOConfig(num_iterations=3, prompts_per_iteration=2, group_size=4, max_new_tokens=16, learning_rate=1e-3)
+CONFIG = GRPOConfig(num_iterations=3, prompts_per_iteration=2, group_size=4, max_new_tokens=16, learning_rate=1e-3,
+                    updates_per_iteration=2, loss=PolicyLossConfig(kl_coef=0.05))
 
 
 def vowels(prompt: str, completion: str) -> float:
@@ -39,7 +42,8 @@ def run(tiny, tmp_path, name: str, **faults):
                           scaling=ScalingConfig(num_workers=2, placement_timeout_s=120),
                           run=RunConfig(name=name, storage_path=tmp_path, show_progress=False),
                           elastic=ElasticConfig(num_spares=0, min_workers=1),
-                          rollout=RolloutOptions(num_replicas=2, port=free_port()), **faults)
+                          rollout=RolloutOptions(num_replicas=2, port=free_port(), device_share=0.75,
+                                                 reference_device_share=0.25), **faults)
     return trainer.train()
 
 
@@ -48,15 +52,18 @@ def test_grpo_survives_a_trainer_and_a_rollout_replica_killed_and_matches_the_fa
     assert [r.iteration for r in clean.iterations] == [0, 1, 2]
     assert all(len(r.rewards) == CONFIG.batch_size and math.isfinite(r.loss) for r in clean.iterations)
     assert all(r.refit_s > 0 for r in clean.iterations[:-1]) and clean.rollout_failures == []
+    assert len(clean.training.metrics) == CONFIG.num_steps == 6
 
     replica_faults = RolloutFaultPlan().kill_replica(iteration=1)
-    faulted = run(tiny, tmp_path, "rl-faulted", faults=FaultPlan().crash(rank=1, step=1), rollout_faults=replica_faults)
+    faulted = run(tiny, tmp_path, "rl-faulted", faults=FaultPlan().crash(rank=1, step=3), rollout_faults=replica_faults)
     assert len(replica_faults.fired) == 1 and faulted.iterations[1].reissued > 0  # the kill landed mid-batch
     (recovery,) = faulted.training.recoveries
     assert recovery["lost_steps"] <= 1
     assert faulted.rewards == clean.rewards  # the same completions, sampled from the same weights
-    # GRPO's loss at ratio 1 is minus the mean advantage, zero up to rounding: the weights tell the runs apart
+    # GRPO's loss is near zero whatever the weights (advantages average to zero): the weights tell the runs apart
     clean_weights, faulted_weights = (ray.get(r.training.final_state)["model"] for r in (clean, faulted))
     assert clean_weights.keys() == faulted_weights.keys()
     for name, tensor in clean_weights.items():
-        torch.testing.assert_close(faulted_weights[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
+        # The sampler's log-probabilities set each update's ratio; a group re-issued elsewhere is decoded in
+        # another batch, which changes their last bits (6.9e-6 at most measured on weights up to 0.09).
+        torch.testing.assert_close(faulted_weights[name], tensor, rtol=1e-5, atol=2e-5, msg=name)

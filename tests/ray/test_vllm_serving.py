@@ -94,6 +94,28 @@ def test_vllm_serves_the_trained_state_from_memory(trained, app):
     assert served_greedy(app) == builtin_greedy(model, ray.get(result.final_state)["model"])
 
 
+def test_vllm_rollouts_carry_the_log_probabilities_the_policy_gives_its_samples(trained, app):
+    """An RL group sampled on vLLM (rl/rollouts.py): each token's log-probability is the model's own,
+    teacher-forced, end-of-text included; the same seeds give the same tokens again."""
+    from baige_ray.rl.reference import sequence_log_probs
+    from baige_ray.rl.rollouts import RolloutClient, RolloutGroup
+    from baige_ray.serving.causal_lm_generation import SamplingParams
+
+    model, result = trained
+    codec = plugin_for(model).text_codec()
+    prompt = tuple(codec.encode(PROMPTS[0]))
+    group = RolloutGroup(prompt, tuple(SamplingParams(max_new_tokens=8, temperature=1.0, top_k=None, seed=seed,
+                                                      log_probs=True) for seed in range(4)))
+    client = RolloutClient(app.app_name, app.deployment_name, eos_token_id=codec.eos_token_id, retry_s=30)
+    completions, stats = client.generate([group])
+    assert stats.reissued == 0 and client.generate([group])[0] == completions
+    policy = plugin_for(model).build_inference_model(ray.get(result.final_state)["model"])
+    forced = sequence_log_probs(policy, [list(prompt) + c.tokens for c in completions], [len(prompt)] * 4)
+    for completion, expected in zip(completions, forced):
+        assert len(completion.log_probs) == len(completion.tokens)
+        torch.testing.assert_close(torch.tensor(completion.log_probs), torch.tensor(expected), rtol=0, atol=1e-3)
+
+
 def test_vllm_serves_the_reference_gpt_trained_by_launch_and_takes_a_later_state_in_place(trained_gpt, gpt_app):
     config, result = trained_gpt
     assert served_greedy(gpt_app) == builtin_greedy(config, ray.get(result.final_state)["model"])

@@ -19,10 +19,19 @@ from baige_ray.rl.objective import PolicyObjective, pack_rollouts, unpack_target
 def test_a_rollout_is_packed_as_next_token_targets_masked_to_its_completion():
     inputs, targets = pack_rollouts([[5, 6], [9]], [[7, 8, 3], [4, 4, 4, 4, 4, 4, 4]], [0.5, -1.0], seq_len=5)
     assert inputs.tolist() == [[5, 6, 7, 8, 3], [9, 4, 4, 4, 4]]
-    tokens, mask, advantage, sampled = unpack_targets(targets)
-    assert tokens.tolist() == [[6, 7, 8, 3, 0], [4, 4, 4, 4, 4]]
-    assert mask.tolist() == [[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]]  # the second completion is cut at 5 of its 7 tokens
-    assert advantage.tolist() == [0.5, -1.0] and torch.isnan(sampled).all()
+    packed = unpack_targets(targets)
+    assert packed.tokens.tolist() == [[6, 7, 8, 3, 0], [4, 4, 4, 4, 4]]
+    # the second completion is cut at 5 of its 7 tokens
+    assert packed.mask.tolist() == [[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert packed.advantage.tolist() == [0.5, -1.0]
+    assert torch.isnan(packed.sampled).all() and torch.isnan(packed.reference).all()
+    _, targets = pack_rollouts([[5, 6]], [[7, 8]], [0.5], seq_len=5, sampled_log_probs=[[-1.0, -2.0]],
+                               ref_log_probs=[[-3.0, -4.0]])
+    packed = unpack_targets(targets)
+    assert packed.sampled[0, 1:3].tolist() == [-1.0, -2.0] and packed.reference[0, 1:3].tolist() == [-3.0, -4.0]
+    assert torch.isnan(packed.sampled[0, 0]) and torch.isnan(packed.reference[0, 3:]).all()
+    with pytest.raises(ValueError, match="1 log-probabilities for a completion of 2 tokens"):
+        pack_rollouts([[5, 6]], [[7, 8]], [0.5], seq_len=5, ref_log_probs=[[-3.0]])
     with pytest.raises(ValueError, match="prompt of 5 tokens"):
         pack_rollouts([[1] * 5], [[2]], [0.0], seq_len=5)
 
@@ -35,9 +44,10 @@ def test_the_objective_is_the_clipped_loss_on_the_completion_tokens_and_splits_e
     logits = torch.randn(4, 5, 16, requires_grad=True)
     objective = PolicyObjective()
     loss = objective.loss(logits, targets)
-    tokens, mask, _, _ = unpack_targets(targets)
-    log_probs = token_log_probs(logits, tokens)
-    expected, _ = policy_loss(log_probs.detach(), log_probs.detach(), torch.tensor(advantages), mask, PolicyLossConfig())
+    packed = unpack_targets(targets)
+    log_probs = token_log_probs(logits, packed.tokens)
+    expected, _ = policy_loss(log_probs.detach(), log_probs.detach(), torch.tensor(advantages), packed.mask,
+                              PolicyLossConfig())
     assert float(loss.detach()) == pytest.approx(float(expected))
     # One update per batch: the ratio is 1, so the loss is minus the mean over completions of the
     # advantage (a completion's tokens averaged).
@@ -57,9 +67,20 @@ def test_the_samplers_log_probabilities_set_the_ratio_where_given():
     assert float(objective.loss(logits, targets)) == pytest.approx(-1.2)  # ratio 2 is clipped to 1.2
 
 
+def test_the_kl_penalty_adds_the_k3_estimate_against_the_reference_log_probabilities():
+    logits = torch.zeros(1, 3, 4)  # the policy: every token 1/4
+    objective = PolicyObjective(loss_config=PolicyLossConfig(kl_coef=0.5))
+    _, targets = pack_rollouts([[1]], [[2, 3]], [0.0], seq_len=3, ref_log_probs=[[math.log(0.5)] * 2])
+    # advantage 0: only the penalty; r = p_ref / p = 2, k3 = r - log r - 1 = 1 - log 2 per token
+    assert float(objective.loss(logits, targets)) == pytest.approx(0.5 * (1 - math.log(2)))
+    _, without_reference = pack_rollouts([[1]], [[2, 3]], [0.0], seq_len=3)
+    with pytest.raises(ValueError, match="no reference log-probabilities"):
+        objective.loss(logits, without_reference)
+
+
 def test_an_objective_is_checked_where_the_job_is_built():
-    with pytest.raises(ValueError, match="PolicyObjective.loss_config.kl_coef"):
-        PolicyObjective(loss_config=PolicyLossConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="PolicyObjective.loss_config"):
+        PolicyObjective(loss_config="grpo")
     with pytest.raises(ValueError, match="TrainJob.objective"):
         TrainJob(model=GPTConfig(), train=TrainConfig(num_steps=1), objective="grpo")
     with pytest.raises(ValueError, match=r"targets of shape \(2, 3\)"):
@@ -69,14 +90,14 @@ def test_an_objective_is_checked_where_the_job_is_built():
 def test_the_board_serves_an_iterations_samples_by_global_index_and_keeps_the_first_and_newest():
     board = RolloutBoard(batch_size=2, keep=2)
     for iteration in range(4):
-        board.publish(iteration, torch.full((2, 3), iteration), torch.full((2, 3, 4), float(iteration)))
+        board.publish(iteration, torch.full((2, 3), iteration), torch.full((2, 3, 5), float(iteration)))
     assert board.published() == [0, 2, 3]
     inputs, targets = board.batch([7, 4, 0])
-    assert inputs[:, 0].tolist() == [3, 2, 0] and targets.shape == (3, 3, 4)
-    with pytest.raises(KeyError, match="iteration 1"):
+    assert inputs[:, 0].tolist() == [3, 2, 0] and targets.shape == (3, 3, 5)
+    with pytest.raises(KeyError, match="step 1"):
         board.batch([2])
     with pytest.raises(ValueError, match="batch size, 2"):
-        board.publish(4, torch.zeros(3, 3), torch.zeros(3, 3, 4))
+        board.publish(4, torch.zeros(3, 3), torch.zeros(3, 3, 5))
 
 
 def test_a_grpo_config_names_what_is_wrong_and_orders_prompts_epoch_by_epoch():
@@ -93,3 +114,19 @@ def test_a_grpo_config_names_what_is_wrong_and_orders_prompts_epoch_by_epoch():
     assert order == [GRPOConfig(num_iterations=4, prompts_per_iteration=3, seed=7).prompt_indices(t, 6) for t in range(4)]
     seeds = {config.sample_seed(t, p, i) for t in range(3) for p in range(3) for i in range(4)}
     assert len(seeds) == 36 and max(seeds) < 2**56
+
+
+def test_updates_per_iteration_multiply_the_steps_and_a_run_that_cannot_hold_its_devices_is_refused():
+    from baige_ray.rl.config import GRPOConfig
+    from baige_ray.rl.trainer import RolloutOptions, check_devices
+
+    assert GRPOConfig(num_iterations=5, prompts_per_iteration=2, updates_per_iteration=3).num_steps == 15
+    with pytest.raises(ValueError, match="GRPOConfig.updates_per_iteration"):
+        GRPOConfig(num_iterations=5, prompts_per_iteration=2, updates_per_iteration=0)
+    with pytest.raises(ValueError, match="RolloutOptions.reference_device_share"):
+        RolloutOptions(reference_device_share=1.5)
+    check_devices({"rollout replicas": 1.5, "training workers": 2.0, "the reference policy": 0.5}, 4.0)
+    check_devices({"rollout replicas": 2.0, "training workers": 4.0}, 0.0)  # CPUs only: every part shares them
+    with pytest.raises(ValueError, match=r"needs 5 devices \(rollout replicas 2, training workers 2, the reference "
+                                         r"policy 1\) and the pool has 4"):
+        check_devices({"rollout replicas": 2.0, "training workers": 2.0, "the reference policy": 1.0}, 4.0)

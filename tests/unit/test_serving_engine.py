@@ -88,6 +88,28 @@ def test_sampled_tokens_depend_on_the_seed_not_on_the_batch(llama, prompts):
     assert together == alone
 
 
+def test_sampled_log_probabilities_are_the_models_own_teacher_forced_ones_end_of_text_included(llama, prompts):
+    """What an RL loss takes as the sampling policy's: the raw log-softmax at each sampled token (no
+    temperature), the stopping end-of-text token's last; the reference scorer computes the same."""
+    from baige_ray.rl.reference import sequence_log_probs
+
+    params = [SamplingParams(max_new_tokens=12, temperature=0.7, top_k=None, seed=index, log_probs=True)
+              for index in range(len(prompts))]
+    plain = generate_all(ContinuousBatchingEngine(HFDecoder(llama, 128), eos_token_id=None), prompts, params)
+    eos = plain[1].tokens[3]
+    got = generate_all(ContinuousBatchingEngine(HFDecoder(llama, 128), eos_token_id=eos,
+                                                limits=EngineLimits(max_batch_size=3)), prompts, params)
+    assert got[1].finish_reason == "stop"
+    sampled = [g.tokens + ([eos] if g.finish_reason == "stop" else []) for g in got]
+    assert [len(g.log_probs) for g in got] == [len(tokens) for tokens in sampled]
+    forced = sequence_log_probs(llama, [p + t for p, t in zip(prompts, sampled)], [len(p) for p in prompts])
+    for engine_figures, teacher_forced in zip((g.log_probs for g in got), forced):
+        torch.testing.assert_close(torch.tensor(engine_figures), torch.tensor(teacher_forced), rtol=0, atol=1e-4)
+    assert all(g.log_probs is None for g in generate_all(ContinuousBatchingEngine(HFDecoder(llama, 128),
+                                                                                  eos_token_id=None),
+                                                         prompts[:1], [greedy(3)]))
+
+
 @pytest.mark.parametrize("moe", [None, MoEConfig(num_experts=4, top_k=2)], ids=["dense", "moe"])
 def test_the_reference_gpt_with_a_cache_matches_todays_sampler(moe):
     """Dense, and with routed experts: routing is per token, so batching and padding change nothing."""
