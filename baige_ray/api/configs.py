@@ -33,9 +33,15 @@ class ScalingConfig:
     # shares their hosts (a Serve replica beside a harvest rank, or the replicas and the proxy on a CPU
     # box standing in for separate devices) gets the CPU first, and training takes what is left.
     cpu_niceness: int = 0
+    # The share of its device each worker holds where workers hold devices: below 1 it lands beside
+    # an actor holding the rest (a reinforcement-learning rollout replica taking turns with it). Ray
+    # counts the share; it does not divide the device's memory.
+    device_share: float = 1.0
 
     def __post_init__(self) -> None:
         require_int("ScalingConfig", "num_workers", self.num_workers, minimum=1)
+        require_number("ScalingConfig", "device_share", self.device_share, minimum=0, exclusive_minimum=True,
+                       maximum=1)
         require_int("ScalingConfig", "cpu_niceness", self.cpu_niceness, minimum=0)
         if self.cpu_niceness > 19:
             raise ValueError(f"ScalingConfig.cpu_niceness={self.cpu_niceness} is invalid: expected 0 to 19")

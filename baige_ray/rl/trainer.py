@@ -11,9 +11,11 @@ Each iteration t:
   4. refit: the job's newest in-memory snapshot (step t) loaded into every rollout replica in place
      (`reload_weights`), which waits until each has swapped; a sync that stalls is retried once, then
      the run fails with the replicas still behind.
-The rollout of t + 1 needs the weights of step t: the phases run in turn, on separate devices
-("split" placement: the replicas and the workers each hold their own). Placing rollout and training
-on the same devices in turns ("colocated") is not built yet.
+The rollout of t + 1 needs the weights of step t: the phases run in turn. Placement "split": the
+replicas and the workers hold devices of their own. "colocated": each device holds one replica and one
+worker (Ray shares of it: 0.55 and 0.35, 0.1 left for the reference policy), and after each rollout the
+replicas' engines give their device memory back (the running batch's keys and values; on an accelerator
+the weights, to host memory) until the refit's new weights wake them.
 
 With `updates_per_iteration` u > 1, iteration t's rollouts serve steps [t u, (t + 1) u) and the refit
 follows the last of them. The sampling engine reports each token's log-probability, so every update's
@@ -36,11 +38,19 @@ import torch
 
 from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
 from baige_ray.api.elastic import ElasticConfig
-from baige_ray.api.validation import require_int, require_number
+from baige_ray.api.validation import require_choice, require_int, require_number
 from baige_ray.models.policy_loss import group_advantages
 from baige_ray.rl.config import GRPOConfig
 from baige_ray.rl.faults import RolloutFaultPlan
 from baige_ray.rl.objective import PolicyObjective, pack_rollouts
+from baige_ray.rl.placement import (
+    PLACEMENTS,
+    check_colocation,
+    check_devices,
+    device_shares,
+    devices_needed,
+    shared_devices,
+)
 from baige_ray.rl.rollout_source import RolloutSource, start_board
 from baige_ray.rl.reference import start_reference
 from baige_ray.rl.rollouts import BusyReplicas, Completion, RolloutClient, RolloutGroup
@@ -56,7 +66,11 @@ SNAPSHOT_POLL_S = 0.05  # a snapshot is copied just after its step; each look as
 class RolloutOptions:
     """The rollout replicas: how many, on which engine ("builtin" or "vllm"), how many sequences each
     decodes together, the share of a device each holds where the pool has devices; the share of one
-    the KL penalty's reference actor holds (below 1 - `device_share`, it fits beside a replica)."""
+    the KL penalty's reference actor holds (below 1 - `device_share`, it fits beside a replica).
+
+    `placement` "colocated" puts one replica and one training worker on each device, taking turns
+    (as many replicas as workers, no spares, the built-in engine: vLLM's sleep mode is not wired in);
+    it sets the shares itself."""
 
     num_replicas: int = 1
     engine: str = "builtin"
@@ -64,9 +78,14 @@ class RolloutOptions:
     port: int = 8000
     device_share: float = 1.0
     reference_device_share: float = 1.0
+    placement: str = "split"
 
     def __post_init__(self) -> None:
         require_int("RolloutOptions", "num_replicas", self.num_replicas, minimum=1)
+        require_choice("RolloutOptions", "placement", self.placement, PLACEMENTS)
+        if self.placement == "colocated" and self.engine != "builtin":
+            raise ValueError(f"RolloutOptions.engine={self.engine!r} is invalid with placement='colocated': the "
+                             "replicas give their device memory back between rollouts on the built-in engine only")
         for name in ("device_share", "reference_device_share"):
             require_number("RolloutOptions", name, getattr(self, name), minimum=0, exclusive_minimum=True, maximum=1)
 
@@ -80,6 +99,7 @@ class IterationRecord:
     training_s: float = math.nan  # the step of this iteration's rollouts, from its gate opening to its end
     refit_s: float = math.nan  # its weights into every rollout replica (nan for the last iteration: none follows)
     reissued: int = 0  # completions requested again after their replica died
+    release_s: float = 0.0  # colocated: the replicas' engines giving their device memory back for training
     loss: float | None = None
 
     @property
@@ -92,6 +112,7 @@ class RLResult:
     iterations: list[IterationRecord]
     training: Any  # the elastic job's Result: losses, recoveries, final weights
     rollout_failures: list[str]
+    shared_devices: int = 0  # devices holding a rollout replica and a training worker, as the job started
 
     @property
     def rewards(self) -> list[float]:
@@ -119,6 +140,14 @@ class GRPOTrainer:
         self.model, self.reward, self.config = model, reward, config
         self.scaling, self.run = scaling or ScalingConfig(), run or RunConfig()
         self.elastic, self.layout, self.rollout = elastic, layout, rollout or RolloutOptions()
+        num_spares = (elastic or ElasticConfig()).num_spares
+        check_colocation(self.rollout.placement, num_replicas=self.rollout.num_replicas,
+                         num_workers=self.scaling.num_workers, num_spares=num_spares)
+        self.shares = device_shares(self.rollout.placement, replica=self.rollout.device_share,
+                                    worker=self.scaling.device_share, reference=self.rollout.reference_device_share)
+        self._needed = devices_needed(self.shares, num_replicas=self.rollout.num_replicas,
+                                      num_workers=self.scaling.num_workers + num_spares,
+                                      reference=config.loss.kl_coef > 0)
         # The trainer workers' faults (FaultPlan, by rank and step) and the replicas' (by iteration).
         self.faults, self.rollout_faults = faults, rollout_faults
         self.tokenizer = load_tokenizer(model.tokenizer or model.path, trust_remote_code=model.trust_remote_code)
@@ -141,34 +170,42 @@ class GRPOTrainer:
         from baige_ray.jobs.launch import launch
         from baige_ray.serving.app import serve, shutdown
 
-        check_devices(self._devices_needed(), ray.cluster_resources().get("GPU", 0.0))
+        check_devices(self._needed, ray.cluster_resources().get("GPU", 0.0))
         name = f"{self.run.name}-rollouts"  # its own route: other applications may hold "/"
         info = serve(self.model.path, model_config=self.model, name=name, route_prefix=f"/{name}",
                      num_replicas=self.rollout.num_replicas, engine=self.rollout.engine,
                      max_batch_size=self.rollout.max_batch_size, port=self.rollout.port,
-                     max_ongoing_requests=max(32, self.config.batch_size), device_share=self.rollout.device_share)
+                     max_ongoing_requests=max(32, self.config.batch_size), device_share=self.shares.replica)
         updates = self.config.updates_per_iteration
         board = start_board(self.run.name, self.config.batch_size, keep=2 * updates)
         if self.config.loss.kl_coef > 0:
-            self._reference = start_reference(self.run.name, self.model, self.rollout.reference_device_share)
+            self._reference = start_reference(self.run.name, self.model, self.shares.reference)
         job = None
         try:
             client = RolloutClient(info.app_name, info.deployment_name, eos_token_id=self.tokenizer.eos_token_id,
                                    retry_s=self.config.rollout_retry_s)
             failures: list[str] = []
             records = [self._rollout_and_publish(0, client, board, failures)]
+            records[-1].release_s = self._release_devices(info)
             job = launch(self.model, data=RolloutSource(self.run.name),
                          objective=PolicyObjective(loss_config=self.config.loss), steps_allowed=updates,
-                         train=self._train_config(), scaling=self.scaling,
+                         train=self._train_config(),
+                         scaling=dataclasses.replace(self.scaling, device_share=self.shares.worker),
                          run=dataclasses.replace(self.run, show_progress=False), elastic=self.elastic,
                          layout=self.layout, faults=self.faults)
             opened = time.perf_counter()
+            shared = None  # devices a replica and a worker share, read once the first step is done
             for iteration in range(1, self.config.num_iterations):
                 records[-1].training_s = self._wait_for_steps(job, iteration * updates) - opened
+                shared = self._shared_devices(info, job) if shared is None else shared
                 records[-1].refit_s = self._refit(job, info, iteration * updates - 1)
                 records.append(self._rollout_and_publish(iteration, client, board, failures))
+                records[-1].release_s = self._release_devices(info)
                 job.allow_steps((iteration + 1) * updates)
                 opened = time.perf_counter()
+            if shared is None:
+                self._wait_for_steps(job, 1)
+                shared = self._shared_devices(info, job)
             training, job = job.wait(), None
             records[-1].training_s = time.perf_counter() - opened
         finally:
@@ -182,7 +219,25 @@ class GRPOTrainer:
         by_step = sorted(training.metrics, key=lambda m: m.step)
         for record, metrics in zip(records, by_step[::updates]):  # each iteration's first update: on-policy
             record.loss = metrics.loss
-        return RLResult(iterations=records, training=training, rollout_failures=failures)
+        return RLResult(iterations=records, training=training, rollout_failures=failures, shared_devices=shared)
+
+    def _release_devices(self, info) -> float:
+        """Colocated: the replicas' engines give their device memory back before training takes the
+        devices; seconds (0 when split)."""
+        from baige_ray.serving.app import set_replicas_asleep
+
+        if self.rollout.placement != "colocated":
+            return 0.0
+        started = time.perf_counter()
+        set_replicas_asleep(info, True, timeout_s=self.config.refit_timeout_s)
+        return time.perf_counter() - started
+
+    @staticmethod
+    def _shared_devices(info, job) -> int:
+        from baige_ray.serving.app import replica_devices
+
+        workers = [(w["node_id"], w["device_index"]) for w in job.status()["workers"] if w["node_id"] is not None]
+        return shared_devices(replica_devices(info).values(), workers)
 
     def _train_config(self) -> TrainConfig:
         c = self.config
@@ -249,14 +304,6 @@ class GRPOTrainer:
             rewards.append(float(value))
         return rewards
 
-    def _devices_needed(self) -> dict[str, float]:
-        spares = self.elastic.num_spares if self.elastic is not None else ElasticConfig().num_spares
-        needed = {"rollout replicas": self.rollout.num_replicas * self.rollout.device_share,
-                  "training workers (spares included)": float(self.scaling.num_workers + spares)}
-        if self.config.loss.kl_coef > 0:
-            needed["the reference policy"] = self.rollout.reference_device_share
-        return needed
-
     # ----- the training side -----
 
     def _wait_for_steps(self, job, steps: int) -> float:
@@ -296,12 +343,3 @@ class GRPOTrainer:
             self._wait_for_steps(job, step + 1)  # raises if the job ended meanwhile
             time.sleep(SNAPSHOT_POLL_S)
 
-
-def check_devices(needed: dict[str, float], available: float) -> None:
-    """Refuse a run whose parts cannot all hold their devices at once (where the pool has devices: on
-    CPUs every part shares the cores), naming what each needs, before anything starts."""
-    if available <= 0 or sum(needed.values()) <= available + 1e-9:
-        return
-    parts = ", ".join(f"{name} {amount:g}" for name, amount in needed.items())
-    raise ValueError(f"the run needs {sum(needed.values()):g} devices ({parts}) and the pool has {available:g}: "
-                     "use fewer workers or replicas, or smaller RolloutOptions.device_share / reference_device_share")

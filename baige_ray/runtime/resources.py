@@ -22,7 +22,8 @@ def choose_device_resource(scaling: ScalingConfig, cluster_resources: dict[str, 
 
 
 def worker_bundle(scaling: ScalingConfig, resource: str) -> dict[str, float]:
-    """What one worker reserves: its device plus a CPU share (a whole CPU when the CPU is the device)."""
+    """What one worker reserves: its device (`device_share` of one) plus a CPU share (a whole CPU when the
+    CPU is the device)."""
     if resource == "CPU":
         return {"CPU": max(scaling.cpus_per_worker, 1.0)}
-    return {resource: 1.0, "CPU": scaling.cpus_per_worker}
+    return {resource: scaling.device_share, "CPU": scaling.cpus_per_worker}

@@ -445,6 +445,17 @@ def reload_weights(
     return version
 
 
+def set_replicas_asleep(info: ServeHandleInfo, asleep: bool, *, timeout_s: float = 60.0) -> None:
+    """Have every replica's engine give back the device memory it holds while idle (`asleep`), or take
+    it again, and wait until each has (serving/device_memory.py): training takes turns with serving on
+    the same devices. Publishing new weights (`reload_weights`) wakes them too."""
+    registry = _registry(info)
+    ray.get(registry.set_asleep.remote(asleep))
+    if unsettled := ray.get(registry.settled.remote(timeout_s)):
+        state = "asleep" if asleep else "awake"
+        raise TimeoutError(f"{info.app_name}: replicas {unsettled} not {state} after {timeout_s:g}s")
+
+
 def serving_load(info: ServeHandleInfo, window_s: float = 5.0) -> dict:
     """Request rate, p99 latency and queue depth over the last `window_s` seconds, as replicas report them."""
     return ray.get(_registry(info).load.remote(window_s))

@@ -136,6 +136,7 @@ class ModelServer:
         self._runner: EngineRunner | None = None
         self._model_config = None
         self._version, self._step = 0, -1
+        self._asleep = False  # its engine gave its device memory back while training uses the device
         self._ongoing = 0
         self._pending_latencies: list[float] = []
         self._reporter: asyncio.Task | None = None
@@ -146,6 +147,8 @@ class ModelServer:
         version, step, model_config, (state_ref,) = await self._registry.weights.remote()
         if version == self._version:
             return
+        if self._asleep:  # weights are published to be served: awake first, so they land on the device
+            await self._turn(False)
         published = await state_ref  # a dict of tensors, or PackedTensors whose arrays lie in the object store
         builtin_in_place = (self._engine_name != "vllm" and self._runner is not None and self._expert_ranks is None
                             and model_config == self._model_config)
@@ -513,13 +516,33 @@ class ModelServer:
             newest = await self._registry.report.remote(
                 self._replica, latencies, busy_s, self._ongoing, self._version,
                 device=(self._node, self._devices[0]) if self._devices else None, engine=self._engine_load(),
-                prefix_cache=self._prefix_cache_report(),
+                prefix_cache=self._prefix_cache_report(), asleep=self._asleep,
             )
             self._metrics.queue_depth(self._ongoing, replica=self._replica)
-            if newest == self._version:  # until the next report, or sooner if new weights are published
-                newest = await self._registry.newer_weights.remote(self._version, REPORT_INTERVAL_S)
+            # Until the next report, or sooner if new weights are published or the replicas are told to sleep.
+            newest, asleep = await self._registry.newer_weights.remote(self._version, REPORT_INTERVAL_S, self._asleep)
+            if asleep != self._asleep and (asleep or newest == self._version):
+                await self._turn(asleep)
             if newest != self._version:
-                await self._load_newest_weights()  # then report at once that they are loaded
+                await self._load_newest_weights()  # then report at once that they are loaded (awake)
+
+    async def _turn(self, asleep: bool) -> None:
+        """Give back the device memory the engine holds between requests, or take it again (serving/
+        device_memory.py): training uses the device meanwhile. The built-in engine only: others stay."""
+        engine = self._runner.engine if self._runner is not None else None
+        if not isinstance(engine, ContinuousBatchingEngine):
+            self._asleep = asleep  # nothing it can give back: it says it did, so training is not held up
+            return
+        started = time.perf_counter()
+        try:
+            released = await self._runner.between_steps(engine.sleep if asleep else engine.wake)
+        except RuntimeError as error:  # requests still running: it stays awake, and the caller learns who
+            logger.warning("replica %s cannot sleep: %s", self._replica, error)
+            return
+        self._asleep = asleep
+        self._registry.record_event.remote("engine_asleep" if asleep else "engine_awake", "colocated with training",
+                                           replica=self._replica, released_bytes=released or 0,
+                                           seconds=round(time.perf_counter() - started, 4))
 
     def _prefix_cache_report(self) -> dict | None:
         store = self._prefix_store_in_use()

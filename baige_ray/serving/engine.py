@@ -42,6 +42,7 @@ from baige_ray.models.generation import KV, KVDecoder, sample_token, seeded_gene
 from baige_ray.models.weights_in_place import copy_weights_in_place
 from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams
 from baige_ray.serving.context_length import require_fit
+from baige_ray.serving.device_memory import ModelOffload
 from baige_ray.serving.kv_batch import PagedKVBatch
 from baige_ray.serving.kv_blocks import PrefixBlockStore
 
@@ -178,6 +179,31 @@ class ContinuousBatchingEngine:
         self._queue: RequestQueue[_Request] = RequestQueue(limits.max_waiting)
         self._running: list[_Request] = []
         self._cache = PagedKVBatch()
+        self._offload: ModelOffload | None = None  # while asleep: its weights in host memory
+
+    # -- taking turns with training on a device (serving/device_memory.py) ------------------------
+    def sleep(self) -> int:
+        """Give back the device memory an idle engine holds (the running batch's keys and values; the
+        weights, moved to host memory, on an accelerator); bytes released. Between steps, idle only."""
+        if self._running or self.num_waiting:
+            raise RuntimeError(f"an engine with {len(self._running)} running and {self.num_waiting} waiting requests "
+                               "cannot sleep: its rollouts have not finished")
+        if self._offload is not None:
+            return 0
+        released = self._cache.pool_bytes
+        self._cache = PagedKVBatch(self._cache.block_tokens)
+        self._offload = ModelOffload(self.decoder.model, self.decoder.device)
+        return released + self._offload.moved_bytes
+
+    def wake(self) -> None:
+        """Its weights back on its device (at once, or at the first request that arrives)."""
+        if self._offload is not None:
+            self._offload.restore()
+            self._offload = None
+
+    @property
+    def asleep(self) -> bool:
+        return self._offload is not None
 
     def load_weights(self, weights: dict[str, torch.Tensor], prefixes: PrefixBlockStore | None = None) -> None:
         """New weights of the model it runs, copied in between two steps (the engine's thread), and
@@ -249,6 +275,8 @@ class ContinuousBatchingEngine:
 
     def step(self) -> bool:
         """Admit what fits, then decode one token for every running row; False when there was nothing to do."""
+        if self._offload is not None and self.num_waiting:
+            self.wake()
         self._drop_cancelled()
         admitted = self._admit()
         decoding = bool(self._running)

@@ -55,6 +55,11 @@ class PagedKVBatch:
         return self._keys[0].shape[0] // self.block_tokens if self._keys else 0
 
     @property
+    def pool_bytes(self) -> int:
+        """Bytes the pool holds, free blocks included."""
+        return sum(t.numel() * t.element_size() for t in (*self._keys, *self._values))
+
+    @property
     def blocks_in_use(self) -> int:
         return sum(len(table) for table in self.tables)
 

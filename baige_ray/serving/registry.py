@@ -10,6 +10,10 @@ load report, which is how weights are swapped in place on every replica without 
 reports a replica waits on `newer_weights` (a long poll, as Serve's own controller pushes config), so a
 publish reaches every replica at once instead of at its next report.
 It also keeps the application's event log (in memory): a replica whose engine failed records it there.
+
+Replicas that take turns with training on their devices (reinforcement learning, colocated) are told
+to sleep (give back their device memory) and wake the same way: `set_asleep` wakes the long polls, each
+replica reports the state it reached, and `settled` waits for them. Publishing weights wakes them.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class ServingRegistry:
         self._devices: dict[str, tuple[str, int]] = {}
         self._prefix_caches: dict[str, dict] = {}  # replica -> its prefix cache's last report
         self._events = EventLog(None)
+        self._asleep = False  # what the replicas are asked to be: asleep while training uses their devices
+        self._replicas_asleep: dict[str, bool] = {}  # what each last reported
         self._published = asyncio.Event()  # set, and replaced, at each publish: wakes the replicas' long polls
         self._reported_load = asyncio.Event()  # likewise when a replica reports new weights loaded
 
@@ -57,16 +63,26 @@ class ServingRegistry:
         self._state_ref = ray.put(state if isinstance(state, PackedTensors) else pack_tensors(state))
         self._step, self._model_config = step, model_config
         self._version += 1
-        self._published.set()
-        self._published = asyncio.Event()
+        self._asleep = False  # new weights are to be served
+        self._wake_long_polls()
         return self._version
 
-    async def newer_weights(self, version: int, timeout_s: float) -> int:
-        """The newest weights version, as soon as it is newer than `version` or after `timeout_s`."""
-        if self._version <= version:
+    def set_asleep(self, asleep: bool) -> None:
+        """Ask every replica to give back its device memory (True) or take it again (False)."""
+        self._asleep = bool(asleep)
+        self._wake_long_polls()
+
+    def _wake_long_polls(self) -> None:
+        self._published.set()
+        self._published = asyncio.Event()
+
+    async def newer_weights(self, version: int, timeout_s: float, asleep: bool = False) -> tuple[int, bool]:
+        """(newest weights version, whether replicas are to sleep), as soon as either differs from what the
+        replica has (`version`, `asleep`) or after `timeout_s`."""
+        if self._version <= version and self._asleep == asleep:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._published.wait(), timeout_s)
-        return self._version
+        return self._version, self._asleep
 
     def weights(self) -> tuple[int, int, object, list]:
         """(version, step, model config, [ref]) of the newest weights; the ref is wrapped so it
@@ -77,7 +93,7 @@ class ServingRegistry:
 
     async def report(self, replica: str, latencies: list[float], busy_s: float, ongoing: int, loaded_version: int,
                      device: tuple[str, int] | None = None, engine: EngineLoad | None = None,
-                     prefix_cache: dict | None = None) -> int:
+                     prefix_cache: dict | None = None, asleep: bool = False) -> int:
         """Account a replica's recent work (and the (node id, device index) it runs on, if any, its
         engine's role and queue, its prefix cache's counts); answers the newest weights version."""
         if device is not None:
@@ -86,8 +102,9 @@ class ServingRegistry:
             self._prefix_caches[replica] = prefix_cache
         now = time.time()
         self._ledger.record(replica, now, latencies, busy_s, ongoing, engine)
-        if self._loaded_versions.get(replica) != loaded_version:
+        if self._loaded_versions.get(replica) != loaded_version or self._replicas_asleep.get(replica) != asleep:
             self._loaded_versions[replica] = loaded_version
+            self._replicas_asleep[replica] = asleep
             self._reported_load.set()
             self._reported_load = asyncio.Event()
         return self._version
@@ -99,11 +116,21 @@ class ServingRegistry:
 
     async def caught_up(self, version: int, timeout_s: float) -> list[str]:
         """Live replicas still behind `version`, as soon as there are none or after `timeout_s`."""
+        return await self._until_none(lambda: self.replicas_behind(version), timeout_s)
+
+    async def settled(self, timeout_s: float) -> list[str]:
+        """Live replicas not yet asleep or awake as asked, as soon as there are none or after `timeout_s`."""
+        def unsettled() -> list[str]:
+            live = self._ledger.live_replicas(time.time())
+            return sorted(r for r in live if self._replicas_asleep.get(r, False) != self._asleep)
+        return await self._until_none(unsettled, timeout_s)
+
+    async def _until_none(self, pending, timeout_s: float) -> list[str]:
         deadline = time.monotonic() + timeout_s
-        while (behind := self.replicas_behind(version)) and (left := deadline - time.monotonic()) > 0:
+        while (left_over := pending()) and (left := deadline - time.monotonic()) > 0:
             with contextlib.suppress(asyncio.TimeoutError):  # woken by a report; or look again: one may have died
                 await asyncio.wait_for(self._reported_load.wait(), min(left, STALE_RECHECK_S))
-        return behind
+        return left_over
 
     def load(self, window_s: float = 5.0) -> dict:
         window = self._ledger.window(time.time(), window_s)

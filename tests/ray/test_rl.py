@@ -1,7 +1,8 @@
 """GRPO in the shared pool (rl/trainer.py): rollouts on two serving replicas, the policy trained as an
 elastic job (two updates per batch, a KL penalty to the starting weights held by a reference actor),
 its weights into the replicas in memory after every iteration; a trainer worker SIGKILLed mid-step and
-a rollout replica SIGKILLed mid-batch leave the run exactly where the fault-free one is."""
+a rollout replica SIGKILLed mid-batch leave the run exactly where the fault-free one is. The fault-free
+run places replicas and workers on devices of their own, the faulted one on the same devices in turns."""
 
 from __future__ import annotations
 
@@ -37,13 +38,13 @@ def tiny(local_ray, tmp_path_factory):
     return build_tiny_hf(tmp_path_factory.mktemp("tiny-rl"))
 
 
-def run(tiny, tmp_path, name: str, **faults):
+def run(tiny, tmp_path, name: str, placement: str = "split", **faults):
     trainer = GRPOTrainer(HFModel(tiny.model_dir, seq_len=SEQ_LEN), prompts=PROMPTS, reward=vowels, config=CONFIG,
                           scaling=ScalingConfig(num_workers=2, placement_timeout_s=120),
                           run=RunConfig(name=name, storage_path=tmp_path, show_progress=False),
                           elastic=ElasticConfig(num_spares=0, min_workers=1),
                           rollout=RolloutOptions(num_replicas=2, port=free_port(), device_share=0.75,
-                                                 reference_device_share=0.25), **faults)
+                                                 reference_device_share=0.25, placement=placement), **faults)
     return trainer.train()
 
 
@@ -55,7 +56,10 @@ def test_grpo_survives_a_trainer_and_a_rollout_replica_killed_and_matches_the_fa
     assert len(clean.training.metrics) == CONFIG.num_steps == 6
 
     replica_faults = RolloutFaultPlan().kill_replica(iteration=1)
-    faulted = run(tiny, tmp_path, "rl-faulted", faults=FaultPlan().crash(rank=1, step=3), rollout_faults=replica_faults)
+    faulted = run(tiny, tmp_path, "rl-faulted", "colocated", faults=FaultPlan().crash(rank=1, step=3),
+                  rollout_faults=replica_faults)
+    assert clean.shared_devices == 0 and faulted.shared_devices == 2  # each worker beside a replica
+    assert all(r.release_s > 0 for r in faulted.iterations) and all(r.release_s == 0 for r in clean.iterations)
     assert len(replica_faults.fired) == 1 and faulted.iterations[1].reissued > 0  # the kill landed mid-batch
     (recovery,) = faulted.training.recoveries
     assert recovery["lost_steps"] <= 1

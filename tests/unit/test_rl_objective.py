@@ -118,7 +118,8 @@ def test_a_grpo_config_names_what_is_wrong_and_orders_prompts_epoch_by_epoch():
 
 def test_updates_per_iteration_multiply_the_steps_and_a_run_that_cannot_hold_its_devices_is_refused():
     from baige_ray.rl.config import GRPOConfig
-    from baige_ray.rl.trainer import RolloutOptions, check_devices
+    from baige_ray.rl.placement import check_devices
+    from baige_ray.rl.trainer import RolloutOptions
 
     assert GRPOConfig(num_iterations=5, prompts_per_iteration=2, updates_per_iteration=3).num_steps == 15
     with pytest.raises(ValueError, match="GRPOConfig.updates_per_iteration"):
@@ -130,3 +131,23 @@ def test_updates_per_iteration_multiply_the_steps_and_a_run_that_cannot_hold_its
     with pytest.raises(ValueError, match=r"needs 5 devices \(rollout replicas 2, training workers 2, the reference "
                                          r"policy 1\) and the pool has 4"):
         check_devices({"rollout replicas": 2.0, "training workers": 2.0, "the reference policy": 1.0}, 4.0)
+
+
+def test_a_colocated_run_pairs_each_worker_with_a_replica_on_one_device():
+    from baige_ray.rl.placement import COLOCATED_SHARES, check_colocation, device_shares, shared_devices
+    from baige_ray.rl.trainer import RolloutOptions
+
+    shares = COLOCATED_SHARES
+    assert shares.replica > 0.5 and shares.replica + shares.worker + shares.reference == pytest.approx(1.0)
+    assert device_shares("split", replica=0.75, worker=1.0, reference=0.25).reference == 0.25
+    assert device_shares("colocated", replica=1.0, worker=1.0, reference=1.0) == shares
+    check_colocation("colocated", num_replicas=2, num_workers=2, num_spares=0)
+    with pytest.raises(ValueError, match="RolloutOptions.num_replicas=1 is invalid with placement='colocated'"):
+        check_colocation("colocated", num_replicas=1, num_workers=2, num_spares=0)
+    with pytest.raises(ValueError, match="ElasticConfig.num_spares=1"):
+        check_colocation("colocated", num_replicas=2, num_workers=2, num_spares=1)
+    with pytest.raises(ValueError, match="RolloutOptions.engine='vllm' is invalid with placement='colocated'"):
+        RolloutOptions(engine="vllm", placement="colocated")
+    with pytest.raises(ValueError, match="RolloutOptions.placement"):
+        RolloutOptions(placement="beside")
+    assert shared_devices([("a", 0), ("a", 1)], [("a", 1), ("b", 0)]) == 1

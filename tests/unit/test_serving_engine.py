@@ -110,6 +110,20 @@ def test_sampled_log_probabilities_are_the_models_own_teacher_forced_ones_end_of
                                                          prompts[:1], [greedy(3)]))
 
 
+def test_an_idle_engine_gives_its_batch_memory_back_and_a_request_wakes_it_with_the_same_tokens(llama, prompts):
+    params = [SamplingParams(max_new_tokens=8, temperature=0.8, seed=index) for index in range(3)]
+    engine = ContinuousBatchingEngine(HFDecoder(llama, 128), eos_token_id=None)
+    first = generate_all(engine, prompts[:3], params)
+    engine.submit(prompts[0], params[0], lambda event: None)
+    with pytest.raises(RuntimeError, match="0 running and 1 waiting"):
+        engine.sleep()
+    while engine.step():
+        pass
+    released = engine.sleep()
+    assert released > 0 and engine.asleep and engine.sleep() == 0  # the batch's pool; on the host no weights move
+    assert generate_all(engine, prompts[:3], params) == first and not engine.asleep
+
+
 @pytest.mark.parametrize("moe", [None, MoEConfig(num_experts=4, top_k=2)], ids=["dense", "moe"])
 def test_the_reference_gpt_with_a_cache_matches_todays_sampler(moe):
     """Dense, and with routed experts: routing is per token, so batching and padding change nothing."""

@@ -1,0 +1,69 @@
+"""Where a GRPO run's parts hold their devices, decided by pure functions.
+
+"split": rollout replicas, training workers and the KL penalty's reference policy hold devices (or
+the shares of one) of their own. "colocated": each device holds one rollout replica and one training
+worker, which take turns (the replica's engine gives its device memory back while the worker trains),
+and the reference policy beside them. Ray counts these shares to place the actors: a replica's share
+is above one half, so two replicas never pair up, and a worker's fits exactly beside a replica and the
+reference (Ray fills the fullest device a share fits on). The shares do not divide the device's memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+PLACEMENTS = ("split", "colocated")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceShares:
+    replica: float
+    worker: float
+    reference: float
+
+
+COLOCATED_SHARES = DeviceShares(replica=0.55, worker=0.35, reference=0.1)
+
+
+def device_shares(placement: str, *, replica: float, worker: float, reference: float) -> DeviceShares:
+    """The shares a run asks for: the colocated ones, or those configured."""
+    if placement == "colocated":
+        return COLOCATED_SHARES
+    return DeviceShares(replica=replica, worker=worker, reference=reference)
+
+
+def check_colocation(placement: str, *, num_replicas: int, num_workers: int, num_spares: int) -> None:
+    """A colocated run pairs each worker with a replica on one device: as many of each, no spare workers."""
+    if placement != "colocated":
+        return
+    if num_replicas != num_workers:
+        raise ValueError(f"RolloutOptions.num_replicas={num_replicas} is invalid with placement='colocated': expected "
+                         f"one replica per training worker, ScalingConfig.num_workers={num_workers}")
+    if num_spares:
+        raise ValueError(f"ElasticConfig.num_spares={num_spares} is invalid with placement='colocated': a spare would "
+                         "hold a device no replica shares; expected 0")
+
+
+def devices_needed(shares: DeviceShares, *, num_replicas: int, num_workers: int,
+                   reference: bool) -> dict[str, float]:
+    needed = {"rollout replicas": num_replicas * shares.replica,
+              "training workers (spares included)": num_workers * shares.worker}
+    if reference:
+        needed["the reference policy"] = shares.reference
+    return needed
+
+
+def check_devices(needed: dict[str, float], available: float) -> None:
+    """Refuse a run whose parts cannot all hold their devices at once (where the pool has devices: on
+    CPUs every part shares the cores), naming what each needs, before anything starts."""
+    if available <= 0 or sum(needed.values()) <= available + 1e-9:
+        return
+    parts = ", ".join(f"{name} {amount:g}" for name, amount in needed.items())
+    raise ValueError(f"the run needs {sum(needed.values()):g} devices ({parts}) and the pool has {available:g}: "
+                     "use fewer workers or replicas, or smaller RolloutOptions.device_share / reference_device_share")
+
+
+def shared_devices(replica_devices: Iterable[tuple[str, int]], worker_devices: Iterable[tuple[str, int]]) -> int:
+    """Devices, as (node id, device index), that hold both a rollout replica and a training worker."""
+    return len(set(replica_devices) & set(worker_devices))
