@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--hidden-size", type=int, default=64, help="the policy's width (a multiple of 32)")
     parser.add_argument("--num-layers", type=int, default=2, help="the policy's layers")
+    parser.add_argument("--placement", choices=("split", "colocated"), default="split",
+                        help="replicas and workers on devices of their own, or each device one of each in turns")
+    parser.add_argument("--kl-coef", type=float, default=0.0, help="a KL penalty to the starting weights")
+    parser.add_argument("--updates-per-iteration", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="6 iterations")
     parser.add_argument("--no-peer", action="store_true", help="leave TRL out")
     parser.add_argument("--work-dir", default=None)
@@ -113,6 +117,7 @@ def _grpo(args, model_dir: Path, prompts: list[str], iterations: int, work: Path
     from baige_ray.api.elastic import ElasticConfig
     from baige_ray.elastic.faults import FaultPlan
     from baige_ray.models.hf import HFModel
+    from baige_ray.models.policy_loss import PolicyLossConfig
     from baige_ray.rl.config import GRPOConfig
     from baige_ray.rl.faults import RolloutFaultPlan
     from baige_ray.rl.trainer import GRPOTrainer, RolloutOptions
@@ -121,14 +126,18 @@ def _grpo(args, model_dir: Path, prompts: list[str], iterations: int, work: Path
     if faults:  # the trainer mid-run, a replica the iteration after
         options = dict(faults=FaultPlan().crash(rank=1, step=iterations // 2),
                        rollout_faults=RolloutFaultPlan().kill_replica(iteration=iterations // 2 + 1))
+    colocated = args.placement == "colocated"
     trainer = GRPOTrainer(
         HFModel(model_dir, seq_len=SEQ_LEN), prompts=prompts, reward=arithmetic_reward,
         config=GRPOConfig(num_iterations=iterations, prompts_per_iteration=args.prompts_per_iteration,
                           group_size=args.group_size, max_new_tokens=args.max_new_tokens,
-                          learning_rate=args.learning_rate, grad_clip=1.0),
+                          learning_rate=args.learning_rate, grad_clip=1.0,
+                          updates_per_iteration=args.updates_per_iteration,
+                          loss=PolicyLossConfig(kl_coef=args.kl_coef)),
         scaling=ScalingConfig(num_workers=2, placement_timeout_s=180),
         run=RunConfig(name=name, storage_path=work / "runs", show_progress=False),
-        elastic=ElasticConfig(num_spares=1), rollout=RolloutOptions(num_replicas=2, port=8017), **options)
+        elastic=ElasticConfig(num_spares=0 if colocated else 1),
+        rollout=RolloutOptions(num_replicas=2, port=8017, placement=args.placement), **options)
     result = trainer.train()
     if faults:
         result.fired = options["rollout_faults"].fired
@@ -201,7 +210,7 @@ def _trl(args, model_dir: Path, prompts: list[str], iterations: int, work: Path)
 
 def _summary(clean, faulted, refit: dict[str, float], peer: dict[str, Any] | None) -> dict[str, Any]:
     def totals(result) -> list[float]:
-        return [r.rollout_s + r.scoring_s + r.training_s + (0.0 if r.refit_s != r.refit_s else r.refit_s)
+        return [r.rollout_s + r.scoring_s + r.release_s + r.training_s + (0.0 if r.refit_s != r.refit_s else r.refit_s)
                 for r in result.iterations]
 
     rewards, faulted_rewards = clean.rewards, faulted.rewards
@@ -212,7 +221,8 @@ def _summary(clean, faulted, refit: dict[str, float], peer: dict[str, Any] | Non
         "rewards": rewards,
         "iteration_s": statistics.median(totals(clean)[1:]),
         "phases_s": {phase: statistics.median(getattr(r, phase) for r in clean.iterations[1:-1] or clean.iterations)
-                     for phase in ("rollout_s", "scoring_s", "training_s", "refit_s")},
+                     for phase in ("rollout_s", "scoring_s", "training_s", "refit_s", "release_s")},
+        "shared_devices": clean.shared_devices,
         "refit_s": refit["memory_s"],
         "refit_checkpoint_s": refit["checkpoint_s"],
         "refit_vs_checkpoint": refit["checkpoint_s"] / refit["memory_s"],

@@ -130,6 +130,7 @@ class RequestQueue(Generic[RequestT]):
         self._waiting: deque[RequestT] = deque()
         self._cancelled: set[int] = set()
         self._work = threading.Condition(threading.Lock())
+        self._interrupted = False  # work other than a request arrived (a call between steps): no idle wait
         self._ids = itertools.count()
 
     def __len__(self) -> int:
@@ -165,10 +166,18 @@ class RequestQueue(Generic[RequestT]):
         return cancelled
 
     def wait(self, timeout_s: float, *, busy: bool) -> None:
-        """Sleep until a request arrives (or `timeout_s` passes), unless `busy` or one is queued."""
+        """Sleep until a request arrives, `interrupt` is called (or `timeout_s` passes), unless `busy` or
+        one is queued."""
         with self._work:
-            if not self._waiting and not busy:
+            if not self._waiting and not busy and not self._interrupted:
                 self._work.wait(timeout_s)
+            self._interrupted = False
+
+    def interrupt(self) -> None:
+        """End the engine thread's idle wait (now, or the next one if it is not waiting yet)."""
+        with self._work:
+            self._interrupted = True
+            self._work.notify()
 
 
 class ContinuousBatchingEngine:
@@ -272,6 +281,10 @@ class ContinuousBatchingEngine:
     def wait_for_work(self, timeout_s: float) -> None:
         """Sleep until a request arrives (or `timeout_s` passes) when nothing is queued or running."""
         self._queue.wait(timeout_s, busy=bool(self._running))
+
+    def interrupt_wait(self) -> None:
+        """Another thread has work for the engine's (a call between steps): end its idle wait (any thread)."""
+        self._queue.interrupt()
 
     def step(self) -> bool:
         """Admit what fits, then decode one token for every running row; False when there was nothing to do."""

@@ -64,6 +64,8 @@ class Engine(Protocol):
 
     def wait_for_work(self, timeout_s: float) -> None: ...
 
+    def interrupt_wait(self) -> None: ...
+
 
 class EngineRunner:
     def __init__(self, engine: Engine, codec: TextCodec):
@@ -154,6 +156,7 @@ class EngineRunner:
             if self.failure is not None:
                 raise EngineFailed(self.failure, accepted=False)
             self._calls.put((function, future))
+        self.engine.interrupt_wait()  # an idle engine would see the call only when its wait ended (50 ms)
         return await asyncio.wrap_future(future)
 
     def retire(self) -> None:

@@ -103,6 +103,9 @@ class PrefillEngine:
     def wait_for_work(self, timeout_s: float) -> None:
         self._queue.wait(timeout_s, busy=False)
 
+    def interrupt_wait(self) -> None:
+        self._queue.interrupt()
+
     def step(self) -> bool:
         """Prefill up to `max_batch_size` waiting prompts; False when none was waiting."""
         self._queue.take_cancelled()

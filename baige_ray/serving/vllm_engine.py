@@ -67,6 +67,7 @@ class VLLMEngine:
         if weights is not None:
             self.load_weights(weights)
         self._lock = threading.Condition()
+        self._interrupted = False
         self._pending: list[tuple[str, list[int], SamplingParams, EventSink]] = []
         self._cancelled: set[str] = set()
         self._sinks: dict[str, EventSink] = {}
@@ -113,8 +114,15 @@ class VLLMEngine:
     # -- the engine's thread --------------------------------------------------------------------
     def wait_for_work(self, timeout_s: float) -> None:
         with self._lock:
-            if not self._pending and not self._sinks and not self._cancelled:
+            if not self._pending and not self._sinks and not self._cancelled and not self._interrupted:
                 self._lock.wait(timeout_s)
+            self._interrupted = False
+
+    def interrupt_wait(self) -> None:
+        """Another thread has work for the engine's (a weights update): end its idle wait (any thread)."""
+        with self._lock:
+            self._interrupted = True
+            self._lock.notify()
 
     def step(self) -> bool:
         # vLLM's CPU attention plans its split for OpenMP's thread count, then checks that the kernel

@@ -177,3 +177,19 @@ def test_a_full_queue_refuses_new_requests(llama, prompts):
 def test_engine_limits_name_the_invalid_field(field, value):
     with pytest.raises(ValueError, match=f"EngineLimits.{field}"):
         EngineLimits(**{field: value})
+
+
+def test_a_call_between_steps_ends_an_idle_engines_wait_even_one_that_has_not_begun():
+    """A refit or a sleep asked of an idle replica runs at once, not when the idle wait times out."""
+    import time
+
+    from baige_ray.serving.engine import RequestQueue
+
+    queue = RequestQueue(max_waiting=4)
+    queue.interrupt()  # before the engine's thread waits: the next wait does not sleep
+    started = time.monotonic()
+    queue.wait(30.0, busy=False)
+    assert time.monotonic() - started < 10.0
+    started = time.monotonic()
+    queue.wait(0.2, busy=False)  # the interrupt was used up: an idle wait sleeps again
+    assert time.monotonic() - started >= 0.2
