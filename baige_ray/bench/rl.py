@@ -10,7 +10,8 @@ a tiny Llama with a tokenizer trained here on local text and the task's lines, f
 * The same run with a trainer worker SIGKILLed (FaultPlan) and a rollout replica SIGKILLed mid-batch
   (RolloutFaultPlan): every iteration must complete and the reward curve equal the fault-free one.
 * Refit: the policy's weights into a running replica from memory (`reload_weights` of an object ref)
-  against through a checkpoint (written as a Hugging Face directory, then reloaded from it).
+  against through a checkpoint (written as a Hugging Face directory, then reloaded from it), for the tiny
+  policy and for a Qwen2.5-0.5B-sized one (bench/rl_refit.py; `refit_vs_checkpoint` is that one's).
 * TRL: `trl.GRPOTrainer` on the same model directory, prompts, group size, completions per step,
   completion length, learning rate, loss (GRPO's per-sequence mean, rewards scaled by their group's
   spread, no KL) and iterations, on this machine's CPU in one process (TRL's
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from baige_ray.bench.measure import report_stage
+from baige_ray.bench.rl_refit import large_refit, tiny_refit
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ_LEN = 32
@@ -55,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--updates-per-iteration", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="6 iterations")
     parser.add_argument("--no-peer", action="store_true", help="leave TRL out")
+    parser.add_argument("--no-large-refit", action="store_true", help="leave out the refit of a 494M policy")
     parser.add_argument("--work-dir", default=None)
 
 
@@ -80,15 +83,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = _make_policy(work, policy_shape(args.hidden_size, args.num_layers))
     prompts = arithmetic_prompts()
     with open_cluster(ROOT / "clusters" / "sim-2x4.yaml", log_to_driver=False):
-        report_stage(args, "baige-ray GRPO", 0, 4)
+        report_stage(args, "baige-ray GRPO", 0, 5)
         clean = _grpo(args, model_dir, prompts, iterations, work, "bench-rl")
-        report_stage(args, "with a trainer worker and a rollout replica killed", 1, 4)
+        report_stage(args, "with a trainer worker and a rollout replica killed", 1, 5)
         faulted = _grpo(args, model_dir, prompts, iterations, work, "bench-rl-faulted", faults=True)
-        report_stage(args, "refit: memory against a checkpoint", 2, 4)
-        refit = _refit_vs_checkpoint(model_dir, clean.training.final_state, work)
-    report_stage(args, "TRL GRPOTrainer", 3, 4)
+        report_stage(args, "refit: memory against a checkpoint", 2, 5)
+        refit = tiny_refit(model_dir, clean.training.final_state, work, SEQ_LEN)
+    report_stage(args, "refit of a 494M-parameter policy", 3, 5)
+    large = None if args.no_large_refit else large_refit(model_dir, work)
+    report_stage(args, "TRL GRPOTrainer", 4, 5)
     peer = None if args.no_peer else _trl(args, model_dir, prompts, iterations, work)
-    return _summary(clean, faulted, refit, peer)
+    return _summary(clean, faulted, refit, large, peer)
 
 
 def _make_policy(work: Path, shape: dict[str, int]) -> Path:
@@ -144,32 +149,6 @@ def _grpo(args, model_dir: Path, prompts: list[str], iterations: int, work: Path
     return result
 
 
-def _refit_vs_checkpoint(model_dir: Path, final_state, work: Path) -> dict[str, float]:
-    """Seconds to put the trained weights into a running replica: from memory, and through a checkpoint
-    written as a Hugging Face directory (what a trainer and an engine that share no memory do)."""
-    import ray
-
-    from baige_ray.models.hf import HFModel
-    from baige_ray.models.plugin import plugin_for
-    from baige_ray.parallel.packed_tensors import pack_tensors
-    from baige_ray.serving.app import reload_weights, serve, shutdown
-
-    model = HFModel(model_dir, seq_len=SEQ_LEN)
-    info = serve(model_dir, model_config=model, name="bench-rl-refit", port=8017)
-    try:
-        weights = ray.get(final_state)["model"]
-        started = time.perf_counter()
-        reload_weights(info, (1, ray.put(pack_tensors(weights))), model_config=model)  # as the job hands it over
-        memory_s = time.perf_counter() - started
-        started = time.perf_counter()
-        directory = plugin_for(model).save_final(work / "refit-checkpoint", weights, step=2)
-        reload_weights(info, directory)
-        checkpoint_s = time.perf_counter() - started
-    finally:
-        shutdown(info)
-    return {"memory_s": memory_s, "checkpoint_s": checkpoint_s}
-
-
 def _trl(args, model_dir: Path, prompts: list[str], iterations: int, work: Path) -> dict[str, Any]:
     """TRL's GRPOTrainer on the same task, one process on this machine's CPU; seconds per step."""
     import trl
@@ -208,7 +187,8 @@ def _trl(args, model_dir: Path, prompts: list[str], iterations: int, work: Path)
     return {"step_s": steps, "rewards": clock.rewards, "version": trl.__version__}
 
 
-def _summary(clean, faulted, refit: dict[str, float], peer: dict[str, Any] | None) -> dict[str, Any]:
+def _summary(clean, faulted, refit: dict[str, float], large: dict[str, Any] | None,
+             peer: dict[str, Any] | None) -> dict[str, Any]:
     def totals(result) -> list[float]:
         return [r.rollout_s + r.scoring_s + r.release_s + r.training_s + (0.0 if r.refit_s != r.refit_s else r.refit_s)
                 for r in result.iterations]
@@ -225,7 +205,7 @@ def _summary(clean, faulted, refit: dict[str, float], peer: dict[str, Any] | Non
         "shared_devices": clean.shared_devices,
         "refit_s": refit["memory_s"],
         "refit_checkpoint_s": refit["checkpoint_s"],
-        "refit_vs_checkpoint": refit["checkpoint_s"] / refit["memory_s"],
+        "refit_vs_checkpoint_tiny": refit["checkpoint_s"] / refit["memory_s"],
         "faulted_rewards": faulted_rewards,
         "faulted_reward_max_diff": max(abs(a - b) for a, b in zip(rewards, faulted_rewards)),
         "faulted_iterations": len(faulted.iterations),
@@ -234,6 +214,8 @@ def _summary(clean, faulted, refit: dict[str, float], peer: dict[str, Any] | Non
         "faulted_reissued": sum(r.reissued for r in faulted.iterations),
         "replica_kills": len(faulted.fired),
     }
+    if large is not None:
+        result.update(refit_large=large, refit_vs_checkpoint=large["ratio"])
     if peer is not None:
         result.update(trl_iteration_s=statistics.median(peer["step_s"][1:]), trl_rewards=peer["rewards"],
                       trl_version=peer["version"])
@@ -247,6 +229,9 @@ def summarize(result: dict[str, Any]) -> str:
              "the last",
              f"iteration: {result['iteration_s']:.2f} s ({phases})",
              f"refit from memory {result['refit_s']:.2f} s, through a checkpoint {result['refit_checkpoint_s']:.2f} s",
+             *([f"refit of {large['parameters'] / 1e6:.0f}M parameters: from memory {large['memory_s']:.2f} s, through "
+                f"a checkpoint {large['checkpoint_s']:.2f} s ({large['ratio']:.1f}x; first {large['first_memory_s']:.2f} "
+                f"s / {large['first_checkpoint_s']:.2f} s)"] if (large := result.get("refit_large")) else []),
              f"faulted run: {result['faulted_iterations']} iterations, reward max |diff| "
              f"{result['faulted_reward_max_diff']:.3g}, {result['faulted_reissued']} requests re-issued"]
     if "trl_iteration_s" in result:

@@ -321,11 +321,14 @@ class GRPOTrainer:
         state = self._state_after(job, step)
         started = time.perf_counter()
         try:
-            reload_weights(info, state, model_config=self.model, timeout_s=self.config.refit_timeout_s)
+            # The job outlives its rollout replicas: they read its snapshot where it lies (no copy).
+            reload_weights(info, state, model_config=self.model, timeout_s=self.config.refit_timeout_s,
+                           keep_copy=False)
         except TimeoutError as error:  # a replica that did not swap in time: publish again, once
             logger.warning("weight sync of step %d stalled (%s); retrying", step, error)
             try:
-                reload_weights(info, state, model_config=self.model, timeout_s=self.config.refit_timeout_s)
+                reload_weights(info, state, model_config=self.model, timeout_s=self.config.refit_timeout_s,
+                               keep_copy=False)
             except TimeoutError as again:
                 raise RuntimeError(f"weight sync of step {step} stalled twice: {again}") from again
         return time.perf_counter() - started

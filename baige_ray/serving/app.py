@@ -173,7 +173,8 @@ def _resolve_source(source: Any, model_config: Any) -> tuple[int, ray.ObjectRef,
     job, an ObjectRef or (step, ObjectRef)."""
     if isinstance(source, (str, Path)):
         step, state, config = load_checkpoint(Path(source))  # checksum-verified; safetensors or weights_only
-        return step, ray.put(pack_tensors(state)), config
+        # The caller's config where given (its seq_len, say): replicas compare configs to take later weights in place.
+        return step, ray.put(pack_tensors(state)), config if model_config is None else _model_config(model_config)
     if hasattr(source, "latest_model_state") and hasattr(source, "model"):  # a TrainingJob: its newest snapshot
         model_config = source.model if model_config is None else model_config
         source = source.latest_model_state()
@@ -429,15 +430,18 @@ def _settled(states: dict[str, int], count: int) -> bool:
 
 def reload_weights(
     info: ServeHandleInfo, source: Any, *, model_config: Any = None, timeout_s: float = 60.0,
-    wait: bool = True,
+    wait: bool = True, keep_copy: bool = True,
 ) -> int:
     """Swap every replica's weights in place (no restart); returns the new weights version.
 
     With `wait=False` it returns once the weights are published: replicas started from then on
-    load them, running ones swap as soon as they hear of them (the registry's long poll)."""
+    load them, running ones swap as soon as they hear of them (the registry's long poll). The serving
+    registry keeps a copy of the weights, so the application outlives whatever produced them; with
+    `keep_copy=False` an in-memory state is served from where it lies (no copy), for an application
+    that ends before the state's owner does (a reinforcement-learning run's rollout replicas)."""
     step, state_ref, config = _resolve_source(source, model_config)
     registry = _registry(info)
-    version = ray.get(registry.publish_weights.remote(step, [state_ref], config))
+    version = ray.get(registry.publish_weights.remote(step, [state_ref], config, keep_copy))
     if not wait:
         return version
     if behind := ray.get(registry.caught_up.remote(version, timeout_s)):

@@ -152,7 +152,8 @@ class ModelServer:
         published = await state_ref  # a dict of tensors, or PackedTensors whose arrays lie in the object store
         builtin_in_place = (self._engine_name != "vllm" and self._runner is not None and self._expert_ranks is None
                             and model_config == self._model_config)
-        state = None if builtin_in_place else state_tensors(published)  # private copies, for anything else
+        # Private copies, for anything else: off the event loop (2 GB took seconds; reports must go on).
+        state = None if builtin_in_place else await asyncio.to_thread(state_tensors, published)
         if self._engine_name == "vllm" and self._runner is not None and model_config == self._model_config:
             # vLLM takes new weights in place, between two steps: running requests go on, no restart.
             engine = self._runner.engine
@@ -508,23 +509,32 @@ class ModelServer:
             self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
 
     async def _report_forever(self) -> None:
+        loading: asyncio.Task | None = None  # new weights being copied in
         while True:
             latencies, self._pending_latencies = self._pending_latencies, []
             busy_s = 0.0
             if self._runner is not None:
                 busy_s, self._runner.busy_s = self._runner.busy_s, 0.0
-            newest = await self._registry.report.remote(
+            await self._registry.report.remote(
                 self._replica, latencies, busy_s, self._ongoing, self._version,
                 device=(self._node, self._devices[0]) if self._devices else None, engine=self._engine_load(),
                 prefix_cache=self._prefix_cache_report(), asleep=self._asleep,
             )
             self._metrics.queue_depth(self._ongoing, replica=self._replica)
+            if loading is not None:
+                # Reports go on while weights load (2 GB took seconds): a replica silent for 3 s counts as gone,
+                # and whoever waits for every replica to load would stop waiting for it.
+                await asyncio.wait([loading], timeout=REPORT_INTERVAL_S)
+                if loading.done():
+                    loading, finished = None, loading
+                    finished.result()  # a load that raised ends the reports, as before
+                continue  # report at once that they are loaded
             # Until the next report, or sooner if new weights are published or the replicas are told to sleep.
             newest, asleep = await self._registry.newer_weights.remote(self._version, REPORT_INTERVAL_S, self._asleep)
             if asleep != self._asleep and (asleep or newest == self._version):
                 await self._turn(asleep)
             if newest != self._version:
-                await self._load_newest_weights()  # then report at once that they are loaded (awake)
+                loading = asyncio.ensure_future(self._load_newest_weights())
 
     async def _turn(self, asleep: bool) -> None:
         """Give back the device memory the engine holds between requests, or take it again (serving/

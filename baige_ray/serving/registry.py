@@ -55,12 +55,17 @@ class ServingRegistry:
         self._published = asyncio.Event()  # set, and replaced, at each publish: wakes the replicas' long polls
         self._reported_load = asyncio.Event()  # likewise when a replica reports new weights loaded
 
-    async def publish_weights(self, step: int, state_refs: list, model_config) -> int:
-        """Hold a private copy of the state in `state_refs[0]`; returns the new weights version."""
+    async def publish_weights(self, step: int, state_refs: list, model_config, keep_copy: bool = True) -> int:
+        """Hold a private copy of the state in `state_refs[0]`; returns the new weights version. Without
+        `keep_copy`, a packed state is served from where it lies: its owner (a training job whose
+        lifetime bounds the application's, as a reinforcement-learning run's rollout replicas) keeps it."""
         state = await state_refs[0]
         if not isinstance(state, Mapping) or not state:
             raise ValueError(f"the published state is {type(state).__name__}, expected a non-empty dict of tensors")
-        self._state_ref = ray.put(state if isinstance(state, PackedTensors) else pack_tensors(state))
+        if isinstance(state, PackedTensors) and not keep_copy:
+            self._state_ref = state_refs[0]  # no copy: two of a 2 GB policy filled the object store and spilled
+        else:
+            self._state_ref = ray.put(state if isinstance(state, PackedTensors) else pack_tensors(state))
         self._step, self._model_config = step, model_config
         self._version += 1
         self._asleep = False  # new weights are to be served
