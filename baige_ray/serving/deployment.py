@@ -78,6 +78,7 @@ from baige_ray.serving.openai_api import (
 from baige_ray.serving.openai_chat import chat_chunk, chat_response, parse_chat_request
 from baige_ray.serving.prefix_router import ResponseHead, RoutedRequest
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, registry_name
+from baige_ray.serving.replica_reports import ReplicaSide, report_forever
 from baige_ray.serving.requests import (
     GenerateRequest,
     RequestError,
@@ -509,32 +510,19 @@ class ModelServer:
             self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
 
     async def _report_forever(self) -> None:
-        loading: asyncio.Task | None = None  # new weights being copied in
-        while True:
-            latencies, self._pending_latencies = self._pending_latencies, []
-            busy_s = 0.0
-            if self._runner is not None:
-                busy_s, self._runner.busy_s = self._runner.busy_s, 0.0
-            await self._registry.report.remote(
-                self._replica, latencies, busy_s, self._ongoing, self._version,
-                device=(self._node, self._devices[0]) if self._devices else None, engine=self._engine_load(),
-                prefix_cache=self._prefix_cache_report(), asleep=self._asleep,
-            )
-            self._metrics.queue_depth(self._ongoing, replica=self._replica)
-            if loading is not None:
-                # Reports go on while weights load (2 GB took seconds): a replica silent for 3 s counts as gone,
-                # and whoever waits for every replica to load would stop waiting for it.
-                await asyncio.wait([loading], timeout=REPORT_INTERVAL_S)
-                if loading.done():
-                    loading, finished = None, loading
-                    finished.result()  # a load that raised ends the reports, as before
-                continue  # report at once that they are loaded
-            # Until the next report, or sooner if new weights are published or the replicas are told to sleep.
-            newest, asleep = await self._registry.newer_weights.remote(self._version, REPORT_INTERVAL_S, self._asleep)
-            if asleep != self._asleep and (asleep or newest == self._version):
-                await self._turn(asleep)
-            if newest != self._version:
-                loading = asyncio.ensure_future(self._load_newest_weights())
+        side = ReplicaSide(report_fields=self._report_fields, state=lambda: (self._version, self._asleep),
+                           load_newest_weights=self._load_newest_weights, turn=self._turn)
+        await report_forever(self._registry, self._replica, side, REPORT_INTERVAL_S)
+
+    def _report_fields(self) -> dict:
+        latencies, self._pending_latencies = self._pending_latencies, []
+        busy_s = 0.0
+        if self._runner is not None:
+            busy_s, self._runner.busy_s = self._runner.busy_s, 0.0
+        self._metrics.queue_depth(self._ongoing, replica=self._replica)
+        return dict(latencies=latencies, busy_s=busy_s, ongoing=self._ongoing, loaded_version=self._version,
+                    device=(self._node, self._devices[0]) if self._devices else None, engine=self._engine_load(),
+                    prefix_cache=self._prefix_cache_report(), asleep=self._asleep)
 
     async def _turn(self, asleep: bool) -> None:
         """Give back the device memory the engine holds between requests, or take it again (serving/

@@ -71,3 +71,22 @@ def test_grpo_survives_a_trainer_and_a_rollout_replica_killed_and_matches_the_fa
         # The sampler's log-probabilities set each update's ratio; a group re-issued elsewhere is decoded in
         # another batch, which changes their last bits (6.9e-6 at most measured on weights up to 0.09).
         torch.testing.assert_close(faulted_weights[name], tensor, rtol=1e-5, atol=2e-5, msg=name)
+
+
+def test_a_refit_reads_the_jobs_state_where_it_lies_and_a_served_directory_keeps_the_callers_config(tiny):
+    """Two faults a 494M-parameter refit found: the serving registry copied every state (two copies of a
+    2 GB policy filled the object store), and serve() of a directory published the directory's own config,
+    so the first refit with the caller's config rebuilt the model instead of copying into it."""
+    from baige_ray.parallel.packed_tensors import pack_tensors
+    from baige_ray.serving.app import _resolve_source
+    from baige_ray.serving.registry import ServingRegistry
+
+    model = HFModel(tiny.model_dir, seq_len=SEQ_LEN)
+    assert _resolve_source(str(tiny.model_dir), model)[2] == model
+    registry = ray.remote(ServingRegistry).options(num_cpus=0).remote()
+    state = ray.put(pack_tensors({"w": torch.ones(3)}))
+    ray.get(registry.publish_weights.remote(1, [state], model, False))
+    assert ray.get(registry.weights.remote())[3][0] == state  # served from where the job keeps it
+    ray.get(registry.publish_weights.remote(2, [state], model))
+    assert ray.get(registry.weights.remote())[3][0] != state  # a copy of its own, by default
+    ray.kill(registry)
