@@ -12,6 +12,7 @@ registry's), the next ones run in steady state, as an RL run's iterations do.
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -63,17 +64,22 @@ def large_refit(tokenizer_dir: Path, work: Path) -> dict[str, Any]:
     from baige_ray.serving.app import serve, shutdown
     from baige_ray.topology.connect import open_cluster
 
-    model_dir = _large_policy(tokenizer_dir, work / "qwen2.5-0.5b-fresh")
+    large = work / "refit-large"  # 2 GB a directory: removed once measured
+    model_dir = _large_policy(tokenizer_dir, large / "qwen2.5-0.5b-fresh")
     model = HFModel(model_dir, seq_len=64)
     weights = plugin_for(model).read_directory_weights()
     rounds = []
-    with open_cluster(local_num_cpus=2, local_num_gpus=1, log_to_driver=False):
-        info = serve(model_dir, model_config=model, name="bench-rl-refit-large", port=8017, max_batch_size=2)
-        try:
-            for index in range(1 + STEADY_ROUNDS):
-                rounds.append(refit_seconds(info, model, weights, work / f"refit-large-{index}"))
-        finally:
-            shutdown(info)
+    try:
+        with open_cluster(local_num_cpus=2, local_num_gpus=1, log_to_driver=False):
+            info = serve(model_dir, model_config=model, name="bench-rl-refit-large", port=8017, max_batch_size=2)
+            try:
+                for index in range(1 + STEADY_ROUNDS):
+                    rounds.append(refit_seconds(info, model, weights, large / f"checkpoint-{index}"))
+                    shutil.rmtree(large / f"checkpoint-{index}")
+            finally:
+                shutdown(info)
+    finally:
+        shutil.rmtree(large, ignore_errors=True)
     memory = statistics.median(m for m, _ in rounds[1:])
     checkpoint = statistics.median(c for _, c in rounds[1:])
     return {"parameters": sum(t.numel() for t in weights.values()), "first_memory_s": rounds[0][0],

@@ -37,6 +37,7 @@ import ray
 import torch
 
 from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
+from baige_ray.api.connection import connect_ray
 from baige_ray.api.elastic import ElasticConfig
 from baige_ray.api.validation import require_choice, require_int, require_number
 from baige_ray.models.policy_loss import group_advantages
@@ -170,6 +171,8 @@ class GRPOTrainer:
         from baige_ray.jobs.launch import launch
         from baige_ray.serving.app import serve, shutdown
 
+        if not ray.is_initialized():  # RAY_ADDRESS's cluster, or a local one, as launch and serve join it
+            connect_ray(logging_level=logging.WARNING)
         check_devices(self._needed, ray.cluster_resources().get("GPU", 0.0))
         name = f"{self.run.name}-rollouts"  # its own route: other applications may hold "/"
         info = serve(self.model.path, model_config=self.model, name=name, route_prefix=f"/{name}",
