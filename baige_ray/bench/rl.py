@@ -229,11 +229,17 @@ def summarize(result: dict[str, Any]) -> str:
              "the last",
              f"iteration: {result['iteration_s']:.2f} s ({phases})",
              f"refit from memory {result['refit_s']:.2f} s, through a checkpoint {result['refit_checkpoint_s']:.2f} s",
-             *([f"refit of {large['parameters'] / 1e6:.0f}M parameters: from memory {large['memory_s']:.2f} s, through "
-                f"a checkpoint {large['checkpoint_s']:.2f} s ({large['ratio']:.1f}x; first {large['first_memory_s']:.2f} "
-                f"s / {large['first_checkpoint_s']:.2f} s)"] if (large := result.get("refit_large")) else []),
+             *_large_refit_lines(result.get("refit_large")),
              f"faulted run: {result['faulted_iterations']} iterations, reward max |diff| "
              f"{result['faulted_reward_max_diff']:.3g}, {result['faulted_reissued']} requests re-issued"]
     if "trl_iteration_s" in result:
         lines.append(f"TRL {result['trl_version']} GRPOTrainer: {result['trl_iteration_s']:.2f} s per iteration")
     return "\n".join(lines)
+
+
+def _large_refit_lines(large: dict[str, Any] | None) -> list[str]:
+    if large is None:
+        return []
+    return [f"refit of {large['parameters'] / 1e6:.0f}M parameters: from memory {large['memory_s']:.2f} s, through a "
+            f"checkpoint {large['checkpoint_s']:.2f} s ({large['ratio']:.1f}x; first refit "
+            f"{large['first_memory_s']:.2f} s / {large['first_checkpoint_s']:.2f} s)"]
