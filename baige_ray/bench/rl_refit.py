@@ -5,8 +5,8 @@ memory do: write, then the engine reads it back and verifies it).
 Twice: for the bench's tiny policy on the simulated cluster, and at the size refits cost something, a
 model with the published configuration of Qwen2.5-0.5B (494M parameters, fp32, fresh weights) served
 by one built-in replica on a plain local Ray (the simulated nodes' object stores are 128 MiB). The
-first refit of that model is reported apart: it fills the object store (the job's copy and the serving
-registry's), the next ones run in steady state, as an RL run's iterations do.
+first refit of that model is reported apart (the object store's memory is touched for the first time);
+the next ones run in steady state, as an RL run's iterations do.
 """
 
 from __future__ import annotations

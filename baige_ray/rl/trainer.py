@@ -287,14 +287,12 @@ class GRPOTrainer:
 
     def _reference_log_probs(self, prompts: list[tuple[int, ...]],
                              completions: list[Completion]) -> list[list[float]] | None:
-        """Each completion token's log-probability under the starting weights (None without a KL penalty)."""
+        """Each completion token's log-probability under the starting weights (None without a KL penalty).
+        A prompt and its completion fit the model's positions (`_check_lengths`): nothing is cut."""
         if self._reference is None:
             return None
-        kept = [completion.tokens[: self.model.seq_len + 1 - len(prompt)]  # what pack_rollouts keeps
-                for prompt, completion in zip(prompts, completions)]
-        scored = ray.get(self._reference.log_probs.remote([list(p) + k for p, k in zip(prompts, kept)],
-                                                          [len(p) for p in prompts]))
-        return [figures + [0.0] * (len(c.tokens) - len(figures)) for figures, c in zip(scored, completions)]
+        return ray.get(self._reference.log_probs.remote([list(p) + c.tokens for p, c in zip(prompts, completions)],
+                                                        [len(p) for p in prompts]))
 
     def _score(self, prompts: list[int], completions: list[list[int]]) -> list[float]:
         rewards = []
