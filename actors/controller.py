@@ -194,6 +194,7 @@ class ElasticController:
             "num_workers": len(members),
             "num_harvest": len(harvest_members(members)),
             "num_spares": len(self.crew.spares),
+            "sizes": list(self.sizes),  # the worker counts a resize may ask for
             "workers": [worker.describe(rank) for rank, worker in enumerate(members)],
             "events": self.events.recent(20),
             "steps_per_s": self.accounts.steps_per_s(),

@@ -40,6 +40,7 @@ _EXPORTS = {
     "ScalingConfig": "baige_ray.api",
     "ServeHandleInfo": "baige_ray.serving",
     "ServingError": "baige_ray.api",
+    "SplitSizing": "baige_ray.rl.split_sizing",
     "StepMetrics": "baige_ray.api",
     "TokenDataset": "baige_ray.models.token_dataset",
     "TrainConfig": "baige_ray.api",

@@ -55,6 +55,14 @@ from baige_ray.rl.placement import (
 from baige_ray.rl.rollout_source import RolloutSource, start_board
 from baige_ray.rl.reference import start_reference
 from baige_ray.rl.rollouts import BusyReplicas, Completion, RolloutClient, RolloutGroup
+from baige_ray.rl.split_sizing import (
+    ServeReplicas,
+    SplitMove,
+    SplitSizer,
+    SplitSizing,
+    job_sizes,
+    pool_devices_for,
+)
 from baige_ray.serving.causal_lm_generation import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -71,7 +79,8 @@ class RolloutOptions:
 
     `placement` "colocated" puts one replica and one training worker on each device, taking turns
     (as many replicas as workers, no spares, the built-in engine: vLLM's sleep mode is not wired in);
-    it sets the shares itself."""
+    it sets the shares itself. `sizing` (split only) moves devices between the replicas and the workers
+    as the phases' measured times show one of them holds the iteration up (rl/split_sizing.py)."""
 
     num_replicas: int = 1
     engine: str = "builtin"
@@ -80,10 +89,14 @@ class RolloutOptions:
     device_share: float = 1.0
     reference_device_share: float = 1.0
     placement: str = "split"
+    sizing: SplitSizing | None = None
 
     def __post_init__(self) -> None:
         require_int("RolloutOptions", "num_replicas", self.num_replicas, minimum=1)
         require_choice("RolloutOptions", "placement", self.placement, PLACEMENTS)
+        if self.sizing is not None and self.placement != "split":
+            raise ValueError(f"RolloutOptions.sizing is invalid with placement={self.placement!r}: colocated "
+                             "replicas and workers share every device, there is no split to size")
         if self.placement == "colocated" and self.engine != "builtin":
             raise ValueError(f"RolloutOptions.engine={self.engine!r} is invalid with placement='colocated': the "
                              "replicas give their device memory back between rollouts on the built-in engine only")
@@ -102,6 +115,8 @@ class IterationRecord:
     reissued: int = 0  # completions requested again after their replica died
     release_s: float = 0.0  # colocated: the replicas' engines giving their device memory back for training
     loss: float | None = None
+    replicas: int = 0  # the rollout replicas and training workers the iteration ran on
+    workers: int = 0
 
     @property
     def reward_mean(self) -> float:
@@ -114,6 +129,7 @@ class RLResult:
     training: Any  # the elastic job's Result: losses, recoveries, final weights
     rollout_failures: list[str]
     shared_devices: int = 0  # devices holding a rollout replica and a training worker, as the job started
+    moves: list[SplitMove] = dataclasses.field(default_factory=list)  # RolloutOptions.sizing's, in order
 
     @property
     def rewards(self) -> list[float]:
@@ -188,7 +204,8 @@ class GRPOTrainer:
             client = RolloutClient(info.app_name, info.deployment_name, eos_token_id=self.tokenizer.eos_token_id,
                                    retry_s=self.config.rollout_retry_s)
             failures: list[str] = []
-            records = [self._rollout_and_publish(0, client, board, failures)]
+            split = (self.rollout.num_replicas, self.scaling.num_workers)  # replicas, workers
+            records = [self._rollout_and_publish(0, client, board, failures, split)]
             records[-1].release_s = self._release_devices(info)
             job = launch(self.model, data=RolloutSource(self.run.name),
                          objective=PolicyObjective(loss_config=self.config.loss), steps_allowed=updates,
@@ -198,11 +215,16 @@ class GRPOTrainer:
                          layout=self.layout, faults=self.faults)
             opened = time.perf_counter()
             shared = None  # devices a replica and a worker share, read once the first step is done
+            sizer = None  # RolloutOptions.sizing's, made once the job runs
             for iteration in range(1, self.config.num_iterations):
                 records[-1].training_s = self._wait_for_steps(job, iteration * updates) - opened
                 shared = self._shared_devices(info, job) if shared is None else shared
                 records[-1].refit_s = self._refit(job, info, iteration * updates - 1)
-                records.append(self._rollout_and_publish(iteration, client, board, failures))
+                if self.rollout.sizing is not None:
+                    sizer = sizer or self._split_sizer(job)
+                    self._size_split(sizer, records[-1], info, job)
+                    split = (sizer.replicas, sizer.workers)
+                records.append(self._rollout_and_publish(iteration, client, board, failures, split))
                 records[-1].release_s = self._release_devices(info)
                 job.allow_steps((iteration + 1) * updates)
                 opened = time.perf_counter()
@@ -222,7 +244,28 @@ class GRPOTrainer:
         by_step = sorted(training.metrics, key=lambda m: m.step)
         for record, metrics in zip(records, by_step[::updates]):  # each iteration's first update: on-policy
             record.loss = metrics.loss
-        return RLResult(iterations=records, training=training, rollout_failures=failures, shared_devices=shared)
+        return RLResult(iterations=records, training=training, rollout_failures=failures, shared_devices=shared,
+                        moves=[] if sizer is None else sizer.moves)
+
+    def _split_sizer(self, job) -> SplitSizer:
+        spares = (self.elastic or ElasticConfig()).num_spares
+        reference = self.shares.reference if self.config.loss.kl_coef > 0 else 0.0
+        pool = pool_devices_for(self.rollout.sizing, ray.cluster_resources().get("GPU", 0.0), spares=spares,
+                                spare_share=self.shares.worker, reference_share=reference)
+        # One group travels as one call: a replica beyond one per prompt would have nothing to decode.
+        return SplitSizer(self.rollout.sizing, pool_devices=pool, train_sizes=job_sizes(job.status()),
+                          max_replicas=self.config.prompts_per_iteration, num_iterations=self.config.num_iterations,
+                          replicas=self.rollout.num_replicas, workers=self.scaling.num_workers)
+
+    def _size_split(self, sizer: SplitSizer, record: IterationRecord, info, job) -> None:
+        """After `record`'s refit: learn its phases' times, and move devices where the policy says."""
+        if record.iteration > 0:  # the first iteration's training includes the job's start
+            sizer.record(record.rollout_s, record.training_s)
+        decision = sizer.decide(record.iteration)
+        if decision.moves_from(sizer.replicas, sizer.workers):
+            move = sizer.move(record.iteration, decision, ServeReplicas(info), job)
+            logger.info("rl split: replicas %s, workers %s in %.1fs: %s", move.replicas, move.workers,
+                        move.seconds, move.reason)
 
     def _release_devices(self, info) -> float:
         """Colocated: the replicas' engines give their device memory back before training takes the
@@ -249,8 +292,8 @@ class GRPOTrainer:
                            min_learning_rate=c.learning_rate, warmup_steps=0,
                            weight_decay=c.weight_decay, grad_clip=c.grad_clip, seed=c.seed)
 
-    def _rollout_and_publish(self, iteration: int, client: RolloutClient, board,
-                             failures: list[str]) -> IterationRecord:
+    def _rollout_and_publish(self, iteration: int, client: RolloutClient, board, failures: list[str],
+                             split: tuple[int, int]) -> IterationRecord:
         prompts = self.config.prompt_indices(iteration, len(self.prompts))
         groups = [RolloutGroup(tuple(self.prompt_tokens[p]),
                                tuple(self._sampling(iteration, j, i) for i in range(self.config.group_size)))
@@ -279,7 +322,7 @@ class GRPOTrainer:
         updates = self.config.updates_per_iteration
         ray.get(board.publish.remote(iteration * updates, inputs, targets, steps=updates))
         return IterationRecord(iteration=iteration, rewards=rewards, rollout_s=rollout_s, scoring_s=scoring_s,
-                               reissued=stats.reissued)
+                               reissued=stats.reissued, replicas=split[0], workers=split[1])
 
     def _sampling(self, iteration: int, prompt: int, sample: int) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.config.max_new_tokens, temperature=self.config.temperature,

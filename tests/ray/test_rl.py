@@ -90,3 +90,28 @@ def test_a_refit_reads_the_jobs_state_where_it_lies_and_a_served_directory_keeps
     ray.get(registry.publish_weights.remote(2, [state], model))
     assert ray.get(registry.weights.remote())[3][0] != state  # a copy of its own, by default
     ray.kill(registry)
+
+
+
+def test_a_training_bound_split_run_moves_a_replicas_device_to_the_job(tiny, tmp_path):
+    """Split placement sized from the measured phases (RolloutOptions.sizing): two replicas sampling two
+    tokens while one worker trains the batch one sequence at a time are held up by training, so the
+    policy gives a replica's device to the job (Serve drains the replica first, then the job grows onto
+    its device); every iteration runs, at the split the records name."""
+    from baige_ray.rl.split_sizing import SplitSizing
+
+    config = GRPOConfig(num_iterations=5, prompts_per_iteration=2, group_size=12, max_new_tokens=2,
+                        micro_batch_size=1, learning_rate=1e-3)
+    trainer = GRPOTrainer(HFModel(tiny.model_dir, seq_len=SEQ_LEN), prompts=PROMPTS, reward=vowels, config=config,
+                          scaling=ScalingConfig(num_workers=1, placement_timeout_s=120),
+                          run=RunConfig(name="rl-sized", storage_path=tmp_path, show_progress=False),
+                          elastic=ElasticConfig(num_spares=0, min_workers=1, max_workers=2),
+                          rollout=RolloutOptions(num_replicas=2, port=free_port(),
+                                                 sizing=SplitSizing(pool_devices=3, min_gain=0.05, move_cost_s=0.0)))
+    result = trainer.train()
+    first = result.moves[0]
+    assert (first.replicas, first.workers) == ((2, 1), (1, 2)) and first.seconds > 0
+    splits = [(r.replicas, r.workers) for r in result.iterations]
+    assert splits[:first.after_iteration + 2] == [(2, 1)] * (first.after_iteration + 1) + [(1, 2)]
+    assert all(len(r.rewards) == config.batch_size and math.isfinite(r.loss) for r in result.iterations)
+    assert len(result.training.metrics) == config.num_steps and result.rollout_failures == []
