@@ -59,7 +59,8 @@ class SplitObservation:
         require_number("SplitObservation", "move_cost_s", self.move_cost_s, minimum=0)
         require_number("SplitObservation", "min_gain", self.min_gain, minimum=0, maximum=1)
         if not self.train_sizes or any(size < 1 for size in self.train_sizes):
-            raise ValueError(f"SplitObservation.train_sizes={self.train_sizes!r} is invalid: expected worker counts >= 1")
+            raise ValueError(f"SplitObservation.train_sizes={self.train_sizes!r} is invalid: "
+                             "expected worker counts >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
