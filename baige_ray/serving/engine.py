@@ -303,17 +303,22 @@ class ContinuousBatchingEngine:
             self._keep_rows([i for i, r in enumerate(self._running) if r.id not in cancelled])
 
     def _admit(self) -> int:
-        admitted = 0
-        while len(self._running) < self.limits.max_batch_size and (request := self._queue.take()) is not None:
-            admitted += 1
+        admitted: list[_Request] = []
+        while (len(self._running) + len(admitted) < self.limits.max_batch_size
+               and (request := self._queue.take()) is not None):
+            admitted.append(request)
+        same_prompt: dict[tuple[int, ...], list[_Request]] = {}
+        for request in admitted:
             if request.prefilled is None:
-                self._prefill(request)
+                same_prompt.setdefault(tuple(request.prompt), []).append(request)
             else:
                 cache = self._whole_prompt_cache(request)
                 self._running.append(request)
                 self._cache.add(cache, cache[0][0].shape[2])
                 request.prefilled = None
-        return admitted
+        for requests in same_prompt.values():
+            self._prefill(requests)
+        return len(admitted)
 
     def _whole_prompt_cache(self, request: _Request) -> KV:
         """A prefilled request's cache over its whole prompt: what the prefill engine sent, after the leading
@@ -332,17 +337,22 @@ class ContinuousBatchingEngine:
         self._store_blocks(request.prompt, cache)
         return cache
 
-    def _prefill(self, request: _Request) -> None:
-        length = len(request.prompt)
-        past, cached = self._cached_prefix(request.prompt)
-        tokens = torch.tensor([request.prompt[cached:]], dtype=torch.long)
+    def _prefill(self, requests: list[_Request]) -> None:
+        """Requests of one prompt (an RL group, several samplings of a question) in one forward: each draws
+        its first token from the same logits with its own generator and starts from the same keys and values.
+        One forward per request cost a group of 16 two thirds of its rollout on a small model."""
+        prompt = requests[0].prompt
+        length = len(prompt)
+        past, cached = self._cached_prefix(prompt)
+        tokens = torch.tensor([prompt[cached:]], dtype=torch.long)
         logits, cache = self.decoder.forward(tokens, torch.arange(cached, length)[None, :],
                                              torch.ones(1, length, dtype=torch.long), past)
-        finished = self._emit(request, logits[0])  # the first token goes out before the blocks are stored
-        self._store_blocks(request.prompt, cache)
+        # The first tokens go out before the blocks are stored.
+        decoding = [request for request in requests if self._emit(request, logits[0]) is None]
+        self._store_blocks(prompt, cache)
         if self.prefixes is not None:
             self.prefixes.settle()
-        if finished is None:
+        for request in decoding:
             self._running.append(request)
             self._cache.add(cache, length)
 

@@ -70,6 +70,24 @@ def test_requests_joining_a_running_batch_mid_generation_get_the_same_tokens(lla
     assert [tokens[index] for index in range(len(prompts))] == [generation.tokens for generation in expected]
 
 
+def test_one_prompts_samplings_share_one_prefill_and_draw_as_if_each_ran_alone(llama, prompts):
+    """An RL group: one forward over the prompt for all of its samplings, each drawing its own tokens."""
+    sampled = [SamplingParams(max_new_tokens=6, temperature=1.0, top_k=None, seed=seed, log_probs=True)
+               for seed in range(5)]
+    alone = [generate_all(ContinuousBatchingEngine(HFDecoder(llama, 128), eos_token_id=None), [prompts[1]], [p])[0]
+             for p in sampled]
+    decoder = HFDecoder(llama, 128)
+    widths = []
+    forward = decoder.forward
+    decoder.forward = lambda tokens, *rest: widths.append(tokens.shape) or forward(tokens, *rest)
+    together = generate_all(ContinuousBatchingEngine(decoder, eos_token_id=None), [prompts[1]] * 5, sampled)
+    assert [g.tokens for g in together] == [g.tokens for g in alone]
+    assert len({tuple(g.tokens) for g in together}) > 1  # each its own draw
+    for mine, reference in zip(together, alone):
+        assert mine.log_probs == pytest.approx(reference.log_probs, abs=1e-5)
+    assert widths == [torch.Size([1, len(prompts[1])])] + [torch.Size([5, 1])] * 5  # one prefill, then decode steps
+
+
 def test_end_of_text_stops_a_row_and_frees_its_slot(llama, prompts):
     params = [greedy(30) for _ in prompts]
     plain = uncached_one_by_one(llama, prompts, params)
