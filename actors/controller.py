@@ -191,6 +191,7 @@ class ElasticController:
             "num_steps": self.job.train.num_steps,
             "steps_allowed": self.resizer.steps_allowed,
             "layout": self.crew.layout.describe(),
+            "pipeline_stages": self.crew.layout.pp,
             "num_workers": len(members),
             "num_harvest": len(harvest_members(members)),
             "num_spares": len(self.crew.spares),

@@ -97,6 +97,15 @@ def pack_rollouts(prompts: Sequence[Sequence[int]], completions: Sequence[Sequen
     return inputs[:, :-1].contiguous(), targets
 
 
+def packed_length(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], seq_len: int,
+                  multiple: int = 8) -> int:
+    """The positions the longest sample needs (its tokens but the last, which is only a target), rounded up
+    to `multiple`, at most `seq_len`: packing to it drops only columns no completion token reaches, which
+    the loss weighs zero and a causal model never lets earlier positions see."""
+    longest = max(len(prompt) + len(completion) for prompt, completion in zip(prompts, completions)) - 1
+    return min(seq_len, max(multiple, -(-longest // multiple) * multiple))
+
+
 def _per_token(figures: Sequence[float], length: int) -> torch.Tensor:
     if len(figures) != length:
         raise ValueError(f"{len(figures)} log-probabilities for a completion of {length} tokens: expected one each")

@@ -43,7 +43,7 @@ from baige_ray.api.validation import require_choice, require_int, require_number
 from baige_ray.models.policy_loss import group_advantages
 from baige_ray.rl.config import GRPOConfig
 from baige_ray.rl.faults import RolloutFaultPlan
-from baige_ray.rl.objective import PolicyObjective, pack_rollouts
+from baige_ray.rl.objective import PolicyObjective, pack_rollouts, packed_length
 from baige_ray.rl.placement import (
     PLACEMENTS,
     check_colocation,
@@ -217,14 +217,16 @@ class GRPOTrainer:
             shared = None  # devices a replica and a worker share, read once the first step is done
             sizer = None  # RolloutOptions.sizing's, made once the job runs
             for iteration in range(1, self.config.num_iterations):
-                records[-1].training_s = self._wait_for_steps(job, iteration * updates) - opened
+                status = self._wait_for_steps(job, iteration * updates)
+                records[-1].training_s = time.perf_counter() - opened
                 shared = self._shared_devices(info, job) if shared is None else shared
                 records[-1].refit_s = self._refit(job, info, iteration * updates - 1)
                 if self.rollout.sizing is not None:
                     sizer = sizer or self._split_sizer(job)
                     self._size_split(sizer, records[-1], info, job)
                     split = (sizer.replicas, sizer.workers)
-                records.append(self._rollout_and_publish(iteration, client, board, failures, split))
+                records.append(self._rollout_and_publish(iteration, client, board, failures, split,
+                                                         tight=status.get("pipeline_stages") == 1))
                 records[-1].release_s = self._release_devices(info)
                 job.allow_steps((iteration + 1) * updates)
                 opened = time.perf_counter()
@@ -293,7 +295,9 @@ class GRPOTrainer:
                            weight_decay=c.weight_decay, grad_clip=c.grad_clip, seed=c.seed)
 
     def _rollout_and_publish(self, iteration: int, client: RolloutClient, board, failures: list[str],
-                             split: tuple[int, int]) -> IterationRecord:
+                             split: tuple[int, int], tight: bool = False) -> IterationRecord:
+        """`tight`: packed as long as the iteration's longest sample needs, not the model's seq_len (a job
+        without pipeline stages, whose shapes may change from step to step)."""
         prompts = self.config.prompt_indices(iteration, len(self.prompts))
         groups = [RolloutGroup(tuple(self.prompt_tokens[p]),
                                tuple(self._sampling(iteration, j, i) for i in range(self.config.group_size)))
@@ -315,8 +319,9 @@ class GRPOTrainer:
         scoring_s = time.perf_counter() - started
         advantages = group_advantages(torch.tensor(rewards).view(len(prompts), self.config.group_size),
                                       scale_by_std=self.config.loss.scale_by_std).flatten().tolist()
-        inputs, targets = pack_rollouts(prompt_of_completion, [completion.tokens for completion in completions],
-                                        advantages, self.model.seq_len, pad_id=self.pad_id,
+        tokens = [completion.tokens for completion in completions]
+        length = packed_length(prompt_of_completion, tokens, self.model.seq_len) if tight else self.model.seq_len
+        inputs, targets = pack_rollouts(prompt_of_completion, tokens, advantages, length, pad_id=self.pad_id,
                                         sampled_log_probs=[completion.log_probs for completion in completions],
                                         ref_log_probs=reference)
         updates = self.config.updates_per_iteration
@@ -350,13 +355,13 @@ class GRPOTrainer:
 
     # ----- the training side -----
 
-    def _wait_for_steps(self, job, steps: int) -> float:
-        """Wait until the job has finished `steps` steps; the time it did."""
+    def _wait_for_steps(self, job, steps: int) -> dict[str, Any]:
+        """Wait until the job has finished `steps` steps; its status then."""
         while (status := job.wait_for_step(steps, STEP_WAIT_S))["step"] < steps:
             if status["state"] in ("finished", "failed"):
                 raise RuntimeError(f"the policy's training job ended ({status['state']}) at step {status['step']}, "
                                    f"before step {steps}: {status['events'][-1:]}")
-        return time.perf_counter()
+        return status
 
     def _refit(self, job, info, step: int) -> float:
         """Step `step`'s weights into every rollout replica, from the job's snapshot in memory; seconds."""

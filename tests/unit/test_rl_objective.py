@@ -13,7 +13,7 @@ from baige_ray.api.configs import TrainConfig
 from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.models.policy_loss import PolicyLossConfig, policy_loss, token_log_probs
-from baige_ray.rl.objective import PolicyObjective, pack_rollouts, unpack_targets
+from baige_ray.rl.objective import PolicyObjective, pack_rollouts, packed_length, unpack_targets
 
 
 def test_a_rollout_is_packed_as_next_token_targets_masked_to_its_completion():
@@ -56,6 +56,24 @@ def test_the_objective_is_the_clipped_loss_on_the_completion_tokens_and_splits_e
     halves = [objective.loss(logits[part], targets[part]) / 2 for part in (slice(0, 2), slice(2, 4))]
     (split,) = torch.autograd.grad(sum(halves), logits)
     torch.testing.assert_close(split, whole)  # what gradient accumulation over micro-batches computes
+
+
+def test_rollouts_packed_as_long_as_the_longest_needs_give_the_same_loss_as_packed_to_seq_len():
+    """A causal model's logits at a position never depend on later ones, and the columns past the last
+    completion token carry no loss: the tight packing trains the same policy on fewer positions."""
+    torch.manual_seed(0)
+    prompts, completions = [[1, 2], [3], [4, 5, 6]], [[8, 9], [10, 11, 12, 13], [14]]
+    assert packed_length(prompts, completions, seq_len=32, multiple=2) == 4  # 3 + 4 tokens: 4 inputs
+    assert packed_length(prompts, completions, seq_len=32) == 8 and packed_length(prompts, completions, seq_len=3) == 3
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))  # position by position
+    losses = []
+    for length in (4, 12):
+        inputs, targets = pack_rollouts(prompts, completions, [1.0, -0.5, 0.25], seq_len=length,
+                                        sampled_log_probs=[[-1.0, -2.0], None, [-0.5]])
+        losses.append(PolicyObjective().loss(model(inputs), targets))
+    tight, full = (torch.autograd.grad(loss, model[1].weight)[0] for loss in losses)
+    assert float(losses[0].detach()) == pytest.approx(float(losses[1].detach()))
+    torch.testing.assert_close(tight, full)
 
 
 def test_the_samplers_log_probabilities_set_the_ratio_where_given():
