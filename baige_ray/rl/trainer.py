@@ -160,6 +160,9 @@ class GRPOTrainer:
         num_spares = (elastic or ElasticConfig()).num_spares
         check_colocation(self.rollout.placement, num_replicas=self.rollout.num_replicas,
                          num_workers=self.scaling.num_workers, num_spares=num_spares)
+        if config.group_size > self.rollout.max_batch_size:
+            raise ValueError(f"GRPOConfig.group_size={config.group_size} is invalid with RolloutOptions.max_batch_size="
+                             f"{self.rollout.max_batch_size}: a group is decoded in one replica's batch")
         self.shares = device_shares(self.rollout.placement, replica=self.rollout.device_share,
                                     worker=self.scaling.device_share, reference=self.rollout.reference_device_share)
         self._needed = devices_needed(self.shares, num_replicas=self.rollout.num_replicas,
@@ -194,7 +197,7 @@ class GRPOTrainer:
         info = serve(self.model.path, model_config=self.model, name=name, route_prefix=f"/{name}",
                      num_replicas=self.rollout.num_replicas, engine=self.rollout.engine,
                      max_batch_size=self.rollout.max_batch_size, port=self.rollout.port,
-                     max_ongoing_requests=max(32, self.config.batch_size), device_share=self.shares.replica)
+                     max_ongoing_requests=1, device_share=self.shares.replica)  # one share each (rl/rollouts.py)
         updates = self.config.updates_per_iteration
         board = start_board(self.run.name, self.config.batch_size, keep=2 * updates)
         if self.config.loss.kl_coef > 0:
@@ -307,7 +310,7 @@ class GRPOTrainer:
         if self.rollout_faults is not None:
             injector = self.rollout_faults.arm(iteration, busy)
         started = time.perf_counter()
-        completions, stats = client.generate(groups, busy)
+        completions, stats = client.generate(groups, busy, num_replicas=split[0], max_share=self.rollout.max_batch_size)
         rollout_s = time.perf_counter() - started
         if injector is not None:
             injector.join()

@@ -455,18 +455,19 @@ class ModelServer:
         finally:
             self._ongoing -= 1
 
-    async def token_completions(self, prompt: list[int],
-                                params: list[SamplingParams]) -> AsyncIterator[int | list[Generation]]:
-        """One completion of `prompt` per entry of `params` (an RL group), decoded in one batch, for callers
-        in the cluster (a deployment handle with stream=True): yields this replica's process id once the
-        first token is sampled (who is busy, for a fault injector to pick), then every completion at once
-        (its tokens, why it ended, the log-probabilities it asked for): two messages for the group where
-        `token_stream` sends one per token and request."""
+    async def token_completions(self, groups: list[tuple[list[int], list[SamplingParams]]]
+                                ) -> AsyncIterator[int | list[list[Generation]]]:
+        """For each (prompt, params) group (an RL group: one completion of the prompt per entry of params),
+        its completions, all decoded in one batch, for callers in the cluster (a deployment handle with
+        stream=True): yields this replica's process id once the first token is sampled (who is busy, for a
+        fault injector to pick), then every group's completions at once (tokens, why each ended, the
+        log-probabilities asked for): two messages where `token_stream` sends one per token and request."""
         runner = self._require_runner()
-        self._ongoing += len(params)
+        requests = [(prompt, one) for prompt, params in groups for one in params]
+        self._ongoing += len(requests)
         sampling = asyncio.Event()
 
-        async def completion(one: SamplingParams) -> Generation:
+        async def completion(prompt: list[int], one: SamplingParams) -> Generation:
             async with contextlib.aclosing(self._events(runner, prompt, one)) as events:
                 tokens, log_probs, reason = [], [], "length"
                 async for event in events:
@@ -479,16 +480,17 @@ class ModelServer:
                         log_probs.append(event.log_prob)
                 return Generation(tokens=tokens, finish_reason=reason, log_probs=log_probs if one.log_probs else None)
 
-        everything = asyncio.ensure_future(asyncio.gather(*(completion(one) for one in params)))
+        everything = asyncio.ensure_future(asyncio.gather(*(completion(prompt, one) for prompt, one in requests)))
         try:
             first = asyncio.ensure_future(sampling.wait())
             await asyncio.wait([first, everything], return_when=asyncio.FIRST_COMPLETED)
             first.cancel()
             yield os.getpid()
-            yield await everything
+            flat = iter(await everything)
+            yield [[next(flat) for _ in params] for _, params in groups]
         finally:
             everything.cancel()
-            self._ongoing -= len(params)
+            self._ongoing -= len(requests)
 
     def _require_runner(self) -> EngineRunner:
         if self._runner is None:
