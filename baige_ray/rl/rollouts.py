@@ -59,6 +59,14 @@ class BusyReplicas:
         return next((pid for pid in self._pids if pid not in besides), None)
 
 
+def deal_shares(group_sizes: Sequence[int], num_replicas: int, max_share: int | None = None) -> list[list[int]]:
+    """The groups' indices dealt round-robin into one share per replica (fewer where there are fewer
+    groups), or more shares where one would hold more than `max_share` sequences."""
+    per_share = len(group_sizes) if max_share is None else max(1, max_share // max(group_sizes))
+    count = max(min(num_replicas, len(group_sizes)), -(-len(group_sizes) // per_share))
+    return [list(range(first, len(group_sizes), count)) for first in range(count)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Completion:
     """One sampled completion: its tokens, ending with the end-of-text token when the model chose to stop
@@ -91,9 +99,7 @@ class RolloutClient:
         batch: the shares beyond one per replica wait for a free one). `busy` learns each replica that
         sampled a first token for a share."""
         stats = RolloutStats()
-        per_share = len(groups) if max_share is None else max(1, max_share // max(len(g.params) for g in groups))
-        count = max(min(num_replicas, len(groups)), -(-len(groups) // per_share))
-        shares = [list(range(first, len(groups), count)) for first in range(count)]
+        shares = deal_shares([len(group.params) for group in groups], num_replicas, max_share)
         answers = asyncio.run(self._all([[groups[i] for i in share] for share in shares], stats,
                                         busy or BusyReplicas()))
         by_group = {index: answer for share, share_answers in zip(shares, answers)

@@ -132,3 +132,12 @@ def test_sizing_a_colocated_run_is_refused():
 
     with pytest.raises(ValueError, match="RolloutOptions.sizing"):
         RolloutOptions(num_replicas=2, placement="colocated", sizing=SplitSizing())
+
+
+def test_an_iterations_groups_are_dealt_evenly_to_the_replicas_within_a_batch():
+    from baige_ray.rl.rollouts import deal_shares
+
+    assert deal_shares([8] * 4, num_replicas=2) == [[0, 2], [1, 3]]
+    assert deal_shares([8] * 2, num_replicas=3) == [[0], [1]]  # a replica without a group gets no call
+    assert deal_shares([8] * 4, num_replicas=1, max_share=16) == [[0, 2], [1, 3]]  # two batches, the second waits
+    assert deal_shares([8] * 5, num_replicas=2, max_share=64) == [[0, 2, 4], [1, 3]]
