@@ -95,12 +95,12 @@ def test_a_refit_reads_the_jobs_state_where_it_lies_and_a_served_directory_keeps
 
 def test_a_training_bound_split_run_moves_a_replicas_device_to_the_job(tiny, tmp_path):
     """Split placement sized from the measured phases (RolloutOptions.sizing): two replicas sampling two
-    tokens while one worker trains the batch one sequence at a time are held up by training, so the
+    tokens while one worker trains the 32 sequences one at a time are held up by training, so the
     policy gives a replica's device to the job (Serve drains the replica first, then the job grows onto
     its device); every iteration runs, at the split the records name."""
     from baige_ray.rl.split_sizing import SplitSizing
 
-    config = GRPOConfig(num_iterations=5, prompts_per_iteration=2, group_size=12, max_new_tokens=2,
+    config = GRPOConfig(num_iterations=5, prompts_per_iteration=2, group_size=16, max_new_tokens=2,
                         micro_batch_size=1, learning_rate=1e-3)
     trainer = GRPOTrainer(HFModel(tiny.model_dir, seq_len=SEQ_LEN), prompts=PROMPTS, reward=vowels, config=config,
                           scaling=ScalingConfig(num_workers=1, placement_timeout_s=120),
