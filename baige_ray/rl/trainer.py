@@ -257,7 +257,7 @@ class GRPOTrainer:
         reference = self.shares.reference if self.config.loss.kl_coef > 0 else 0.0
         pool = pool_devices_for(self.rollout.sizing, ray.cluster_resources().get("GPU", 0.0), spares=spares,
                                 spare_share=self.shares.worker, reference_share=reference)
-        # One group travels as one call: a replica beyond one per prompt would have nothing to decode.
+        # Groups go to the replicas whole: a replica beyond one per prompt would have nothing to decode.
         return SplitSizer(self.rollout.sizing, pool_devices=pool, train_sizes=job_sizes(job.status()),
                           max_replicas=self.config.prompts_per_iteration, num_iterations=self.config.num_iterations,
                           replicas=self.rollout.num_replicas, workers=self.scaling.num_workers)
