@@ -334,7 +334,9 @@ def _bind(settings: ServeOptions, name: str, limits: RequestLimits,
     server_options = dict(
         app_name=name,
         limits=dataclasses.asdict(limits),
-        engine_limits={"max_batch_size": settings.max_batch_size, "max_waiting": max(settings.max_ongoing_requests, settings.max_batch_size)},
+        # A call may carry a whole batch of sequences (an RL rollout share): the queue holds at least one batch.
+        engine_limits={"max_batch_size": settings.max_batch_size,
+                       "max_waiting": max(settings.max_ongoing_requests, settings.max_batch_size)},
         completion_limits=dataclasses.asdict(completion_limits),
         engine=settings.engine,
         kv_cache=dataclasses.asdict(settings.kv_cache) if settings.kv_cache is not None else None,
