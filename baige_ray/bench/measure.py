@@ -23,13 +23,14 @@ def steady_throughput(tokens: Sequence[int], step_times_s: Sequence[float], warm
 
 
 @contextmanager
-def bench_ray(num_cpus: int, attempts: int = 3) -> Iterator[None]:
+def bench_ray(num_cpus: int, attempts: int = 3, env_vars: dict[str, str] | None = None) -> Iterator[None]:
     """The user's cluster when RAY_ADDRESS is set, else a fresh local Ray of our own; shut down after.
 
     `address="local"` matters: a plain `ray.init(num_cpus=...)` joins any cluster another
     process on this machine started with `ray start` (it is recorded in
     /tmp/ray/ray_current_cluster), and then refuses num_cpus. Ray gives a new node 30 s
     to register, which a heavily loaded machine can miss; starting is retried `attempts` times.
+    `env_vars` go to every worker process of the session (a job-level runtime_env).
     """
     import logging
 
@@ -38,15 +39,17 @@ def bench_ray(num_cpus: int, attempts: int = 3) -> Iterator[None]:
     from baige_ray.constants import ray_address
 
     address = ray_address()
+    runtime_env = {"env_vars": env_vars} if env_vars else None
     if ray.is_initialized():
         ray.shutdown()
     existing = _child_pids()
     if address is not None:
-        ray.init(address=address, logging_level=logging.WARNING)
+        ray.init(address=address, logging_level=logging.WARNING, runtime_env=runtime_env)
     else:
         for attempt in range(1, attempts + 1):
             try:
-                ray.init(address="local", num_cpus=num_cpus, num_gpus=0, logging_level=logging.WARNING)
+                ray.init(address="local", num_cpus=num_cpus, num_gpus=0, logging_level=logging.WARNING,
+                         runtime_env=runtime_env)
                 break
             except Exception as error:  # Ray raises a bare Exception on a node start timeout
                 ray.shutdown()

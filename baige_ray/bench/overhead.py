@@ -45,6 +45,8 @@ BASELINES = tuple(name for name in SYSTEMS if name != "baige")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--host-allocator", default="cached", choices=["cached", "system"],
+                        help="the host allocator every system's processes start with (runtime/host_allocator.py)")
     parser.add_argument("--model", choices=["gpt", "llama-tiny"], default="gpt",
                         help="the reference GPT (sized by the flags below) or a tiny Hugging Face Llama")
     parser.add_argument("--num-layers", type=int, default=4)
@@ -70,6 +72,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from baige_ray.bench.measure import HelperCpu, bench_ray
     from baige_ray.bench.torchrun_ddp import DDPSettings
+    from baige_ray.runtime.host_allocator import allocator_env_vars
 
     if args.steps <= args.warmup:
         raise ValueError(f"--steps={args.steps} must exceed --warmup={args.warmup}")
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = DDPSettings(
         model={"num_layers": args.num_layers, "hidden": args.hidden, "num_heads": args.num_heads,
                "seq_len": args.seq_len},
-        num_steps=args.steps, global_batch_size=args.global_batch_size,
+        num_steps=args.steps, global_batch_size=args.global_batch_size, host_allocator=args.host_allocator,
     )
     runners = {"torchrun": _run_torchrun, "torchrun_beside_ray": _run_torchrun, "baige": _run_baige,
                "ray_train": _run_ray_train}
@@ -114,7 +117,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if segment == ["torchrun"]:
                     run_system("torchrun", tmp)
                     continue
-                with bench_ray(num_cpus=2 * args.workers):
+                with bench_ray(num_cpus=2 * args.workers, env_vars=allocator_env_vars(args.host_allocator)):
                     time.sleep(args.settle_s)  # a new session's start-up work is over before a system is timed
                     for name in segment:
                         run_system(name, tmp)
@@ -239,12 +242,14 @@ def _run_torchrun(settings, workers: int, tmp: str) -> list[float]:
     import sys
     from pathlib import Path
 
+    from baige_ray.runtime.host_allocator import allocator_env_vars
+
     out = Path(tmp) / "torchrun.json"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
         "-m", "baige_ray.bench.torchrun_ddp", "--settings", settings.to_json(), "--out", str(out),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": str(settings.num_threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(settings.num_threads), **allocator_env_vars(settings.host_allocator)}
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     if completed.returncode != 0:
         raise TorchrunCrashed(f"exited with {completed.returncode}\n{completed.stderr[-4000:]}")
@@ -270,7 +275,7 @@ def _run_baige(settings, workers: int, tmp: str) -> list[float]:
         model,
         train=TrainConfig(num_steps=settings.num_steps, global_batch_size=settings.global_batch_size,
                           seed=settings.seed, log_every=1),
-        scaling=ScalingConfig(num_workers=workers, accelerator="cpu"),
+        scaling=ScalingConfig(num_workers=workers, accelerator="cpu", host_allocator=settings.host_allocator),
         run=RunConfig(name="overhead-baige", storage_path=tmp, show_progress=False),
         data=data,
         layout=ParallelLayout(dp=workers),

@@ -10,6 +10,9 @@ ZeRO-3; bf16 mixed precision by default), on the same 2 cores (or on a GPU host 
 - `torchrun`: bench/torchrun_sharded.py, the same model, wrapping, data and mathematics in a plain loop;
 - `baige`: `fit(HFModel(dir), layout=ParallelLayout(dp=2, data_parallel=...))` on a local Ray.
 
+Both start their processes with the same host allocator settings (`--host-allocator`, fit's default
+"cached" unless told otherwise), so the ratio compares the frameworks, not glibc's treatment of freed memory.
+
 Reported per layout, over `--rounds` rounds whose order alternates (ABBA, as the overhead bench does): the
 median steady step time of each (the first `--warmup` steps of a run left out), and `vs_torchrun`, the
 geometric mean of the rounds' ratios; each worker's peak resident memory against the planner's memory model for
@@ -44,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from baige_ray.bench.measure import report_stage, steady_median
 from baige_ray.bench.scale_faults import measure_elastic
 from baige_ray.bench.scale_serve import measure_vllm
+from baige_ray.runtime.host_allocator import allocator_env_vars
 
 if TYPE_CHECKING:
     from baige_ray.topology.graph import ResourceGraph
@@ -74,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests per stream at 1 and at 8 streams, served and with vllm.LLM")
     parser.add_argument("--workers", type=int, default=0,
                         help="workers of fit and processes of torchrun (0: one per GPU on a GPU host, else 2)")
+    parser.add_argument("--host-allocator", default="cached", choices=["cached", "system"],
+                        help="the host allocator of fit's workers and of torchrun's ranks alike "
+                             "(runtime/host_allocator.py)")
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "baige-bench-scale"))
 
 
@@ -171,11 +178,11 @@ def memory_verdict(model_dir: Path, data_dir: Path, data_parallel: str, args,
     return {"predicted_bytes": float((states + activations).max()) + process, "verdict": verdict}
 
 
-def _torchrun(settings, out: Path, workers: int) -> dict:
+def _torchrun(settings, out: Path, workers: int, host_allocator: str) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
                "-m", "baige_ray.bench.torchrun_sharded", "--settings", settings.to_json(), "--out", str(out)]
-    completed = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                               timeout=3600)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **allocator_env_vars(host_allocator)}
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
     if completed.returncode != 0:
         raise RuntimeError(f"torchrun baseline exited with {completed.returncode}\n{completed.stderr[-4000:]}")
     return json.loads(out.read_text())
@@ -188,7 +195,8 @@ def _baige(model_dir: Path, data_dir: Path, data_parallel: str, args, storage: P
     job, layout = _job(model_dir, data_dir, data_parallel, args)
     accelerator = "gpu" if on_gpus() else "cpu"
     result = fit(job.model, data=job.data, train=job.train,
-                 scaling=ScalingConfig(num_workers=args.workers, accelerator=accelerator),
+                 scaling=ScalingConfig(num_workers=args.workers, accelerator=accelerator,
+                                       host_allocator=args.host_allocator),
                  run=RunConfig(name=f"scale-{data_parallel}", storage_path=storage, show_progress=False), layout=layout)
     return {"step_times_s": [m.step_time_s for m in result.metrics], "losses": [m.loss for m in result.metrics],
             "peak_host_memory_bytes": max(m.peak_host_memory_gb for m in result.metrics) * 1e9,
@@ -216,7 +224,8 @@ def measure_layout(data_parallel: str, model_dir: Path, data_dir: Path, args, tm
                                global_batch_size=args.global_batch_size, precision=args.precision)
     rounds = []
     for index in range(args.rounds):
-        systems = {"torchrun": lambda: _torchrun(settings, tmp / f"torchrun-{data_parallel}.json", args.workers),
+        systems = {"torchrun": lambda: _torchrun(settings, tmp / f"torchrun-{data_parallel}.json", args.workers,
+                                                       args.host_allocator),
                    "baige": lambda: _baige_in_fresh_ray(model_dir, data_dir, data_parallel, args, tmp)}
         order = ["torchrun", "baige"] if index % 2 == 0 else ["baige", "torchrun"]
         rounds.append({name: systems[name]() for name in order})
@@ -287,6 +296,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "scale", "model": "qwen2.5-0.5b", "workers": args.workers,
         "device": _device_name(), "seq_len": args.seq_len,
         "global_batch_size": args.global_batch_size, "precision": args.precision, "steps": args.steps,
+        "host_allocator": args.host_allocator,
         "layouts": results, "serving": serving,
         "ddp_predicted_gb": round(ddp["predicted_bytes"] / 1e9, 3), "ddp_verdict": ddp["verdict"],
         "elastic_verdicts": elastic_verdicts, **headline,

@@ -45,7 +45,8 @@ def _run_and_kill(job, layout, args, storage: Path, reference_losses: list[float
     elastic = ElasticConfig(snapshot_slots=1, replicate_every=0, first_steps_timeout_s=1800,
                             persist_every=args.persist_every, persist_path=storage / "checkpoints", keep_checkpoints=1)
     handle = launch(job.model, data=job.data, train=job.train, layout=layout, run=run, elastic=elastic,
-                    scaling=ScalingConfig(num_workers=2, accelerator="cpu", placement_timeout_s=900))
+                    scaling=ScalingConfig(num_workers=2, accelerator="cpu", placement_timeout_s=900,
+                                          host_allocator=args.host_allocator))
     kill = _kill_mid_step(handle, args.kill_step) if args.kill_step >= 0 else _shelf_bytes_at(handle, 1)
     result = handle.wait()
     events = [json.loads(line) for line in (run.run_dir / "events.jsonl").read_text().splitlines() if line]

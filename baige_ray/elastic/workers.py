@@ -21,6 +21,7 @@ from baige_ray.api.configs import ScalingConfig
 from baige_ray.api.device import DeviceInfo
 from baige_ray.elastic import calls
 from baige_ray.parallel.distributed import GroupMembership
+from baige_ray.runtime.host_allocator import worker_runtime_env
 from baige_ray.runtime.resources import worker_bundle
 
 NAMESPACE = "baige"
@@ -84,6 +85,7 @@ class WorkerPool:
                 num_cpus=bundle.get("CPU", 0.0),
                 num_gpus=bundle.get("GPU", 0.0),
                 resources=custom,
+                runtime_env=worker_runtime_env(self.scaling.host_allocator),
             ).remote(cpu_niceness=self.scaling.cpu_niceness, snapshot_slots=self.snapshot_slots)
             worker = Worker(actor=actor, name=name, speed=(speeds or [1.0] * count)[index], share=share)
             worker.ready_ref = actor.device_info.remote()

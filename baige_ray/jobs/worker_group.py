@@ -20,6 +20,7 @@ from baige_ray.api.device import DeviceInfo
 from baige_ray.api.errors import ClusterError, WorkerError
 from baige_ray.parallel.distributed import GroupMembership
 from baige_ray.planner.materialize import MaterializedPlan
+from baige_ray.runtime.host_allocator import worker_runtime_env
 from baige_ray.runtime.resources import choose_device_resource, worker_bundle
 
 
@@ -74,6 +75,7 @@ class WorkerGroup:
                 num_gpus=bundle.get("GPU", 0.0),
                 resources=custom,
                 scheduling_strategy=self._scheduling_strategy(index),
+                runtime_env=worker_runtime_env(self.scaling.host_allocator),
             ).remote(cpu_niceness=self.scaling.cpu_niceness)
             for index in range(self.scaling.num_workers)
         ]

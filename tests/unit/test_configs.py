@@ -15,6 +15,7 @@ from baige_ray.models.corpus import CorpusConfig
         (lambda v: ScalingConfig(cpus_per_worker=v), "cpus_per_worker", -1),
         (lambda v: ScalingConfig(cpu_niceness=v), "cpu_niceness", 20),
         (lambda v: ScalingConfig(cpu_niceness=v), "cpu_niceness", -1),
+        (lambda v: ScalingConfig(host_allocator=v), "host_allocator", "jemalloc"),
         (lambda v: TrainConfig(num_steps=v), "num_steps", 0),
         (lambda v: TrainConfig(num_steps=1, global_batch_size=v), "global_batch_size", True),
         (lambda v: TrainConfig(num_steps=1, learning_rate=v), "learning_rate", 0.0),
