@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import resource
 import time
 from abc import ABC, abstractmethod
@@ -15,6 +14,7 @@ from baige_ray.engines.train_job import TrainJob, learning_rate_at, replica_samp
 from baige_ray.models.plugin import SampleSource, stage_ranges
 from baige_ray.parallel.layout import ParallelLayout, RankCoords
 from baige_ray.parallel.state import CanonicalState
+from baige_ray.runtime.host_allocator import give_back_under_pressure
 
 
 def peak_host_memory_bytes() -> int:
@@ -28,15 +28,6 @@ def peak_device_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return 0
-
-
-def return_freed_memory() -> None:
-    """Hand memory freed on the heap back to the system (glibc keeps it otherwise): building an engine
-    frees the whole model it loaded, which would stay resident beside the shards kept."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 class SlowChipEmulator:
@@ -158,6 +149,7 @@ class Engine(ABC):
         for hook in self.before_update_hooks:  # e.g. a snapshot still copying the weights this update changes
             hook()
         self.optimizer_step()
+        give_back_under_pressure()
         counts_tokens = self.coords.tp == 0 and self.coords.pp == 0  # one rank per data-parallel replica
         metrics = {
             "step": step,

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from baige_ray.runtime.host_allocator import allocator_env_vars, worker_runtime_env
+from baige_ray.runtime.host_allocator import allocator_env_vars, give_back_under_pressure, worker_runtime_env
 
 BLOCK_PAGES = (64 << 20) // 4096
 
@@ -49,3 +49,8 @@ def test_system_allocator_leaves_the_job_environment_alone():
                                                             "MALLOC_TRIM_THRESHOLD_"}
     with pytest.raises(ValueError, match="host_allocator"):
         allocator_env_vars("tcmalloc")
+
+
+def test_cached_memory_is_given_back_only_when_the_host_runs_short():
+    assert give_back_under_pressure(min_available_fraction=0.0) is False
+    assert give_back_under_pressure(min_available_fraction=1.01) is True
