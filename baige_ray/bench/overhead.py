@@ -45,7 +45,7 @@ BASELINES = tuple(name for name in SYSTEMS if name != "baige")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--host-allocator", default="cached", choices=["cached", "system"],
+    parser.add_argument("--host-allocator", default="cached", choices=["cached", "retain", "system"],
                         help="the host allocator every system's processes start with (runtime/host_allocator.py)")
     parser.add_argument("--model", choices=["gpt", "llama-tiny"], default="gpt",
                         help="the reference GPT (sized by the flags below) or a tiny Hugging Face Llama")

@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests per stream at 1 and at 8 streams, served and with vllm.LLM")
     parser.add_argument("--workers", type=int, default=0,
                         help="workers of fit and processes of torchrun (0: one per GPU on a GPU host, else 2)")
-    parser.add_argument("--host-allocator", default="cached", choices=["cached", "system"],
+    parser.add_argument("--host-allocator", default="cached", choices=["cached", "retain", "system"],
                         help="the host allocator of fit's workers and of torchrun's ranks alike "
                              "(runtime/host_allocator.py)")
     parser.add_argument("--memory-steps", type=int, default=4,
