@@ -40,7 +40,7 @@ class ScalingConfig:
     device_share: float = 1.0
     # "cached": worker processes keep freed blocks under 32 MB for the next step instead of faulting
     # them in again from the kernel, and map larger ones on huge pages (a CPU step at 494M parameters:
-    # 11-12 s -> 8-8.5 s); "retain" keeps every block (6 s, but 20-30% more resident memory than the
+    # 14-16 s -> 8.8 s); "retain" keeps every block (6.5 s, but 20-30% more resident memory than the
     # memory check prices); "system": glibc's defaults. See runtime/host_allocator.py.
     host_allocator: str = "cached"
 

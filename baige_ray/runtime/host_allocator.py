@@ -12,11 +12,10 @@ caching allocator does on the device and `torch.backends.xeon.run_cpu` does on t
 tcmalloc or jemalloc: one arena for every thread, a fixed 32 MB mmap threshold, no automatic trim. Larger
 blocks are still mapped and returned when freed (the heap never holds them, so it cannot fragment around
 them), on transparent huge pages where the kernel allows them on request: a fault then brings 2 MiB.
-Qwen2.5-0.5B's FSDP2 step on two CPU workers went from 11-12 s to 8-8.5 s at the same peak memory.
+Qwen2.5-0.5B's FSDP2 step on two CPU workers went from 14-16 s to 8.8 s, its peak from 7.4 to 8.6 GB.
 
-"retain" keeps every freed block, large ones too: that step took 6.0-6.5 s, but a worker's resident
-memory grew 1.5-2.3 GB above its live tensors within a few steps (the heap fragments around the large
-blocks), and DeepSpeed ZeRO-3 of the same model ran out of host memory. The memory check prices live
+"retain" keeps every freed block, large ones too: that step took 6.5 s, but a worker's resident
+memory grew 1.5-2.3 GB above glibc's within a few steps (the heap fragments around the large blocks), and DeepSpeed ZeRO-3 of the same model ran out of host memory. The memory check prices live
 tensors, not that: use it only with memory to spare. Under either, a worker hands its free memory back
 (malloc_trim) after a step that leaves its host with less than 10% available
 (`give_back_under_pressure`), and after an engine is dropped.
