@@ -39,6 +39,7 @@ from baige_ray.elastic.shelf import (
 from baige_ray.elastic.snapshot import HostSnapshotter
 from baige_ray.engines.base import Engine
 from baige_ray.engines.factory import build_engine
+from baige_ray.engines.host_allocator import return_freed_memory
 from baige_ray.engines.train_job import TrainJob
 from baige_ray.parallel.distributed import (
     STEP_ABORT,
@@ -52,7 +53,6 @@ from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.parallel.shards import ShardedPart, assemble, assemble_lazily
 from baige_ray.parallel.state import CanonicalState
 from baige_ray.planner.replicas import stages_behind
-from baige_ray.runtime.host_allocator import return_freed_memory
 
 # An elastic worker runs everything that touches torch.distributed on one thread: DTensor keeps
 # thread-local caches that a new generation must clear (see parallel/distributed.py). Heartbeats and

@@ -14,7 +14,7 @@ from baige_ray.api.validation import (
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 ACCELERATOR_CHOICES = ("auto", "gpu", "cpu")
-HOST_ALLOCATORS = ("cached", "retain", "system")  # runtime/host_allocator.py
+HOST_ALLOCATORS = ("cached", "retain", "system")  # engines/host_allocator.py
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -41,7 +41,7 @@ class ScalingConfig:
     # "cached": worker processes keep freed blocks under 32 MB for the next step instead of faulting
     # them in again from the kernel, and map larger ones on huge pages (a CPU step at 494M parameters:
     # 14-16 s -> 8.8 s); "retain" keeps every block (6.5 s, but 20-30% more resident memory than the
-    # memory check prices); "system": glibc's defaults. See runtime/host_allocator.py.
+    # memory check prices); "system": glibc's defaults. See engines/host_allocator.py.
     host_allocator: str = "cached"
 
     def __post_init__(self) -> None:

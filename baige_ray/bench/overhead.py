@@ -46,7 +46,7 @@ BASELINES = tuple(name for name in SYSTEMS if name != "baige")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--host-allocator", default="cached", choices=["cached", "retain", "system"],
-                        help="the host allocator every system's processes start with (runtime/host_allocator.py)")
+                        help="the host allocator every system's processes start with (engines/host_allocator.py)")
     parser.add_argument("--model", choices=["gpt", "llama-tiny"], default="gpt",
                         help="the reference GPT (sized by the flags below) or a tiny Hugging Face Llama")
     parser.add_argument("--num-layers", type=int, default=4)
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from baige_ray.bench.measure import HelperCpu, bench_ray
     from baige_ray.bench.torchrun_ddp import DDPSettings
-    from baige_ray.runtime.host_allocator import allocator_env_vars
+    from baige_ray.engines.host_allocator import allocator_env_vars
 
     if args.steps <= args.warmup:
         raise ValueError(f"--steps={args.steps} must exceed --warmup={args.warmup}")
@@ -242,7 +242,7 @@ def _run_torchrun(settings, workers: int, tmp: str) -> list[float]:
     import sys
     from pathlib import Path
 
-    from baige_ray.runtime.host_allocator import allocator_env_vars
+    from baige_ray.engines.host_allocator import allocator_env_vars
 
     out = Path(tmp) / "torchrun.json"
     command = [

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 from baige_ray.bench.measure import report_stage, steady_median
 from baige_ray.bench.scale_faults import measure_elastic
 from baige_ray.bench.scale_serve import measure_vllm
-from baige_ray.runtime.host_allocator import allocator_env_vars
+from baige_ray.engines.host_allocator import allocator_env_vars
 
 if TYPE_CHECKING:
     from baige_ray.topology.graph import ResourceGraph
@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="workers of fit and processes of torchrun (0: one per GPU on a GPU host, else 2)")
     parser.add_argument("--host-allocator", default="cached", choices=["cached", "retain", "system"],
                         help="the host allocator of fit's workers and of torchrun's ranks alike "
-                             "(runtime/host_allocator.py)")
+                             "(engines/host_allocator.py)")
     parser.add_argument("--memory-steps", type=int, default=4,
                         help="steps of one more fit run with glibc's own allocator, whose peak resident memory is "
                              "compared with the memory model (0: compare the timed runs' peak)")

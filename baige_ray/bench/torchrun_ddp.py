@@ -32,7 +32,7 @@ class DDPSettings:
     corpus_max_bytes: int = 2 * 1024 * 1024
     hf_model_dir: str | None = None  # a Hugging Face model instead of the GPT of `model`
     dataset_dir: str | None = None  # its TokenDataset
-    host_allocator: str = "cached"  # every system's processes start with it (runtime/host_allocator.py)
+    host_allocator: str = "cached"  # every system's processes start with it (engines/host_allocator.py)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

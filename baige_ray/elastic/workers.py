@@ -20,8 +20,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from baige_ray.api.configs import ScalingConfig
 from baige_ray.api.device import DeviceInfo
 from baige_ray.elastic import calls
+from baige_ray.engines.host_allocator import worker_runtime_env
 from baige_ray.parallel.distributed import GroupMembership
-from baige_ray.runtime.host_allocator import worker_runtime_env
 from baige_ray.runtime.resources import worker_bundle
 
 NAMESPACE = "baige"

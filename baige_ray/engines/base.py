@@ -10,11 +10,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from baige_ray.engines.host_allocator import give_back_under_pressure
 from baige_ray.engines.train_job import TrainJob, learning_rate_at, replica_sample_range
 from baige_ray.models.plugin import SampleSource, stage_ranges
 from baige_ray.parallel.layout import ParallelLayout, RankCoords
 from baige_ray.parallel.state import CanonicalState
-from baige_ray.runtime.host_allocator import give_back_under_pressure
 
 
 def peak_host_memory_bytes() -> int:

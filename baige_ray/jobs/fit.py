@@ -21,11 +21,11 @@ from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
 from baige_ray.api.connection import connect_ray
 from baige_ray.api.errors import ClusterError
 from baige_ray.api.result import Result, StepMetrics
+from baige_ray.engines.host_allocator import return_freed_memory
 from baige_ray.engines.train_job import TrainJob
 from baige_ray.jobs.worker_group import WorkerGroup
 from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.parallel.state import CanonicalState, merge_weights
-from baige_ray.runtime.host_allocator import return_freed_memory
 from baige_ray.runtime.memory_check import check_layout_memory
 from baige_ray.runtime.progress import StageProgress, TrainingProgress
 from baige_ray.topology.descriptor import ClusterDescriptor

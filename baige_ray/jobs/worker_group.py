@@ -18,9 +18,9 @@ from baige_ray.actors.worker import WorkerActor
 from baige_ray.api.configs import ScalingConfig
 from baige_ray.api.device import DeviceInfo
 from baige_ray.api.errors import ClusterError, WorkerError
+from baige_ray.engines.host_allocator import worker_runtime_env
 from baige_ray.parallel.distributed import GroupMembership
 from baige_ray.planner.materialize import MaterializedPlan
-from baige_ray.runtime.host_allocator import worker_runtime_env
 from baige_ray.runtime.resources import choose_device_resource, worker_bundle
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from baige_ray.runtime.host_allocator import allocator_env_vars, give_back_under_pressure, worker_runtime_env
+from baige_ray.engines.host_allocator import allocator_env_vars, give_back_under_pressure, worker_runtime_env
 
 BLOCK_PAGES = (64 << 20) // 4096
 
