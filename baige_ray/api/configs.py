@@ -40,8 +40,9 @@ class ScalingConfig:
     device_share: float = 1.0
     # "cached": worker processes keep freed blocks under 32 MB for the next step instead of faulting
     # them in again from the kernel, and map larger ones on huge pages (a CPU step at 494M parameters:
-    # 14-16 s -> 8.8 s); "retain" keeps every block (6.5 s, but 20-30% more resident memory than the
-    # memory check prices); "system": glibc's defaults. See engines/host_allocator.py.
+    # 14-16 s -> 8.8 s); "retain" keeps every block (6.5 s, but 1.5-2.3 GB more resident memory per
+    # worker than glibc's, which the memory check does not price); "system": glibc's defaults. See
+    # engines/host_allocator.py.
     host_allocator: str = "cached"
 
     def __post_init__(self) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from baige_ray.api.configs import HOST_ALLOCATORS
 from baige_ray.bench.measure import report_stage, steady_median
 
 SYSTEMS = ("torchrun", "torchrun_beside_ray", "baige", "ray_train")
@@ -45,7 +46,7 @@ BASELINES = tuple(name for name in SYSTEMS if name != "baige")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--host-allocator", default="cached", choices=["cached", "retain", "system"],
+    parser.add_argument("--host-allocator", default="cached", choices=HOST_ALLOCATORS,
                         help="the host allocator every system's processes start with (engines/host_allocator.py)")
     parser.add_argument("--model", choices=["gpt", "llama-tiny"], default="gpt",
                         help="the reference GPT (sized by the flags below) or a tiny Hugging Face Llama")

@@ -45,6 +45,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from baige_ray.api.configs import HOST_ALLOCATORS
 from baige_ray.bench.measure import report_stage, steady_median
 from baige_ray.bench.scale_faults import measure_elastic
 from baige_ray.bench.scale_serve import measure_vllm
@@ -79,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests per stream at 1 and at 8 streams, served and with vllm.LLM")
     parser.add_argument("--workers", type=int, default=0,
                         help="workers of fit and processes of torchrun (0: one per GPU on a GPU host, else 2)")
-    parser.add_argument("--host-allocator", default="cached", choices=["cached", "retain", "system"],
+    parser.add_argument("--host-allocator", default="cached", choices=HOST_ALLOCATORS,
                         help="the host allocator of fit's workers and of torchrun's ranks alike "
                              "(engines/host_allocator.py)")
     parser.add_argument("--memory-steps", type=int, default=4,

@@ -1,11 +1,11 @@
 """How a worker process's host memory allocator treats the memory it frees.
 
 glibc's malloc returns large blocks to the kernel as soon as they are freed (each one above a threshold
-that moves up to 32 MB is its own mmap) and trims its heaps, so the next step's all-gathered layer, gradient bucket or logits are
-faulted in again page by page, zeroed by the kernel. On a CPU worker training Qwen2.5-0.5B that was
-about 2 million page faults a step, more than half of the step's CPU time spent in the kernel. A Ray
-actor runs its methods on a thread of its own, so its tensors live in a per-thread arena that glibc trims
-more eagerly still: `fit`'s workers faulted 60% more than torchrun's ranks on the same model.
+that moves up to 32 MB is its own mmap) and trims its heaps, so the next step's all-gathered layer,
+gradient bucket or logits are faulted in again page by page, zeroed by the kernel. On a CPU worker
+training Qwen2.5-0.5B that was about 2 million page faults a step, more than half of the step's CPU time
+spent in the kernel. A Ray actor runs its methods on a thread of its own, so its tensors live in a
+per-thread arena that glibc trims more eagerly still: `fit`'s workers faulted 60% more than torchrun's ranks on the same model.
 
 "cached" (the default) keeps freed blocks under 32 MB in the process for reuse, the way PyTorch's CUDA
 caching allocator does on the device and `torch.backends.xeon.run_cpu` does on the host by preloading
@@ -15,8 +15,9 @@ them), on transparent huge pages where the kernel allows them on request: a faul
 Qwen2.5-0.5B's FSDP2 step on two CPU workers went from 14-16 s to 8.8 s, its peak from 7.4 to 8.6 GB.
 
 "retain" keeps every freed block, large ones too: that step took 6.5 s, but a worker's resident
-memory grew 1.5-2.3 GB above glibc's within a few steps (the heap fragments around the large blocks), and DeepSpeed ZeRO-3 of the same model ran out of host memory. The memory check prices live
-tensors, not that: use it only with memory to spare. Under either, a worker hands its free memory back
+memory grew 1.5-2.3 GB above glibc's within a few steps (the heap fragments around the large blocks),
+and torchrun's DeepSpeed ZeRO-3 ranks of the same model ran out of host memory under it. The memory check
+prices live tensors, not that: use it only with memory to spare. Under either, a worker hands its free memory back
 (malloc_trim) after a step that leaves its host with less than 10% available
 (`give_back_under_pressure`), and after an engine is dropped.
 
@@ -27,6 +28,7 @@ tensors, not that: use it only with memory to spare. Under either, a worker hand
 from __future__ import annotations
 
 import ctypes
+import os
 
 import psutil
 
@@ -58,7 +60,11 @@ def allocator_env_vars(host_allocator: str) -> dict[str, str]:
     so it cannot be set from inside a running actor)."""
     if host_allocator not in HOST_ALLOCATORS:
         raise ValueError(f"host_allocator={host_allocator!r} is invalid: expected one of {HOST_ALLOCATORS}")
-    return dict(_GLIBC[host_allocator])
+    env_vars = dict(_GLIBC[host_allocator])
+    own_tunables = os.environ.get("GLIBC_TUNABLES")
+    if own_tunables and "GLIBC_TUNABLES" in env_vars:  # add to the tunables this process was given
+        env_vars["GLIBC_TUNABLES"] = f"{own_tunables}:{env_vars['GLIBC_TUNABLES']}"
+    return env_vars
 
 
 def worker_runtime_env(host_allocator: str) -> dict | None:

@@ -62,3 +62,8 @@ def test_system_allocator_leaves_the_job_environment_alone():
 def test_cached_memory_is_given_back_only_when_the_host_runs_short():
     assert give_back_under_pressure(min_available_fraction=0.0) is False
     assert give_back_under_pressure(min_available_fraction=1.01) is True
+
+
+def test_huge_pages_are_asked_for_beside_the_tunables_the_process_was_given(monkeypatch):
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")
+    assert allocator_env_vars("cached")["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=0:glibc.malloc.hugetlb=1"
