@@ -5,7 +5,8 @@ that moves up to 32 MB is its own mmap) and trims its heaps, so the next step's 
 gradient bucket or logits are faulted in again page by page, zeroed by the kernel. On a CPU worker
 training Qwen2.5-0.5B that was about 2 million page faults a step, more than half of the step's CPU time
 spent in the kernel. A Ray actor runs its methods on a thread of its own, so its tensors live in a
-per-thread arena that glibc trims more eagerly still: `fit`'s workers faulted 60% more than torchrun's ranks on the same model.
+per-thread arena that glibc trims more eagerly still: `fit`'s workers faulted 60% more than torchrun's
+ranks on the same model.
 
 "cached" (the default) keeps freed blocks under 32 MB in the process for reuse, the way PyTorch's CUDA
 caching allocator does on the device and `torch.backends.xeon.run_cpu` does on the host by preloading
