@@ -37,7 +37,7 @@ from baige_ray.topology.graph import ResourceGraph
 # The layer the host-sharing probe runs: any compute-bound shape will do.
 CALIBRATION_LAYER = ModelSpec(name="probe", num_layers=1, hidden=256, ffn_hidden=1024, num_heads=8, seq_len=128,
                               vocab_size=256, global_batch=2, dtype_bytes=4)
-MESSAGE_SIZES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
+MESSAGE_SIZES = (64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 MICRO_BATCHES = (1, 2, 8)
 REPEATS = 3
 
