@@ -58,7 +58,14 @@ class CalibrationRequest:
     iterations: int = 4  # (compute, collective) rounds per loaded collective timing
     compute_window_s: float = 0.25  # seconds each compute shape runs on every device at once
     # Per device: micro-batches whose probe would hold more are not measured (the curve holds its ends).
-    probe_memory_bytes: float = 1 << 30
+    # None: 1 GiB where the devices are host CPUs sharing its memory, a quarter of the smallest
+    # accelerator's memory on GPUs (Qwen2.5-0.5B's head alone holds 1.9 GB a 1,024-token sequence).
+    probe_memory_bytes: float | None = None
+
+    def probe_memory_limit(self, accelerated: bool, device_memory_gb: float) -> float:
+        if self.probe_memory_bytes is not None:
+            return self.probe_memory_bytes
+        return device_memory_gb * 1e9 / 4 if accelerated else float(1 << 30)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.model_configs) - {model.name for model in self.models})
@@ -94,13 +101,13 @@ def calibrate(graph: ResourceGraph, request: CalibrationRequest | None = None, *
     request = request or CalibrationRequest()
     kept = None if refresh else load_calibration(graph, directory)
     todo = missing_compute(kept, graph, request)
-    if kept is not None and kept.links and kept.host_sharing is not None and not todo:
+    if kept is not None and _has_fabric(kept, graph) and not todo:
         return kept
     calibration = kept or Calibration(fingerprint=graph_fingerprint(graph), backend="")
     scaling = scaling or ScalingConfig(num_workers=graph.num_devices)
     with _ProbeGroup(graph, dataclasses.replace(scaling, num_workers=graph.num_devices)) as group:
         calibration.backend = group.backend
-        if not calibration.links or calibration.host_sharing is None:
+        if not _has_fabric(calibration, graph):
             _measure_fabric(group, calibration, request, progress)
         for index, (model, tp) in enumerate(todo):
             if progress is not None:
@@ -108,6 +115,11 @@ def calibrate(graph: ResourceGraph, request: CalibrationRequest | None = None, *
             _measure_compute(group, calibration, model, tp, request)
     save_calibration(calibration, directory)
     return calibration
+
+
+def _has_fabric(calibration: Calibration, graph: ResourceGraph) -> bool:
+    """Whether the links, overlap and host sharing are measured (a single device has no links to measure)."""
+    return calibration.host_sharing is not None and (bool(calibration.links) or graph.num_devices == 1)
 
 
 class _ProbeGroup:
@@ -188,6 +200,8 @@ def _host_sharing(group: _ProbeGroup, request: CalibrationRequest) -> tuple[floa
     everyone = list(range(len(group.positions)))
     hosts = [info.hostname for info in group.group.device_infos]
     first_of_host = sorted({hosts.index(host) for host in hosts})
+    if len(first_of_host) == len(everyone):  # every device alone on its host: nothing shares it
+        return 1.0, 1.0
     busy = group.run("host_sharing", spec=spec, micro_batch=2, window_s=request.compute_window_s, active=everyone)
     alone = group.run("host_sharing", spec=spec, micro_batch=2, window_s=request.compute_window_s,
                       active=first_of_host)
@@ -210,8 +224,9 @@ def _tier_partitions(graph: ResourceGraph, positions: np.ndarray) -> list[tuple[
 def _measure_compute(group: _ProbeGroup, calibration: Calibration, model: ModelSpec, tp: int,
                      request: CalibrationRequest) -> None:
     started = time.perf_counter()
+    limit = request.probe_memory_limit(group.backend == "nccl", min(p.device_memory_gb for p in group.graph.profiles))
     batches = sorted({b for b in request.micro_batches if b <= model.global_batch
-                      and probe_bytes(model, tp, b) <= request.probe_memory_bytes}) or [1]
+                      and probe_bytes(model, tp, b) <= limit}) or [1]
     source = request.model_configs.get(model.name)
     results = group.run("compute", spec=dataclasses.asdict(model), tp=tp, micro_batches=batches,
                         window_s=request.compute_window_s, source=source)

@@ -47,3 +47,16 @@ def test_calibration_measures_every_tier_is_kept_and_reused(sim_cluster, tmp_pat
     assert ("measured compute" in text) == (chosen.tp in (1, 2))  # curves were measured at TP 1 and 2 only
     assert "overlap" in describe(again, str(tmp_path)) and "ZeRO-3" in describe(again, str(tmp_path))
 
+
+
+def test_a_single_device_calibration_is_reused(sim_cluster, tmp_path):
+    """One device has no links to measure: what was measured is complete, and kept (one GPU's case)."""
+    from baige_ray.runtime.auto_plan import first_devices
+
+    graph = first_devices(live_graph(), 1)
+    request = CalibrationRequest(repeats=1, iterations=2, compute_window_s=0.05, message_sizes=(4096,))
+    calibration = calibrate(graph, request, directory=tmp_path)
+    assert calibration.links == {} and calibration.host_sharing == 1.0
+    start = time.perf_counter()
+    calibrate(graph, request, directory=tmp_path)
+    assert time.perf_counter() - start < 1.0  # read back, no actor started

@@ -189,7 +189,9 @@ def test_a_calibration_request_measures_only_what_is_missing_within_the_probe_me
     twelve_heads = dataclasses.replace(MODEL, num_heads=12, hidden=384, ffn_hidden=1536, vocab_size=50304)
     assert request.tp_degrees(twelve_heads, devices_per_node=4, num_devices=8) == [1, 2, 4]  # not 3: 8 % 3
     wide = dataclasses.replace(MODEL, vocab_size=50304, seq_len=1024)
-    assert probe_bytes(wide, 1, 1) < request.probe_memory_bytes < probe_bytes(wide, 1, 2)
+    cpu_limit = request.probe_memory_limit(accelerated=False, device_memory_gb=80.0)
+    assert probe_bytes(wide, 1, 1) < cpu_limit < probe_bytes(wide, 1, 2)
+    assert request.probe_memory_limit(accelerated=True, device_memory_gb=80.0) == 20e9  # a GPU holds far more
 
 
 def test_the_planner_prices_only_what_was_measured_never_measured_links_beside_nominal_compute():
