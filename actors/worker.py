@@ -97,7 +97,7 @@ class WorkerActor:
         if cpu_niceness:
             os.nice(cpu_niceness)
         self.accelerator = detect_accelerator(probe)
-        self.group = ProcessGroupMember(self.accelerator.dist_backend)
+        self.group = ProcessGroupMember(self.accelerator.process_group_backend)
         self.engine: Engine | None = None
         self.current_step: int | None = None
         self._last_step_end: float | None = None  # perf_counter at the end of this engine's latest step

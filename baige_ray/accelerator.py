@@ -32,6 +32,15 @@ class AcceleratorSpec:
     def is_accelerator(self) -> bool:
         return self.kind is not AcceleratorKind.CPU
 
+    @property
+    def process_group_backend(self) -> str:
+        """What workers initialize torch.distributed with: on accelerators their collective library for device
+        tensors and gloo for host tensors (a loss, a norm, a count the ranks agree on), which the library alone
+        refuses ("No backend type associated with device type cpu")."""
+        if not self.is_accelerator:
+            return self.dist_backend
+        return f"cpu:gloo,{self.torch_device_type}:{self.dist_backend}"
+
     def torch_device(self, index: int = 0) -> str:
         return self.torch_device_type if not self.is_accelerator else f"{self.torch_device_type}:{index}"
 

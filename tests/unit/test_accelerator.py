@@ -39,6 +39,13 @@ def test_detects_each_kind(probe, kind, ray_resource, device, backend, visible_e
     assert spec.visible_devices_env == visible_env
 
 
+def test_workers_on_accelerators_also_reduce_host_tensors():
+    """A loss or a count is a CPU tensor: NCCL alone refuses it, so gloo carries it beside NCCL."""
+    assert spec_for("cuda").process_group_backend == "cpu:gloo,cuda:nccl"
+    assert spec_for("npu").process_group_backend == "cpu:gloo,npu:hccl"
+    assert spec_for("cpu").process_group_backend == "gloo"
+
+
 def test_cuda_wins_when_several_kinds_are_visible():
     assert detect_accelerator(FakeProbe(cuda=1, xpu=1, npu=1)).kind is AcceleratorKind.CUDA
 
