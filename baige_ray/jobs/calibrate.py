@@ -56,7 +56,7 @@ class CalibrationRequest:
     message_sizes: tuple[int, ...] = MESSAGE_SIZES
     repeats: int = REPEATS
     iterations: int = 4  # (compute, collective) rounds per loaded collective timing
-    compute_window_s: float = 0.2  # seconds each compute shape runs on every device at once
+    compute_window_s: float = 0.25  # seconds each compute shape runs on every device at once
     # Per device: micro-batches whose probe would hold more are not measured (the curve holds its ends).
     # None: 1 GiB where the devices are host CPUs sharing its memory, a quarter of the smallest
     # accelerator's memory on GPUs (Qwen2.5-0.5B's head alone holds 1.9 GB a 1,024-token sequence).
