@@ -253,8 +253,11 @@ def _measure_compute(group: _ProbeGroup, calibration: Calibration, model: ModelS
         if sharded is not None:
             extra = [np.subtract(z["layer_s"], r["layer_s"][:len(z["layer_s"])])
                      for z, r, p in zip(sharded, results, profile_of_rank) if p == profile_index]
+            # A difference of two timings can come out below zero (-7 ms once, 8 ranks on 2 cores);
+            # sharding never makes a layer faster.
             chip.sharding[sharding_key(model, tp, dp)] = ShardingCost(
-                tokens=tuple(sharded[0]["tokens"]), extra_s=tuple(float(v) for v in np.mean(extra, axis=0)))
+                tokens=tuple(sharded[0]["tokens"]),
+                extra_s=tuple(max(0.0, float(v)) for v in np.mean(extra, axis=0)))
         if tp > 1:
             chip.tp_tier[key] = _tensor_parallel_tier(group, tp)
     calibration.seconds[f"compute {key}"] = time.perf_counter() - started
