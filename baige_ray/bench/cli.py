@@ -13,6 +13,7 @@ BENCHMARK_MODULES: dict[str, str] = {
     "topo": "baige_ray.bench.topo",
     "plan": "baige_ray.bench.plan",
     "planner": "baige_ray.bench.planner",
+    "planner-host": "baige_ray.bench.planner_host",
     "hetero": "baige_ray.bench.hetero",
     "overhead": "baige_ray.bench.overhead",
     "checkpoint": "baige_ray.bench.checkpoint",
