@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
@@ -42,9 +43,43 @@ def apply_fsdp(stage: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
     With `compute_dtype` (mixed precision) weights are gathered in it; gradients reduce in fp32."""
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype \
         else MixedPrecisionPolicy()
-    for block in blocks:
-        fully_shard(block, mesh=dp_mesh, ignored_params=set(ignored) or None, mp_policy=policy)
-    fully_shard(stage, mesh=dp_mesh, ignored_params=set(ignored) or None, mp_policy=policy)
+    modules = [*blocks, stage]
+    for module in modules:
+        fully_shard(module, mesh=dp_mesh, ignored_params=set(ignored) or None, mp_policy=policy)
+    if dp_mesh.device_type == "cpu":
+        reduce_scatter = HostReduceScatter()
+        for module in modules:
+            module.set_custom_reduce_scatter(reduce_scatter)
+
+
+class HostReduceScatter(ReduceScatter):
+    """FSDP2's gradient reduce-scatter over gloo without fresh memory at every call.
+
+    gloo's reduce-scatter copies its whole input at each call, and FSDP2 allocates that input anew: on a
+    CPU worker both are fresh pages above the allocator's 32 MB threshold, faulted in (and zeroed) at every
+    step. Here an input, once reduced, goes back to a free list its size draws from, and it is reduced in
+    place by an all-reduce whose shard is copied out: the same sums. Outputs are never returned to the list
+    (FSDP2 keeps them as the sharded gradients), so a buffer is never handed out twice."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        free = self._free.get((tuple(int(n) for n in size), dtype, device))
+        return free.pop() if free else torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False):
+        average = op == dist.ReduceOp.AVG
+        dist.all_reduce(input_tensor, op=dist.ReduceOp.SUM if average else op, group=group)
+        shard = input_tensor.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
+        if average:
+            torch.div(shard, dist.get_world_size(group), out=output_tensor.view_as(shard))
+        else:
+            output_tensor.view_as(shard).copy_(shard)
+        key = (tuple(input_tensor.shape), input_tensor.dtype, input_tensor.device)
+        self._free.setdefault(key, []).append(input_tensor)
+        return None
 
 
 def apply_ddp(stage: nn.Module, dp_group: dist.ProcessGroup, on_accelerator: bool,
