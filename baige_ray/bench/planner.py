@@ -177,9 +177,8 @@ def plan_options(calibration):
 
 def runnable_configs(spec, graph, calibration, limit: int | None = None) -> list[dict[str, Any]]:
     """Per runnable (tp, pp, dp, engine) on the graph, the planner's fastest micro-batch and its prediction."""
-    from baige_ray.planner.evaluate import Layout, Rows, evaluate
-    from baige_ray.planner.mapping import layout_links
-    from baige_ray.planner.search import Hardware, expert_sizes, layout_context, pipeline_degrees, tensor_degrees
+    from baige_ray.planner.evaluate import evaluate
+    from baige_ray.planner.search import Hardware, pipeline_degrees, tensor_degrees
 
     options = plan_options(calibration)
     hardware = Hardware(graph, options)
@@ -188,22 +187,37 @@ def runnable_configs(spec, graph, calibration, limit: int | None = None) -> list
         for pp in pipeline_degrees(spec, hardware, graph.num_devices // tp, options.max_pp):
             if graph.num_devices % (tp * pp):
                 continue
-            layout = Layout(tp=tp, pp=pp, dp=graph.num_devices // (tp * pp), mapping=options.mappings[0])
-            positions = hardware.positions(layout)
-            links = layout_links(hardware.tables, positions, tp=tp, dp=layout.dp, pp=pp,
-                                 eps=expert_sizes(spec, layout.dp) if spec.is_moe else ())
-            context = layout_context(spec, hardware, layout, links, positions=positions)
+            layout, context = layout_and_context(spec, hardware, tp=tp, pp=pp, dp=graph.num_devices // (tp * pp))
             if context is None:
                 continue
             for zero in _zero_stages(tp, pp, layout.dp):
                 batches = [b for b in range(1, GLOBAL_BATCH // layout.dp + 1) if (GLOBAL_BATCH // layout.dp) % b == 0]
-                rows = Rows(ep=np.ones(len(batches), dtype=int), zero=np.full(len(batches), zero),
-                            micro_batch=np.array(batches), recompute=np.zeros(len(batches), dtype=int))
-                evaluation = evaluate(spec, options.constants, context, rows)
+                evaluation = evaluate(spec, options.constants, context, micro_batch_rows(zero, batches))
                 best = int(np.argmin(np.where(evaluation.feasible, evaluation.step_s, np.inf)))
                 configs.append(_config(layout, zero, batches[best], float(evaluation.step_s[best])))
     configs.sort(key=lambda c: c["predicted_s"])
     return configs if limit is None else configs[:: max(1, len(configs) // limit)][:limit]
+
+
+def layout_and_context(spec, hardware, *, tp: int, pp: int, dp: int):
+    """(Layout, LayoutContext or None where it does not fit) of the first mapping of `hardware`'s options."""
+    from baige_ray.planner.evaluate import Layout
+    from baige_ray.planner.mapping import layout_links
+    from baige_ray.planner.search import expert_sizes, layout_context
+
+    layout = Layout(tp=tp, pp=pp, dp=dp, mapping=hardware.options.mappings[0])
+    positions = hardware.positions(layout)
+    links = layout_links(hardware.tables, positions, tp=tp, dp=dp, pp=pp,
+                         eps=expert_sizes(spec, dp) if spec.is_moe else ())
+    return layout, layout_context(spec, hardware, layout, links, positions=positions)
+
+
+def micro_batch_rows(zero: int, batches: list[int]):
+    """Planner rows of one ZeRO stage, no expert parallelism or recomputation, one per micro-batch size."""
+    from baige_ray.planner.evaluate import Rows
+
+    return Rows(ep=np.ones(len(batches), dtype=int), zero=np.full(len(batches), zero),
+                micro_batch=np.array(batches), recompute=np.zeros(len(batches), dtype=int))
 
 
 def _zero_stages(tp: int, pp: int, dp: int) -> tuple[int, ...]:

@@ -101,20 +101,13 @@ def summarize(result: dict[str, Any]) -> str:
 
 def predict_one_device(spec, graph, calibration, batches: list[int]) -> dict[int, dict[str, float]]:
     """Per micro-batch size: the planner's step seconds and worst-stage memory (GB) for the one-device layout."""
-    from baige_ray.bench.planner import plan_options
-    from baige_ray.planner.evaluate import Layout, Rows, evaluate
-    from baige_ray.planner.mapping import layout_links
-    from baige_ray.planner.search import Hardware, layout_context
+    from baige_ray.bench.planner import layout_and_context, micro_batch_rows, plan_options
+    from baige_ray.planner.evaluate import evaluate
+    from baige_ray.planner.search import Hardware
 
     options = plan_options(calibration)
-    hardware = Hardware(graph, options)
-    layout = Layout(tp=1, pp=1, dp=1, mapping=options.mappings[0])
-    positions = hardware.positions(layout)
-    links = layout_links(hardware.tables, positions, tp=1, dp=1, pp=1, eps=())
-    context = layout_context(spec, hardware, layout, links, positions=positions)
-    rows = Rows(ep=np.ones(len(batches), dtype=int), zero=np.zeros(len(batches), dtype=int),
-                micro_batch=np.array(batches), recompute=np.zeros(len(batches), dtype=int))
-    evaluation = evaluate(spec, options.constants, context, rows)
+    _, context = layout_and_context(spec, Hardware(graph, options), tp=1, pp=1, dp=1)
+    evaluation = evaluate(spec, options.constants, context, micro_batch_rows(0, batches))
     return {b: {"step_s": float(step), "memory_gb": float(memory.max()) / 1e9}
             for b, step, memory in zip(batches, evaluation.step_s, evaluation.memory_bytes)}
 
