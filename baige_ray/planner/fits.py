@@ -21,7 +21,10 @@ configuration it names. Assumptions:
     elements; at 494M over 2 ranks it stays resident: 1 GB more after a step than the 16 bytes a
     parameter and the bf16 copies, measured). ZeRO-1/2's buckets are not counted yet.
   * Usable device memory is the device's `memory_gb` x `PlanOptions.usable_memory_fraction`, as the
-    planner's; a node's host memory counts whole (`host_memory_gb`, descriptor NodeType.memory_gb).
+    planner's. Usable host memory is a node's (`host_memory_gb`, descriptor NodeType.memory_gb) x
+    `usable_host_memory_fraction` (the share Ray's memory monitor lets a node fill before it kills
+    workers), less `host_memory_reserve_gb` for the processes that are not the job's workers (Ray's
+    daemons, the driver, the job's controller).
   * Workers take the graph's devices in node order, ranks first, then an elastic job's spares: the
     order `first_devices` assumes and `fit`'s PACK placement group follows.
   * A node's host memory holds, summed over the workers placed on it:
@@ -215,7 +218,7 @@ def check_fits(model: ModelSpec, graph: ResourceGraph, shape: LayoutShape, *, co
     rows = worker_positions(graph, shape.world_size + copies.num_spares)
     states, activations = device_bytes(model, shape)
     _check_devices(model, graph, shape, (states, activations), options.usable_memory_fraction)
-    node_ids, needed, capacity = _check_hosts(model, graph, shape, copies, rows, states + activations)
+    node_ids, needed, capacity = _check_hosts(model, graph, shape, copies, rows, states + activations, options)
     return LayoutFit(state_bytes=tuple(float(b) for b in states), activation_bytes=tuple(float(b) for b in activations),
                      node_ids=tuple(int(n) for n in node_ids), host_bytes=tuple(float(b) for b in needed),
                      host_capacity_bytes=tuple(float(b) for b in capacity))
@@ -264,23 +267,27 @@ def _host_bytes_per_worker(model: ModelSpec, graph: ResourceGraph, shape: Layout
 
 
 def _check_hosts(model: ModelSpec, graph: ResourceGraph, shape: LayoutShape, copies: HostCopies, rows: np.ndarray,
-                 stage_device_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(node ids, host bytes needed, host bytes there) of every node holding a worker."""
+                 stage_device_bytes: np.ndarray, options: PlanOptions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(node ids, host bytes needed, usable host bytes) of every node holding a worker."""
     host = _host_bytes_per_worker(model, graph, shape, copies, rows, stage_device_bytes)
     node_ids, index = np.unique(graph.devices.node[rows], return_inverse=True)
     per_node = {part: np.bincount(index, weights=values, minlength=len(node_ids)) for part, values in host.items()}
     needed = sum(per_node.values())
-    capacity = np.array([graph.profile_of_node(int(node)).host_memory_gb * 1e9 for node in node_ids])
-    worst = int(np.argmax(needed / capacity))
+    total = np.array([graph.profile_of_node(int(node)).host_memory_gb * 1e9 for node in node_ids])
+    capacity = np.maximum(total * options.usable_host_memory_fraction - options.host_memory_reserve_gb * 1e9, 0.0)
+    worst = int(np.argmax(needed - capacity))
     if needed[worst] > capacity[worst]:
         workers = int(np.bincount(index, minlength=len(node_ids))[worst])
         raise _host_error(model, graph, shape, copies, int(node_ids[worst]), workers,
-                          {part: float(values[worst]) for part, values in per_node.items()}, float(capacity[worst]))
+                          {part: float(values[worst]) for part, values in per_node.items()},
+                          (float(total[worst]), float(capacity[worst])), options)
     return node_ids, needed, capacity
 
 
 def _host_error(model: ModelSpec, graph: ResourceGraph, shape: LayoutShape, copies: HostCopies, node: int,
-                num_workers: int, parts: dict[str, float], capacity: float) -> LayoutMemoryError:
+                num_workers: int, parts: dict[str, float], total_and_usable: tuple[float, float],
+                options: PlanOptions) -> LayoutMemoryError:
+    total, capacity = total_and_usable
     needed = sum(parts.values())
     held = []
     if parts["training"]:
@@ -292,7 +299,9 @@ def _host_error(model: ModelSpec, graph: ResourceGraph, shape: LayoutShape, copi
     profile = graph.profile_of_node(node)
     return LayoutMemoryError(
         f"{shape.name} of {model.name} needs {_gb(needed)} GB of host memory on node {node} ({profile.name}, "
-        f"{num_workers} workers: {', '.join(held)}); the node has {_gb(capacity)} GB",
+        f"{num_workers} workers: {', '.join(held)}); the node has {_gb(capacity)} GB usable "
+        f"({options.usable_host_memory_fraction:.0%} of {_gb(total)} GB, the share Ray lets it fill, less "
+        f"{options.host_memory_reserve_gb:g} GB for Ray's own processes, the driver and the controller)",
         needed_gb=needed / 1e9, available_gb=capacity / 1e9, layout=shape.name, budget=f"host memory of node {node}")
 
 

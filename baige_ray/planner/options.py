@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from baige_ray.api.validation import require_int, require_number
@@ -9,6 +10,17 @@ from baige_ray.planner.calibration import Calibration
 from baige_ray.planner.cost import CostConstants
 from baige_ray.planner.mapping import MAPPINGS
 from baige_ray.planner.memory import RECOMPUTE
+
+# Ray's memory monitor kills a node's newest workers once the node uses more than this share of its memory
+# (Ray's own default, unless RAY_memory_usage_threshold overrides it).
+RAY_MEMORY_USAGE_THRESHOLD = 0.95
+# Host memory a node keeps for processes other than the job's workers: on this project's 2-core, 24 GiB
+# host Ray's daemons (raylet, GCS, dashboard and its agents) held 1.5 GB, the job's controller 0.4 GB.
+HOST_MEMORY_RESERVE_GB = 2.0
+
+
+def ray_memory_usage_threshold() -> float:
+    return float(os.environ.get("RAY_memory_usage_threshold", RAY_MEMORY_USAGE_THRESHOLD))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -19,6 +31,9 @@ class PlanOptions:
     mappings: tuple[str, ...] = MAPPINGS
     max_micro_batch: int = 64
     usable_memory_fraction: float = 0.9  # the rest: CUDA context, NCCL buffers, fragmentation
+    # A node's host memory the job's workers may fill: the share Ray lets processes use, less a reserve.
+    usable_host_memory_fraction: float = field(default_factory=ray_memory_usage_threshold)
+    host_memory_reserve_gb: float = HOST_MEMORY_RESERVE_GB
     max_efficiency: float = CostConstants.max_efficiency
     machine_balance: float = CostConstants.machine_balance
     replan_tolerance: float = 0.05  # replan keeps ranks in place if within 5% of a fresh plan
@@ -53,6 +68,9 @@ class PlanOptions:
                                  f"{list(allowed)}")
         require_number("PlanOptions", "usable_memory_fraction", self.usable_memory_fraction, minimum=0,
                        exclusive_minimum=True, maximum=1)
+        require_number("PlanOptions", "usable_host_memory_fraction", self.usable_host_memory_fraction, minimum=0,
+                       exclusive_minimum=True, maximum=1)
+        require_number("PlanOptions", "host_memory_reserve_gb", self.host_memory_reserve_gb, minimum=0)
         require_number("PlanOptions", "max_efficiency", self.max_efficiency, minimum=0, exclusive_minimum=True,
                        maximum=1)
         require_number("PlanOptions", "machine_balance", self.machine_balance, minimum=0, exclusive_minimum=True)

@@ -20,6 +20,7 @@ from baige_ray.planner.fits import (
     snapshot_bytes,
 )
 from baige_ray.planner.model_spec import load_model_spec
+from baige_ray.planner.options import PlanOptions
 from baige_ray.planner.replicas import REPLICA_BUFFERS, SNAPSHOT_BUFFERS, host_copies
 from baige_ray.topology.descriptor import descriptor_from_dict
 from baige_ray.topology.graph import ResourceGraph
@@ -49,7 +50,7 @@ def test_a_layout_that_fits_returns_what_it_needs():
     assert states == pytest.approx(16 * QWEN.num_params, rel=1e-3)
     assert 0 < activations < states and fit.device_bytes[0] < 0.9 * 80e9
     assert fit.node_ids == (0,) and fit.host_bytes == (0.0,)  # accelerators: nothing lives in host memory
-    assert fit.host_capacity_bytes == (512e9,)
+    assert fit.host_capacity_bytes == pytest.approx((0.95 * 512e9 - 2e9,))  # what Ray lets it fill, less a reserve
 
 
 def test_ddp_of_a_big_model_on_small_devices_is_refused_with_the_numbers():
@@ -72,22 +73,25 @@ def test_sharding_the_states_makes_room_that_ddp_lacks():
 
 
 def test_cpu_workers_sharing_a_node_are_refused_on_its_host_memory():
-    # Four CPU "devices" per node of 16 GB each fit one worker apiece, but the node has 24 GB for all of them.
+    # Four CPU "devices" per node of 16 GB each fit one worker apiece, but the node has 32 GB for all of them
+    # (28.4 usable: 95%, the share Ray's memory monitor allows, less 2 GB for Ray's own processes).
     descriptor = yaml.safe_load(SIM_4X2.read_text())
     descriptor["node_types"]["sim-a100-node"].update(num_devices=4, nics=[])
     descriptor["node_types"]["sim-a100-node"]["chip"]["memory_gb"] = 16
-    descriptor["node_types"]["sim-a100-node"].update(accelerator="cpu", memory_gb=24)
+    descriptor["node_types"]["sim-a100-node"].update(accelerator="cpu", memory_gb=32)
     graph = ResourceGraph.from_descriptor(descriptor_from_dict(descriptor))
-    fit = check_fits(QWEN, graph, _ddp(2))  # two workers: 20.4 of 24 GB
+    fit = check_fits(QWEN, graph, _ddp(2))  # two workers: 22.2 of 28.4 GB
     assert fit.host_bytes[0] == pytest.approx(2 * (fit.device_bytes[0] + WORKER_PROCESS_BYTES))
     with pytest.raises(InfeasiblePlanError) as refused:
         check_fits(QWEN, graph, _ddp(4))
     error = refused.value
     assert error.budget == "host memory of node 0"
     assert str(error) == ("DP4 (ddp) of qwen2.5-0.5b needs 44.5 GB of host memory on node 0 (sim-a100-node, "
-                          "4 workers: workers on cpu devices (process, model states, activations) 44.5); the node has 24.0 GB")
+                          "4 workers: workers on cpu devices (process, model states, activations) 44.5); the node has "
+                          "28.4 GB usable (95% of 32.0 GB, the share Ray lets it fill, less 2 GB for Ray's own "
+                          "processes, the driver and the controller)")
     assert error.needed_gb == pytest.approx(4 * (fit.device_bytes[0] + WORKER_PROCESS_BYTES) / 1e9)  # DDP: replicas alike
-    assert error.needed_gb > error.available_gb == 24.0
+    assert error.needed_gb > error.available_gb == pytest.approx(28.4)
 
 
 def test_snapshot_copies_add_host_bytes_per_worker_on_its_node():
@@ -99,7 +103,7 @@ def test_snapshot_copies_add_host_bytes_per_worker_on_its_node():
     assert plain.host_bytes == (0.0, 0.0)
     assert elastic.node_ids == (0, 1) and elastic.host_bytes == pytest.approx((4 * snapshot, 4 * snapshot))
     with pytest.raises(InfeasiblePlanError, match=r"needs 23\.7 GB of host memory on node 0 .*snapshots 23\.7 "
-                                                  r"\(2 per worker\)\); the node has 20\.0 GB"):
+                                                  r"\(2 per worker\)\); the node has 17\.0 GB usable"):
         check_fits(QWEN, _sim_4x2(host_gb=20), shape, copies=HostCopies(snapshot_copies=2))
 
 
@@ -172,3 +176,12 @@ def test_deepspeed_zero3_adds_its_bf16_partition_copy_gradient_bucket_and_fp32_g
     bucket = 2 * min(DEEPSPEED_REDUCE_BUCKET, QWEN.num_params)
     fp32_gradients = 4 * min(DEEPSPEED_SUB_GROUP, QWEN.num_params / 2)
     assert ds_states - fsdp_states == pytest.approx(2 * QWEN.num_params / 2 + bucket + fp32_gradients)
+
+
+def test_usable_host_memory_follows_rays_memory_threshold_and_bad_values_are_refused(monkeypatch):
+    monkeypatch.setenv("RAY_memory_usage_threshold", "0.8")
+    assert check_fits(QWEN, _sim_4x2(), _ddp(2), options=PlanOptions()).host_capacity_bytes == (0.8 * 512e9 - 2e9,)
+    with pytest.raises(ValueError, match="usable_host_memory_fraction"):
+        PlanOptions(usable_host_memory_fraction=0.0)
+    with pytest.raises(ValueError, match="host_memory_reserve_gb"):
+        PlanOptions(host_memory_reserve_gb=-1.0)
