@@ -8,7 +8,7 @@ TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: install test test-unit demo demo-gpt docs clean
+.PHONY: install test test-unit test-soak demo demo-gpt docs clean
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,11 @@ test: install
 
 test-unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+# A 3-minute `bench soak` under #33's bounds, on a simulated cluster of its own (about 7 minutes: the
+# soak, its fault-free run, starting the cluster, Serve and the job). Not in CI yet (docs/benchmarks.md).
+test-soak: install
+	$(PY) -m pytest tests/soak $(PYTEST_ARGS)
 
 # DEMO_ARGS=--verbose shows Ray's and Serve's own logs too.
 demo: install
