@@ -206,12 +206,14 @@ def pipeline_seconds(stage_total: np.ndarray, num_micro_batches, host_sharing: f
 
 
 def sharing_speedup(busy_share, host_sharing: float, measured_at: float | None) -> np.ndarray:
-    """How much faster a device computes while only `busy_share` of the devices compute: 1 with all of
-    them, the measured `host_sharing` at the share it was measured at (`measured_at`; None: 1 /
-    host_sharing, cores shared out evenly) or below, interpolated in log-log space between."""
+    """How much faster a device computes while only `busy_share` of the devices compute. The host's cores
+    are shared out evenly among the busy devices (a time-sliced CPU): 1 / busy_share times faster, up to
+    the measured `host_sharing`, what a device gains with the cores to itself. Where the measurement
+    (at `measured_at` of the devices busy; None: 1 / host_sharing) gained more than its even share,
+    the curve steepens to pass through it."""
     share = np.clip(np.asarray(busy_share, dtype=np.float64), 1e-9, 1.0)
     measured_at = measured_at if measured_at is not None else 1.0 / host_sharing
     if host_sharing <= 1.0 or measured_at >= 1.0:
         return np.ones_like(share)
-    exponent = np.minimum(np.log(share) / np.log(measured_at), 1.0)
-    return host_sharing ** exponent
+    steepness = max(1.0, np.log(host_sharing) / -np.log(measured_at))
+    return np.minimum(share ** -steepness, host_sharing)

@@ -149,7 +149,11 @@ def test_a_bubble_lends_its_cores_to_busy_stages_where_devices_share_a_host():
     assert pipeline_seconds(stages, [2])[0] == pytest.approx(5.0)  # 1F1B: (m + p - 1) T
     # Two of four stages busy at once: each twice as fast with a sharing of 4 measured at a quarter busy
     assert pipeline_seconds(stages, [2], host_sharing=4.0, sharing_measured_at=0.25)[0] == pytest.approx(2.0)
-    assert pipeline_seconds(stages, [2], host_sharing=2.0, sharing_measured_at=0.25)[0] == pytest.approx(4 / 2**0.5)
+    # A device alone gains only 2x: two busy already have all it can use, and the critical path bounds the step
+    assert pipeline_seconds(stages, [2], host_sharing=2.0, sharing_measured_at=0.25)[0] == pytest.approx(5 / 2)
+    # Cores shared out evenly: with 8 devices on one host measured 4.86x faster alone, 4 busy are 2x faster
+    assert pipeline_seconds(np.ones((1, 8)), [4], host_sharing=4.86, sharing_measured_at=0.125)[0] == \
+        pytest.approx(4 * 8 / (4 * 2))
     # One micro-batch: one stage at a time, with the cores of all four
     assert pipeline_seconds(stages, [1], host_sharing=6.4, sharing_measured_at=0.25)[0] == pytest.approx(4 / 6.4)
     assert pipeline_seconds(stages, [8], host_sharing=6.4, sharing_measured_at=0.25)[0] == pytest.approx(8.0)
