@@ -122,23 +122,16 @@ def on_gpus() -> bool:
 
 def this_host(workers: int) -> ResourceGraph:
     """This machine as one node: `workers` of its GPUs, or on a CPU host `workers` CPU devices that share
-    its memory (the host is the device)."""
-    import psutil
+    its memory (the host is the device), as `launch` prices CPU workers on a one-machine cluster."""
+    from baige_ray.topology.local_host import local_host_graph
 
-    from baige_ray.topology.descriptor import descriptor_from_dict
-    from baige_ray.topology.graph import ResourceGraph
+    if not on_gpus():
+        return local_host_graph(workers)
+    import torch
 
-    memory_gb = psutil.virtual_memory().total / 1e9
-    chip = {"model": "host-cpu", "memory_gb": memory_gb}
-    if on_gpus():
-        import torch
-
-        properties = torch.cuda.get_device_properties(0)
-        chip = {"model": properties.name, "memory_gb": properties.total_memory / 1e9}
-    node = {"accelerator": "cuda" if on_gpus() else "cpu", "num_devices": workers, "num_cpus": os.cpu_count() or 1,
-            "memory_gb": memory_gb, "chip": chip, "intra_node": {"fabric": "none", "bandwidth_gbps": 100}}
-    return ResourceGraph.from_descriptor(descriptor_from_dict(
-        {"name": "this-host", "node_types": {"host": node}, "nodes": [{"type": "host", "count": 1}]}))
+    properties = torch.cuda.get_device_properties(0)
+    return local_host_graph(workers, chip={"model": properties.name, "memory_gb": properties.total_memory / 1e9},
+                            accelerator="cuda")
 
 
 def _job(model_dir: Path, data_dir: Path, data_parallel: str, args):

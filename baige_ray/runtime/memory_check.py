@@ -4,9 +4,11 @@ The arithmetic is planner/fits.py; this module gathers what it prices: the model
 sees it, the live resource graph (`live_graph`, workers on its first devices as `first_devices`
 assumes) and what an elastic job keeps in host memory (planner/replicas.py). Where there is nothing
 to price the run is not blocked, and the log says why: a model the planner has no spec for (its
-plug-in's `model_spec` raises ValueError), CPU workers on a cluster with neither a descriptor nor a
-simulation (probed nodes list no CPU devices; the probe is skipped), a graph with fewer devices than
-workers, or workers holding CPU slots beside the graph's accelerators.
+plug-in's `model_spec` raises ValueError), CPU workers on a cluster of several nodes with neither a
+descriptor nor a simulation (probed nodes list no CPU devices; the probe is skipped), a graph with fewer
+devices than workers, or workers holding CPU slots beside the graph's accelerators. CPU workers on a
+cluster that is this machine alone (a local `ray.init`, a single-node `ray start`) are priced against
+this host, every worker's memory and snapshots in its memory.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from baige_ray.runtime.auto_plan import first_devices, live_graph
 from baige_ray.runtime.resources import choose_device_resource
 from baige_ray.topology.descriptor import ClusterDescriptor
 from baige_ray.topology.graph import ResourceGraph
+from baige_ray.topology.local_host import is_this_host, local_host_graph
 from baige_ray.topology.simulated import SimulatedCluster
 
 if TYPE_CHECKING:
@@ -47,16 +50,24 @@ def check_layout_memory(job: TrainJob, scaling: ScalingConfig, layout: ParallelL
         return None
     # accelerator="gpu" asks for GPUs whatever the cluster has now (WorkerGroup says if it has too few).
     resource = "GPU" if scaling.accelerator == "gpu" else choose_device_resource(scaling, ray.cluster_resources())
-    if resource == "CPU" and cluster is None and SimulatedCluster.active() is None:
-        # A probed node lists no CPU devices: nothing to price, so skip the probe (seconds, once a session).
-        logger.info("memory of the layout not checked: CPU workers on a cluster without a descriptor")
-        return None
-    graph = live_graph(cluster)
     world = layout.world_size
+    if resource == "CPU" and cluster is None and SimulatedCluster.active() is None:
+        # A probed node lists no CPU devices: nothing to price on other machines, so skip the probe.
+        if not is_this_host(ray.nodes()):
+            logger.info("memory of the layout not checked: CPU workers on a cluster without a descriptor")
+            return None
+        spares = elastic.num_spares if elastic is not None else 0
+        graph = local_host_graph(world + spares)
+        return _check(job, model, graph, layout, elastic, spares)
+    graph = live_graph(cluster)
     if not _workers_hold_graph_devices(graph, resource, world):
         return None
     spares = min(elastic.num_spares, graph.num_devices - world) if elastic is not None else 0
-    graph = first_devices(graph, world + spares)
+    return _check(job, model, first_devices(graph, world + spares), layout, elastic, spares)
+
+
+def _check(job: TrainJob, model: ModelSpec, graph: ResourceGraph, layout: ParallelLayout,
+           elastic: ElasticConfig | None, spares: int) -> LayoutFit:
     shape = layout_shape(layout, job.train, job.plugin.layers_per_stage(layout),
                          compute_dtype_bytes=job.train.compute_dtype_bytes)
     return check_fits(model, graph, shape, copies=_host_copies(layout, graph, elastic, spares))
