@@ -20,7 +20,11 @@ HOST_MEMORY_RESERVE_GB = 2.0
 
 
 def ray_memory_usage_threshold() -> float:
-    return float(os.environ.get("RAY_memory_usage_threshold", RAY_MEMORY_USAGE_THRESHOLD))
+    value = os.environ.get("RAY_memory_usage_threshold", str(RAY_MEMORY_USAGE_THRESHOLD))
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"RAY_memory_usage_threshold={value!r} is invalid: expected a number in (0, 1]") from None
 
 
 @dataclass(kw_only=True, frozen=True)

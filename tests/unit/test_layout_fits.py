@@ -185,3 +185,6 @@ def test_usable_host_memory_follows_rays_memory_threshold_and_bad_values_are_ref
         PlanOptions(usable_host_memory_fraction=0.0)
     with pytest.raises(ValueError, match="host_memory_reserve_gb"):
         PlanOptions(host_memory_reserve_gb=-1.0)
+    monkeypatch.setenv("RAY_memory_usage_threshold", "most")
+    with pytest.raises(ValueError, match="RAY_memory_usage_threshold='most' is invalid"):
+        PlanOptions()
