@@ -294,23 +294,13 @@ class JobTrainingSide:
         return self._ray.get(self._controller.latest_model_state.remote())
 
 
-class PoolArbiter:
-    """Ray actor running an ArbiterLoop on a thread; create it with `start_pool_arbiter`."""
+class ArbiterThread:
+    """Runs an ArbiterLoop's ticks on a thread of its own. A tick that moves devices takes tens of seconds
+    (training shrinks, a replica starts and loads the weights), so `status` reads the loop as it stands
+    instead of waiting for the tick: a caller asking how many replicas serving holds gets an answer mid-move."""
 
-    def __init__(self, job_name: str, serve_info: Any, model_config: Any, config: ArbiterConfig):
-        from baige_ray.ops.metrics import JobMetrics
-
-        serving = serving_side(serve_info, model_config, config.min_infer_devices)
-        self._loop = ArbiterLoop(JobTrainingSide(job_name), serving, config)
-        if restarted_by_ray():  # what it measured (capacity, lend latency) died with it; the split is observed
-            kind, reason = "arbiter_restart", ("Ray restarted the pool arbiter after its process died; "
-                                       "it takes the split as it finds it")
-        else:
-            kind, reason = "start", "the pool arbiter takes the split as it finds it"
-        self._loop.events.record(kind, reason, train_devices=self._loop.train_devices,
-                                 infer_devices=self._loop.infer_devices, pid=os.getpid())
-        self._metrics = JobMetrics(job=job_name)
-        self._lock = threading.Lock()
+    def __init__(self, loop: ArbiterLoop, after_tick: Callable[[], None] = lambda: None):
+        self._loop, self._after_tick = loop, after_tick
         self._stop = threading.Event()
         self._errors: list[str] = []
         self._thread = threading.Thread(target=self._run, name="pool-arbiter", daemon=True)
@@ -318,22 +308,47 @@ class PoolArbiter:
 
     def _run(self) -> None:
         while not self._stop.wait(self._loop.config.poll_interval_s):
-            with self._lock:
-                try:
-                    self._loop.tick()
-                except Exception as error:  # keep arbitrating; the next tick re-observes the pool
-                    self._errors = (self._errors + [f"{type(error).__name__}: {error}"])[-10:]
-                self._metrics.devices(train=self._loop.train_devices, infer=self._loop.infer_devices)
+            try:
+                self._loop.tick()
+            except Exception as error:  # keep arbitrating; the next tick re-observes the pool
+                self._errors = (self._errors + [f"{type(error).__name__}: {error}"])[-10:]
+            self._after_tick()
 
     def status(self) -> dict:
-        with self._lock:
-            return {**self._loop.status(), "errors": list(self._errors), "pid": os.getpid()}
+        return {**self._loop.status(), "errors": list(self._errors)}
 
     def stop(self) -> dict:
-        """Stop deciding (the pool stays split as it is); returns the final status."""
+        """Stop deciding once the tick under way ends (the pool stays split as it is); the final status."""
         self._stop.set()
         self._thread.join()
         return self.status()
+
+
+class PoolArbiter:
+    """Ray actor running an ArbiterLoop on an ArbiterThread; create it with `start_pool_arbiter`."""
+
+    def __init__(self, job_name: str, serve_info: Any, model_config: Any, config: ArbiterConfig):
+        from baige_ray.ops.metrics import JobMetrics
+
+        serving = serving_side(serve_info, model_config, config.min_infer_devices)
+        loop = ArbiterLoop(JobTrainingSide(job_name), serving, config)
+        if restarted_by_ray():  # what it measured (capacity, lend latency) died with it; the split is observed
+            kind, reason = "arbiter_restart", ("Ray restarted the pool arbiter after its process died; "
+                                       "it takes the split as it finds it")
+        else:
+            kind, reason = "start", "the pool arbiter takes the split as it finds it"
+        loop.events.record(kind, reason, train_devices=loop.train_devices, infer_devices=loop.infer_devices,
+                           pid=os.getpid())
+        metrics = JobMetrics(job=job_name)
+        self._thread = ArbiterThread(loop, lambda: metrics.devices(train=loop.train_devices,
+                                                                   infer=loop.infer_devices))
+
+    def status(self) -> dict:
+        return {**self._thread.status(), "pid": os.getpid()}
+
+    def stop(self) -> dict:
+        """Stop deciding (the pool stays split as it is); returns the final status."""
+        return {**self._thread.stop(), "pid": os.getpid()}
 
 
 def start_pool_arbiter(job_name: str, serve_info: Any, model_config: Any, config: ArbiterConfig):

@@ -53,6 +53,7 @@ class RequestResult:
     latency_s: float | None  # None: failed
     status: int  # HTTP status, 0 for a connection error or timeout
     finished_at: float | None = None  # seconds from the start of the replay when the answer (or error) came
+    reason: str = ""  # a failed request's answer (its first 200 characters) or the client's error
 
 
 def request_body(index: int, max_new_tokens: int) -> dict:
@@ -66,12 +67,15 @@ async def _send(session, url: str, index: int, started: float, max_new_tokens: i
     sent = time.perf_counter()
     try:
         async with session.post(url, json=request_body(index, max_new_tokens)) as response:
-            await response.read()
+            body = await response.read()
             status = response.status
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        return RequestResult(sent - started, None, 0, time.perf_counter() - started)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+        return RequestResult(sent - started, None, 0, time.perf_counter() - started, reason=repr(error)[:200])
     latency = time.perf_counter() - sent
-    return RequestResult(sent - started, latency if status == 200 else None, status, time.perf_counter() - started)
+    if status != 200:
+        return RequestResult(sent - started, None, status, time.perf_counter() - started,
+                             reason=body[:200].decode(errors="replace"))
+    return RequestResult(sent - started, latency, status, time.perf_counter() - started)
 
 
 async def _replay(url: str, arrivals: Sequence[float], max_new_tokens: int, timeout_s: float) -> list[RequestResult]:

@@ -51,6 +51,9 @@ FOLLOWED_BY_THE_INJECTOR = ("replica_kill", "arbiter_kill")  # not through the j
 PROCESS_FAULTS = ("worker_kill", "worker_freeze", "straggler", "controller_kill")  # at most 1 step each
 MEMORY_EVERY_S = 10.0
 SEGMENT_S = 20.0  # the load's rate changes (a spike or not) at this period
+# A spike's requests wait for the lend it prompts (20-30 s here) instead of being shed with 503 once 256
+# queue (Serve's own default queues without a bound): a spike of 20 s at up to 100 requests/s.
+SPIKE_QUEUE = 2048
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
@@ -83,7 +86,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report_stage(args, "the fault-free run of the same steps", 1, 2)
         clean = _train(model, data, work, "soak-fault-free", soak["steps_done"]).wait()
     soak["left_behind"] = _still_alive(seen_pids)
-    return _summary(soak, clean, args)
+    return _summary(soak, {m.step: m.loss for m in clean.metrics}, args)
 
 
 # ----- the soak -----------------------------------------------------------------------------------------
@@ -116,7 +119,8 @@ def _soak(args, model, data, work: Path, schedule: list[ScheduledFault], duratio
     from baige_ray.bench.colocate_load import arrival_times, replay, saturated_throughput
     from baige_ray.serving.app import serve, shutdown
 
-    info = serve(model.path, model_config=model, name="soak", num_replicas=NUM_REPLICAS, port=8019)
+    info = serve(model.path, model_config=model, name="soak", num_replicas=NUM_REPLICAS, port=8019,
+                 max_queued_requests=SPIKE_QUEUE)
     job = _train(model, data, work, RUN_NAME, 1_000_000, faulted=True)
     arbiter = None
     try:
@@ -274,11 +278,10 @@ def _still_alive(pids: set[int], wait_s: float = 15.0) -> list[int]:
 # ----- the figures --------------------------------------------------------------------------------------
 
 
-def _summary(soak: dict[str, Any], clean, args) -> dict[str, Any]:
+def _summary(soak: dict[str, Any], clean_losses: dict[int, float], args) -> dict[str, Any]:
     per_kind = {kind: _kind_figures([f for f in soak["faults"] if f["kind"] == kind]) for kind in FAULT_KINDS}
     for fault in soak["faults"]:
         fault.pop("throttle", None)
-    clean_losses = {m.step: m.loss for m in clean.metrics}
     common = sorted(set(soak["losses"]) & set(clean_losses))
     last = common[-1]
     requests = soak["requests"]
@@ -300,6 +303,7 @@ def _summary(soak: dict[str, Any], clean, args) -> dict[str, Any]:
         "requests": len(requests), "failed_requests_on_killed_replicas": len(on_killed),
         "failed_requests_other": len(failed) - len(on_killed),
         "failed_statuses": dict(Counter(str(r["status"]) for r in failed)),  # 0: no answer (timeout, refused)
+        "failed_reasons": dict(Counter(f"{r['status']}: {r['reason']}" for r in failed).most_common(5)),
         "slo_attainment": sum(r["latency_s"] is not None and r["latency_s"] <= args.slo_s for r in requests)
         / max(1, len(requests)),
         "steps": soak["steps_done"], "final_loss": soak["losses"][last], "fault_free_final_loss": clean_losses[last],

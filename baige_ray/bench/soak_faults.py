@@ -81,7 +81,7 @@ class FaultInjector:
         """The job's live workers (as its status describes them); while it has none (still restoring from
         an earlier fault), the fault waits for them: a worker fault needs a worker to hit."""
         deadline = time.monotonic() + WORKERS_WAIT_S
-        while not (workers := [w for w in self.job.status()["workers"] if w["pid"] is not None]):
+        while not (workers := [w for w in self.job.status()["workers"] if _alive(w["pid"])]):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the job had no live worker for {WORKERS_WAIT_S:g} s")
             time.sleep(0.25)
@@ -186,8 +186,7 @@ class FaultInjector:
         back = time.time()
         regrown = None
         while time.time() - back < REGROW_WAIT_S:
-            if (self.job.status()["num_workers"] >= len(workers)
-                    and len(self._replica_pids()) >= self._replicas_wanted()):
+            if self._split_restored():
                 regrown = time.time() - at
                 break
             time.sleep(0.5)
@@ -197,10 +196,17 @@ class FaultInjector:
             outcome.update(detected_s=replicas_gone, recovered_s=regrown, steps_lost=0)
         return outcome
 
-    def _replicas_wanted(self) -> int:
+    def _split_restored(self) -> bool:
+        """Whether training and serving hold the devices the arbiter gives them now: a lend or a reclaim
+        while the node was down changed what they should grow back to."""
         import ray
 
-        return ray.get(self.arbiter.status.remote(), timeout=60)["infer_devices"]
+        try:
+            wanted = ray.get(self.arbiter.status.remote(), timeout=10)
+        except (ray.exceptions.RayError, TimeoutError):  # restarting (a killed arbiter): ask again
+            return False
+        return (self.job.status()["num_workers"] >= wanted["train_devices"]
+                and len(self._replica_pids()) >= wanted["infer_devices"])
 
     # ----- a checkpoint -----
 
@@ -284,3 +290,14 @@ def damage_largest_file(checkpoint: Path, length: int = 64) -> Path:
         file.seek(middle)
         file.write(bytes(byte ^ 0xFF for byte in original))
     return largest
+
+
+def _alive(pid: int | None) -> bool:
+    """Whether `pid` is a running process: while the job recovers, its status still lists the members of
+    the generation that last formed, the dead among them (a node loss then would hit none of its workers)."""
+    import psutil
+
+    try:
+        return pid is not None and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

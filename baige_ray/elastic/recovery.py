@@ -214,6 +214,8 @@ class Recovery:
         # With everyone alive the rendezvous itself failed (e.g. it waited on a member that died
         # meanwhile, then timed out): the same members try again.
         self.loss = Loss(dead, "failure")
+        # From a resize no failure started a recovery: this one starts now, and is recorded when it ends.
+        self.started = self.started or time.monotonic()
         return Phase.RECOVERING, f"regrouping failed: {error}"
 
     # ----- where training resumes -----
@@ -221,9 +223,11 @@ class Recovery:
     def _resume(self, snapshot_step: int | None, survivors: list[tuple[int, Worker]]) -> None:
         failed_step = self._failed_step
         furthest = self._furthest_started_step(survivors, failed_step)
+        next_step = self.accounts.next_step
         resumed = self.accounts.resume_after(snapshot_step)
         # Steps after an older snapshot (a replica, a persisted checkpoint) are done again: keep the redo.
-        self._redo_steps = 0 if furthest is None else max(0, furthest - resumed + 1)
+        # Without a failed step (a regroup or a restart failed between steps) those are the steps done since.
+        self._redo_steps = max(0, next_step - resumed) if furthest is None else max(0, furthest - resumed + 1)
         if self._restarted:
             self._recover_history(survivors)
         if failed_step is not None and resumed > failed_step:

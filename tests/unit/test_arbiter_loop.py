@@ -281,3 +281,37 @@ def test_harvest_share_needs_a_policy_that_harvests():
     with pytest.raises(ValueError, match="harvest_share"):
         ArbiterConfig(slo_p99_s=1.0, replica_capacity=1.0, harvest_share=1.0,
                       policy=LendingPolicy(harvest_below=0.3, reclaim_below=0.2))
+
+
+def test_status_answers_while_a_tick_is_moving_devices(tmp_path):
+    """The soak's node loss asked the arbiter how many replicas it wanted while a lend was under way:
+    the status waited on the lend for over 60 s and the call timed out."""
+    import threading
+    import time
+
+    from baige_ray.actors.arbiter import ArbiterThread
+
+    calls: list = []
+    moving, release = threading.Event(), threading.Event()
+
+    class SlowTraining(Training):
+        def resize(self, num_devices: int, reason: str) -> int:
+            moving.set()
+            release.wait(30)
+            return super().resize(num_devices, reason)
+
+    training, serving = SlowTraining(calls), Serving(calls)
+    serving.rate = 15.0
+    config = ArbiterConfig(slo_p99_s=0.5, replica_capacity=10.0, min_train_devices=2, policy=POLICY,
+                           poll_interval_s=0.05, event_log=tmp_path / "events.jsonl")
+    runner = ArbiterThread(ArbiterLoop(training, serving, config))
+    try:
+        assert moving.wait(10)
+        started = time.monotonic()
+        status = runner.status()
+        assert time.monotonic() - started < 1.0
+        assert (status["train_devices"], status["infer_devices"], status["errors"]) == (7, 1, [])
+    finally:
+        release.set()
+        final = runner.stop()
+    assert (final["train_devices"], final["infer_devices"]) == (5, 3)
