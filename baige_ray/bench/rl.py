@@ -17,7 +17,8 @@ a tiny Llama with a tokenizer trained here on local text and the task's lines, f
   spread, no KL) and iterations, on this machine's CPU in one process (TRL's
   default generation with transformers), the way its documentation starts a run.
 
-`iteration_s` and `trl_iteration_s` are medians over the iterations after the first.
+`iteration_s` and `trl_iteration_s` are medians over the iterations after the first, each the wall clock
+from one iteration's start of training to the next one's (TRL: from one optimizer step's end to the next).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replicas and workers on devices of their own, or each device one of each in turns")
     parser.add_argument("--kl-coef", type=float, default=0.0, help="a KL penalty to the starting weights")
     parser.add_argument("--updates-per-iteration", type=int, default=1)
+    parser.add_argument("--off-policy-lag", type=int, choices=(0, 1), default=0,
+                        help="1: sample iteration t + 1 while iteration t trains (split placement)")
     parser.add_argument("--quick", action="store_true", help="6 iterations")
     parser.add_argument("--no-peer", action="store_true", help="leave TRL out")
     parser.add_argument("--no-large-refit", action="store_true", help="leave out the refit of a 494M policy")
@@ -137,7 +140,7 @@ def _grpo(args, model_dir: Path, prompts: list[str], iterations: int, work: Path
         config=GRPOConfig(num_iterations=iterations, prompts_per_iteration=args.prompts_per_iteration,
                           group_size=args.group_size, max_new_tokens=args.max_new_tokens,
                           learning_rate=args.learning_rate, grad_clip=1.0,
-                          updates_per_iteration=args.updates_per_iteration,
+                          updates_per_iteration=args.updates_per_iteration, off_policy_lag=args.off_policy_lag,
                           loss=PolicyLossConfig(kl_coef=args.kl_coef)),
         scaling=ScalingConfig(num_workers=2, placement_timeout_s=180),
         run=RunConfig(name=name, storage_path=work / "runs", show_progress=False),
@@ -189,9 +192,8 @@ def _trl(args, model_dir: Path, prompts: list[str], iterations: int, work: Path)
 
 def _summary(clean, faulted, refit: dict[str, float], large: dict[str, Any] | None,
              peer: dict[str, Any] | None) -> dict[str, Any]:
-    def totals(result) -> list[float]:
-        return [r.rollout_s + r.scoring_s + r.release_s + r.training_s + (0.0 if r.refit_s != r.refit_s else r.refit_s)
-                for r in result.iterations]
+    def periods(result) -> list[float]:  # wall clock between iterations going to training, as TRL's steps
+        return [r.period_s for r in result.iterations[1:]]
 
     rewards, faulted_rewards = clean.rewards, faulted.rewards
     head = max(1, min(3, len(rewards) // 3))
@@ -199,7 +201,7 @@ def _summary(clean, faulted, refit: dict[str, float], large: dict[str, Any] | No
         "reward_first": statistics.fmean(rewards[:head]),
         "reward_last": statistics.fmean(rewards[-head:]),
         "rewards": rewards,
-        "iteration_s": statistics.median(totals(clean)[1:]),
+        "iteration_s": statistics.median(periods(clean)),
         "phases_s": {phase: statistics.median(getattr(r, phase) for r in clean.iterations[1:-1] or clean.iterations)
                      for phase in ("rollout_s", "scoring_s", "training_s", "refit_s", "release_s")},
         "shared_devices": clean.shared_devices,

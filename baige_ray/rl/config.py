@@ -7,7 +7,7 @@ import hashlib
 
 import numpy as np
 
-from baige_ray.api.validation import require_int, require_number
+from baige_ray.api.validation import require_choice, require_int, require_number
 from baige_ray.models.policy_loss import PolicyLossConfig
 
 
@@ -22,7 +22,13 @@ class GRPOConfig:
 
     Completion i of prompt p in iteration t is sampled with seed `sample_seed(t, p, i)`, so a run is
     reproducible with its `seed`, and a request re-issued after a rollout replica died gets the tokens
-    the first one would have got. `learning_rate` is constant; `grad_clip` 0 turns clipping off."""
+    the first one would have got. `learning_rate` is constant; `grad_clip` 0 turns clipping off.
+
+    `off_policy_lag` 1 samples iteration t + 1 while iteration t trains, from the weights iteration t - 1
+    left (one-step off-policy, as asynchronous GRPO does): the rollout and the training overlap instead
+    of taking turns; the loss's ratio is taken against the log-probabilities of the policy that sampled,
+    which is one update behind. 0 (the default) samples each iteration from the weights the one before
+    it trained."""
 
     num_iterations: int
     prompts_per_iteration: int
@@ -38,12 +44,15 @@ class GRPOConfig:
     loss: PolicyLossConfig = PolicyLossConfig()
     rollout_retry_s: float = 120.0  # a rollout request whose replica died is re-issued until this has passed
     refit_timeout_s: float = 120.0  # a weight sync that has not reached every rollout replica by then fails
+    off_policy_lag: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_iterations", "prompts_per_iteration", "max_new_tokens", "updates_per_iteration"):
             require_int("GRPOConfig", name, getattr(self, name), minimum=1)
         require_int("GRPOConfig", "group_size", self.group_size, minimum=2)  # advantages compare within a group
         require_int("GRPOConfig", "seed", self.seed, minimum=0)
+        require_int("GRPOConfig", "off_policy_lag", self.off_policy_lag, minimum=0)
+        require_choice("GRPOConfig", "off_policy_lag", self.off_policy_lag, (0, 1))
         require_number("GRPOConfig", "temperature", self.temperature, minimum=0, exclusive_minimum=True)
         require_number("GRPOConfig", "learning_rate", self.learning_rate, minimum=0, exclusive_minimum=True)
         require_number("GRPOConfig", "weight_decay", self.weight_decay, minimum=0)

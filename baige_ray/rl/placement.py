@@ -45,6 +45,15 @@ def check_colocation(placement: str, *, num_replicas: int, num_workers: int, num
                          "hold a device no replica shares; expected 0")
 
 
+def check_off_policy(lag: int, placement: str, *, sized: bool) -> None:
+    """Rollouts overlap training only on replicas of their own; the split's sizing policy prices an
+    iteration as its phases in turn, which overlapping ones are not."""
+    if lag and (placement != "split" or sized):
+        raise ValueError(f"GRPOConfig.off_policy_lag={lag} is invalid with placement={placement!r}"
+                         + (" and sizing set" if sized else "") + ": rollouts overlap training only on replicas "
+                         "of their own (placement 'split', without sizing)")
+
+
 def devices_needed(shares: DeviceShares, *, num_replicas: int, num_workers: int,
                    reference: bool) -> dict[str, float]:
     needed = {"rollout replicas": num_replicas * shares.replica,

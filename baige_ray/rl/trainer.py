@@ -11,7 +11,9 @@ Each iteration t:
   4. refit: the job's newest in-memory snapshot (step t) loaded into every rollout replica in place
      (`reload_weights`), which waits until each has swapped; a sync that stalls is retried once, then
      the run fails with the replicas still behind.
-The rollout of t + 1 needs the weights of step t: the phases run in turn. Placement "split": the
+The rollout of t + 1 needs the weights of step t: the phases run in turn, unless `off_policy_lag` is 1:
+then the rollout of t + 1 runs while step t trains, from the weights of step t - 1, and the refit of step
+t's weights follows them both (before step t + 1 may change the snapshot it reads). Placement "split": the
 replicas and the workers hold devices of their own. "colocated": each device holds one replica and one
 worker (Ray shares of it: 0.55 and 0.35, 0.1 left for the reference policy), and after each rollout the
 replicas' engines give their device memory back (the running batch's keys and values; on an accelerator
@@ -48,6 +50,7 @@ from baige_ray.rl.placement import (
     PLACEMENTS,
     check_colocation,
     check_devices,
+    check_off_policy,
     device_shares,
     devices_needed,
     shared_devices,
@@ -117,6 +120,7 @@ class IterationRecord:
     loss: float | None = None
     replicas: int = 0  # the rollout replicas and training workers the iteration ran on
     workers: int = 0
+    period_s: float = math.nan  # wall clock from the previous iteration's rollouts going to training to this one's
 
     @property
     def reward_mean(self) -> float:
@@ -134,6 +138,16 @@ class RLResult:
     @property
     def rewards(self) -> list[float]:
         return [record.reward_mean for record in self.iterations]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rollouts:
+    """One iteration's sampled and scored completions, not yet on the board."""
+
+    record: IterationRecord
+    prompts: list[tuple[int, ...]]  # each completion's prompt tokens
+    completions: list[Completion]
+    reference: list[list[float]] | None  # the KL penalty's reference log-probabilities
 
 
 class GRPOTrainer:
@@ -160,6 +174,7 @@ class GRPOTrainer:
         num_spares = (elastic or ElasticConfig()).num_spares
         check_colocation(self.rollout.placement, num_replicas=self.rollout.num_replicas,
                          num_workers=self.scaling.num_workers, num_spares=num_spares)
+        check_off_policy(config.off_policy_lag, self.rollout.placement, sized=self.rollout.sizing is not None)
         if config.group_size > self.rollout.max_batch_size:
             raise ValueError(f"GRPOConfig.group_size={config.group_size} is invalid with RolloutOptions.max_batch_size="
                              f"{self.rollout.max_batch_size}: a group is decoded in one replica's batch")
@@ -208,7 +223,7 @@ class GRPOTrainer:
                                    retry_s=self.config.rollout_retry_s)
             failures: list[str] = []
             split = (self.rollout.num_replicas, self.scaling.num_workers)  # replicas, workers
-            records = [self._rollout_and_publish(0, client, board, failures, split)]
+            records = [self._publish(self._rollout(0, client, failures, split), board)]
             records[-1].release_s = self._release_devices(info)
             job = launch(self.model, data=RolloutSource(self.run.name),
                          objective=PolicyObjective(loss_config=self.config.loss), steps_allowed=updates,
@@ -216,10 +231,12 @@ class GRPOTrainer:
                          scaling=dataclasses.replace(self.scaling, device_share=self.shares.worker),
                          run=dataclasses.replace(self.run, show_progress=False), elastic=self.elastic,
                          layout=self.layout, faults=self.faults)
-            opened = time.perf_counter()
+            opened = published = time.perf_counter()
             shared = None  # devices a replica and a worker share, read once the first step is done
             sizer = None  # RolloutOptions.sizing's, made once the job runs
             for iteration in range(1, self.config.num_iterations):
+                # One step off-policy: sampled now, beside the training of the iteration before.
+                ahead = self._rollout(iteration, client, failures, split) if self.config.off_policy_lag else None
                 status = self._wait_for_steps(job, iteration * updates)
                 records[-1].training_s = time.perf_counter() - opened
                 shared = self._shared_devices(info, job) if shared is None else shared
@@ -228,11 +245,12 @@ class GRPOTrainer:
                     sizer = sizer or self._split_sizer(job)
                     self._size_split(sizer, records[-1], info, job)
                     split = (sizer.replicas, sizer.workers)
-                records.append(self._rollout_and_publish(iteration, client, board, failures, split,
-                                                         tight=status.get("pipeline_stages") == 1))
+                rollouts = ahead or self._rollout(iteration, client, failures, split)
+                records.append(self._publish(rollouts, board, tight=status.get("pipeline_stages") == 1))
                 records[-1].release_s = self._release_devices(info)
                 job.allow_steps((iteration + 1) * updates)
                 opened = time.perf_counter()
+                records[-1].period_s, published = opened - published, opened
             if shared is None:
                 self._wait_for_steps(job, 1)
                 shared = self._shared_devices(info, job)
@@ -297,10 +315,9 @@ class GRPOTrainer:
                            min_learning_rate=c.learning_rate, warmup_steps=0,
                            weight_decay=c.weight_decay, grad_clip=c.grad_clip, seed=c.seed)
 
-    def _rollout_and_publish(self, iteration: int, client: RolloutClient, board, failures: list[str],
-                             split: tuple[int, int], tight: bool = False) -> IterationRecord:
-        """`tight`: packed as long as the iteration's longest sample needs, not the model's seq_len (a job
-        without pipeline stages, whose shapes may change from step to step)."""
+    def _rollout(self, iteration: int, client: RolloutClient, failures: list[str],
+                 split: tuple[int, int]) -> _Rollouts:
+        """Iteration `iteration`'s completions from the replicas as their weights stand, scored."""
         prompts = self.config.prompt_indices(iteration, len(self.prompts))
         groups = [RolloutGroup(tuple(self.prompt_tokens[p]),
                                tuple(self._sampling(iteration, j, i) for i in range(self.config.group_size)))
@@ -319,18 +336,26 @@ class GRPOTrainer:
         rewards = self._score(prompts, [completion.tokens for completion in completions])
         prompt_of_completion = [group.prompt for group in groups for _ in group.params]
         reference = self._reference_log_probs(prompt_of_completion, completions)
-        scoring_s = time.perf_counter() - started
-        advantages = group_advantages(torch.tensor(rewards).view(len(prompts), self.config.group_size),
+        record = IterationRecord(iteration=iteration, rewards=rewards, rollout_s=rollout_s,
+                                 scoring_s=time.perf_counter() - started, reissued=stats.reissued,
+                                 replicas=split[0], workers=split[1])
+        return _Rollouts(record, prompt_of_completion, completions, reference)
+
+    def _publish(self, rollouts: _Rollouts, board, tight: bool = False) -> IterationRecord:
+        """The rollouts' advantages, packed for the training step(s) of their iteration and put on the
+        board. `tight`: packed as long as the iteration's longest sample needs, not the model's seq_len (a
+        job without pipeline stages, whose shapes may change from step to step)."""
+        record, prompts = rollouts.record, rollouts.prompts
+        advantages = group_advantages(torch.tensor(record.rewards).view(-1, self.config.group_size),
                                       scale_by_std=self.config.loss.scale_by_std).flatten().tolist()
-        tokens = [completion.tokens for completion in completions]
-        length = packed_length(prompt_of_completion, tokens, self.model.seq_len) if tight else self.model.seq_len
-        inputs, targets = pack_rollouts(prompt_of_completion, tokens, advantages, length, pad_id=self.pad_id,
-                                        sampled_log_probs=[completion.log_probs for completion in completions],
-                                        ref_log_probs=reference)
+        tokens = [completion.tokens for completion in rollouts.completions]
+        length = packed_length(prompts, tokens, self.model.seq_len) if tight else self.model.seq_len
+        inputs, targets = pack_rollouts(prompts, tokens, advantages, length, pad_id=self.pad_id,
+                                        sampled_log_probs=[completion.log_probs for completion in rollouts.completions],
+                                        ref_log_probs=rollouts.reference)
         updates = self.config.updates_per_iteration
-        ray.get(board.publish.remote(iteration * updates, inputs, targets, steps=updates))
-        return IterationRecord(iteration=iteration, rewards=rewards, rollout_s=rollout_s, scoring_s=scoring_s,
-                               reissued=stats.reissued, replicas=split[0], workers=split[1])
+        ray.get(board.publish.remote(record.iteration * updates, inputs, targets, steps=updates))
+        return record
 
     def _sampling(self, iteration: int, prompt: int, sample: int) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.config.max_new_tokens, temperature=self.config.temperature,

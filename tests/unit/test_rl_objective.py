@@ -125,6 +125,8 @@ def test_a_grpo_config_names_what_is_wrong_and_orders_prompts_epoch_by_epoch():
         GRPOConfig(num_iterations=1, prompts_per_iteration=2, group_size=1)
     with pytest.raises(ValueError, match="GRPOConfig.micro_batch_size=3"):
         GRPOConfig(num_iterations=1, prompts_per_iteration=2, group_size=4, micro_batch_size=3)
+    with pytest.raises(ValueError, match="GRPOConfig.off_policy_lag=2"):
+        GRPOConfig(num_iterations=1, prompts_per_iteration=2, off_policy_lag=2)
     config = GRPOConfig(num_iterations=4, prompts_per_iteration=3, seed=7)
     order = [config.prompt_indices(t, 6) for t in range(4)]
     assert sorted(order[0] + order[1]) == sorted(order[2] + order[3]) == list(range(6))  # every prompt once an epoch
@@ -136,7 +138,7 @@ def test_a_grpo_config_names_what_is_wrong_and_orders_prompts_epoch_by_epoch():
 
 def test_updates_per_iteration_multiply_the_steps_and_a_run_that_cannot_hold_its_devices_is_refused():
     from baige_ray.rl.config import GRPOConfig
-    from baige_ray.rl.placement import check_devices
+    from baige_ray.rl.placement import check_devices, check_off_policy
     from baige_ray.rl.trainer import RolloutOptions
 
     assert GRPOConfig(num_iterations=5, prompts_per_iteration=2, updates_per_iteration=3).num_steps == 15
@@ -145,6 +147,10 @@ def test_updates_per_iteration_multiply_the_steps_and_a_run_that_cannot_hold_its
     with pytest.raises(ValueError, match="RolloutOptions.reference_device_share"):
         RolloutOptions(reference_device_share=1.5)
     check_devices({"rollout replicas": 1.5, "training workers": 2.0, "the reference policy": 0.5}, 4.0)
+    check_off_policy(1, "split", sized=False)
+    for placement, sized in (("colocated", False), ("split", True)):
+        with pytest.raises(ValueError, match="GRPOConfig.off_policy_lag=1 is invalid with placement"):
+            check_off_policy(1, placement, sized=sized)
     check_devices({"rollout replicas": 2.0, "training workers": 4.0}, 0.0)  # CPUs only: every part shares them
     with pytest.raises(ValueError, match=r"needs 5 devices \(rollout replicas 2, training workers 2, the reference "
                                          r"policy 1\) and the pool has 4"):
