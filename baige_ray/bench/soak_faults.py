@@ -13,9 +13,9 @@ process or node hit). How the job noticed and recovered is read afterwards from 
   recovered at its first decision after that.
 - node_loss: the simulated worker node stopped (every process on it dies at once, workers and
   replicas alike) and started again `NODE_DOWN_S` later; the job shrinks, then grows back.
-- checkpoint_corrupt: every worker SIGKILLed and the newest persisted checkpoint's largest file damaged
-  in the middle (size unchanged), so the job must restore from disk and meets the damage: it has to
-  skip that checkpoint (its checksum) and restore the one before.
+- checkpoint_corrupt: the newest persisted checkpoint's largest file damaged in the middle (size
+  unchanged) as it commits, then every worker SIGKILLed, so the job must restore from disk and meets
+  the damage: it has to skip that checkpoint (its checksum) and restore the one before.
 - checkpoint_disk_full: the checkpoints' volume (a tmpfs of its own, `checkpoint_volume`) filled to the
   last byte for `DISK_FULL_S`, then freed; the job trains on, records each checkpoint that failed, and
   persists again once there is room. Without the right to mount (not root) it is not injected.
@@ -44,6 +44,7 @@ STRAGGLER_LIMIT_S = 90.0
 WORKERS_WAIT_S = 120.0
 DISK_FULL_S = 20.0  # a checkpoint is due every 2-3 s in the soak: several fail
 DISK_FULL_MAX_S = 90.0
+COMMIT_WAIT_S = 30.0  # a checkpoint commits every 1-3 s in the soak
 VOLUME_SIZE = "128m"  # the checkpoints' tmpfs: a tiny model's few checkpoints take a few MB
 FILLER_NAME = "soak-filler.bin"
 
@@ -211,18 +212,32 @@ class FaultInjector:
     # ----- a checkpoint -----
 
     def _corrupt_checkpoint(self, fault: ScheduledFault) -> dict[str, Any]:
-        from baige_ray.checkpoint.store import list_checkpoints
-
+        """Damage the newest persisted checkpoint just as it commits, then kill every worker: no write is in
+        flight then (the next is due 25 steps later) that could land a newer, intact one before the job
+        restores (a checkpoint written beside training commits after its workers died)."""
+        committed = self._next_commit()
         pids = self._worker_pids()
+        if not committed:
+            return {"kind": fault.kind, "at": time.time(), "pids": pids, "corrupted_step": None}
+        step, path = committed[-1]
+        damaged = damage_largest_file(path)
         at = time.time()
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
-        committed = list_checkpoints(self.checkpoints)
-        if not committed:
-            return {"kind": fault.kind, "at": at, "pids": pids, "corrupted_step": None}
-        step, path = committed[-1]
-        damaged = damage_largest_file(path)
         return {"kind": fault.kind, "at": at, "pids": pids, "corrupted_step": step, "damaged": str(damaged)}
+
+    def _next_commit(self) -> list:
+        """The committed checkpoints once one more has committed (or COMMIT_WAIT_S has passed)."""
+        from baige_ray.checkpoint.store import list_checkpoints
+
+        def newest() -> int | None:
+            committed = list_checkpoints(self.checkpoints)
+            return committed[-1][0] if committed else None
+
+        before, deadline = newest(), time.monotonic() + COMMIT_WAIT_S
+        while newest() == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return list_checkpoints(self.checkpoints)
 
     def _fill_checkpoint_disk(self, fault: ScheduledFault) -> dict[str, Any]:
         at = time.time()
