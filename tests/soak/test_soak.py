@@ -1,7 +1,7 @@
-"""`bench soak --minutes 3` under #33's bounds: `make test`'s last stage (`make test-soak` alone).
+"""`bench soak --minutes 3` under #33's bounds (`make test-soak`; meant as CI's stage after `make test`).
 
 Cluster tier: the soak opens the simulated 2 x 4 cluster itself, so it runs in a pytest process of its
-own after the suite, outside the suite's shared sessions (it takes about 7 minutes).
+own, outside the suite's shared sessions (it takes about 7 minutes).
 Every fault kind comes once; the bounds are #33's, except memory growth, which a 3-minute window
 cannot judge (a 30-minute soak does) and is only held to a leak's size here."""
 
