@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from baige_ray.bench.measure import report_stage
-from baige_ray.bench.soak_faults import FaultInjector, checkpoint_volume, persist_failed
+from baige_ray.bench.soak_faults import FaultInjector, checkpoint_volume, persist_failed, process_alive
 from baige_ray.bench.soak_memory import memory_growth
 from baige_ray.bench.soak_schedule import FAULT_KINDS, ScheduledFault, fault_schedule, spiky_rates
 
@@ -51,8 +51,8 @@ FOLLOWED_BY_THE_INJECTOR = ("replica_kill", "arbiter_kill")  # not through the j
 PROCESS_FAULTS = ("worker_kill", "worker_freeze", "straggler", "controller_kill")  # at most 1 step each
 MEMORY_EVERY_S = 10.0
 SEGMENT_S = 20.0  # the load's rate changes (a spike or not) at this period
-# A spike's requests wait for the lend it prompts (20-30 s here) instead of being shed with 503 once 256
-# queue (Serve's own default queues without a bound): a spike of 20 s at up to 100 requests/s.
+# A spike's requests wait for the lend it prompts (14-28 s here) instead of being shed with 503 once 256
+# are queued (serve's default; Serve's own queues without a bound): a 20-s spike at up to 100 requests/s.
 SPIKE_QUEUE = 2048
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
@@ -264,12 +264,9 @@ class _MemorySampler:
 
 def _still_alive(pids: set[int], wait_s: float = 15.0) -> list[int]:
     """The processes among `pids` still alive `wait_s` after the cluster shut down."""
-    import psutil
-
     deadline = time.monotonic() + wait_s
     while True:
-        alive = [pid for pid in sorted(pids) if psutil.pid_exists(pid)
-                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        alive = [pid for pid in sorted(pids) if process_alive(pid)]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.5)

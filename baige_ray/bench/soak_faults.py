@@ -82,7 +82,7 @@ class FaultInjector:
         """The job's live workers (as its status describes them); while it has none (still restoring from
         an earlier fault), the fault waits for them: a worker fault needs a worker to hit."""
         deadline = time.monotonic() + WORKERS_WAIT_S
-        while not (workers := [w for w in self.job.status()["workers"] if _alive(w["pid"])]):
+        while not (workers := [w for w in self.job.status()["workers"] if process_alive(w["pid"])]):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the job had no live worker for {WORKERS_WAIT_S:g} s")
             time.sleep(0.25)
@@ -307,9 +307,9 @@ def damage_largest_file(checkpoint: Path, length: int = 64) -> Path:
     return largest
 
 
-def _alive(pid: int | None) -> bool:
-    """Whether `pid` is a running process: while the job recovers, its status still lists the members of
-    the generation that last formed, the dead among them (a node loss then would hit none of its workers)."""
+def process_alive(pid: int | None) -> bool:
+    """Whether `pid` is a running process, not a zombie. While a job recovers, its status still lists the
+    members of the generation that last formed, the dead among them (a node loss would hit none of those)."""
     import psutil
 
     try:
