@@ -308,6 +308,7 @@ def _summary(soak: dict[str, Any], clean_losses: dict[int, float], args) -> dict
         "loss_max_rel_diff": max(abs(soak["losses"][s] - clean_losses[s]) / abs(clean_losses[s]) for s in common),
         "rss_growth": max(growth.values(), default=0.0), "rss_growth_per_process": growth,
         "rss_window_s": [soak["memory"]["from_s"], soak["memory"]["to_s"]],
+        "rss_timeline_mib": soak["memory"]["timeline_mib"],
         "left_behind": soak["left_behind"], "replica_capacity": round(soak["replica_capacity"], 2),
         "spike_rate": round(soak["spike_rate"], 2), "lends_s": soak["lends"], "reclaims_s": soak["reclaims"],
         "faults": soak["faults"], "not_injected": soak["not_injected"],

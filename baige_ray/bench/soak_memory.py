@@ -27,7 +27,25 @@ def memory_growth(samples: list[Sample], from_s: float) -> dict[str, Any]:
                         if pid in rss and _settled(samples, pid, i, worker=name == WORKER_CLASS)), None)
         if settled and pid in last_rss:
             grown[f"{name}:{pid}"] = (last_rss[pid][1] - settled) / settled
-    return {"from_s": round(samples[first][0], 1), "to_s": round(samples[-1][0], 1), "growth": grown}
+    return {"from_s": round(samples[first][0], 1), "to_s": round(samples[-1][0], 1), "growth": grown,
+            "timeline_mib": timeline(samples, [int(key.rsplit(":", 1)[1]) for key in grown])}
+
+
+def timeline(samples: list[Sample], pids: list[int], every_s: float = 60.0) -> dict[str, list[float]]:
+    """Each of `pids`' resident memory in MiB about every `every_s` seconds, "class:pid" -> values (None
+    where the process was not alive), so a growth shows whether it levels off or keeps climbing."""
+    picked, next_at = [], 0.0
+    for sample in samples:
+        if sample[0] >= next_at:
+            picked.append(sample)
+            next_at = sample[0] + every_s
+    if samples and picked[-1] is not samples[-1]:
+        picked.append(samples[-1])
+    out = {}
+    for pid in pids:
+        name = next(rss[pid][0] for _, rss, _ in samples if pid in rss)
+        out[f"{name}:{pid}"] = [round(rss[pid][1] / (1 << 20), 1) if pid in rss else None for _, rss, _ in picked]
+    return out
 
 
 def _settled(samples: list[Sample], pid: int, index: int, *, worker: bool) -> bool:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from baige_ray.bench.soak_memory import memory_growth
+from baige_ray.bench.soak_memory import memory_growth, timeline
 
 MB = 1 << 20
 
@@ -28,3 +28,10 @@ def test_a_leak_shows_and_a_restarted_controller_counts_from_when_it_settled():
     assert growth["ServingRegistry:1"] == pytest.approx(0.2)
     assert growth["ElasticController:2"] == 0.0  # counted from 110 s: alive 60 s by then
     assert growth["ElasticWorkerActor:3"] == 0.0  # counted from 90 s: a member one sample since
+
+
+def test_the_timeline_samples_each_process_about_every_minute_with_gaps_where_it_was_not_alive():
+    series = {1: ("ProxyActor", {0: 100 * MB, 120: 110 * MB}), 2: ("ElasticController", {100: 50 * MB})}
+    samples = samples_every_10s(series, {}, 150)
+    assert timeline(samples, [1, 2]) == {"ProxyActor:1": [100.0, 100.0, 110.0, 110.0],
+                                         "ElasticController:2": [None, None, 50.0, 50.0]}
