@@ -40,6 +40,10 @@ from baige_ray.runtime.resources import choose_device_resource
 
 CONTROLLER_THREADS = {"max_concurrency": 1, "concurrency_groups": {"loop": 1, "control": 4}}
 HARVEST_START_TIMEOUT_S = 60.0  # a harvest rank not up by then found no device share free
+# Ray restarts a dead controller without limit (a job of weeks meets many head-node faults); one that keeps
+# dying soon after its restart is broken, not faulted: more than this many restarts within the window fail it.
+CRASH_LOOP_RESTARTS = 5
+CRASH_LOOP_WINDOW_S = 600.0
 GATE_WAIT_S = 0.5  # a loop held by steps_allowed looks at growth this often when no command comes
 
 
@@ -122,6 +126,11 @@ class ElasticController:
         restarted = self.was_restarted()
         self.accounts.open(self.run_config.run_dir / "steps.jsonl", resume=restarted)
         if restarted:
+            restarts = self.crew.record.note_restart(time.time(), CRASH_LOOP_WINDOW_S)
+            if restarts > CRASH_LOOP_RESTARTS:
+                self.pool.stop_strays(set())  # the workers its predecessors led: no controller will lead them
+                return Phase.FAILED, (f"the controller restarted {restarts} times within {CRASH_LOOP_WINDOW_S:g} s: "
+                                      "a crash loop, not a fault recovery can mend (its log says why it died)")
             return self.recovery.resume_after_restart()
         if self.crew.planner is not None:
             self.events.record("plan", "the planner lays out the devices the workers get", valid_sizes=list(self.sizes))

@@ -329,6 +329,8 @@ class ElasticWorkerActor(WorkerActor):
         try:
             metrics = engine.train_step(step)
             metrics.update(self._group_totals(metrics))
+            if "policy_samples" in metrics:
+                metrics["policy_samples"] = self._whole_batch(metrics["policy_samples"], engine.job.train.global_batch_size)
         except BaseException as error:
             self._failed_generation = self.group.membership.generation
             if not isinstance(error, Exception):
@@ -353,6 +355,16 @@ class ElasticWorkerActor(WorkerActor):
                               dtype=torch.float64, device=self._device())
         all_reduce_abortable(totals)
         return {"group_loss": float(totals[0] / totals[1]), "group_tokens": int(totals[2])}
+
+    def _whole_batch(self, report: dict, batch_size: int) -> dict:
+        """A report of samples drawn from the policy (PolicySamples) with every rank's rewards, each at its
+        sample's place in the batch (each rank scored the samples it trains): any one survivor then reports
+        a step whose other results died with a lost worker, as `_group_totals` does for the loss."""
+        rewards = torch.zeros(batch_size, dtype=torch.float64, device=self._device())
+        rewards[torch.tensor(report["positions"], dtype=torch.long)] = torch.tensor(report["rewards"],
+                                                                                  dtype=torch.float64)
+        all_reduce_abortable(rewards)
+        return {**{k: v for k, v in report.items() if k != "positions"}, "rewards": rewards.cpu().tolist()}
 
     @ray.method(concurrency_group="control")
     def recent_metrics(self) -> list[dict]:

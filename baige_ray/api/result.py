@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from baige_ray.api.device import DeviceInfo
 
@@ -20,6 +21,10 @@ class StepMetrics:
     peak_host_memory_gb: float = 0.0  # the largest worker's peak resident memory so far
     peak_device_memory_gb: float = 0.0  # the largest worker's peak allocated accelerator memory (0 on CPU)
     snapshot_stall_s: float = 0.0  # the longest a worker's step waited for its in-memory snapshot (launch)
+    finished_at: float | None = None  # wall clock (time.time()) when the step's results were in (launch)
+    # Samples the ranks drew from the policy (models.plugin.PolicySamples, GRPO's rollouts on the training
+    # ranks): their reports joined, e.g. {"rewards": [...], "rollout_s": ..., "scoring_s": ...}.
+    policy_samples: dict[str, Any] | None = None
 
     @property
     def tokens_per_s(self) -> float:

@@ -9,6 +9,8 @@ a tiny Llama with a tokenizer trained here on local text and the task's lines, f
   2-worker elastic job, `--iterations` iterations: reward per iteration, each phase's seconds.
 * The same run with a trainer worker SIGKILLed (FaultPlan) and a rollout replica SIGKILLed mid-batch
   (RolloutFaultPlan): every iteration must complete and the reward curve equal the fault-free one.
+  `--placement hybrid` (the workers sample from their own weights, rl/hybrid.py; no replicas): a worker
+  killed mid-run and another as the next iteration's step, and so its rollout, begins.
 * Refit: the policy's weights into a running replica from memory (`reload_weights` of an object ref)
   against through a checkpoint (written as a Hugging Face directory, then reloaded from it), for the tiny
   policy and for a Qwen2.5-0.5B-sized one (bench/rl_refit.py; `refit_vs_checkpoint` is that one's).
@@ -52,8 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--hidden-size", type=int, default=64, help="the policy's width (a multiple of 32)")
     parser.add_argument("--num-layers", type=int, default=2, help="the policy's layers")
-    parser.add_argument("--placement", choices=("split", "colocated"), default="split",
-                        help="replicas and workers on devices of their own, or each device one of each in turns")
+    parser.add_argument("--placement", choices=("split", "colocated", "hybrid"), default="split",
+                        help="replicas and workers on devices of their own, each device one of each in turns, "
+                             "or the workers sampling from their own weights")
     parser.add_argument("--kl-coef", type=float, default=0.0, help="a KL penalty to the starting weights")
     parser.add_argument("--updates-per-iteration", type=int, default=1)
     parser.add_argument("--off-policy-lag", type=int, choices=(0, 1), default=0,
@@ -96,7 +99,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     large = None if args.no_large_refit else large_refit(model_dir, work)
     report_stage(args, "TRL GRPOTrainer", 4, 5)
     peer = None if args.no_peer else _trl(args, model_dir, prompts, iterations, work)
-    return _summary(clean, faulted, refit, large, peer)
+    return {"placement": args.placement, **_summary(clean, faulted, refit, large, peer)}
 
 
 def _make_policy(work: Path, shape: dict[str, int]) -> Path:
@@ -131,10 +134,12 @@ def _grpo(args, model_dir: Path, prompts: list[str], iterations: int, work: Path
     from baige_ray.rl.trainer import GRPOTrainer, RolloutOptions
 
     options = {}
-    if faults:  # the trainer mid-run, a replica the iteration after
+    hybrid, colocated = args.placement == "hybrid", args.placement == "colocated"
+    if faults and hybrid:  # the workers sample: one killed mid-run, another as the next iteration begins
+        options = dict(faults=FaultPlan().crash(rank=1, step=iterations // 2).crash(rank=0, step=iterations // 2 + 1))
+    elif faults:  # the trainer mid-run, a replica the iteration after
         options = dict(faults=FaultPlan().crash(rank=1, step=iterations // 2),
                        rollout_faults=RolloutFaultPlan().kill_replica(iteration=iterations // 2 + 1))
-    colocated = args.placement == "colocated"
     trainer = GRPOTrainer(
         HFModel(model_dir, seq_len=SEQ_LEN), prompts=prompts, reward=arithmetic_reward,
         config=GRPOConfig(num_iterations=iterations, prompts_per_iteration=args.prompts_per_iteration,
@@ -145,10 +150,10 @@ def _grpo(args, model_dir: Path, prompts: list[str], iterations: int, work: Path
         scaling=ScalingConfig(num_workers=2, placement_timeout_s=180),
         run=RunConfig(name=name, storage_path=work / "runs", show_progress=False),
         elastic=ElasticConfig(num_spares=0 if colocated else 1),
-        rollout=RolloutOptions(num_replicas=2, port=8017, placement=args.placement), **options)
+        rollout=RolloutOptions(num_replicas=1 if hybrid else 2, port=8017, placement=args.placement), **options)
     result = trainer.train()
     if faults:
-        result.fired = options["rollout_faults"].fired
+        result.fired = options["rollout_faults"].fired if "rollout_faults" in options else []
     return result
 
 

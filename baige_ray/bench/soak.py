@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report_stage(args, "soak: training, serving and faults", 0, 2)
         soak = _soak(args, model, data, work, schedule, duration_s, seen_pids, own_volume)
         report_stage(args, "the fault-free run of the same steps", 1, 2)
-        clean = _train(model, data, work, "soak-fault-free", soak["steps_done"]).wait()
+        clean = _fault_free(model, data, work, soak["steps_done"])
     soak["left_behind"] = _still_alive(seen_pids)
     return _summary(soak, {m.step: m.loss for m in clean.metrics}, args)
 
@@ -100,15 +100,27 @@ def _train_config(num_steps: int):
                        warmup_steps=10, seed=0)
 
 
-def _train(model, data, work: Path, name: str, num_steps: int, faulted: bool = False):
+def _elastic_job(model, data, work: Path, name: str):
+    """The soak's job: elastic, a warm spare, a checkpoint persisted every 25 steps; it trains until stopped."""
     from baige_ray.api.configs import RunConfig, ScalingConfig
     from baige_ray.api.elastic import ElasticConfig
     from baige_ray.jobs.launch import launch
 
-    elastic = ElasticConfig(num_spares=1, min_workers=2, max_recoveries=10_000) if not faulted else ElasticConfig(
-        num_spares=1, min_workers=2, max_recoveries=10_000, persist_every=25, persist_path=work / "checkpoints")
-    return launch(model, data=data, train=_train_config(num_steps), scaling=ScalingConfig(num_workers=NUM_WORKERS),
+    elastic = ElasticConfig(num_spares=1, min_workers=2, max_recoveries=10_000, persist_every=25,
+                            persist_path=work / "checkpoints")
+    return launch(model, data=data, train=_train_config(1_000_000), scaling=ScalingConfig(num_workers=NUM_WORKERS),
                   run=RunConfig(name=name, storage_path=work / "runs", show_progress=False), elastic=elastic)
+
+
+def _fault_free(model, data, work: Path, num_steps: int):
+    """The same steps on as many workers in the same layout, without faults, serving or snapshots: `fit`,
+    whose workers run several steps per call (the elastic job's controller calls each step and copies a
+    snapshot after it, about twice the time here)."""
+    from baige_ray.api.configs import RunConfig, ScalingConfig
+    from baige_ray.jobs.fit import fit
+
+    return fit(model, data=data, train=_train_config(num_steps), scaling=ScalingConfig(num_workers=NUM_WORKERS),
+               run=RunConfig(name="soak-fault-free", storage_path=work / "runs", show_progress=False))
 
 
 def _soak(args, model, data, work: Path, schedule: list[ScheduledFault], duration_s: float,
@@ -121,7 +133,7 @@ def _soak(args, model, data, work: Path, schedule: list[ScheduledFault], duratio
 
     info = serve(model.path, model_config=model, name="soak", num_replicas=NUM_REPLICAS, port=8019,
                  max_queued_requests=SPIKE_QUEUE)
-    job = _train(model, data, work, RUN_NAME, 1_000_000, faulted=True)
+    job = _elastic_job(model, data, work, RUN_NAME)
     arbiter = None
     try:
         job.wait_for_step(3, 300.0)  # the workers are up and stepping

@@ -89,11 +89,13 @@ class StepAccounts:
                stages: list[int]) -> None:
         """Step `step` ended after `seconds`; `places` are each rank's (node, device), `stages` its pipeline stage."""
         experts = self._record_expert_load(per_rank, stages) if "expert_tokens" in per_rank[0] else {}
-        self.log.append({**experts,
+        drawn = {"policy_samples": joined_reports(per_rank)} if "policy_samples" in per_rank[0] else {}
+        self.log.append({**experts, **drawn,
             "step": step,
             "loss": per_rank[0]["group_loss"],
             "learning_rate": per_rank[0]["learning_rate"],
             "step_time_s": seconds,
+            "finished_at": time.time(),
             "tokens": per_rank[0]["group_tokens"],
             "num_workers": len(per_rank),
             "snapshot_stall_s": max(m["snapshot_stall_s"] for m in per_rank),
@@ -114,7 +116,8 @@ class StepAccounts:
         reported = [m for m in per_rank if m is not None and m.get("step") == step]
         if not reported:
             return
-        self.log.append({
+        drawn = {"policy_samples": joined_reports(reported)} if "policy_samples" in reported[0] else {}
+        self.log.append({**drawn,
             "step": step,
             "loss": reported[0]["group_loss"],
             "learning_rate": reported[0]["learning_rate"],
@@ -174,3 +177,11 @@ class StepAccounts:
     def close(self) -> None:
         if self.log is not None:
             self.log.close()
+
+
+def joined_reports(per_rank: list[dict]) -> dict:
+    """The ranks' reports of samples drawn from the policy as one: each holds the whole batch's rewards
+    already (the workers gather them), the seconds are the slowest rank's."""
+    reports = [m["policy_samples"] for m in per_rank]
+    return {key: value if isinstance(value, list) else max(report[key] for report in reports)
+            for key, value in reports[0].items()}

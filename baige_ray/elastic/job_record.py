@@ -72,5 +72,15 @@ class JobRecord:
                         for name, speed, share in zip(record["workers"], record["speeds"], shares))
         return SavedJob(members=members, layout=layout, generation=record["generation"])
 
+    def note_restart(self, now: float, window_s: float) -> int:
+        """Record a controller restart at `now` (wall clock); how many restarts the last `window_s` saw,
+        this one included."""
+        key = f"{self.key}:restarts"
+        raw = self.store.get(key)
+        recent = [t for t in (json.loads(raw) if raw is not None else []) if now - t < window_s] + [now]
+        self.store.put(key, json.dumps(recent))
+        return len(recent)
+
     def delete(self) -> None:
         self.store.delete(self.key)
+        self.store.delete(f"{self.key}:restarts")

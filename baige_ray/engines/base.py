@@ -12,7 +12,7 @@ from torch import nn
 
 from baige_ray.engines.host_allocator import give_back_under_pressure
 from baige_ray.engines.train_job import TrainJob, learning_rate_at, replica_sample_range
-from baige_ray.models.plugin import SampleSource, stage_ranges
+from baige_ray.models.plugin import PolicySamples, SampleSource, stage_ranges
 from baige_ray.parallel.layout import ParallelLayout, RankCoords
 from baige_ray.parallel.state import CanonicalState
 
@@ -121,7 +121,7 @@ class Engine(ABC):
         *,
         device: str = "cpu",
         emulated_speed: float = 1.0,
-        data: SampleSource | None = None,
+        data: SampleSource | PolicySamples | None = None,
     ):
         self.job = job
         self.plugin = job.plugin
@@ -136,6 +136,7 @@ class Engine(ABC):
         self.before_update_hooks: list[Callable[[], None]] = []
         self.emulators: list[SlowChipEmulator] = []
         self.expert_layers: list[nn.Module] = []  # the MoE layers this rank holds (set by engines that run them)
+        self._policy_decoder = None  # PolicySamples' decoder over this rank's module, made at its first draw
 
     def train_step(self, step: int) -> dict:
         for emulator in self.emulators:
@@ -162,6 +163,8 @@ class Engine(ABC):
         }
         if self.expert_layers:
             metrics.update(self.take_expert_traffic())
+        if isinstance(self.data, PolicySamples):
+            metrics["policy_samples"] = self.data.report(step)
         return metrics
 
     def take_expert_traffic(self) -> dict:
@@ -178,7 +181,28 @@ class Engine(ABC):
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         indices = replica_sample_range(step, self.coords.dp, self.replica_batches)
+        if isinstance(self.data, PolicySamples):
+            return self._draw_from_policy(step, indices)
         return self.data.batch(indices, self.job.train.seed)
+
+    def _draw_from_policy(self, step: int, indices: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """PolicySamples' samples, drawn by this rank's own weights in eval mode (no dropout), which
+        the training step then updates in place."""
+        stage = self.policy_stage()
+        if self._policy_decoder is None:
+            self._policy_decoder = self.plugin.policy_decoder(stage)
+        training = stage.training
+        stage.eval()
+        try:
+            return self.data.policy_batch(self._policy_decoder, step, indices, self.job.train.seed)
+        finally:
+            stage.train(training)
+
+    def policy_stage(self) -> nn.Module:
+        """The module of the whole model this rank trains, for samples drawn from the policy: only where
+        each rank holds all of it (PolicySamples)."""
+        raise ValueError(f"the {type(self).__name__} cannot draw samples from the policy it trains: expected the "
+                         "torch engine with data parallelism by DDP (or one rank)")
 
     def build_stages(self) -> list[nn.Module]:
         """The pipeline stages this rank holds (the whole model without pipelining), canonical names kept."""

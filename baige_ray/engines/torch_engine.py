@@ -164,6 +164,14 @@ class TorchEngine(Engine):
     def module(self) -> nn.Module:
         return self._modules
 
+    def policy_stage(self) -> nn.Module:
+        layout = self.layout
+        if layout.tp > 1 or layout.pp > 1 or layout.ep > 1 or (layout.dp > 1 and layout.data_parallel != "ddp"):
+            raise ValueError(f"layout {layout.describe()} is invalid for samples drawn from the policy on the "
+                             "training ranks: each rank must hold the whole model, unsharded (data parallelism "
+                             "by DDP, or one rank)")
+        return self.stages[0]
+
     def set_learning_rate(self, learning_rate: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from baige_ray.api.configs import TrainConfig
-from baige_ray.models.plugin import ModelPlugin, ProvidedSamples, SampleSource, plugin_for
+from baige_ray.models.plugin import ModelPlugin, PolicySamples, ProvidedSamples, SampleSource, plugin_for
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -29,7 +29,8 @@ class TrainJob:
 
     `model` is any registered model config (GPTConfig, HFModel, MLPConfig, ...); `data` what its
     plug-in trains on (a CorpusConfig, a TokenDataset; None for the plug-in's default data) or samples
-    that bring their own source (`ProvidedSamples`: the rollouts a policy trainer publishes);
+    that bring their own source (`ProvidedSamples`: the rollouts a policy trainer publishes; `PolicySamples`:
+    rollouts each rank draws from its own weights);
     `objective` replaces the model's next-token loss: anything with `loss(logits, targets)` that is
     small and picklable (rl.PolicyObjective)."""
 
@@ -48,10 +49,10 @@ class TrainJob:
     def plugin(self) -> ModelPlugin:
         return plugin_for(self.model)
 
-    def open_data(self) -> SampleSource | None:
+    def open_data(self) -> SampleSource | PolicySamples | None:
         """The samples the job trains on: `data` itself where it is a sample source of its own, else what
         the model's plug-in opens from it (checked against the model there)."""
-        if isinstance(self.data, ProvidedSamples):
+        if isinstance(self.data, (ProvidedSamples, PolicySamples)):
             return self.data
         return self.plugin.open_data(self.data)
 

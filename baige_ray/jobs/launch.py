@@ -32,7 +32,9 @@ from baige_ray.topology.descriptor import ClusterDescriptor
 from baige_ray.topology.head import on_head_node
 from baige_ray.topology.simulated import SimulatedCluster
 
-CONTROLLER_RESTARTS = 3
+# Without limit: the 30-minute soak's fourth controller SIGKILL found a bound of 3 and ended the job. A
+# controller that keeps dying fails the job itself (actors/controller.py: CRASH_LOOP_RESTARTS).
+CONTROLLER_RESTARTS = -1
 logger = logging.getLogger(__name__)
 
 
@@ -96,7 +98,8 @@ class TrainingJob:
                             step_time_s=m["step_time_s"], tokens=m["tokens"],
                             peak_host_memory_gb=m.get("peak_host_memory_bytes", 0) / 1e9,
                             peak_device_memory_gb=m.get("peak_device_memory_bytes", 0) / 1e9,
-                            snapshot_stall_s=m.get("snapshot_stall_s", 0.0))
+                            snapshot_stall_s=m.get("snapshot_stall_s", 0.0),
+                            finished_at=m.get("finished_at"), policy_samples=m.get("policy_samples"))
                 for m in outcome["metrics"]
             ],
             checkpoint_path=Path(outcome["checkpoint_path"]) if outcome["checkpoint_path"] else None,

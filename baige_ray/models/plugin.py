@@ -58,6 +58,25 @@ class ProvidedSamples(ABC):
     def batch(self, indices: Sequence[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+class PolicySamples(ABC):
+    """Samples the policy being trained draws itself as each step begins (on-policy reinforcement learning
+    with the rollouts on the training ranks, rl/hybrid.py): the engine hands it a decoder over the rank's
+    own weights (`ModelPlugin.policy_decoder`), so no weights move between a trainer and an engine."""
+
+    fingerprint: str
+
+    @abstractmethod
+    def policy_batch(self, decoder: KVDecoder, step: int, indices: Sequence[int],
+                     seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The samples `indices` of step `step`, drawn from the policy `decoder` runs."""
+
+    @abstractmethod
+    def report(self, step: int) -> dict[str, Any]:
+        """What drawing step `step`'s samples on this rank found, for the step's metrics: "rewards" of the
+        samples it trains at their "positions" in the step's batch (gathered over the job into the whole
+        batch's) and seconds (the slowest rank's count)."""
+
+
 class ModelPlugin(ABC):
     """One model family as the stack sees it; `config` is the user's (small, picklable) model config."""
 
@@ -231,6 +250,11 @@ class ModelPlugin(ABC):
     def build_decoder(self, weights: dict[str, torch.Tensor]) -> KVDecoder:
         """The model with `weights` loaded, as the serving engine drives it (models/generation.py)."""
         raise ValueError(f"{self.describe()} cannot be served: it does not generate text")
+
+    def policy_decoder(self, stage: nn.Module) -> KVDecoder:
+        """A decoder over a rank's training module of the whole model (one stage, no tensor parallelism),
+        on its own parameters: what it generates follows every optimizer step, nothing copied."""
+        raise ValueError(f"{self.describe()} cannot sample from its training module: it does not generate text")
 
     def text_codec(self) -> TextCodec:
         """Between text and this model's token ids."""

@@ -133,11 +133,16 @@ class RolloutClient:
         return [[self._completion(generation) for generation in group] for group in completions]
 
     def _completion(self, generation: Generation) -> Completion:
-        tokens = list(generation.tokens)
-        if generation.finish_reason == "stop" and self.eos_token_id is not None:
-            tokens.append(self.eos_token_id)  # it stopped before its budget: it sampled end-of-text
-        log_probs = generation.log_probs
-        if log_probs is not None and len(log_probs) != len(tokens):
-            raise RuntimeError(f"a rollout replica answered {len(tokens)} tokens with {len(log_probs)} "
-                               "log-probabilities: expected one each")
-        return Completion(tokens, None if log_probs is None else list(log_probs))
+        return completion_of(generation, self.eos_token_id, source="a rollout replica")
+
+
+def completion_of(generation: Generation, eos_token_id: int | None, source: str = "the engine") -> Completion:
+    """A generation as the loss takes it: the end-of-text token it stopped at appended to its tokens."""
+    tokens = list(generation.tokens)
+    if generation.finish_reason == "stop" and eos_token_id is not None:
+        tokens.append(eos_token_id)  # it stopped before its budget: it sampled end-of-text
+    log_probs = generation.log_probs
+    if log_probs is not None and len(log_probs) != len(tokens):
+        raise RuntimeError(f"{source} answered {len(tokens)} tokens with {len(log_probs)} "
+                           "log-probabilities: expected one each")
+    return Completion(tokens, None if log_probs is None else list(log_probs))

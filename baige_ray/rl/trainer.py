@@ -11,6 +11,9 @@ Each iteration t:
   4. refit: the job's newest in-memory snapshot (step t) loaded into every rollout replica in place
      (`reload_weights`), which waits until each has swapped; a sync that stalls is retried once, then
      the run fails with the replicas still behind.
+Placement "hybrid" has no replicas: the job's own workers sample, score and train in each step
+(rl/hybrid.py), nothing gates its steps and nothing is refit.
+
 The rollout of t + 1 needs the weights of step t: the phases run in turn, unless `off_policy_lag` is 1:
 then the rollout of t + 1 runs while step t trains, from the weights of step t - 1, and the refit of step
 t's weights follows them both (before step t + 1 may change the snapshot it reads). Placement "split": the
@@ -31,7 +34,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -45,11 +48,13 @@ from baige_ray.api.validation import require_choice, require_int, require_number
 from baige_ray.models.policy_loss import group_advantages
 from baige_ray.rl.config import GRPOConfig
 from baige_ray.rl.faults import RolloutFaultPlan
+from baige_ray.rl.hybrid import HybridRollouts
 from baige_ray.rl.objective import PolicyObjective, pack_rollouts, packed_length
 from baige_ray.rl.placement import (
     PLACEMENTS,
     check_colocation,
     check_devices,
+    check_hybrid,
     check_off_policy,
     device_shares,
     devices_needed,
@@ -58,6 +63,7 @@ from baige_ray.rl.placement import (
 from baige_ray.rl.rollout_source import RolloutSource, start_board
 from baige_ray.rl.reference import start_reference
 from baige_ray.rl.rollouts import BusyReplicas, Completion, RolloutClient, RolloutGroup
+from baige_ray.rl.scoring import Reward, score
 from baige_ray.rl.split_sizing import (
     ServeReplicas,
     SplitMove,
@@ -69,7 +75,6 @@ from baige_ray.rl.split_sizing import (
 from baige_ray.serving.causal_lm_generation import SamplingParams
 
 logger = logging.getLogger(__name__)
-Reward = Callable[[str, str], float]
 STEP_WAIT_S = 30.0  # one long poll of the job; a step (or its recovery) may take longer: it asks again
 SNAPSHOT_POLL_S = 0.05  # a snapshot is copied just after its step; each look assembles the whole model: not faster
 
@@ -82,7 +87,8 @@ class RolloutOptions:
 
     `placement` "colocated" puts one replica and one training worker on each device, taking turns
     (as many replicas as workers, no spares, the built-in engine: vLLM's sleep mode is not wired in);
-    it sets the shares itself. `sizing` (split only) moves devices between the replicas and the workers
+    it sets the shares itself. "hybrid" starts no replicas: each training worker samples from its own
+    weights as a step begins (rl/hybrid.py; `num_replicas` stays 1, the built-in engine). `sizing` (split only) moves devices between the replicas and the workers
     as the phases' measured times show one of them holds the iteration up (rl/split_sizing.py)."""
 
     num_replicas: int = 1
@@ -175,6 +181,9 @@ class GRPOTrainer:
         check_colocation(self.rollout.placement, num_replicas=self.rollout.num_replicas,
                          num_workers=self.scaling.num_workers, num_spares=num_spares)
         check_off_policy(config.off_policy_lag, self.rollout.placement, sized=self.rollout.sizing is not None)
+        check_hybrid(self.rollout.placement, num_replicas=self.rollout.num_replicas, engine=self.rollout.engine,
+                     updates_per_iteration=config.updates_per_iteration, kl_coef=config.loss.kl_coef,
+                     layout=layout, rollout_faults=rollout_faults)
         if config.group_size > self.rollout.max_batch_size:
             raise ValueError(f"GRPOConfig.group_size={config.group_size} is invalid with RolloutOptions.max_batch_size="
                              f"{self.rollout.max_batch_size}: a group is decoded in one replica's batch")
@@ -208,6 +217,8 @@ class GRPOTrainer:
         if not ray.is_initialized():  # RAY_ADDRESS's cluster, or a local one, as launch and serve join it
             connect_ray(logging_level=logging.WARNING)
         check_devices(self._needed, ray.cluster_resources().get("GPU", 0.0))
+        if self.rollout.placement == "hybrid":
+            return self._train_hybrid()
         name = f"{self.run.name}-rollouts"  # its own route: other applications may hold "/"
         info = serve(self.model.path, model_config=self.model, name=name, route_prefix=f"/{name}",
                      num_replicas=self.rollout.num_replicas, engine=self.rollout.engine,
@@ -269,6 +280,31 @@ class GRPOTrainer:
             record.loss = metrics.loss
         return RLResult(iterations=records, training=training, rollout_failures=failures, shared_devices=shared,
                         moves=[] if sizer is None else sizer.moves)
+
+    def _train_hybrid(self) -> RLResult:
+        """Placement "hybrid": one elastic job whose every step samples, scores and trains (rl/hybrid.py);
+        nothing gates its steps and nothing refits: each rank samples from the weights it trains."""
+        from baige_ray.jobs.launch import launch
+
+        source = HybridRollouts(run_name=self.run.name, prompts=self.prompts, prompt_tokens=self.prompt_tokens,
+                                reward=self.reward, config=self.config,
+                                tokenizer_path=str(self.model.tokenizer or self.model.path),
+                                trust_remote_code=self.model.trust_remote_code,
+                                eos_token_id=self.tokenizer.eos_token_id, pad_id=self.pad_id,
+                                seq_len=self.model.seq_len, max_batch_size=self.rollout.max_batch_size,
+                                groups_per_batch=-(-self.config.prompts_per_iteration // self.scaling.num_workers))
+        job = launch(self.model, data=source, objective=PolicyObjective(loss_config=self.config.loss),
+                     train=self._train_config(),
+                     scaling=dataclasses.replace(self.scaling, device_share=self.shares.worker),
+                     run=dataclasses.replace(self.run, show_progress=False), elastic=self.elastic,
+                     layout=self.layout or "ddp", faults=self.faults)
+        try:
+            training, job = job.wait(), None
+        finally:
+            if job is not None:
+                job.kill()
+        return RLResult(iterations=hybrid_records(training.metrics), training=training,
+                        rollout_failures=[])
 
     def _split_sizer(self, job) -> SplitSizer:
         spares = (self.elastic or ElasticConfig()).num_spares
@@ -371,15 +407,8 @@ class GRPOTrainer:
                                                         [len(p) for p in prompts]))
 
     def _score(self, prompts: list[int], completions: list[list[int]]) -> list[float]:
-        rewards = []
-        for index, completion in enumerate(completions):
-            prompt = self.prompts[prompts[index // self.config.group_size]]
-            text = self.tokenizer.decode(completion, skip_special_tokens=True)
-            value = self.reward(prompt, text)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"reward({prompt!r}, {text!r}) returned {value!r}: expected a finite number")
-            rewards.append(float(value))
-        return rewards
+        texts = [self.prompts[prompts[index // self.config.group_size]] for index in range(len(completions))]
+        return score(self.reward, texts, completions, self.tokenizer)
 
     # ----- the training side -----
 
@@ -423,3 +452,24 @@ class GRPOTrainer:
             self._wait_for_steps(job, step + 1)  # raises if the job ended meanwhile
             time.sleep(SNAPSHOT_POLL_S)
 
+
+def hybrid_records(metrics: Sequence[Any]) -> list[IterationRecord]:
+    """A hybrid run's iterations from its steps' metrics (one step each): the phases the ranks reported
+    (the slowest rank's), training the rest of the step, no refit (the weights sampled are those trained),
+    and the period from the step before's results to this one's."""
+    records, previous = [], None
+    for step in sorted({m.step: m for m in metrics}.values(), key=lambda m: m.step):  # a redone step: its last
+        drawn = step.policy_samples
+        records.append(IterationRecord(
+            iteration=step.step, rewards=list(drawn["rewards"]), rollout_s=drawn["rollout_s"],
+            scoring_s=drawn["scoring_s"], training_s=step.step_time_s - drawn["rollout_s"] - drawn["scoring_s"],
+            refit_s=0.0, loss=step.loss,
+            period_s=_seconds_between(previous, step)))
+        previous = step
+    return records
+
+
+def _seconds_between(earlier: Any, later: Any) -> float:
+    if earlier is None or earlier.finished_at is None or later.finished_at is None:
+        return math.nan  # the first step, or one whose results died with a worker (its time is unknown)
+    return later.finished_at - earlier.finished_at

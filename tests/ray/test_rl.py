@@ -43,7 +43,8 @@ def run(tiny, tmp_path, name: str, placement: str = "split", config: GRPOConfig 
                           scaling=ScalingConfig(num_workers=2, placement_timeout_s=120),
                           run=RunConfig(name=name, storage_path=tmp_path, show_progress=False),
                           elastic=ElasticConfig(num_spares=0, min_workers=1),
-                          rollout=RolloutOptions(num_replicas=2, port=free_port(), device_share=0.75,
+                          rollout=RolloutOptions(num_replicas=1 if placement == "hybrid" else 2, port=free_port(),
+                                                 device_share=0.75,
                                                  reference_device_share=0.25, placement=placement), **faults)
     return trainer.train()
 
@@ -86,6 +87,25 @@ def test_one_step_off_policy_samples_beside_training_and_a_faulted_run_matches_t
     faulted = run(tiny, tmp_path, "rl-lag-faulted", config=config, faults=FaultPlan().crash(rank=1, step=2),
                   rollout_faults=replica_faults)
     assert len(replica_faults.fired) == 1 and faulted.training.recoveries[0]["lost_steps"] <= 1
+    assert faulted.rewards == clean.rewards
+    clean_weights, faulted_weights = (ray.get(r.training.final_state)["model"] for r in (clean, faulted))
+    for name, tensor in clean_weights.items():
+        torch.testing.assert_close(faulted_weights[name], tensor, rtol=1e-5, atol=2e-5, msg=name)
+
+
+def test_hybrid_rollouts_on_the_training_ranks_survive_a_worker_killed_and_match_the_fault_free_run(tiny, tmp_path):
+    """Placement "hybrid": each worker samples its groups from its own weights as a step begins. A worker
+    killed as its step (and so its rollout) begins changes nothing: the step is redone from memory and
+    samples again what it sampled."""
+    config = GRPOConfig(num_iterations=3, prompts_per_iteration=2, group_size=4, max_new_tokens=16,
+                        learning_rate=1e-3)
+    clean = run(tiny, tmp_path, "rl-hybrid-clean", "hybrid", config=config)
+    assert [r.iteration for r in clean.iterations] == [0, 1, 2]
+    assert all(len(r.rewards) == config.batch_size and r.rollout_s > 0 and r.refit_s == 0 for r in clean.iterations)
+    assert all(r.period_s > 0 for r in clean.iterations[1:])
+    faulted = run(tiny, tmp_path, "rl-hybrid-faulted", "hybrid", config=config, faults=FaultPlan().crash(rank=1, step=1))
+    (recovery,) = faulted.training.recoveries
+    assert recovery["lost_steps"] <= 1
     assert faulted.rewards == clean.rewards
     clean_weights, faulted_weights = (ray.get(r.training.final_state)["model"] for r in (clean, faulted))
     for name, tensor in clean_weights.items():

@@ -5,6 +5,7 @@ tests keep the real workers honest; these run in well under a second each."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -348,3 +349,24 @@ def test_a_second_failure_during_recovery_keeps_the_first_failed_step(tmp_path):
     assert kinds(ctl).count("failure") == 2 and phases(ctl) == ONE_RECOVERY
     assert losses(result) == fault_free(6) and len(result["workers"]) == 2
     assert result["recoveries"][0]["resumed_step"] == 2
+
+
+def test_a_controller_restarts_as_often_as_it_is_killed_but_a_crash_loop_fails_the_job(tmp_path):
+    """The 30-minute soak's fourth controller SIGKILL ended its job (Ray's restarts were bounded at 3): a
+    controller now comes back as often as faults kill it, unless it keeps dying within minutes."""
+    from actors.controller import CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_S
+
+    def restarted_after(earlier_restarts: list[float], name: str) -> tuple[ElasticController, dict, FakeCluster]:
+        cluster, store = FakeCluster({"n0": 3}), MemoryKeyValueStore()
+        crash_controller(tmp_path / name, cluster, store, at_step=2)
+        store.put(JobRecord("fake", store).key + ":restarts", json.dumps(earlier_restarts))
+        second = controller(tmp_path / name, cluster, store=store, restarted=True)
+        return second, second.run(), cluster
+
+    now = time.time()
+    long_ago = [now - 2 * CRASH_LOOP_WINDOW_S] * 10  # faults met over weeks
+    resumed, result, _ = restarted_after(long_ago + [now - 1.0] * (CRASH_LOOP_RESTARTS - 1), "resumes")
+    assert phases(resumed) == ["recovering", "running", "finished"] and losses(result) == fault_free(6)
+    looping, result, cluster = restarted_after([now - 1.0] * CRASH_LOOP_RESTARTS, "loops")
+    assert phases(looping) == ["failed"] and "crash loop" in looping.machine.history[-1].reason
+    assert cluster.live() == []  # the workers no controller will lead are stopped

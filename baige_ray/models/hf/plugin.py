@@ -265,6 +265,14 @@ class HFPlugin(ModelPlugin):
 
         return HFDecoder(self.build_inference_model(weights), max_context=self.config.max_positions)
 
+    def policy_decoder(self, stage: nn.Module):
+        from baige_ray.models.hf.decoding import HFDecoder
+
+        causal_lm = stage.as_causal_lm()
+        if self._experts is not None:
+            causal_lm.config.output_router_logits = False  # as build_inference_model: no router loss in generation
+        return HFDecoder(causal_lm, max_context=self.config.max_positions)
+
     def text_codec(self):
         from baige_ray.models.generation import TokenizerCodec
 

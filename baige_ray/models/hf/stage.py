@@ -99,6 +99,33 @@ class DecoderStage(nn.Module):
     def layers(self) -> nn.ModuleDict:
         return getattr(self.base, self._names[2])
 
+    def as_causal_lm(self) -> nn.Module:
+        """The transformers causal LM made of this stage's own modules, where the stage holds the whole
+        model: generation with transformers' forward and cache on the training weights, nothing copied
+        (the optimizer's in-place updates show at once). Built on the meta device, then every module of
+        it replaced by the stage's; its config is a copy (generation may change it)."""
+        import copy
+
+        from transformers import AutoModelForCausalLM
+
+        prefix, embedding, layers, norm, head = self._names
+        num_layers = self.config.num_hidden_layers
+        if not (self.is_first and self.is_last) or sorted(map(int, self.layers)) != list(range(num_layers)):
+            raise ValueError(f"a stage of layers {sorted(map(int, self.layers))} is not the whole model of "
+                             f"{num_layers} layers: only a rank holding all of it generates with it")
+        with torch.device("meta"):
+            causal_lm = AutoModelForCausalLM.from_config(copy.deepcopy(self.config))
+        base = getattr(causal_lm, prefix)
+        setattr(base, embedding, getattr(self.base, embedding))
+        setattr(base, layers, nn.ModuleList(self.layers[str(i)] for i in range(num_layers)))
+        setattr(base, norm, getattr(self.base, norm))
+        base.rotary_emb = self.base.rotary_emb
+        setattr(causal_lm, head, getattr(self, head))
+        left = [name for name, tensor in [*causal_lm.named_parameters(), *causal_lm.named_buffers()] if tensor.is_meta]
+        if left:
+            raise ValueError(f"{type(causal_lm).__name__} has modules a pipeline stage does not hold: {left[:5]}")
+        return causal_lm
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _, embedding, _, norm, head = self._names
         hidden = getattr(self.base, embedding)(x) if self.is_first else x
