@@ -328,9 +328,7 @@ class ElasticWorkerActor(WorkerActor):
         failure = None
         try:
             metrics = engine.train_step(step)
-            metrics.update(self._group_totals(metrics))
-            if "policy_samples" in metrics:
-                metrics["policy_samples"] = self._whole_batch(metrics["policy_samples"], engine.job.train.global_batch_size)
+            metrics.update(self._group_totals(metrics, engine.job.train.global_batch_size))
         except BaseException as error:
             self._failed_generation = self.group.membership.generation
             if not isinstance(error, Exception):
@@ -347,24 +345,26 @@ class ElasticWorkerActor(WorkerActor):
         self._recent_metrics.append(metrics)
         return metrics
 
-    def _group_totals(self, metrics: dict) -> dict:
-        """The step's loss averaged and its tokens summed over the whole group: any one survivor then
-        reports exactly a step whose other results died with a lost worker."""
+    def _group_totals(self, metrics: dict, batch_size: int) -> dict:
+        """The step's loss averaged and its tokens summed over the whole group, and where the ranks drew
+        their samples from the policy (PolicySamples) every sample's reward at its place in the batch (each
+        rank scored those it trains): any one survivor then reports exactly a step whose other results died
+        with a lost worker. One collective for all of it."""
         has_loss = metrics["loss"] is not None
-        totals = torch.tensor([metrics["loss"] if has_loss else 0.0, float(has_loss), float(metrics["tokens"])],
-                              dtype=torch.float64, device=self._device())
+        drawn = metrics.get("policy_samples")
+        totals = torch.zeros(3 + (batch_size if drawn else 0), dtype=torch.float64)
+        totals[:3] = torch.tensor([metrics["loss"] if has_loss else 0.0, float(has_loss), float(metrics["tokens"])],
+                                  dtype=torch.float64)
+        if drawn:
+            totals[3 + torch.tensor(drawn["positions"], dtype=torch.long)] = torch.tensor(drawn["rewards"],
+                                                                                      dtype=torch.float64)
+        totals = totals.to(self._device())
         all_reduce_abortable(totals)
-        return {"group_loss": float(totals[0] / totals[1]), "group_tokens": int(totals[2])}
-
-    def _whole_batch(self, report: dict, batch_size: int) -> dict:
-        """A report of samples drawn from the policy (PolicySamples) with every rank's rewards, each at its
-        sample's place in the batch (each rank scored the samples it trains): any one survivor then reports
-        a step whose other results died with a lost worker, as `_group_totals` does for the loss."""
-        rewards = torch.zeros(batch_size, dtype=torch.float64, device=self._device())
-        rewards[torch.tensor(report["positions"], dtype=torch.long)] = torch.tensor(report["rewards"],
-                                                                                  dtype=torch.float64)
-        all_reduce_abortable(rewards)
-        return {**{k: v for k, v in report.items() if k != "positions"}, "rewards": rewards.cpu().tolist()}
+        group = {"group_loss": float(totals[0] / totals[1]), "group_tokens": int(totals[2])}
+        if drawn:
+            kept = {key: value for key, value in drawn.items() if key != "positions"}
+            group["policy_samples"] = {**kept, "rewards": totals[3:].cpu().tolist()}
+        return group
 
     @ray.method(concurrency_group="control")
     def recent_metrics(self) -> list[dict]:

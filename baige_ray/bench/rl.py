@@ -10,7 +10,7 @@ a tiny Llama with a tokenizer trained here on local text and the task's lines, f
 * The same run with a trainer worker SIGKILLed (FaultPlan) and a rollout replica SIGKILLed mid-batch
   (RolloutFaultPlan): every iteration must complete and the reward curve equal the fault-free one.
   `--placement hybrid` (the workers sample from their own weights, rl/hybrid.py; no replicas): a worker
-  killed mid-run and another as the next iteration's step, and so its rollout, begins.
+  killed mid-run and the other two iterations later, each as its step, and so its rollout, begins.
 * Refit: the policy's weights into a running replica from memory (`reload_weights` of an object ref)
   against through a checkpoint (written as a Hugging Face directory, then reloaded from it), for the tiny
   policy and for a Qwen2.5-0.5B-sized one (bench/rl_refit.py; `refit_vs_checkpoint` is that one's).
@@ -135,8 +135,11 @@ def _grpo(args, model_dir: Path, prompts: list[str], iterations: int, work: Path
 
     options = {}
     hybrid, colocated = args.placement == "hybrid", args.placement == "colocated"
-    if faults and hybrid:  # the workers sample: one killed mid-run, another as the next iteration begins
-        options = dict(faults=FaultPlan().crash(rank=1, step=iterations // 2).crash(rank=0, step=iterations // 2 + 1))
+    if faults and hybrid:  # the workers sample: one killed mid-run, the other two iterations later
+        # Two steps apart: a fault is armed as its step is queued, one step ahead, so kills at t and t + 1
+        # both land before the first is recovered from and lose every worker at once.
+        second = min(iterations - 1, iterations // 2 + 2)
+        options = dict(faults=FaultPlan().crash(rank=1, step=iterations // 2).crash(rank=0, step=second))
     elif faults:  # the trainer mid-run, a replica the iteration after
         options = dict(faults=FaultPlan().crash(rank=1, step=iterations // 2),
                        rollout_faults=RolloutFaultPlan().kill_replica(iteration=iterations // 2 + 1))

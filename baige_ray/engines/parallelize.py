@@ -94,14 +94,23 @@ def apply_ddp(stage: nn.Module, dp_group: dist.ProcessGroup, on_accelerator: boo
     when some parameter gets no gradient (DDP then needs that search), find_unused_parameters keeps the
     construction-time layout for good instead.
     """
-    device_ids = [0] if on_accelerator else None
+    options = dict(process_group=dp_group, device_ids=[0] if on_accelerator else None,
+                   broadcast_buffers=_forward_changes_buffers(stage))
     if zero_loss is None or not _every_parameter_gets_a_gradient(stage, zero_loss):
-        return DistributedDataParallel(stage, process_group=dp_group, device_ids=device_ids,
-                                       find_unused_parameters=True)
-    model = DistributedDataParallel(stage, process_group=dp_group, device_ids=device_ids)
+        return DistributedDataParallel(stage, find_unused_parameters=True, **options)
+    model = DistributedDataParallel(stage, **options)
     zero_loss(model).backward()
     stage.zero_grad(set_to_none=True)
     return model
+
+
+def _forward_changes_buffers(stage: nn.Module) -> bool:
+    """Whether `stage` has buffers kept in its state dict (batch norm's running statistics, which a forward
+    updates): DDP then broadcasts rank 0's before every forward, a collective per micro-batch. A
+    transformer's buffers are constants derived from its config and left out of the state dict (rotary
+    frequencies): equal on every rank, broadcast for nothing (a twentieth of a tiny model's step)."""
+    saved = set(stage.state_dict(keep_vars=True))
+    return any(name in saved for name, _ in stage.named_buffers())
 
 
 def _every_parameter_gets_a_gradient(stage: nn.Module, zero_loss: Callable[[nn.Module], torch.Tensor]) -> bool:

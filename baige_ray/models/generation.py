@@ -143,3 +143,27 @@ def sample_token(logits: torch.Tensor, temperature: float, generator: torch.Gene
     threshold = torch.rand((), generator=generator, dtype=torch.float64) * cumulative[-1]
     # The first token whose cumulative probability exceeds the draw: tokens of probability 0 are never it.
     return min(int(torch.searchsorted(cumulative, threshold, right=True)), scaled.shape[-1] - 1)
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, generators: list[torch.Generator],
+                  top_k: int | None = TOP_K) -> list[int]:
+    """`sample_token` for every row of `logits` ([rows, vocab]) at once, row i drawing from generators[i]:
+    the same tokens, one softmax, cumulative sum and search for the whole batch instead of one per row
+    (a decode step of a tiny model spent a fifth of its time sampling row by row)."""
+    if temperature == 0:
+        return torch.argmax(logits, dim=-1).tolist()
+    scaled = logits / temperature
+    if top_k is not None and top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    cumulative = torch.cumsum(F.softmax(scaled.double(), dim=-1), dim=-1)
+    draws = torch.stack([torch.rand((), generator=generator, dtype=torch.float64) for generator in generators])
+    thresholds = draws * cumulative[:, -1]
+    found = torch.searchsorted(cumulative, thresholds[:, None], right=True)[:, 0]
+    return found.clamp(max=scaled.shape[-1] - 1).tolist()
+
+
+def tokens_log_probs(logits: torch.Tensor, tokens: list[int]) -> list[float]:
+    """`token_log_prob` of tokens[i] under row i of `logits`, for every row at once."""
+    chosen = torch.tensor(tokens, dtype=torch.long)[:, None]
+    return F.log_softmax(logits.float(), dim=-1).gather(-1, chosen)[:, 0].tolist()

@@ -33,7 +33,7 @@ from baige_ray.models.plugin import PolicySamples
 from baige_ray.models.policy_loss import group_advantages
 from baige_ray.rl.config import GRPOConfig
 from baige_ray.rl.objective import pack_rollouts, packed_length
-from baige_ray.rl.rollouts import completion_of
+from baige_ray.rl.rollouts import Completion, completion_of
 from baige_ray.rl.scoring import Reward, score
 from baige_ray.serving.causal_lm_generation import SamplingParams
 
@@ -85,10 +85,7 @@ class HybridRollouts(PolicySamples):
         completions = [completion for batch in batches for completion in self._sample(decoder, step, batch)]
         sampled = time.perf_counter()
         prompts = self.config.prompt_indices(step, len(self.prompts))
-        texts = [self.prompts[prompts[group]] for group in groups for _ in range(group_size)]
-        rewards = score(self.reward, texts, [c.tokens for c in completions], self.tokenizer)
-        advantages = group_advantages(torch.tensor(rewards).view(len(groups), group_size),
-                                      scale_by_std=self.config.loss.scale_by_std).flatten().tolist()
+        rewards, advantages = self._scored([prompts[group] for group in groups], completions)
         rows = [groups.index(position // group_size) * group_size + position % group_size for position in local]
         prompt_tokens = [self.prompt_tokens[prompts[groups[row // group_size]]] for row in rows]
         tokens = [completions[row].tokens for row in rows]
@@ -103,11 +100,20 @@ class HybridRollouts(PolicySamples):
     def report(self, step: int) -> dict[str, Any]:
         return self._reports[step]
 
+    def _scored(self, prompts: list[int], completions: list[Completion]) -> tuple[list[float], list[float]]:
+        """Each completion's reward and its advantage within its group (`prompts`: each group's prompt)."""
+        group_size = self.config.group_size
+        texts = [self.prompts[prompt] for prompt in prompts for _ in range(group_size)]
+        rewards = score(self.reward, texts, [c.tokens for c in completions], self.tokenizer)
+        advantages = group_advantages(torch.tensor(rewards).view(len(prompts), group_size),
+                                      scale_by_std=self.config.loss.scale_by_std).flatten().tolist()
+        return rewards, advantages
+
     def _batch_groups(self, batch: int) -> range:
         first = batch * self.groups_per_batch
         return range(first, min(first + self.groups_per_batch, self.config.prompts_per_iteration))
 
-    def _sample(self, decoder: KVDecoder, step: int, groups: range):
+    def _sample(self, decoder: KVDecoder, step: int, groups: range) -> list[Completion]:
         """One engine batch of `groups`' completions."""
         from baige_ray.serving.engine import ContinuousBatchingEngine, EngineLimits, generate_all
 

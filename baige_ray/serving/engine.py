@@ -38,7 +38,14 @@ from typing import Generic, Protocol, TypeVar
 import torch
 
 from baige_ray.api.validation import require_int
-from baige_ray.models.generation import KV, KVDecoder, sample_token, seeded_generator, token_log_prob
+from baige_ray.models.generation import (
+    KV,
+    KVDecoder,
+    sample_token,
+    sample_tokens,
+    seeded_generator,
+    tokens_log_probs,
+)
 from baige_ray.models.weights_in_place import copy_weights_in_place
 from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams
 from baige_ray.serving.context_length import require_fit
@@ -348,7 +355,9 @@ class ContinuousBatchingEngine:
         logits, cache = self.decoder.forward(tokens, torch.arange(cached, length)[None, :],
                                              torch.ones(1, length, dtype=torch.long), past)
         # The first tokens go out before the blocks are stored.
-        decoding = [request for request in requests if self._emit(request, logits[0]) is None]
+        tokens, log_probs = _sample_rows(requests, logits[0].expand(len(requests), -1))
+        decoding = [request for request, token, log_prob in zip(requests, tokens, log_probs)
+                    if self._report(request, token, log_prob) is None]
         self._store_blocks(prompt, cache)
         if self.prefixes is not None:
             self.prefixes.settle()
@@ -368,7 +377,9 @@ class ContinuousBatchingEngine:
         logits, cache = self.decoder.forward(tokens, self._cache.next_positions(), self._cache.attention_mask(1),
                                              self._cache.layers)
         self._cache.grow(cache)
-        finished = [self._emit(request, logits[row]) is not None for row, request in enumerate(self._running)]
+        tokens, log_probs = _sample_rows(self._running, logits)
+        finished = [self._report(request, token, log_prob) is not None
+                    for request, token, log_prob in zip(self._running, tokens, log_probs)]
         if any(finished):
             for row in (row for row, done in enumerate(finished) if done):
                 self._store_answer(row)
@@ -389,10 +400,8 @@ class ContinuousBatchingEngine:
         self._running = [self._running[row] for row in rows]
         self._cache.keep(rows)
 
-    def _emit(self, request: _Request, logits: torch.Tensor) -> FinishReason | None:
-        """Sample the request's next token and report it; returns why it finished, if it did."""
-        token = sample_token(logits, request.params.temperature, request.generator, request.params.top_k)
-        log_prob = token_log_prob(logits, token) if request.params.log_probs else None
+    def _report(self, request: _Request, token: int, log_prob: float | None) -> FinishReason | None:
+        """Record and report the request's sampled token; returns why it finished, if it did."""
         request.last_token = token
         request.sampled.append(token)
         if token == self.eos_token_id:
@@ -438,3 +447,17 @@ def generate_all(engine: ContinuousBatchingEngine, prompts: Sequence[Sequence[in
     while engine.step():
         pass
     return collector.generations()
+
+
+def _sample_rows(requests: list[_Request], logits: torch.Tensor) -> tuple[list[int], list[float | None]]:
+    """Each request's next token from its row of `logits` and, where it asked, that token's log-probability:
+    the whole batch at once when its requests sample alike (the same tokens as row by row)."""
+    first = requests[0].params
+    if any((r.params.temperature, r.params.top_k) != (first.temperature, first.top_k) for r in requests):
+        tokens = [sample_token(logits[row], r.params.temperature, r.generator, r.params.top_k)
+                  for row, r in enumerate(requests)]
+    else:
+        tokens = sample_tokens(logits, first.temperature, [r.generator for r in requests], first.top_k)
+    wanted = [r.params.log_probs for r in requests]
+    log_probs = tokens_log_probs(logits, tokens) if any(wanted) else [None] * len(requests)
+    return tokens, [log_prob if want else None for log_prob, want in zip(log_probs, wanted)]
