@@ -313,6 +313,7 @@ def _summary(soak: dict[str, Any], clean_losses: dict[int, float], args) -> dict
         "failed_requests_other": len(failed) - len(on_killed),
         "failed_statuses": dict(Counter(str(r["status"]) for r in failed)),  # 0: no answer (timeout, refused)
         "failed_reasons": dict(Counter(f"{r['status']}: {r['reason']}" for r in failed).most_common(5)),
+        "failed_by_minute": dict(sorted(Counter(int(r["sent_at"] // 60) for r in failed).items())),  # when sent
         "slo_attainment": sum(r["latency_s"] is not None and r["latency_s"] <= args.slo_s for r in requests)
         / max(1, len(requests)),
         "steps": soak["steps_done"], "final_loss": soak["losses"][last], "fault_free_final_loss": clean_losses[last],
