@@ -56,8 +56,8 @@ def watch_step(workers: list[Worker], refs: list[ray.ObjectRef], times: WatchTim
             outcome.first_failure_at = now
             for rank in pending:  # survivors waiting on the lost peer: let go now, not at the timeout
                 workers[rank].actor.abort_step.remote()
-        for rank in _unresponsive(workers, pending, heartbeats, times, now):
-            outcome.lost[rank] = "stopped answering heartbeats"
+        for rank, why in _unresponsive(workers, pending, heartbeats, times, now).items():
+            outcome.lost[rank] = why
             pending.discard(rank)
         since = outcome.first_failure_at if outcome.first_failure_at is not None else started
         if pending and now - since > times.deadline_s + times.heartbeat_timeout_s:
@@ -80,9 +80,10 @@ def _collect(rank: int, ref: ray.ObjectRef, outcome: StepOutcome) -> bool:
     return True
 
 
-def _unresponsive(workers, pending, heartbeats, times: WatchTimes, now: float) -> list[int]:
-    """Ranks whose heartbeat has been unanswered for heartbeat_timeout_s; sends the next ones."""
-    silent = []
+def _unresponsive(workers, pending, heartbeats, times: WatchTimes, now: float) -> dict[int, str]:
+    """Ranks whose heartbeat has been unanswered for heartbeat_timeout_s, or answered that the actor died
+    (rank -> why); sends the next ones."""
+    silent = {}
     for rank in pending:
         sent = heartbeats.get(rank)
         if sent is not None:
@@ -90,7 +91,24 @@ def _unresponsive(workers, pending, heartbeats, times: WatchTimes, now: float) -
             ready, _ = calls.wait([ref], timeout=0)
             if not ready:
                 if now - at > times.heartbeat_timeout_s:
-                    silent.append(rank)
+                    silent[rank] = "stopped answering heartbeats"
+                continue
+            died = _death_of(ref)
+            if died is not None:
+                # The step's own call can stay pending for a while after its actor died (Ray waits for
+                # the death's cause before failing it): a heartbeat sent since then fails at once.
+                silent[rank] = died
                 continue
         heartbeats[rank] = (workers[rank].actor.heartbeat.remote(), now)
     return silent
+
+
+def _death_of(heartbeat: ray.ObjectRef) -> str | None:
+    """Why the actor died, where this answered heartbeat says it did; None where it answered."""
+    try:
+        calls.get(heartbeat, timeout=0)
+    except RayActorError as error:
+        return f"actor died: {type(error).__name__} (a heartbeat)"
+    except Exception:  # an answer that failed otherwise says nothing about the actor's death
+        return None
+    return None
