@@ -145,8 +145,10 @@ class Recovery:
         members = self.crew.members
         departing = [(rank, members[rank]) for rank in sorted(loss.readable & set(loss.lost))]
         replicas = self.state_sources.readable_replicas(members, loss.lost, loss.readable)
+        # A spare on a node none of the group survives on can still read the shelves its dead ranks left.
         step, state = self.state_sources.newest_snapshot(survivors + departing, self.crew.layout, replicas,
-                                                         members=list(enumerate(members)))
+                                                         members=list(enumerate(members)),
+                                                         spares=self.crew.ready_spares())
         settle_parts(state)
         return step, state
 

@@ -53,16 +53,17 @@ class StateSources:
         return max(steps, default=None)
 
     def newest_snapshot(self, holders: list[tuple[int, Worker]], layout: ParallelLayout,
-                        replicas: list[Worker] = (), members: list[tuple[int, Worker]] | None = None):
+                        replicas: list[Worker] = (), members: list[tuple[int, Worker]] | None = None,
+                        spares: list[Worker] = ()):
         """(step, refs to the parts to assemble) of the newest snapshot every stage still has: live in the
         holders (sharded layouts: on the shelves of every rank in `members`, dead or alive, read by a live
-        holder on its node) or in a replica (all stages at one step) held on another node.
+        holder or spare on its node) or in a replica (all stages at one step) held on another node.
 
         Falls back to the newest good persisted checkpoint; (None, None) when there is neither.
         The parts stay in the object store: workers fetch them from each other.
         """
         if layout.snapshots_are_sharded:
-            live = newest_on_shelves(members or holders, [w for _, w in holders])
+            live = newest_on_shelves(members or holders, [w for _, w in holders] + list(spares))
         else:
             live = newest_live(holders, layout)
         replica_steps = answers_or_none([w.actor.replica_step.remote() for w in replicas])
