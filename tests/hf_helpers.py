@@ -132,20 +132,40 @@ def plain_transformers_training(model_dir: Path, dataset, train, num_steps: int 
     return losses, {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
 
 
-def elastic_hf_run(name: str, storage_path, tiny: TinyHF, *, num_workers: int, num_steps: int, elastic,
-                   global_batch_size: int = 24, learning_rate: float = 3e-3, faults=None, layout=None):
-    """The tiny model as an elastic job (constant learning rate; pure data parallel unless `layout` says
-    otherwise); returns the TrainingJob."""
-    from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
-    from baige_ray.jobs.launch import launch
+def elastic_hf_train(num_steps: int, *, global_batch_size: int = 24, learning_rate: float = 3e-3,
+                     world_size_invariant: bool = False):
+    """elastic_hf_run's optimisation problem: a constant learning rate; world_size_invariant in micro-batches
+    of one sequence."""
+    from baige_ray.api.configs import TrainConfig
+
+    return TrainConfig(num_steps=num_steps, global_batch_size=global_batch_size, warmup_steps=0,
+                       learning_rate=learning_rate, min_learning_rate=learning_rate,
+                       micro_batch_size=1 if world_size_invariant else None, world_size_invariant=world_size_invariant)
+
+
+def hf_train_job(tiny: TinyHF, train):
+    """The tiny model and its dataset, as the engines train them."""
+    from baige_ray.engines.train_job import TrainJob
     from baige_ray.models.hf import HFModel
     from baige_ray.models.token_dataset import TokenDataset
 
+    return TrainJob(model=HFModel(tiny.model_dir, seq_len=SEQ_LEN), train=train, data=TokenDataset.open(tiny.dataset_dir))
+
+
+def elastic_hf_run(name: str, storage_path, tiny: TinyHF, *, num_workers: int, num_steps: int, elastic,
+                   global_batch_size: int = 24, learning_rate: float = 3e-3, faults=None, layout=None,
+                   world_size_invariant: bool = False):
+    """The tiny model as an elastic job (elastic_hf_train; pure data parallel unless `layout` says
+    otherwise); returns the TrainingJob."""
+    from baige_ray.api.configs import RunConfig, ScalingConfig
+    from baige_ray.jobs.launch import launch
+
+    job = hf_train_job(tiny, elastic_hf_train(num_steps, global_batch_size=global_batch_size,
+                                              learning_rate=learning_rate, world_size_invariant=world_size_invariant))
     return launch(
-        HFModel(tiny.model_dir, seq_len=SEQ_LEN),
-        data=TokenDataset.open(tiny.dataset_dir),
-        train=TrainConfig(num_steps=num_steps, global_batch_size=global_batch_size, warmup_steps=0,
-                          learning_rate=learning_rate, min_learning_rate=learning_rate),
+        job.model,
+        data=job.data,
+        train=job.train,
         scaling=ScalingConfig(num_workers=num_workers, placement_timeout_s=240),
         run=RunConfig(name=name, storage_path=storage_path, show_progress=False),
         elastic=elastic,

@@ -76,6 +76,11 @@ class TrainConfig:
 
     precision "bf16-mixed" computes in bfloat16 and keeps fp32 weights, gradient reductions and
     optimizer state (FSDP2's mixed-precision policy, DeepSpeed's bf16 mode, torch.autocast elsewhere).
+
+    world_size_invariant makes every step's update the same bits at any number of data-parallel workers
+    (an elastic job that shrinks trains exactly as one that did not): each micro-batch's gradient is
+    computed on its own and all are summed exactly (engines/exact_gradients.py). It needs
+    micro_batch_size, the fixed shard, and data parallelism by DDP alone.
     """
 
     num_steps: int
@@ -89,6 +94,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 1
     precision: str = "fp32"
+    world_size_invariant: bool = False
 
     def __post_init__(self) -> None:
         require_int("TrainConfig", "num_steps", self.num_steps, minimum=1)
@@ -108,6 +114,15 @@ class TrainConfig:
         require_number("TrainConfig", "grad_clip", self.grad_clip, minimum=0)
         require_int("TrainConfig", "seed", self.seed, minimum=0)
         require_int("TrainConfig", "log_every", self.log_every, minimum=1)
+        if not isinstance(self.world_size_invariant, bool):
+            raise ValueError(f"TrainConfig.world_size_invariant={self.world_size_invariant!r} is invalid: "
+                             "expected True or False")
+        if self.world_size_invariant and self.micro_batch_size is None:
+            raise ValueError("TrainConfig.world_size_invariant=True is invalid without micro_batch_size: expected "
+                             "the micro-batch size, the fixed shard of the batch each gradient is computed on")
+        if self.world_size_invariant and self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"TrainConfig.micro_batch_size={self.micro_batch_size!r} is invalid with "
+                             f"world_size_invariant: expected a divisor of global_batch_size={self.global_batch_size}")
 
     @property
     def compute_dtype_bytes(self) -> int:

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from baige_ray.engines import parallelize
 from baige_ray.engines.base import Engine, SlowChipEmulator
+from baige_ray.engines.exact_gradients import ExactGradientSum, check_world_size_invariant
 from baige_ray.engines.pipeline_schedule import ScheduleRunAhead1F1B
 from baige_ray.engines.train_job import TrainJob, build_optimizer
 from baige_ray.models.aux_loss import auxiliary_losses, mark_forward
@@ -34,6 +35,7 @@ from baige_ray.parallel.state import CanonicalState, export_module_state, full_t
 class TorchEngine(Engine):
     def __init__(self, job: TrainJob, layout: ParallelLayout, rank: int = 0, **options: Any):
         super().__init__(job, layout, rank, **options)
+        check_world_size_invariant(job.train, layout)
         self.meshes = self._build_meshes()
         self._pipeline_ends = self._build_pipeline_ends_group()
         self.stages = self._build_stages()
@@ -46,6 +48,7 @@ class TorchEngine(Engine):
         self.schedule = self._build_schedule() if layout.pp > 1 else None
         self._tp_replicated_parameters = self._find_tp_replicated_parameters()
         self._pipeline_tied_parameters = [p for stage in self.stages for p in self.plugin.pipeline_tied_parameters(stage)]
+        self.exact_sum = self._build_exact_sum()
 
     def _build_meshes(self) -> dict[str, DeviceMesh]:
         """One-dimensional meshes by name, for the dimensions of more than one rank: pp, dp, tp, and
@@ -67,6 +70,14 @@ class TorchEngine(Engine):
         else:
             sizes = {"pp": layout.pp, "edp": layout.dp // layout.ep, "ep": layout.ep, "tp": layout.tp}
         return parallelize.sliced_meshes(self.device.type, sizes)
+
+    def _build_exact_sum(self) -> ExactGradientSum | None:
+        """Under TrainConfig.world_size_invariant: the exact sum of every micro-batch's gradient over dp."""
+        train = self.job.train
+        if not train.world_size_invariant:
+            return None
+        group = self.meshes["dp"].get_group() if self.layout.dp > 1 else None
+        return ExactGradientSum(self.parameters, train.global_batch_size // train.micro_batch_size, group)
 
     def _build_pipeline_ends_group(self) -> dist.ProcessGroup | None:
         """The first- and last-stage peers of this rank when the model ties the pipeline's ends."""
@@ -137,7 +148,8 @@ class TorchEngine(Engine):
     @property
     def uses_torch_ddp(self) -> bool:
         # DDP cannot hold DTensor parameters; with TP or EP the gradients are all-reduced explicitly.
-        return self.layout.dp > 1 and self.layout.data_parallel == "ddp" and not self.explicit_dp_all_reduce
+        return (self.layout.dp > 1 and self.layout.data_parallel == "ddp" and not self.explicit_dp_all_reduce
+                and not self.job.train.world_size_invariant)
 
     @property
     def explicit_dp_all_reduce(self) -> bool:
@@ -226,7 +238,9 @@ class TorchEngine(Engine):
         num_micro = self.per_replica_batch // micro
         # Replicas average their gradients, so each micro-batch weighs dp / (all replicas' micro-batches):
         # the batch mean even when replicas on faster chips train more micro-batches (= 1 / num_micro if even).
-        weight_divisor = self.job.train.global_batch_size / micro / self.layout.dp
+        # The exact sum adds the replicas' gradients instead of averaging them.
+        replicas_averaged = 1 if self.exact_sum is not None else self.layout.dp
+        weight_divisor = self.job.train.global_batch_size / micro / replicas_averaged
         loss_sum = 0.0
         with auxiliary_losses(weight=1.0 / weight_divisor) as aux:
             for index in range(num_micro):
@@ -234,8 +248,11 @@ class TorchEngine(Engine):
                 with self._gradient_sync(model, index == num_micro - 1):
                     loss = self.job.loss(model(inputs[chunk]), targets[chunk]) / weight_divisor
                     loss.backward()
+                if self.exact_sum is not None:
+                    self.exact_sum.take_shard()
                 loss_sum += loss.item()
-        return loss_sum + aux.total / weight_divisor
+        # In units whose mean over the replicas (as fit and the elastic workers reduce it) is the batch mean.
+        return (loss_sum + aux.total / weight_divisor) * (self.layout.dp / replicas_averaged)
 
     def _gradient_sync(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
         if isinstance(model, nn.parallel.DistributedDataParallel) and not sync:
@@ -245,6 +262,8 @@ class TorchEngine(Engine):
         return contextlib.nullcontext()
 
     def optimizer_step(self) -> None:
+        if self.exact_sum is not None:
+            self.exact_sum.reduce()
         if self.layout.tp > 1:
             parallelize.settle_gradient_placements(self.parameters)
         if self._pipeline_ends is not None:  # both ends' copies of a tied weight get the sum of their gradients

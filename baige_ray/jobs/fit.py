@@ -21,6 +21,7 @@ from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
 from baige_ray.api.connection import connect_ray
 from baige_ray.api.errors import ClusterError
 from baige_ray.api.result import Result, StepMetrics
+from baige_ray.engines.exact_gradients import check_world_size_invariant
 from baige_ray.engines.host_allocator import return_freed_memory
 from baige_ray.engines.train_job import TrainJob
 from baige_ray.jobs.worker_group import WorkerGroup
@@ -205,6 +206,7 @@ def check_execution(
             f"expected {layout.world_size} workers"
         )
     layout.replica_batches(job.train)
+    check_world_size_invariant(job.train, layout, job.plugin.engine)
     job.plugin.check_layout(layout)
     job.open_data()  # a missing or corrupt dataset fails before any actor starts
     if check_memory:
