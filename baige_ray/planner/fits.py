@@ -95,12 +95,16 @@ class LayoutShape:
     experts_sharded: bool = True  # over their data-parallel group when zero_stage shards anything
     compute_dtype_bytes: int = 2
     deepspeed: bool = False  # ZeRO by DeepSpeed rather than FSDP2
+    # fp32 gradients of the stage held beside the usual one (TrainConfig.world_size_invariant: one per
+    # local micro-batch instead of the one they accumulate into, and the int64 sum, the size of two).
+    extra_gradient_copies: int = 0
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "ep", "micro_batch", "num_micro_batches"):
             require_int("LayoutShape", name, getattr(self, name), minimum=1)
         require_choice("LayoutShape", "zero_stage", self.zero_stage, (0, 1, 2, 3))
         require_choice("LayoutShape", "compute_dtype_bytes", self.compute_dtype_bytes, (1, 2, 4))
+        require_int("LayoutShape", "extra_gradient_copies", self.extra_gradient_copies, minimum=0)
         object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
         if len(self.stage_layers) != self.pp:
             raise ValueError(f"LayoutShape.stage_layers={self.stage_layers!r} is invalid: expected pp={self.pp} "
@@ -158,7 +162,8 @@ def layout_shape(layout: ParallelLayout, train: TrainConfig, stage_layers: Seque
                        zero_stage=ZERO_STAGE_OF[layout.data_parallel] if layout.dp > 1 else 0,
                        micro_batch=micro, num_micro_batches=num_micro, stage_layers=per_rank,
                        experts_sharded=layout.data_parallel != "fsdp2", compute_dtype_bytes=compute_dtype_bytes,
-                       deepspeed=layout.data_parallel.startswith("zero"))
+                       deepspeed=layout.data_parallel.startswith("zero"),
+                       extra_gradient_copies=num_micro + 1 if train.world_size_invariant else 0)
 
 
 def device_bytes(model: ModelSpec, shape: LayoutShape) -> tuple[np.ndarray, np.ndarray]:
@@ -171,6 +176,9 @@ def device_bytes(model: ModelSpec, shape: LayoutShape) -> tuple[np.ndarray, np.n
         states = states + whole * (1 - shape.ep / shape.dp)  # what the ZeRO-3 pricing took off
     if shape.deepspeed and shape.zero_stage == 3:
         states = states + _deepspeed_zero3_extra_bytes(model, shape, layers)
+    if shape.extra_gradient_copies:  # only without TP, EP or ZeRO (exact_gradients.check_world_size_invariant)
+        dense, expert = stage_param_counts(model, layers)
+        states = states + shape.extra_gradient_copies * model.dtype_bytes * (dense + expert)
     activations = activation_bytes(model, layers, tp=shape.tp, pp=shape.pp, micro_batch=[shape.micro_batch],
                                    recompute=[0], num_micro_batches=[shape.num_micro_batches])[0]
     logits = logit_bytes(model, shape.pp)[0] * shape.micro_batch  # in fp32 for the loss whatever the compute

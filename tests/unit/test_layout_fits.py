@@ -188,3 +188,13 @@ def test_usable_host_memory_follows_rays_memory_threshold_and_bad_values_are_ref
     monkeypatch.setenv("RAY_memory_usage_threshold", "most")
     with pytest.raises(ValueError, match="RAY_memory_usage_threshold='most' is invalid"):
         PlanOptions()
+
+
+def test_the_exact_gradient_sum_adds_its_held_micro_batch_gradients_and_int64_sum():
+    """world_size_invariant holds each local micro-batch's fp32 gradient (4 here, not 1) and an int64 sum."""
+    train = TrainConfig(num_steps=1, global_batch_size=8, micro_batch_size=1, world_size_invariant=True)
+    shape = layout_shape(ParallelLayout(dp=2), train, (QWEN.num_layers,), compute_dtype_bytes=4)
+    assert shape.extra_gradient_copies == 4 + 1
+    (plain_states, activations), (exact_states, exact_activations) = device_bytes(QWEN, _ddp(2)), device_bytes(QWEN, shape)
+    assert exact_activations == pytest.approx(activations)
+    assert exact_states - plain_states == pytest.approx(5 * 4 * QWEN.num_params, rel=1e-3)
