@@ -211,7 +211,12 @@ def _answers(outcome: dict[str, Any]) -> Callable[[dict], bool]:
                               and event.get("step") == outcome["corrupted_step"])
     if outcome["kind"] == "checkpoint_disk_full":
         return persist_failed
-    return lambda event: event["kind"] in ("failure", "straggler")
+    if outcome["kind"] == "straggler":
+        # Only the straggler policy's decision: a throttled worker that another fault killed meanwhile (a
+        # corrupted checkpoint's restart) was not found slow. The event names a rank, not a process: a
+        # worker slowed by the load on its cores at the same time would be counted too.
+        return lambda event: event["kind"] == "straggler"
+    return lambda event: event["kind"] == "failure"
 
 
 def _job_fault_outcome(outcome: dict[str, Any], events: list[dict]) -> dict[str, Any]:

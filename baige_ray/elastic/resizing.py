@@ -25,10 +25,11 @@ from baige_ray.policies.scaling import GrowthObservation, grow_to
 class Resizer:
     def __init__(self, crew: Crew, pool: WorkerPool, state_sources: StateSources, accounts: StepAccounts,
                  events: EventLog, recovery: Recovery, *, sizes: tuple[int, ...], target_workers: int,
-                 grow_check_interval_s: float, steps_allowed: int | None = None):
+                 grow_check_interval_s: float, steps_allowed: int | None = None, heartbeat_timeout_s: float = 2.0):
         self.crew, self.pool, self.state_sources, self.accounts = crew, pool, state_sources, accounts
         self.events, self.recovery, self.sizes = events, recovery, sizes
         self.grow_check_interval_s = grow_check_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.commands = CommandQueue()  # the control thread's requests; only the loop acts on them
         self.target_workers = target_workers
         self.stopping = False
@@ -194,7 +195,12 @@ class Resizer:
     def _switch_to(self, members: list[Worker], released: list[Worker]) -> tuple[Phase, str] | None:
         """Regroup `members` from the current members' newest snapshot, then stop `released` (after the
         regroup read their snapshots; it frees their devices). A failure goes to recovery: its phase."""
-        step, state = self.state_sources.newest_snapshot(list(enumerate(self.crew.members)), self.crew.layout)
+        formed = self.crew.members
+        if not all(self.pool.responsive(formed, timeout_s=self.heartbeat_timeout_s)):
+            # A frozen member (SIGSTOP, a hung host) would hold the snapshot reads and the rendezvous for
+            # minutes: recovery finds it by its silence and regroups without it.
+            return self.recovery.lost_during_regroup(members, RuntimeError("a member stopped answering heartbeats"))
+        step, state = self.state_sources.newest_snapshot(list(enumerate(formed)), self.crew.layout)
         try:
             self.crew.regroup(members, state, self.accounts.next_step)
         except Exception as error:

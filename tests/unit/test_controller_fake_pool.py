@@ -370,3 +370,23 @@ def test_a_controller_restarts_as_often_as_it_is_killed_but_a_crash_loop_fails_t
     looping, result, cluster = restarted_after([now - 1.0] * CRASH_LOOP_RESTARTS, "loops")
     assert phases(looping) == ["failed"] and "crash loop" in looping.machine.history[-1].reason
     assert cluster.live() == []  # the workers no controller will lead are stopped
+
+
+def test_a_worker_frozen_between_steps_is_found_by_a_resize_and_recovered_from(tmp_path):
+    """The 30-minute soak froze a worker just before a resize: the resize read its snapshot and waited
+    60 s for an answer that never came. Its silence is now checked first."""
+    cluster = FakeCluster({"n0": 3})
+    cluster.step_s = 0.01
+    ctl = controller(tmp_path, cluster, workers=3, steps=8, min_workers=1, steps_allowed=3)
+    thread, out = run_in_thread(ctl)
+    wait_for_step(ctl, 3)
+    time.sleep(0.2)  # held at the bound, between steps
+    cluster.named(ctl.crew.members[2].name).freeze()
+    began = time.monotonic()
+    ctl.resize(2, "a lend to serving")
+    assert time.monotonic() - began < 10.0
+    ctl.allow_steps(8)
+    thread.join(10)
+    assert losses(out["result"]) == fault_free(8)
+    assert "lost while regrouping" in " ".join(e["reason"] for e in ctl.events.recent(200)
+                                                     if e["kind"] == "failure")
