@@ -110,5 +110,5 @@ def _death_of(heartbeat: ray.ObjectRef) -> str | None:
     except RayActorError as error:
         return f"actor died: {type(error).__name__} (a heartbeat)"
     except Exception:  # an answer that failed otherwise says nothing about the actor's death
-        return None
+        pass
     return None
