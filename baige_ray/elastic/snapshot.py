@@ -7,7 +7,9 @@ not fit under forward and backward, usually none. Under FSDP2 and ZeRO-3 each ra
 copies only its own shards (parallel/shards.py) into its shelf in node shared memory
 (shelf.py), where they outlive the worker. Engines whose snapshot needs a collective
 (tensor- or expert-parallel DTensors gathered whole) take it on the training thread in
-step order, synchronously, and it counts as stall.
+step order, synchronously, and it counts as stall. So does a state of at most `INLINE_COPY_BYTES`:
+copying it takes less than the interpreter's switches between the two threads cost the training
+thread (a 0.1M-parameter policy's RL step, 2 workers on 2 cores: 30.8 ms with the thread, 29.3 inline).
 """
 
 from __future__ import annotations
@@ -16,11 +18,15 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
+
 from baige_ray.elastic.shelf import SnapshotShelf
 from baige_ray.engines.base import Engine
 from baige_ray.parallel.packed_tensors import pack_tensors
 from baige_ray.parallel.shards import ShardedPart
 from baige_ray.parallel.state import CanonicalState
+
+INLINE_COPY_BYTES = 4 << 20  # well under a millisecond to copy on a host
 
 
 class HostSnapshotter:
@@ -32,6 +38,7 @@ class HostSnapshotter:
         self.shelf = shelf if engine.snapshot_is_sharded else None
         self.last_stall_s = 0.0
         self._latest = latest
+        self._latest_bytes = _state_bytes(latest[1]) if latest is not None else None
         # Double buffering: the next copy overwrites the snapshot before the latest, which no one
         # reads any more (readers get copies: `latest_copy`), so steady state allocates nothing.
         self._spare: CanonicalState | None = None
@@ -48,7 +55,7 @@ class HostSnapshotter:
         written from it: the next copy, and the update after it, wait for it)."""
         self.fence()
         source = self.engine.snapshot_source()  # looked up here, on the training thread
-        if not self.engine.snapshot_is_local:
+        if not self.engine.snapshot_is_local or self._small():
             started = time.perf_counter()
             self._take(step, source, then)
             self.last_stall_s = time.perf_counter() - started
@@ -56,6 +63,10 @@ class HostSnapshotter:
         self._copying = threading.Thread(target=self._copy, args=(step, source, then), name=f"snapshot-{step}",
                                          daemon=True)
         self._copying.start()
+
+    def _small(self) -> bool:
+        """The last snapshot was small enough to copy on the training thread (the first goes to a thread)."""
+        return self._latest_bytes is not None and self._latest_bytes <= INLINE_COPY_BYTES
 
     def _copy(self, step: int, source, then: Callable | None) -> None:
         try:
@@ -73,6 +84,7 @@ class HostSnapshotter:
                     into = self.shelf.begin(source.layout())
                     self._latest = (step, self.shelf.commit(step, source(into)))
                 taken = self._latest[1]
+                self._latest_bytes = _state_bytes(taken)
             finally:
                 if then is not None:
                     then(taken)  # None: the copy failed
@@ -144,6 +156,14 @@ class HostSnapshotter:
         self._await_copy()
         with self._buffers:
             self._latest, self._spare, self.shelf = None, None, None
+
+
+def _state_bytes(state) -> int:
+    if isinstance(state, ShardedPart):
+        return state.nbytes
+    if isinstance(state, dict):
+        return sum(_state_bytes(value) for value in state.values())
+    return state.numel() * state.element_size() if isinstance(state, torch.Tensor) else 0
 
 
 def _clone_tree(tree):

@@ -1,8 +1,8 @@
 """Continuous batching: requests join and leave the running batch at every step, any prompt lengths.
 
 Each `step()` first admits waiting requests while the batch has room: a joining request's prompt
-is prefilled on its own (one forward over its tokens, its first token sampled) and its cache joins
-the batch's (`PagedKVBatch`: blocks of a pool, gathered for each forward). Then one decode forward
+is prefilled (one forward over its tokens, its first token sampled; the prompts admitted together that
+no cached block starts share one left-padded forward) and its cache joins the batch's (`PagedKVBatch`: blocks of a pool, gathered for each forward). Then one decode forward
 runs over every running row's newest token and each row samples its next one. A row that samples
 end-of-text, reaches its token budget or is cancelled leaves at once, freeing its slot for the next
 waiting request.
@@ -323,9 +323,15 @@ class ContinuousBatchingEngine:
                 self._running.append(request)
                 self._cache.add(cache, cache[0][0].shape[2])
                 request.prefilled = None
+        uncached = {prompt for prompt in same_prompt if self._holds_no_prefix(prompt)}
+        if len(uncached) > 1:
+            self._prefill_together([same_prompt.pop(prompt) for prompt in list(same_prompt) if prompt in uncached])
         for requests in same_prompt.values():
             self._prefill(requests)
         return len(admitted)
+
+    def _holds_no_prefix(self, prompt: tuple[int, ...]) -> bool:
+        return self.prefixes is None or self.prefixes.cached_tokens(prompt) == 0
 
     def _whole_prompt_cache(self, request: _Request) -> KV:
         """A prefilled request's cache over its whole prompt: what the prefill engine sent, after the leading
@@ -354,16 +360,36 @@ class ContinuousBatchingEngine:
         tokens = torch.tensor([prompt[cached:]], dtype=torch.long)
         logits, cache = self.decoder.forward(tokens, torch.arange(cached, length)[None, :],
                                              torch.ones(1, length, dtype=torch.long), past)
+        self._start_rows(requests, logits[0], cache)
+
+    def _prefill_together(self, groups: list[list[_Request]]) -> None:
+        """Several prompts none of whose blocks are cached, in one forward, left-padded as the decode batch
+        is (the padding masked): a forward of a small model costs about the same for one prompt or eight,
+        and an RL rollout admits all its groups at once. A row's numbers differ from a prefill of its prompt
+        alone in the last bits only, as they do with the rows it is decoded beside."""
+        prompts = [requests[0].prompt for requests in groups]
+        width = max(len(prompt) for prompt in prompts)
+        tokens = torch.tensor([[0] * (width - len(prompt)) + prompt for prompt in prompts], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in prompts], dtype=torch.long)
+        logits, cache = self.decoder.forward(tokens, (mask.cumsum(1) - 1).clamp(min=0), mask, None)
+        for row, (requests, prompt) in enumerate(zip(groups, prompts)):
+            first = width - len(prompt)
+            own = [(keys[row:row + 1, :, first:], values[row:row + 1, :, first:]) for keys, values in cache]
+            self._start_rows(requests, logits[row], own)
+
+    def _start_rows(self, requests: list[_Request], logits: torch.Tensor, cache: KV) -> None:
+        """Requests of one prompt, prefilled (`logits`: its last position's; `cache`: batch 1, its every
+        token): each samples its first token, and those still going join the batch."""
         # The first tokens go out before the blocks are stored.
-        tokens, log_probs = _sample_rows(requests, logits[0].expand(len(requests), -1))
+        tokens, log_probs = _sample_rows(requests, logits.expand(len(requests), -1))
         decoding = [request for request, token, log_prob in zip(requests, tokens, log_probs)
                     if self._report(request, token, log_prob) is None]
-        self._store_blocks(prompt, cache)
+        self._store_blocks(requests[0].prompt, cache)
         if self.prefixes is not None:
             self.prefixes.settle()
-        for request in decoding:
-            self._running.append(request)
-            self._cache.add(cache, length)
+        if decoding:
+            self._running.extend(decoding)
+            self._cache.add(cache, len(requests[0].prompt), copies=len(decoding))
 
     def _cached_prefix(self, prompt: list[int]) -> tuple[KV | None, int]:
         return (None, 0) if self.prefixes is None else self.prefixes.cached_prefix(prompt)

@@ -40,6 +40,9 @@ class PagedKVBatch:
         self._free: list[int] = []
         self.tables: list[list[int]] = []
         self.lengths: list[int] = []
+        # Each row's slot of every token it holds, in order: the gather index is built from these lists in
+        # one call, not from tensors per row (on a small model that bookkeeping was a fifth of a decode step).
+        self._row_slots: list[list[int]] = []
 
     @property
     def num_rows(self) -> int:
@@ -63,19 +66,25 @@ class PagedKVBatch:
     def blocks_in_use(self) -> int:
         return sum(len(table) for table in self.tables)
 
-    def add(self, row: KV, length: int) -> None:
-        """Append a row: a batch-1 cache of `length` columns, all of them real tokens."""
+    def add(self, row: KV, length: int, copies: int = 1) -> None:
+        """Append `copies` rows that start alike (the samplings of one prompt): a batch-1 cache of `length`
+        columns, all of them real tokens, copied into blocks of each row's own."""
         if row[0][0].shape[0] != 1 or row[0][0].shape[2] != length:
             raise ValueError(f"a joining row must be one sequence of {length} columns, got {tuple(row[0][0].shape)}")
+        require_int("PagedKVBatch.add", "copies", copies, minimum=1)
         if not self._keys:
             self._build_pool(row)
-        table = [self._take_block() for _ in range(-(-length // self.block_tokens))]
-        slots = self._slots(table, 0, length).to(self._keys[0].device)
+        added = []
+        for _ in range(copies):
+            table = [self._take_block() for _ in range(-(-length // self.block_tokens))]
+            self.tables.append(table)
+            self.lengths.append(length)
+            self._row_slots.append(self._slots(table, length))
+            added.extend(self._row_slots[-1])
+        slots = torch.tensor(added, dtype=torch.long, device=self._keys[0].device)
         for layer, (keys, values) in enumerate(row):
-            self._keys[layer][slots] = keys[0].transpose(0, 1)
-            self._values[layer][slots] = values[0].transpose(0, 1)
-        self.tables.append(table)
-        self.lengths.append(length)
+            self._keys[layer][slots] = keys[0].transpose(0, 1).repeat(copies, 1, 1)
+            self._values[layer][slots] = values[0].transpose(0, 1).repeat(copies, 1, 1)
 
     def keep(self, rows: Sequence[int]) -> None:
         """Keep only `rows` (in that order); the others' blocks are free again."""
@@ -85,6 +94,7 @@ class PagedKVBatch:
                 self._free.extend(table)
         self.tables = [self.tables[row] for row in rows]
         self.lengths = [self.lengths[row] for row in rows]
+        self._row_slots = [self._row_slots[row] for row in rows]
 
     @property
     def layers(self) -> KV:
@@ -97,7 +107,7 @@ class PagedKVBatch:
 
     def row(self, row: int) -> KV:
         """One row's keys and values, batch 1 `[1, kv_heads, length, head_dim]` per layer (no padding)."""
-        slots = self._slots(self.tables[row], 0, self.lengths[row]).to(self._keys[0].device)
+        slots = torch.tensor(self._row_slots[row], dtype=torch.long, device=self._keys[0].device)
         return [(keys[slots].permute(1, 0, 2)[None], values[slots].permute(1, 0, 2)[None])
                 for keys, values in zip(self._keys, self._values)]
 
@@ -105,11 +115,14 @@ class PagedKVBatch:
         """Take the newest column of the cache a decode forward returned (one new token per row)."""
         if layers[0][0].shape[2] != self.num_columns + 1:
             raise ValueError(f"expected {self.num_columns + 1} columns after a decode step, got {layers[0][0].shape[2]}")
+        new_slots = []
         for row, length in enumerate(self.lengths):
             if length % self.block_tokens == 0:
                 self.tables[row].append(self._take_block())
-        slots = torch.tensor([self._slot(table, length) for table, length in zip(self.tables, self.lengths)],
-                             device=self._keys[0].device)
+            slot = self.tables[row][-1] * self.block_tokens + length % self.block_tokens
+            self._row_slots[row].append(slot)
+            new_slots.append(slot)
+        slots = torch.tensor(new_slots, dtype=torch.long, device=self._keys[0].device)
         for layer, (keys, values) in enumerate(layers):
             self._keys[layer][slots] = keys[:, :, -1, :]
             self._values[layer][slots] = values[:, :, -1, :]
@@ -145,17 +158,12 @@ class PagedKVBatch:
         self._values = [torch.cat([values, torch.zeros_like(values)]) for values in self._values]
         self._free.extend(range(2 * old - 1, old - 1, -1))
 
-    def _slot(self, table: list[int], position: int) -> int:
-        return table[position // self.block_tokens] * self.block_tokens + position % self.block_tokens
-
-    def _slots(self, table: list[int], start: int, stop: int) -> torch.Tensor:
-        blocks = torch.tensor(table, dtype=torch.long)
-        return (blocks[:, None] * self.block_tokens + torch.arange(self.block_tokens)).flatten()[start:stop]
+    def _slots(self, table: list[int], length: int) -> list[int]:
+        """The slots of a row's first `length` tokens, its blocks in `table`."""
+        return [table[position // self.block_tokens] * self.block_tokens + position % self.block_tokens
+                for position in range(length)]
 
     def _gather_index(self) -> torch.Tensor:
-        """`[rows, columns]` slot of every column; the padding columns point into the zero block."""
+        """`[rows, columns]` slot of every column; the padding columns point at slot 0, in the zero block."""
         width = self.num_columns
-        index = torch.zeros(len(self.lengths), width, dtype=torch.long)
-        for row, (table, length) in enumerate(zip(self.tables, self.lengths)):
-            index[row, width - length:] = self._slots(table, 0, length)
-        return index
+        return torch.tensor([[0] * (width - len(slots)) + slots for slots in self._row_slots], dtype=torch.long)

@@ -103,6 +103,25 @@ def test_snapshot_restores_the_exact_state_of_the_step_it_was_taken_after():
         assert torch.equal(param, dict(engine.module.named_parameters())[name])
 
 
+def test_a_small_state_is_copied_on_the_training_thread_and_a_large_one_beside_it(monkeypatch):
+    import baige_ray.elastic.snapshot as snapshot_module
+
+    job = TrainJob(model=MLPConfig(sizes=(16, 32, 8)), train=TrainConfig(num_steps=8, global_batch_size=8))
+    engine = build_engine(job, ParallelLayout())
+    snapshots = HostSnapshotter(engine)
+    threads = []
+    started = snapshot_module.threading.Thread.start
+    monkeypatch.setattr(snapshot_module.threading.Thread, "start", lambda t: threads.append(t.name) or started(t))
+    for step in range(2):  # the first copy's size is not known yet: it goes to a thread
+        engine.train_step(step)
+        snapshots.after_step(step)
+    assert threads == ["snapshot-0"] and snapshots.latest()[0] == 1
+    monkeypatch.setattr(snapshot_module, "INLINE_COPY_BYTES", 100)  # this MLP's state is about 10 kB
+    engine.train_step(2)
+    snapshots.after_step(2)
+    assert threads == ["snapshot-0", "snapshot-2"]
+
+
 def test_the_weights_copy_for_serving_is_packed_private_and_without_optimizer_state():
     job = TrainJob(model=MLPConfig(sizes=(16, 32, 8)), train=TrainConfig(num_steps=8, global_batch_size=8))
     engine = build_engine(job, ParallelLayout())

@@ -88,6 +88,25 @@ def test_one_prompts_samplings_share_one_prefill_and_draw_as_if_each_ran_alone(l
     assert widths == [torch.Size([1, len(prompts[1])])] + [torch.Size([5, 1])] * 5  # one prefill, then decode steps
 
 
+def test_prompts_admitted_together_share_one_left_padded_prefill_with_the_tokens_each_gets_alone(llama, prompts):
+    """An RL rollout admits all its groups at once: one prefill forward for all their prompts."""
+    chosen = [prompts[0], prompts[1], prompts[3]]  # 3, 17 and 9 tokens
+    sampled = [SamplingParams(max_new_tokens=5, temperature=1.0, top_k=None, seed=seed, log_probs=True)
+               for seed in range(2 * len(chosen))]
+    requests = [prompt for prompt in chosen for _ in range(2)]
+    alone = [generate_all(ContinuousBatchingEngine(HFDecoder(llama, 128), eos_token_id=None), [prompt], [p])[0]
+             for prompt, p in zip(requests, sampled)]
+    decoder = HFDecoder(llama, 128)
+    shapes = []
+    forward = decoder.forward
+    decoder.forward = lambda tokens, *rest: shapes.append(tuple(tokens.shape)) or forward(tokens, *rest)
+    together = generate_all(ContinuousBatchingEngine(decoder, eos_token_id=None), requests, sampled)
+    assert shapes == [(3, 17)] + [(6, 1)] * 4  # one prefill of the three prompts, then decode steps
+    assert [g.tokens for g in together] == [g.tokens for g in alone]
+    for mine, reference in zip(together, alone):
+        assert mine.log_probs == pytest.approx(reference.log_probs, abs=1e-5)
+
+
 def test_end_of_text_stops_a_row_and_frees_its_slot(llama, prompts):
     params = [greedy(30) for _ in prompts]
     plain = uncached_one_by_one(llama, prompts, params)

@@ -34,6 +34,20 @@ def test_rows_of_different_lengths_are_left_padded_and_masked():
     assert [len(table) for table in batch.tables] == [2, 3]  # ceil(length / block): one partly filled each
 
 
+def test_copies_of_one_prefilled_row_each_get_blocks_of_their_own():
+    batch = PagedKVBatch(block_tokens=2)
+    batch.add(row(1, 5.0), 1)
+    batch.add(row(3, 1.0), 3, copies=3)
+    assert batch.num_rows == 4 and batch.lengths == [1, 3, 3, 3]
+    tables = batch.tables[1:]
+    assert len({block for table in tables for block in table}) == 6  # two blocks each, none shared
+    assert all(batch.row(index)[1][1][0, 1, :, 2].tolist() == [101, 102, 103] for index in (1, 2, 3))
+    batch.grow(decode_step(batch, 9.0))
+    assert batch.layers[0][0][:, 0, :, 0].tolist() == [[0, 0, 5, 9], [1, 2, 3, 9], [1, 2, 3, 9], [1, 2, 3, 9]]
+    with pytest.raises(ValueError, match="copies"):
+        batch.add(row(2, 1.0), 2, copies=0)
+
+
 def test_a_decode_step_writes_one_slot_per_row_and_a_full_block_asks_for_a_new_one():
     batch = PagedKVBatch(block_tokens=2)
     batch.add(row(2, 1.0), 2)  # its block is full: the next token needs a new one
