@@ -214,8 +214,9 @@ def _answers(outcome: dict[str, Any]) -> Callable[[dict], bool]:
     if outcome["kind"] == "straggler":
         # Only the straggler policy's decision: a throttled worker that another fault killed meanwhile (a
         # corrupted checkpoint's restart) was not found slow. The event names a rank, not a process: a
-        # worker slowed by the load on its cores at the same time would be counted too.
-        return lambda event: event["kind"] == "straggler"
+        # worker slowed by the load on its cores at the same time would be counted too. A straggler the
+        # policy left in place (logged as "tolerate") was found but not acted on.
+        return lambda event: event["kind"] == "straggler" and event.get("action") != "tolerate"
     return lambda event: event["kind"] == "failure"
 
 

@@ -25,6 +25,9 @@ from baige_ray.ops.events import EventLog
 from baige_ray.policies.straggler import StragglerAction, StragglerObservation, decide_straggler
 
 
+TOLERANCE_LOG_INTERVAL_S = 60.0
+
+
 class StepRunner:
     def __init__(self, crew: Crew, state_sources: StateSources, accounts: StepAccounts, recovery: Recovery,
                  events: EventLog, faults: FaultPlan, elastic: ElasticConfig, bounds: Bounds):
@@ -33,6 +36,7 @@ class StepRunner:
         self._inflight: list[ray.ObjectRef] | None = None  # the next step, already queued on every worker
         self._last_completion: float | None = None
         self._dispatched_at = 0.0
+        self._tolerance_said_at: dict[int, float] = {}  # rank -> when a straggler left in place was last logged
 
     @property
     def between_steps(self) -> bool:
@@ -111,10 +115,21 @@ class StepRunner:
             step_s=self.accounts.recent_step_s(self.elastic.straggler_patience),
         ))
         if decision.action is StragglerAction.TOLERATE:
+            if decision.rank is not None:
+                self._say_tolerated(decision.rank, decision.reason)
             return None
         self.events.record("straggler", decision.reason, rank=decision.rank, action=decision.action.value)
         self.accounts.forget_compute_times()
         return decision.rank, decision.reason
+
+
+    def _say_tolerated(self, rank: int, reason: str) -> None:
+        """Log a persistent straggler the policy leaves in place, and why, at most once a minute per rank:
+        a slow rank that is never evicted must be visible in the events, not only in the step times."""
+        now = time.monotonic()
+        if now - self._tolerance_said_at.get(rank, -TOLERANCE_LOG_INTERVAL_S) >= TOLERANCE_LOG_INTERVAL_S:
+            self._tolerance_said_at[rank] = now
+            self.events.record("straggler", reason, rank=rank, action=StragglerAction.TOLERATE.value)
 
 
 def describe_failure(outcome: StepOutcome) -> str:

@@ -16,5 +16,8 @@ def test_a_straggler_is_detected_only_by_the_straggler_policys_decision():
                         {"time": 152.0, "kind": "recovered", "reason": "next step done", "recovery_s": 2.0,
                          "lost_steps": 0}]
     assert _job_fault_outcome(straggler, evicted) == {"detected_s": 50.0, "recovered_s": 52.0, "steps_lost": 0}
+    tolerated = events + [{"time": 150.0, "kind": "straggler", "reason": "rank 0 is slow", "rank": 0,
+                           "action": "tolerate"}]
+    assert _job_fault_outcome(straggler, tolerated)["detected_s"] is None  # found, but left in place
     killed = {"kind": "worker_kill", "at": 130.0, "pid": 8}
     assert _job_fault_outcome(killed, evicted)["detected_s"] == 5.0
