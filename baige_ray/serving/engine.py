@@ -2,10 +2,10 @@
 
 Each `step()` first admits waiting requests while the batch has room: a joining request's prompt
 is prefilled (one forward over its tokens, its first token sampled; the prompts admitted together that
-no cached block starts share one left-padded forward) and its cache joins the batch's (`PagedKVBatch`: blocks of a pool, gathered for each forward). Then one decode forward
-runs over every running row's newest token and each row samples its next one. A row that samples
-end-of-text, reaches its token budget or is cancelled leaves at once, freeing its slot for the next
-waiting request.
+no cached block starts share one left-padded forward) and its cache joins the batch's (`PagedKVBatch`:
+blocks of a pool, gathered for each forward). Then one decode forward runs over every running row's
+newest token and each row samples its next one. A row that samples end-of-text, reaches its token
+budget or is cancelled leaves at once, freeing its slot for the next waiting request.
 
 Each row samples with its own seeded generator (models/generation.py), so a request's tokens do not
 depend on what it shares the batch with, up to floating-point summation order. Tokens go to the
@@ -374,7 +374,9 @@ class ContinuousBatchingEngine:
         logits, cache = self.decoder.forward(tokens, (mask.cumsum(1) - 1).clamp(min=0), mask, None)
         for row, (requests, prompt) in enumerate(zip(groups, prompts)):
             first = width - len(prompt)
-            own = [(keys[row:row + 1, :, first:], values[row:row + 1, :, first:]) for keys, values in cache]
+            # Copies: the prefix store keeps a prompt's blocks, and must not hold the padded batch with them.
+            own = [(keys[row:row + 1, :, first:].contiguous(), values[row:row + 1, :, first:].contiguous())
+                   for keys, values in cache]
             self._start_rows(requests, logits[row], own)
 
     def _start_rows(self, requests: list[_Request], logits: torch.Tensor, cache: KV) -> None:
