@@ -64,7 +64,9 @@ class SlowChipEmulator:
         self._owed_s = 0.0  # emulated delay not slept yet; negative after oversleeping
         self.set_speed(speed)
         self._started = self._work_started = 0.0
-        self.forward_s = 0.0  # this step's forward time, emulation included: the chip's own pace
+        # This step's forward and backward wall time, emulation included: the chip's own pace. The backward
+        # ends before data parallelism waits for the peers' gradients (that wait is queued after it).
+        self.forward_s = self.backward_s = 0.0
         # Hooks stay registered even at full speed so a fault can slow the chip later.
         module.register_forward_pre_hook(self._before_forward)
         module.register_forward_hook(self._after_forward)
@@ -87,18 +89,28 @@ class SlowChipEmulator:
     def _after_forward(self, _module: nn.Module, _args: object, output: object) -> None:
         if self.slowdown > 0:
             self._stretch(self._work_clock() - self._work_started)
-            node = _output_grad_fn(output)
-            if node is not None:
-                node.register_prehook(self._before_backward)
+        node = _output_grad_fn(output) if torch.is_grad_enabled() else None
+        if node is not None:
+            node.register_prehook(self._before_backward)
         self.forward_s += self._clock() - self._started
 
-    def _before_backward(self, _grad_outputs: object) -> None:
-        started = self._work_clock()
-        # Runs once the whole backward pass (this module's part of it last) has finished.
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._after_backward(started))
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s
 
-    def _after_backward(self, work_started: float) -> None:
-        self._stretch(self._work_clock() - work_started)
+    def reset(self) -> None:
+        self.forward_s = self.backward_s = 0.0
+
+    def _before_backward(self, _grad_outputs: object) -> None:
+        started, work_started = self._clock(), self._work_clock()
+        # Runs once the whole backward pass (this module's part of it last) has finished, before DDP's own
+        # callback, queued later, waits for the all-reduce.
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._after_backward(started, work_started))
+
+    def _after_backward(self, started: float, work_started: float) -> None:
+        if self.slowdown > 0:
+            self._stretch(self._work_clock() - work_started)
+        self.backward_s += self._clock() - started
 
 
 def _output_grad_fn(output: object) -> torch.autograd.graph.Node | None:
@@ -140,13 +152,15 @@ class Engine(ABC):
 
     def train_step(self, step: int) -> dict:
         for emulator in self.emulators:
-            emulator.forward_s = 0.0
+            emulator.reset()
         learning_rate = learning_rate_at(step, self.job.train)
         self.set_learning_rate(learning_rate)
         inputs, targets = self.batch(step)
         loss = self.forward_backward(inputs, targets)
-        # Forward time alone tells chips apart: backward and update include waiting for peers.
-        compute_s = sum(emulator.forward_s for emulator in self.emulators)
+        # Forward and backward, each rank's own: the wait for the peers' gradients comes after the backward
+        # this measures, and the update's. A throttled worker (stopped in turns) showed it in its forward
+        # alone in too few steps: a forward is shorter than the turns.
+        compute_s = sum(emulator.compute_s for emulator in self.emulators)
         for hook in self.before_update_hooks:  # e.g. a snapshot still copying the weights this update changes
             hook()
         self.optimizer_step()

@@ -62,6 +62,13 @@ def test_different_slow_ranks_are_noise_not_a_straggler():
     assert persistent_straggler(tuple(history), 1.5, 3) is None
 
 
+def test_a_straggler_is_priced_at_its_median_pace_over_the_window_not_its_last_step():
+    history = [(1.0, 3.0, 1.0, 1.0), (1.0, 3.0, 1.0, 1.0), (1.0, 1.6, 1.0, 1.0)]
+    decision = decide_straggler(straggler_obs(history, num_spares=1, step_s=10.0))
+    assert (decision.action, decision.rank) == (StragglerAction.REPLACE, 1)
+    assert "3.0x slower" in decision.reason  # its last step alone, 1.6x, costs under 10% of a 10-s step
+
+
 def test_a_spare_replaces_a_straggler():
     decision = decide_straggler(straggler_obs([(1.0, 1.0, 1.0, 4.0)] * 3, num_spares=1))
     assert (decision.action, decision.rank) == (StragglerAction.REPLACE, 3)

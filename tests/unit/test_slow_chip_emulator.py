@@ -120,3 +120,23 @@ def test_time_other_processes_held_the_core_is_not_stretched():
     module(torch.ones(2))
     assert wall.sleeps == pytest.approx([1.0])
     assert emulator.forward_s == pytest.approx(4.0)  # the chip's own pace, emulation included
+
+
+@pytest.mark.parametrize("speed", [1.0, 0.5])
+def test_compute_time_is_forward_and_backward_without_the_wait_for_peers_queued_after_it(speed):
+    """A DDP-like wait for the peers' gradients, queued once the parameters' gradients are ready, is not the
+    chip's time: a straggler's peers wait there, and must not look slow for it."""
+    clock = FakeClock()
+    stage = TimedStage(clock, forward_s=1.0, backward_s=2.5)
+    emulator = SlowChipEmulator(stage, speed, clock=clock, work_clock=clock, sleep=clock.sleep)
+
+    def wait_for_peers(_grad):
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: setattr(clock, "now", clock.now + 7.0))
+
+    stage.embedding.weight.register_hook(wait_for_peers)
+    stage(torch.tensor([[1, 2, 3]])).square().sum().backward()
+    assert emulator.forward_s == pytest.approx(1.0 / speed)
+    assert emulator.backward_s == pytest.approx(2.5 / speed)
+    assert emulator.compute_s == pytest.approx(3.5 / speed) and clock.now == pytest.approx(3.5 / speed + 7.0)
+    emulator.reset()
+    assert emulator.compute_s == 0.0
