@@ -99,7 +99,7 @@ class StepAccounts:
             "tokens": per_rank[0]["group_tokens"],
             "num_workers": len(per_rank),
             "snapshot_stall_s": max(m["snapshot_stall_s"] for m in per_rank),
-            "compute_s": [round(m["compute_s"], 6) for m in per_rank],  # each rank's forward and backward: finds stragglers
+            "compute_s": [round(m["compute_s"], 6) for m in per_rank],  # each rank's forward and backward
             "peak_host_memory_bytes": max(m.get("peak_host_memory_bytes", 0) for m in per_rank),
             "peak_device_memory_bytes": max(m.get("peak_device_memory_bytes", 0) for m in per_rank),
         })

@@ -148,7 +148,7 @@ def test_a_straggler_is_evicted_for_a_spare_after_its_patience(tmp_path):
     assert all(w["pid"] != 0 for w in result["status"]["workers"])
 
 
-def test_a_straggler_left_in_place_is_logged_once_with_why_and_each_ranks_forward_is_in_the_step_log(tmp_path):
+def test_a_straggler_left_in_place_is_logged_once_with_why_and_each_ranks_compute_is_in_the_step_log(tmp_path):
     cluster = FakeCluster({"n0": 2})
     cluster.scripted[1] = {"lag": 3.0}
     ctl = controller(tmp_path, cluster, steps=8, straggler_patience=3, min_workers=2)  # no spare, no room to shrink
@@ -156,8 +156,8 @@ def test_a_straggler_left_in_place_is_logged_once_with_why_and_each_ranks_forwar
     (straggler,) = [e for e in ctl.events.recent(200) if e["kind"] == "straggler"]
     assert straggler["rank"] == 1 and straggler["action"] == "tolerate" and "min_workers=2" in straggler["reason"]
     assert "eviction" not in kinds(ctl) and losses(result) == fault_free(8)
-    forwards = [m["compute_s"] for m in sorted(result["metrics"], key=lambda m: m["step"])]
-    assert all(len(f) == 2 and f[1] > 1.5 * f[0] for f in forwards[2:])
+    computes = [m["compute_s"] for m in sorted(result["metrics"], key=lambda m: m["step"])]
+    assert all(len(c) == 2 and c[1] > 1.5 * c[0] for c in computes[2:])
 
 
 def test_a_worker_lost_while_the_group_reforms_is_recovered_from_again(tmp_path):
