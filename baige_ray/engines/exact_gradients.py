@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from baige_ray.api.configs import TrainConfig
+from baige_ray.parallel.distributed import all_reduce_abortable
 from baige_ray.parallel.layout import ParallelLayout
 
 MAGNITUDE_BITS = 62  # of int64's 63: the sum of every shard's rounded values stays below 2^62
@@ -71,7 +72,7 @@ class ExactGradientSum:
         held, self._held = self._held, []
         largest = largest_elements(held, len(self.parameters), self.device)
         if self.group is not None:
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
+            all_reduce_abortable(largest, self.group, op=dist.ReduceOp.MAX)
         lowest_bits = lowest_bit_exponents(largest, self.shard_bits)
         present = [index for index, value in enumerate(largest.tolist()) if value != NO_GRADIENT]
         sums = [fixed_point_sum([shard[index] for shard in held], lowest_bits[index], self.parameters[index])
@@ -79,7 +80,7 @@ class ExactGradientSum:
         flat = torch.cat([total.flatten() for total in sums]) if sums else torch.zeros(0, dtype=torch.int64,
                                                                                          device=self.device)
         if self.group is not None:
-            dist.all_reduce(flat, group=self.group)
+            all_reduce_abortable(flat, self.group)
         offset = 0
         for index, total in zip(present, sums):
             param = self.parameters[index]

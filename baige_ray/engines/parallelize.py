@@ -71,7 +71,7 @@ class HostReduceScatter(ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False):
         average = op == dist.ReduceOp.AVG
-        dist.all_reduce(input_tensor, op=dist.ReduceOp.SUM if average else op, group=group)
+        all_reduce_abortable(input_tensor, group, op=dist.ReduceOp.SUM if average else op)
         shard = input_tensor.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
         if average:
             torch.div(shard, dist.get_world_size(group), out=output_tensor.view_as(shard))
@@ -181,10 +181,10 @@ def global_grad_norm(parameters: list[nn.Parameter], pp_group: dist.ProcessGroup
     # the same order on every rank, so the collectives pair up
     for (mesh, dims), square in sorted(by_pattern.items(), key=lambda item: (item[0][1], _dim_names(item[0][0]))):
         for dim in dims:
-            dist.all_reduce(square, group=mesh.get_group(dim))
+            all_reduce_abortable(square, mesh.get_group(dim))
         total += square
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(total, group=pp_group)
+        all_reduce_abortable(total, pp_group)
     return float(total.sqrt())
 
 

@@ -27,6 +27,7 @@ from baige_ray.engines.exact_gradients import ExactGradientSum, check_world_size
 from baige_ray.engines.pipeline_schedule import ScheduleRunAhead1F1B
 from baige_ray.engines.train_job import TrainJob, build_optimizer
 from baige_ray.models.aux_loss import auxiliary_losses, mark_forward
+from baige_ray.parallel.distributed import all_reduce_abortable
 from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.parallel.shards import LocalSources, ShardCopy, ShardedPart
 from baige_ray.parallel.state import CanonicalState, export_module_state, full_tensor, import_module_state
@@ -229,7 +230,7 @@ class TorchEngine(Engine):
         if not self.plugin.has_auxiliary_loss:
             return 0.0
         total = torch.tensor(local_mean, dtype=torch.float64)
-        dist.all_reduce(total, group=self.meshes["pp"].get_group())
+        all_reduce_abortable(total, self.meshes["pp"].get_group())
         return float(total)
 
     def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:

@@ -194,7 +194,8 @@ def abort_step() -> None:
         waiting.set()
 
 
-def all_reduce_abortable(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+def all_reduce_abortable(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
+                         op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
     """`dist.all_reduce`, but a survivor blocked on a dead peer returns as soon as `abort_step()` runs.
 
     A blocked gloo wait cannot be interrupted, and destroying the group does not
@@ -205,7 +206,7 @@ def all_reduce_abortable(tensor: torch.Tensor, group: dist.ProcessGroup | None =
     generation's group, harming nothing.
     """
     global _waiting
-    work = dist.all_reduce(tensor, group=group, async_op=True)
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
     finished = threading.Event()
     work.get_future().add_done_callback(lambda _: finished.set())
     _waiting = finished
