@@ -91,9 +91,8 @@ class ElasticController:
                          faults=self.faults, record=record, placement_timeout_s=scaling.placement_timeout_s)
         self.recovery = Recovery(self.crew, self.pool, self.state_sources, self.accounts, self.events, elastic, bounds)
         self.resizer = Resizer(self.crew, self.pool, self.state_sources, self.accounts, self.events, self.recovery,
-                               sizes=self.sizes, target_workers=scaling.num_workers,
-                               grow_check_interval_s=elastic.grow_check_interval_s, steps_allowed=steps_allowed,
-                               heartbeat_timeout_s=elastic.heartbeat_timeout_s)
+                               elastic, sizes=self.sizes, target_workers=scaling.num_workers,
+                               steps_allowed=steps_allowed)
         self.steps = StepRunner(self.crew, self.state_sources, self.accounts, self.recovery, self.events, self.faults,
                                 elastic, bounds)
         self.ending = RunEnd(self.crew, self.pool, job, run.name, run.run_dir, record)

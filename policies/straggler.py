@@ -30,6 +30,7 @@ class StragglerAction(Enum):
     TOLERATE = "tolerate"
     REPLACE = "replace"
     EVICT = "evict"
+    RELEASE = "release"  # a shrink asked for by someone else (a lend) lets the straggler go first
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,19 @@ def window_pace(compute_s: tuple[tuple[float, ...], ...], patience: int) -> tupl
     if len(compute_s) < patience or len({len(step) for step in window}) != 1:
         return None
     return tuple(statistics.median(step[rank] for step in window) for rank in range(len(window[0])))
+
+
+def slow_ranks(compute_s: tuple[tuple[float, ...], ...], threshold: float, patience: int) -> tuple[int, ...]:
+    """Ranks whose median compute over the last `patience` steps exceeds `threshold` x the median of every
+    rank's, slowest first: those a shrink should release before any other.
+
+    Softer than `persistent_straggler`: a shrink releases someone anyway, so choosing a slow rank costs
+    nothing even where evicting it alone would not have paid, or patience has not run out yet."""
+    pace = window_pace(compute_s, patience)
+    if pace is None or len(pace) < 2:
+        return ()
+    typical = statistics.median(pace)
+    return tuple(sorted((rank for rank, t in enumerate(pace) if t > threshold * typical), key=lambda r: -pace[r]))
 
 
 def _outlier(per_rank: tuple[float, ...], threshold: float) -> int | None:

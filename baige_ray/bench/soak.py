@@ -14,7 +14,8 @@ job must skip it and restore the one before), and the checkpoints' disk filled t
 Reported per fault kind: injected, detected, recovered, detection and recovery seconds (p50, max) and
 steps lost. A job fault is detected at the job's first event that answers it (a "failure" or
 "straggler"; a "controller_restart"; a skipped persisted checkpoint) and recovered at the next
-"recovered" event (whose record names the steps redone); a replica fault is detected when Ray lists the
+"recovered" event (whose record names the steps redone), or for a straggler a shrink released (a lend)
+at that shrink's "resize"; a replica fault is detected when Ray lists the
 replica dead and recovered when the application has its replicas again; an arbiter fault is detected
 when Ray has restarted it and recovered at its first decision after that. For serving: requests, failed
 requests (those in flight when a replica was killed or its node lost, and all others), the share
@@ -234,6 +235,10 @@ def _job_fault_outcome(outcome: dict[str, Any], events: list[dict]) -> dict[str,
         recovered = None if persisted is None else persisted["time"] - at
         return {"detected_s": noticed["time"] - at, "recovered_s": recovered, "steps_lost": 0,
                 "checkpoints_failed": failed}
+    if noticed.get("action") == "release":  # a shrink let the straggler go: training never stopped
+        resized = next((e for e in events if e["time"] >= noticed["time"] and e["kind"] == "resize"), None)
+        return {"detected_s": noticed["time"] - at, "recovered_s": None if resized is None else resized["time"] - at,
+                "steps_lost": 0}
     # The recovery's own record: the "recovered" event of its first step done (an earlier one says what it decided).
     recovered = next((e for e in events if e["time"] >= noticed["time"] and e["kind"] == "recovered"
                       and "recovery_s" in e), None)

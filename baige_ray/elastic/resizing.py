@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from baige_ray.api.elastic import ElasticConfig
 from baige_ray.elastic.accounts import StepAccounts
 from baige_ray.elastic.commands import AllowSteps, Command, CommandQueue, Harvest, Pending, Resize, Stop
 from baige_ray.elastic.crew import Crew
@@ -20,16 +21,15 @@ from baige_ray.elastic.state_sources import StateSources
 from baige_ray.elastic.workers import Worker, WorkerPool
 from baige_ray.ops.events import EventLog
 from baige_ray.policies.scaling import GrowthObservation, grow_to
+from baige_ray.policies.straggler import StragglerAction, slow_ranks
 
 
 class Resizer:
     def __init__(self, crew: Crew, pool: WorkerPool, state_sources: StateSources, accounts: StepAccounts,
-                 events: EventLog, recovery: Recovery, *, sizes: tuple[int, ...], target_workers: int,
-                 grow_check_interval_s: float, steps_allowed: int | None = None, heartbeat_timeout_s: float = 2.0):
+                 events: EventLog, recovery: Recovery, elastic: ElasticConfig, *, sizes: tuple[int, ...],
+                 target_workers: int, steps_allowed: int | None = None):
         self.crew, self.pool, self.state_sources, self.accounts = crew, pool, state_sources, accounts
-        self.events, self.recovery, self.sizes = events, recovery, sizes
-        self.grow_check_interval_s = grow_check_interval_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.events, self.recovery, self.elastic, self.sizes = events, recovery, elastic, sizes
         self.commands = CommandQueue()  # the control thread's requests; only the loop acts on them
         self.target_workers = target_workers
         self.stopping = False
@@ -114,12 +114,12 @@ class Resizer:
     def _growth_due(self) -> bool:
         now = time.monotonic()
         whole = len(whole_members(self.crew.members))
-        if whole >= self.target_workers or now - self._last_growth_check < self.grow_check_interval_s:
+        if whole >= self.target_workers or now - self._last_growth_check < self.elastic.grow_check_interval_s:
             return False
         self._last_growth_check = now
         if self._growth_target() > whole:
             return True
-        self._last_growth_check = now - self.grow_check_interval_s + 0.1  # spares starting: look again soon
+        self._last_growth_check = now - self.elastic.grow_check_interval_s + 0.1  # spares starting: look again soon
         return False
 
     # ----- resizing -----
@@ -150,7 +150,10 @@ class Resizer:
         if target != before:
             released: list[Worker] = []
             if target < before:
-                members, released = WorkerPool.by_locality(whole[:target] + harvest), whole[target:]
+                slow = self._slow_members(whole)
+                kept = [w for w in whole if w not in slow] + slow  # stragglers go first, then the last ranks
+                members, released = WorkerPool.by_locality(kept[:target] + harvest), kept[target:]
+                self._say_released(slow, released, reason)
             else:
                 extra = self.crew.take_or_start(target - before)
                 members = WorkerPool.by_locality(self.crew.members + (extra or []))
@@ -181,9 +184,12 @@ class Resizer:
         before = self.crew.layout.describe()
         self.crew.drop_dead_spares()
         ready = self.crew.ready_spares()
-        held = self.crew.members + ready
+        slow = self._slow_members(self.crew.members)
+        # Members first, they already hold the state; but a straggler after the idle spares.
+        held = [w for w in self.crew.members if w not in slow] + ready + slow
         extra = self.crew.take_or_start(devices - len(held)) if devices > len(held) else []
-        keep, released = held[:devices], held[devices:]  # members first: they already hold the state
+        keep, released = held[:devices], held[devices:]
+        self._say_released(slow, released, reason)
         self.crew.take_spares(ready)
         failed = self._switch_to(WorkerPool.by_locality(keep + (extra or [])), released)
         if failed is not None:
@@ -192,11 +198,25 @@ class Resizer:
                            resume_step=self.accounts.next_step)
         return Phase.RUNNING, f"{before} -> {self.crew.layout.describe()}"
 
+    def _slow_members(self, among: list[Worker]) -> list[Worker]:
+        """Members of `among` whose recent compute pace makes them stragglers (slowest first)."""
+        members = self.crew.members
+        ranks = slow_ranks(tuple(self.accounts.compute_history), self.elastic.straggler_threshold,
+                           self.elastic.straggler_patience)
+        return [members[rank] for rank in ranks if rank < len(members) and members[rank] in among]
+
+    def _say_released(self, slow: list[Worker], released: list[Worker], reason: str) -> None:
+        members = self.crew.members
+        for worker in (w for w in slow if w in released):
+            rank = members.index(worker)
+            self.events.record("straggler", f"rank {rank} is the slowest; the shrink ({reason}) releases it first",
+                               rank=rank, action=StragglerAction.RELEASE.value)
+
     def _switch_to(self, members: list[Worker], released: list[Worker]) -> tuple[Phase, str] | None:
         """Regroup `members` from the current members' newest snapshot, then stop `released` (after the
         regroup read their snapshots; it frees their devices). A failure goes to recovery: its phase."""
         formed = self.crew.members
-        if not all(self.pool.responsive(formed, timeout_s=self.heartbeat_timeout_s)):
+        if not all(self.pool.responsive(formed, timeout_s=self.elastic.heartbeat_timeout_s)):
             # A frozen member (SIGSTOP, a hung host) would hold the snapshot reads and the rendezvous for
             # minutes: recovery finds it by its silence and regroups without it.
             return self.recovery.lost_during_regroup(members, RuntimeError("a member stopped answering heartbeats"))

@@ -214,6 +214,26 @@ def test_a_resize_down_then_up_regroups_from_the_newest_snapshot(tmp_path):
     assert [e["train_devices"] for e in resizes] == [1, 3] and resizes[0]["resume_step"] == shrunk_at
 
 
+def test_a_shrink_releases_a_straggler_first_and_says_so(tmp_path):
+    """A 3-minute soak lent two of four workers away 6 s after one was throttled: the lend released the
+    last two ranks, the straggler among them only by chance. The slowest goes first now."""
+    cluster = FakeCluster({"n0": 4})
+    cluster.step_s = 0.01
+    cluster.scripted[0] = {"lag": 3.0}  # rank 0, which a shrink to the first ranks would keep
+    ctl = controller(tmp_path, cluster, workers=4, steps=20, min_workers=1, evict_stragglers=False,
+                     straggler_patience=3, steps_allowed=8)
+    thread, out = run_in_thread(ctl)
+    wait_for_step(ctl, 8)
+    slow = ctl.crew.members[0].name
+    assert ctl.resize(2, "a lend to serving") == 2
+    ctl.allow_steps(20)
+    thread.join(10)
+    assert slow not in [w.name for w in ctl.crew.members]
+    (released,) = [e for e in ctl.events.recent(200) if e["kind"] == "straggler"]
+    assert released["action"] == "release" and released["rank"] == 0 and "a lend to serving" in released["reason"]
+    assert losses(out["result"]) == fault_free(20)
+
+
 def test_harvest_ranks_join_beside_replicas_and_are_given_back(tmp_path):
     cluster = FakeCluster({"n0": 2, "n1": 2})
     cluster.step_s = 0.01

@@ -9,6 +9,7 @@ from baige_ray.policies.straggler import (
     StragglerObservation,
     decide_straggler,
     persistent_straggler,
+    slow_ranks,
 )
 
 SIZES = (2, 4, 6, 8)
@@ -111,3 +112,13 @@ def test_growth_uses_warm_spares_up_to_the_target():
 def test_spares_start_only_on_free_devices():
     assert spares_to_start(wanted=2, have=0, free_devices=1) == 1
     assert spares_to_start(wanted=2, have=2, free_devices=4) == 0
+
+
+def test_a_shrink_releases_ranks_slow_over_the_window_slowest_first():
+    # Medians over the window: 1.0, 2.1, 1.0, 3.3, 1.1 (of all: 1.1). Rank 1 was fast in one step: not
+    # a persistent straggler, but slow enough to go first in a shrink.
+    window = ((1.0, 2.1, 1.1, 3.0, 1.1), (1.2, 1.0, 0.9, 3.3, 1.0), (0.9, 2.4, 1.0, 3.5, 1.2))
+    assert persistent_straggler(window, threshold=1.5, patience=3) == 3
+    assert slow_ranks(window, threshold=1.5, patience=3) == (3, 1)
+    assert slow_ranks(window, threshold=3.5, patience=3) == ()
+    assert slow_ranks(window[1:], threshold=1.5, patience=3) == ()  # not a window's worth yet

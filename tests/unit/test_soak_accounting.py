@@ -19,5 +19,8 @@ def test_a_straggler_is_detected_only_by_the_straggler_policys_decision():
     tolerated = events + [{"time": 150.0, "kind": "straggler", "reason": "rank 0 is slow", "rank": 0,
                            "action": "tolerate"}]
     assert _job_fault_outcome(straggler, tolerated)["detected_s"] is None  # found, but left in place
+    released = events + [{"time": 150.0, "kind": "straggler", "reason": "rank 2 is the slowest", "rank": 2,
+                          "action": "release"}, {"time": 151.5, "kind": "resize", "reason": "lend 2 to inference"}]
+    assert _job_fault_outcome(straggler, released) == {"detected_s": 50.0, "recovered_s": 51.5, "steps_lost": 0}
     killed = {"kind": "worker_kill", "at": 130.0, "pid": 8}
     assert _job_fault_outcome(killed, evicted)["detected_s"] == 5.0
