@@ -17,7 +17,7 @@ from baige_ray.elastic.crew import Crew
 from baige_ray.elastic.machine import Phase
 from baige_ray.elastic.state_sources import StateSources, answers_or_none, settle_parts
 from baige_ray.elastic.watch import StepOutcome
-from baige_ray.elastic.workers import Worker, WorkerPool
+from baige_ray.elastic.workers import MemberSilent, Worker, WorkerPool
 from baige_ray.ops.events import EventLog
 from baige_ray.policies.failure import FailureAction, FailureDecision, FailureObservation, decide_failure
 
@@ -201,9 +201,12 @@ class Recovery:
         that were joining it (spares, growth) go back to the spares if they still answer."""
         formed = list(self.crew.members)
         joining = [w for w in members if w.name not in {f.name for f in formed}]
-        # Heartbeats, not pings: the living may still be blocked in the failed rendezvous.
-        answered = dict(zip((w.name for w in formed + joining),
-                            self.pool.responsive(formed + joining, timeout_s=2.0)))
+        # Heartbeats, not pings: the living may still be blocked in the failed rendezvous. Members the
+        # regroup found silent are not waited for again.
+        silent = set(error.names) if isinstance(error, MemberSilent) else set()
+        asked = [w for w in formed + joining if w.name not in silent]
+        answered = {name: False for name in silent} | dict(zip((w.name for w in asked),
+                                                               self.pool.responsive(asked, timeout_s=2.0)))
         dead = {rank: f"lost while regrouping ({type(error).__name__})"
                 for rank, worker in enumerate(formed) if not answered[worker.name]}
         # The living may wait for the dead to arrive: free them before the next regroup queues behind.

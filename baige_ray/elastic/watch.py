@@ -16,6 +16,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from baige_ray.elastic import calls
+from baige_ray.elastic.heartbeats import Heartbeats
 from baige_ray.elastic.workers import Worker
 
 
@@ -44,7 +45,7 @@ class WatchTimes:
 def watch_step(workers: list[Worker], refs: list[ray.ObjectRef], times: WatchTimes) -> StepOutcome:
     outcome = StepOutcome(metrics=[None] * len(refs))
     started = time.monotonic()
-    heartbeats: dict[int, tuple[ray.ObjectRef, float]] = {}
+    heartbeats = Heartbeats(times.heartbeat_timeout_s)
     pending = set(range(len(refs)))
     while pending:
         calls.wait([refs[r] for r in pending], num_returns=len(pending), timeout=times.heartbeat_interval_s)
@@ -56,7 +57,7 @@ def watch_step(workers: list[Worker], refs: list[ray.ObjectRef], times: WatchTim
             outcome.first_failure_at = now
             for rank in pending:  # survivors waiting on the lost peer: let go now, not at the timeout
                 workers[rank].actor.abort_step.remote()
-        for rank, why in _unresponsive(workers, pending, heartbeats, times, now).items():
+        for rank, why in heartbeats.unresponsive({rank: workers[rank] for rank in pending}, now).items():
             outcome.lost[rank] = why
             pending.discard(rank)
         since = outcome.first_failure_at if outcome.first_failure_at is not None else started
@@ -78,37 +79,3 @@ def _collect(rank: int, ref: ray.ObjectRef, outcome: StepOutcome) -> bool:
     except Exception as error:  # the step raised in a live worker, e.g. a collective with a lost peer
         outcome.failed[rank] = str(error).splitlines()[0][:200]
     return True
-
-
-def _unresponsive(workers, pending, heartbeats, times: WatchTimes, now: float) -> dict[int, str]:
-    """Ranks whose heartbeat has been unanswered for heartbeat_timeout_s, or answered that the actor died
-    (rank -> why); sends the next ones."""
-    silent = {}
-    for rank in pending:
-        sent = heartbeats.get(rank)
-        if sent is not None:
-            ref, at = sent
-            ready, _ = calls.wait([ref], timeout=0)
-            if not ready:
-                if now - at > times.heartbeat_timeout_s:
-                    silent[rank] = "stopped answering heartbeats"
-                continue
-            died = _death_of(ref)
-            if died is not None:
-                # The step's own call can stay pending for a while after its actor died (Ray waits for
-                # the death's cause before failing it): a heartbeat sent since then fails at once.
-                silent[rank] = died
-                continue
-        heartbeats[rank] = (workers[rank].actor.heartbeat.remote(), now)
-    return silent
-
-
-def _death_of(heartbeat: ray.ObjectRef) -> str | None:
-    """Why the actor died, where this answered heartbeat says it did; None where it answered."""
-    try:
-        calls.get(heartbeat, timeout=0)
-    except RayActorError as error:
-        return f"actor died: {type(error).__name__} (a heartbeat)"
-    except Exception:  # an answer that failed otherwise says nothing about the actor's death
-        pass
-    return None

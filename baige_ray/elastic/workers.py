@@ -20,6 +20,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from baige_ray.api.configs import ScalingConfig
 from baige_ray.api.device import DeviceInfo
 from baige_ray.elastic import calls
+from baige_ray.elastic.heartbeats import SILENT, Heartbeats
 from baige_ray.engines.host_allocator import worker_runtime_env
 from baige_ray.parallel.distributed import GroupMembership
 from baige_ray.runtime.resources import worker_bundle
@@ -48,6 +49,13 @@ class Worker:
 
 class MemberSilent(RuntimeError):
     """A member stopped answering heartbeats while the group regrouped (frozen: SIGSTOP, a hung host)."""
+
+    def __init__(self, message: str, names: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.names = names  # the silent members' worker names: known unresponsive, not asked again
+
+
+HEARTBEAT_POLL_S = 0.25  # how often a regroup looks at its members' answers and heartbeats
 
 
 class WorkerPool:
@@ -203,21 +211,20 @@ class WorkerPool:
         that answers no heartbeat for `regroup_silence_s`."""
         deadline = time.monotonic() + timeout_s
         pending = dict(zip(refs, range(len(refs))))
+        heartbeats = Heartbeats(self.regroup_silence_s)
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise GetTimeoutError(f"{len(pending)} of {len(refs)} members unanswered after {timeout_s:.0f}s")
-            done, _ = calls.wait(list(pending), num_returns=1, timeout=min(self.regroup_silence_s, remaining))
+            done, _ = calls.wait(list(pending), num_returns=1, timeout=min(HEARTBEAT_POLL_S, remaining))
             for ref in done:
                 calls.get(ref)  # raises the member's own failure
                 del pending[ref]
-            if not done:
-                ranks = list(pending.values())
-                heard = self.responsive([members[rank] for rank in ranks], timeout_s=self.regroup_silence_s)
-                silent = [rank for rank, alive in zip(ranks, heard) if not alive]
-                if silent:
-                    raise MemberSilent(f"rank(s) {silent} answered no heartbeat for {self.regroup_silence_s:g}s "
-                                       f"while regrouping")
+            lost = heartbeats.unresponsive({rank: members[rank] for rank in pending.values()}, time.monotonic())
+            silent = [rank for rank, why in sorted(lost.items()) if why == SILENT]  # the dead raise above soon
+            if silent:
+                raise MemberSilent(f"rank(s) {silent} answered no heartbeat for {self.regroup_silence_s:g}s "
+                                   f"while regrouping", names=tuple(members[rank].name for rank in silent))
         return calls.get(refs)
 
     @staticmethod
