@@ -195,10 +195,12 @@ class Recovery:
         self.pool.stop([w for w in leftover if w.share < 1])
         return ordered[:size]
 
-    def lost_during_regroup(self, members: list[Worker], error: Exception) -> tuple[Phase, str]:
+    def lost_during_regroup(self, members: list[Worker], error: Exception,
+                            released: tuple[Worker, ...] = ()) -> tuple[Phase, str]:
         """A regroup of `members` failed part way (here or in a resize): recover again from the generation
         that last formed (its snapshots match its layout), without those of it that are gone. Workers
-        that were joining it (spares, growth) go back to the spares if they still answer."""
+        that were joining it (spares, growth) go back to the spares if they still answer. `released`:
+        members a failed shrink let go, gone by its choice, not lost."""
         formed = list(self.crew.members)
         joining = [w for w in members if w.name not in {f.name for f in formed}]
         # Heartbeats, not pings: the living may still be blocked in the failed rendezvous. Members the
@@ -207,7 +209,9 @@ class Recovery:
         asked = [w for w in formed + joining if w.name not in silent]
         answered = {name: False for name in silent} | dict(zip((w.name for w in asked),
                                                                self.pool.responsive(asked, timeout_s=2.0)))
-        dead = {rank: f"lost while regrouping ({type(error).__name__})"
+        let_go = {w.name for w in released}
+        lost = f"lost while regrouping ({type(error).__name__})"
+        dead = {rank: "released by the shrink" if worker.name in let_go else lost
                 for rank, worker in enumerate(formed) if not answered[worker.name]}
         # The living may wait for the dead to arrive: free them before the next regroup queues behind.
         self.pool.abandon([w for w in formed + joining if answered[w.name]], self.crew.generation)

@@ -225,7 +225,7 @@ class Resizer:
             self.crew.regroup(members, state, self.accounts.next_step)
         except Exception as error:
             self.pool.stop(released)
-            return self.recovery.lost_during_regroup(members, error)
+            return self.recovery.lost_during_regroup(members, error, released=tuple(released))
         self.state_sources.release_shelves(state, members)  # the released remove their own, then go
         self.pool.stop(released)
         self.accounts.resume_after(step)

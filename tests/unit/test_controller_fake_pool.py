@@ -235,6 +235,23 @@ def test_a_shrink_releases_a_straggler_first_and_says_so(tmp_path):
     assert losses(out["result"]) == fault_free(20)
 
 
+def test_a_member_frozen_in_a_shrinks_regroup_is_lost_and_those_the_shrink_let_go_are_not(tmp_path):
+    cluster = FakeCluster({"n0": 4})
+    cluster.step_s = 0.01
+    pool = FakeWorkerPool(cluster)
+    pool.regroup_silence_s = 0.5
+    ctl = controller(tmp_path, cluster, workers=4, steps=12, min_workers=1, pool=pool, steps_allowed=4)
+    thread, out = run_in_thread(ctl)
+    wait_for_step(ctl, 4)
+    cluster.named(ctl.crew.members[0].name).freeze_in_rejoin = True  # kept by the shrink, frozen joining
+    ctl.resize(2, "a lend to serving")
+    ctl.allow_steps(12)
+    thread.join(10)
+    reasons = sorted(e["reason"] for e in ctl.events.recent(200) if e["kind"] == "failure")
+    assert reasons == ["lost while regrouping (MemberSilent)", "released by the shrink", "released by the shrink"]
+    assert losses(out["result"]) == fault_free(12)
+
+
 def test_harvest_ranks_join_beside_replicas_and_are_given_back(tmp_path):
     cluster = FakeCluster({"n0": 2, "n1": 2})
     cluster.step_s = 0.01
