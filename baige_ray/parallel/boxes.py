@@ -8,13 +8,12 @@ restoring a sharded engine touches only the bytes each rank keeps.
 from __future__ import annotations
 
 import math
+import sys
 from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 @dataclass(frozen=True)
@@ -62,9 +61,18 @@ class Box:
         return Box(outer.size, tuple(s - o for s, o in zip(self.start, outer.start)), self.size)
 
 
+def is_dtensor(tensor: object) -> bool:
+    """Whether `tensor` is a DTensor, without importing DTensor (half a second, most of it sympy) into
+    a process that never built one: where the module was never imported, nothing is a DTensor."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 def box_of(tensor: torch.Tensor) -> Box:
     """Where this rank's piece of `tensor` sits: a DTensor's local shard, or the whole of a plain tensor."""
-    if isinstance(tensor, DTensor):
+    if is_dtensor(tensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
         size, start = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
         return Box(tuple(tensor.shape), tuple(start), tuple(size))
     return Box.whole(tensor.shape)

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from baige_ray.parallel.boxes import Box, Pieces, box_of, piece_of
+from baige_ray.parallel.boxes import Box, Pieces, box_of, is_dtensor, piece_of
 from baige_ray.parallel.state import ADAM_KEYS, CanonicalState
 
 
@@ -176,7 +175,7 @@ class ShardCopy:
 def meta_part(part_state: CanonicalState, boxes: dict[str, Box]) -> ShardedPart:
     """A part of meta tensors shaped as `part_state`'s (given as tensors or as the DTensors they are pieces of)."""
     def meta(tensor: torch.Tensor) -> torch.Tensor:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = tensor.to_local() if is_dtensor(tensor) else tensor
         return torch.empty(local.shape, dtype=local.dtype, device="meta")
 
     return ShardedPart({"model": {name: meta(t) for name, t in part_state["model"].items()},
@@ -218,7 +217,7 @@ class LocalSources:
 
 def copy_local(tensor: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
     """A CPU copy of this rank's piece of `tensor`, written into `into` when it fits."""
-    local = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
+    local = (tensor.to_local() if is_dtensor(tensor) else tensor).detach()
     if into is not None and into.shape == local.shape and into.dtype == local.dtype:
         return into.copy_(local)
     return local.cpu().clone()

@@ -14,9 +14,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from baige_ray.parallel.boxes import box_of, piece_of
+from baige_ray.parallel.boxes import box_of, is_dtensor, piece_of
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 CanonicalState = dict[str, dict]
@@ -24,7 +23,7 @@ CanonicalState = dict[str, dict]
 
 def full_tensor(tensor: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
     """A full CPU copy of `tensor`; written into `into` when it fits (no fresh allocation per snapshot)."""
-    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    full = tensor.full_tensor() if is_dtensor(tensor) else tensor
     if into is not None and into.shape == full.shape and into.dtype == full.dtype:
         return into.copy_(full.detach())
     return full.detach().cpu().clone()
@@ -68,7 +67,7 @@ def import_module_state(
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def _local_copy(like: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
