@@ -16,7 +16,8 @@ steps lost. A job fault is detected at the job's first event that answers it (a 
 "straggler"; a "controller_restart"; a skipped persisted checkpoint) and recovered at the next
 "recovered" event (whose record names the steps redone), or for a straggler a shrink released (a lend)
 at that shrink's "resize"; a replica fault is detected when Ray lists the
-replica dead and recovered when the application has its replicas again; an arbiter fault is detected
+replica dead and recovered when the application has its replicas again (as many as the arbiter
+wants then, where it took a device back meanwhile); an arbiter fault is detected
 when Ray has restarted it and recovered at its first decision after that. For serving: requests, failed
 requests (those in flight when a replica was killed or its node lost, and all others), the share
 answered within `--slo-s`. For the run: the final loss against a fault-free run of the same steps, each

@@ -49,6 +49,13 @@ VOLUME_SIZE = "128m"  # the checkpoints' tmpfs: a tiny model's few checkpoints t
 FILLER_NAME = "soak-filler.bin"
 
 
+def replicas_wanted(before_kill: int, infer_devices: int | None) -> int:
+    """How many replicas the application must have again for a replica kill to count as recovered: as
+    many as before it, or fewer where the arbiter took a device back from serving meanwhile (the soak
+    serves one replica a device). A seed-2 soak killed one of 3 replicas 5 s before a reclaim."""
+    return before_kill if infer_devices is None else min(before_kill, infer_devices)
+
+
 class FaultInjector:
     """Faults on one soak's job (`job`, run `run_name`), application `app_name`, pool arbiter (an actor
     handle) and persisted checkpoints under `checkpoints`; every pid it touches goes into `seen_pids`
@@ -149,10 +156,19 @@ class FaultInjector:
             alive = self._replica_pids()
             if detected is None and pid not in alive:
                 detected = time.time() - at
-            if detected is not None and len(alive) >= len(before):
+            if detected is not None and len(alive) >= replicas_wanted(len(before), self._infer_devices()):
                 recovered = time.time() - at
         return {"kind": fault.kind, "at": at, "pid": pid, "detected_s": detected, "recovered_s": recovered,
                 "steps_lost": 0}
+
+    def _infer_devices(self) -> int | None:
+        """The devices the arbiter gives serving now (None while it is down or restarting)."""
+        import ray
+
+        try:
+            return ray.get(self.arbiter.status.remote(), timeout=5)["infer_devices"]
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return None
 
     def _replica_pids(self, on_node: str | None = None) -> list[int]:
         pids = live_replica_pids(self.app_name, on_node=on_node)

@@ -1,6 +1,7 @@
 """How the soak matches an injected fault with the job event that noticed it."""
 
 from baige_ray.bench.soak import _job_fault_outcome
+from baige_ray.bench.soak_faults import replicas_wanted
 
 
 def test_a_straggler_is_detected_only_by_the_straggler_policys_decision():
@@ -24,3 +25,10 @@ def test_a_straggler_is_detected_only_by_the_straggler_policys_decision():
     assert _job_fault_outcome(straggler, released) == {"detected_s": 50.0, "recovered_s": 51.5, "steps_lost": 0}
     killed = {"kind": "worker_kill", "at": 130.0, "pid": 8}
     assert _job_fault_outcome(killed, evicted)["detected_s"] == 5.0
+
+
+def test_a_killed_replica_is_back_when_the_application_has_the_replicas_the_arbiter_wants_now():
+    assert replicas_wanted(3, 3) == 3
+    assert replicas_wanted(3, 2) == 2  # a reclaim while the killed replica restarted
+    assert replicas_wanted(2, 3) == 2  # a lend meanwhile asks for a new replica, not the killed one back
+    assert replicas_wanted(3, None) == 3  # the arbiter is down: the count before the kill
