@@ -15,17 +15,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
+from baige_ray.parallel.boxes import is_dtensor
 from baige_ray.parallel.distributed import all_reduce_abortable
 
 
 def apply_tensor_parallel(blocks: list[nn.Module], tp_mesh: DeviceMesh, plan: dict) -> None:
     """Parallelize each block by the model's plan (DTensor styles keyed by block-relative module name)."""
+    from torch.distributed.tensor.parallel import parallelize_module  # DTensor: imported where it is used
+
     for block in blocks:
         parallelize_module(block, tp_mesh, plan)
 
@@ -41,6 +40,10 @@ def apply_fsdp(stage: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
     """Shard each block, then the rest of the stage, over `dp_mesh`; `ignored` parameters (experts
     already sharded by expert parallelism) stay as they are, their gradients reduced by the engine.
     With `compute_dtype` (mixed precision) weights are gathered in it; gradients reduce in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from baige_ray.engines.host_reduce_scatter import HostReduceScatter
+
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype \
         else MixedPrecisionPolicy()
     modules = [*blocks, stage]
@@ -50,36 +53,6 @@ def apply_fsdp(stage: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
         reduce_scatter = HostReduceScatter()
         for module in modules:
             module.set_custom_reduce_scatter(reduce_scatter)
-
-
-class HostReduceScatter(ReduceScatter):
-    """FSDP2's gradient reduce-scatter over gloo without fresh memory at every call.
-
-    gloo's reduce-scatter copies its whole input at each call, and FSDP2 allocates that input anew: on a
-    CPU worker both are fresh pages above the allocator's 32 MB threshold, faulted in (and zeroed) at every
-    step. Here an input, once reduced, goes back to a free list its size draws from, and it is reduced in
-    place by an all-reduce whose shard is copied out: the same sums. Outputs are never returned to the list
-    (FSDP2 keeps them as the sharded gradients), so a buffer is never handed out twice."""
-
-    def __init__(self) -> None:
-        self._free: dict[tuple, list[torch.Tensor]] = {}
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        free = self._free.get((tuple(int(n) for n in size), dtype, device))
-        return free.pop() if free else torch.empty(size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op, async_op: bool = False):
-        average = op == dist.ReduceOp.AVG
-        all_reduce_abortable(input_tensor, group, op=dist.ReduceOp.SUM if average else op)
-        shard = input_tensor.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
-        if average:
-            torch.div(shard, dist.get_world_size(group), out=output_tensor.view_as(shard))
-        else:
-            output_tensor.view_as(shard).copy_(shard)
-        key = (tuple(input_tensor.shape), input_tensor.dtype, input_tensor.device)
-        self._free.setdefault(key, []).append(input_tensor)
-        return None
 
 
 def apply_ddp(stage: nn.Module, dp_group: dist.ProcessGroup, on_accelerator: bool,
@@ -121,7 +94,7 @@ def _every_parameter_gets_a_gradient(stage: nn.Module, zero_loss: Callable[[nn.M
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def settle_gradient_placements(parameters: list[nn.Parameter]) -> None:
@@ -130,7 +103,7 @@ def settle_gradient_placements(parameters: list[nn.Parameter]) -> None:
     Shard(0); collectives on local shards and norms need the parameter's layout."""
     for param in parameters:
         grad = param.grad
-        if isinstance(grad, DTensor) and grad.placements != param.placements:
+        if is_dtensor(grad) and grad.placements != param.placements:
             param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
@@ -155,7 +128,7 @@ def all_reduce_gradients(parameters: list[nn.Parameter], group: dist.ProcessGrou
 
 def _sharded_mesh_dims(tensor: torch.Tensor) -> tuple:
     """(mesh, dims over which the tensor is sharded); replicated dims hold identical copies."""
-    if not isinstance(tensor, DTensor):
+    if not is_dtensor(tensor):
         return (None, ())
     dims = tuple(i for i, placement in enumerate(tensor.placements) if placement.is_shard())
     return (tensor.device_mesh, dims)
@@ -203,7 +176,7 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float, pp_group: di
     coefficient = min(1.0, max_norm / (total + 1e-6))
     if coefficient < 1.0:
         grads = [param.grad for param in parameters if param.grad is not None]
-        for same_kind in ([g for g in grads if isinstance(g, DTensor)], [g for g in grads if not isinstance(g, DTensor)]):
+        for same_kind in ([g for g in grads if is_dtensor(g)], [g for g in grads if not is_dtensor(g)]):
             if same_kind:  # one fused kernel per kind: DTensor dispatches foreach ops only on DTensor lists
                 torch._foreach_mul_(same_kind, coefficient)
     return total

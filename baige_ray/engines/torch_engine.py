@@ -18,15 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
-from torch.distributed.tensor import DTensor
 
 from baige_ray.engines import parallelize
 from baige_ray.engines.base import Engine, SlowChipEmulator
 from baige_ray.engines.exact_gradients import ExactGradientSum, check_world_size_invariant
-from baige_ray.engines.pipeline_schedule import ScheduleRunAhead1F1B
 from baige_ray.engines.train_job import TrainJob, build_optimizer
 from baige_ray.models.aux_loss import auxiliary_losses, mark_forward
+from baige_ray.parallel.boxes import is_dtensor
 from baige_ray.parallel.distributed import all_reduce_abortable
 from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.parallel.shards import LocalSources, ShardCopy, ShardedPart
@@ -103,7 +101,7 @@ class TorchEngine(Engine):
         if self.layout.ep == 1:
             return {}
         return {id(param): param for layer in self.expert_layers for param in layer.parameters()
-                if isinstance(param, DTensor)}
+                if is_dtensor(param)}
 
     def _find_tp_replicated_parameters(self) -> list[nn.Parameter]:
         """Parameters whole on every TP rank whose gradient each rank computes only in part."""
@@ -157,6 +155,12 @@ class TorchEngine(Engine):
         return self.layout.dp > 1 and self.layout.data_parallel == "ddp" and (self.layout.tp > 1 or self.layout.ep > 1)
 
     def _build_schedule(self):
+        # Imported here: torch's pipelining imports FSDP2 and DTensor (1.3 s), which a worker that trains
+        # without a pipeline never needs.
+        from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+        from baige_ray.engines.pipeline_schedule import ScheduleRunAhead1F1B
+
         num_micro = self.layout.microbatches(self.per_replica_batch)
         pp_group = self.meshes["pp"].get_group()
         # torch's first step also runs each stage once on uninitialized inputs to infer shapes: marking

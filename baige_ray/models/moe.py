@@ -31,10 +31,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from baige_ray.api.validation import require_int, require_number
 from baige_ray.models.aux_loss import attach_auxiliary_loss
+from baige_ray.parallel.boxes import is_dtensor
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -156,7 +156,7 @@ class GeluExpertKernel:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 class MoELayer(nn.Module):

@@ -1,4 +1,4 @@
-"""parallelize.HostReduceScatter: FSDP2's gradient reduce-scatter on CPU workers, in two gloo processes."""
+"""host_reduce_scatter.HostReduceScatter: FSDP2's gradient reduce-scatter on CPU workers, in two gloo processes."""
 
 import torch
 import torch.distributed as dist
@@ -6,7 +6,7 @@ import torch.multiprocessing as mp
 
 
 def _rank(rank: int, path: str, results) -> None:
-    from baige_ray.engines.parallelize import HostReduceScatter
+    from baige_ray.engines.host_reduce_scatter import HostReduceScatter
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
     comm = HostReduceScatter()
