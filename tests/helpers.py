@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 from baige_ray.actors.worker import WorkerActor
 from baige_ray.engines.factory import build_engine
 from baige_ray.engines.train_job import TrainJob
@@ -11,13 +13,9 @@ from baige_ray.parallel.layout import ParallelLayout
 def spawn_ranks(rank_main, nprocs: int, *args) -> dict:
     """Run `rank_main(rank, port, results, *args)` in `nprocs` spawned processes (a gloo group's ranks,
     MASTER_PORT a free port of 127.0.0.1); returns what each rank put in `results[rank]`."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with mp.Manager() as manager:
         results = manager.dict()
         mp.start_processes(rank_main, args=(port, results, *args), nprocs=nprocs, start_method="spawn")
@@ -113,3 +111,10 @@ def kill_runs_named(prefix: str) -> int:
             if entry["namespace"] == NAMESPACE and entry["name"].startswith(("baige-worker:", "baige-controller:"))
             and entry["name"].split(":")[1].startswith(prefix)}
     return sum(kill_run_actors(run) for run in runs)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

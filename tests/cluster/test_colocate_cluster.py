@@ -14,7 +14,6 @@ import json
 import math
 import os
 import signal
-import socket
 import threading
 import time
 import urllib.error
@@ -34,12 +33,7 @@ from baige_ray.policies.lending import LendingAction, LendingPolicy
 from baige_ray.serving import replica_states, serve, shutdown
 from baige_ray.topology.head import head_node_id
 from tests.hf_helpers import SEQ_LEN, VOCAB_SIZE, build_tiny_hf
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from tests.helpers import free_port
 
 
 class SteadyLoad:

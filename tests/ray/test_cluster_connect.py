@@ -18,14 +18,9 @@ from pathlib import Path
 import pytest
 
 from tests.doc_snippets import REPO_ROOT, page_script
+from tests.helpers import free_port
 
 GUIDE = REPO_ROOT / "docs" / "guides" / "real-cluster.md"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_for_port(port: int, timeout_s: float) -> None:

@@ -9,7 +9,6 @@ disaggregated application (prefill and decode replicas) answers with the first o
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -31,14 +30,9 @@ from baige_ray.serving.expert_parallel import ExpertParallelServing
 from baige_ray.serving.requests import GenerateRequest
 
 from ..moe_helpers import HOT_EXPERT, PROMPTS, greedy_tokens, skewed_moe_gpt
+from tests.helpers import free_port
 
 CONFIG = GPTConfig(seq_len=32, num_layers=1, num_heads=2, hidden=32)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def call(url: str, body: bytes | dict | None = None, method: str | None = None) -> tuple[int, dict]:

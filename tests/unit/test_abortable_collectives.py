@@ -8,21 +8,16 @@ processes on gloo: rank 1 never reaches the collective, rank 0 is aborted from a
 
 from __future__ import annotations
 
-import multiprocessing
-import socket
+import os
 import threading
 import time
 
 import pytest
 
+from tests.helpers import spawn_ranks
+
 ABORT_AFTER_S = 0.3
 GROUP_TIMEOUT_S = 30.0  # what a survivor would sit out without the abort
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _exact_sum(group) -> None:
@@ -48,7 +43,7 @@ def _gradient_norm(group) -> None:
 COLLECTIVES = {"exact gradient sum": _exact_sum, "gradient norm": _gradient_norm}
 
 
-def _rank(rank: int, port: int, collective: str, results, done) -> None:
+def _rank(rank: int, port: int, results, collective: str) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -57,37 +52,28 @@ def _rank(rank: int, port: int, collective: str, results, done) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-    if rank == 1:  # the frozen peer: in the group, never in the collective
-        done.wait(GROUP_TIMEOUT_S * 2)
+    if rank == 1:  # the frozen peer: in the group, never in the collective, until rank 0 is done
+        deadline = time.monotonic() + GROUP_TIMEOUT_S * 2
+        while 0 not in results and time.monotonic() < deadline:
+            time.sleep(0.05)
         return
     threading.Timer(ABORT_AFTER_S, abort_step).start()
     began = time.monotonic()
     try:
         COLLECTIVES[collective](dist.group.WORLD)
-        results.put(("completed", time.monotonic() - began))
+        outcome = "completed"
     except CollectiveAborted:
-        results.put(("aborted", time.monotonic() - began))
+        outcome = "aborted"
     except Exception as error:  # the collective timed out instead
-        results.put((type(error).__name__, time.monotonic() - began))
-    finally:
-        done.set()
+        outcome = type(error).__name__
+    results[0] = (outcome, time.monotonic() - began)
+    # The abandoned collective still waits on gloo's thread for the peer: tearing the group down at exit
+    # would abort the process; leave without it, as the worker's next generation leaves it behind.
+    os._exit(0)
 
 
 @pytest.mark.parametrize("collective", sorted(COLLECTIVES))
 def test_a_survivor_blocked_on_a_frozen_peer_leaves_the_collective_when_aborted(collective):
-    context = multiprocessing.get_context("spawn")
-    results, done = context.Queue(), context.Event()
-    port = _free_port()
-    ranks = [context.Process(target=_rank, args=(rank, port, collective, results, done)) for rank in (0, 1)]
-    for process in ranks:
-        process.start()
-    try:
-        outcome, seconds = results.get(timeout=GROUP_TIMEOUT_S * 2)
-    finally:
-        done.set()
-        for process in ranks:
-            process.join(10)
-            if process.is_alive():
-                process.kill()
+    outcome, seconds = spawn_ranks(_rank, 2, collective)[0]
     assert outcome == "aborted", f"the collective {outcome} after {seconds:.1f}s"
     assert seconds < ABORT_AFTER_S + 2.0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.corpus import CorpusConfig
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.parallel.layout import ParallelLayout
-from tests.helpers import spawn_ranks
+from tests.helpers import free_port, spawn_ranks
 
 NUM_STEPS = 4
 
@@ -53,12 +52,6 @@ def _three_then_two(rank: int, port: int, results, second_port: int, invariant: 
     results[rank] = runs
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _replica_loss(results, dp: int) -> list[float]:
     """The step's loss as fit reduces it: the mean over the replicas of what each reports."""
     return [sum(results[rank][dp][0][step] for rank in range(dp)) / dp for step in range(NUM_STEPS)]
@@ -67,7 +60,7 @@ def _replica_loss(results, dp: int) -> list[float]:
 def test_one_two_and_three_replicas_train_the_same_bits():
     torch.set_num_threads(1)
     single_losses, single = _train(_job(), ParallelLayout(), 0)
-    results = spawn_ranks(_three_then_two, 3, _free_port(), True)
+    results = spawn_ranks(_three_then_two, 3, free_port(), True)
     for dp in (3, 2):
         weights = results[0][dp][1]
         for name, expected in single.items():
@@ -78,7 +71,7 @@ def test_one_two_and_three_replicas_train_the_same_bits():
 
 def test_without_it_three_and_two_replicas_part_in_the_last_bits():
     """What the exact sum is for: DDP's averages at dp 3 and at dp 2 differ (so the test above can fail)."""
-    results = spawn_ranks(_three_then_two, 3, _free_port(), False)
+    results = spawn_ranks(_three_then_two, 3, free_port(), False)
     three, two = results[0][3][1], results[0][2][1]
     assert any(not torch.equal(three[name], two[name]) for name in three)
 
