@@ -209,7 +209,7 @@ class Resizer:
         members = self.crew.members
         for worker in (w for w in slow if w in released):
             rank = members.index(worker)
-            self.events.record("straggler", f"rank {rank} is the slowest; the shrink ({reason}) releases it first",
+            self.events.record("straggler", f"rank {rank} is slow; the shrink ({reason}) releases it first",
                                rank=rank, action=StragglerAction.RELEASE.value)
 
     def _switch_to(self, members: list[Worker], released: list[Worker]) -> tuple[Phase, str] | None:
