@@ -71,12 +71,13 @@ def spiky_rates(duration_s: float, base_rate: float, spike_rate: float, seed: in
 
 class Throttle:
     """A process stopped `stopped_s` out of every `period_s` (SIGSTOP then SIGCONT) until `stop()` or
-    until it is gone; it is left running."""
+    until it is gone (`gone_at`: when it was found gone, wall clock); it is left running."""
 
     # Short turns: a throttled chip is slow in every step; steps here take about 0.1 s, and a 0.25 s period
     # left whole steps at full speed, so the straggler policy's "5 slow steps in a row" never held.
     def __init__(self, pid: int, *, stopped_s: float = 0.03, period_s: float = 0.05, limit_s: float = 60.0):
         self.pid, self.stopped_s, self.period_s, self.limit_s = pid, stopped_s, period_s, limit_s
+        self.gone_at: float | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -94,7 +95,8 @@ class Throttle:
                 os.kill(self.pid, signal.SIGCONT)
                 self._done.wait(self.period_s - self.stopped_s)
         except ProcessLookupError:
-            return  # it was stopped for good by its job (evicted): nothing left to throttle
+            self.gone_at = time.time()  # evicted by its job, or killed by another fault: nothing left to throttle
+            return
         finally:
             try:
                 os.kill(self.pid, signal.SIGCONT)

@@ -1,12 +1,15 @@
 """How the soak matches an injected fault with the job event that noticed it."""
 
+from types import SimpleNamespace
+
 from baige_ray.bench.soak import _job_fault_outcome
 from baige_ray.bench.soak_faults import replicas_wanted
 
 
-def test_a_straggler_is_detected_only_by_the_straggler_policys_decision():
-    """A throttled worker killed by a later fault (every worker restarts from a checkpoint) was never found
-    slow: the failure that killed it does not count as the straggler's detection."""
+def test_a_straggler_is_detected_only_by_the_straggler_policys_word_and_recovered_once_the_job_is_off_it():
+    """A throttled worker killed by a later fault (every worker restarts from a checkpoint) before the
+    policy named it was never found slow: the failure that killed it does not count as its detection. One
+    the policy named and tolerated (no spare ready) is recovered only once its process is gone."""
     events = [
         {"time": 135.0, "kind": "failure", "reason": "actor died", "rank": 0},
         {"time": 140.0, "kind": "recovered", "reason": "next step done", "recovery_s": 5.0, "lost_steps": 26},
@@ -19,7 +22,15 @@ def test_a_straggler_is_detected_only_by_the_straggler_policys_decision():
     assert _job_fault_outcome(straggler, evicted) == {"detected_s": 50.0, "recovered_s": 52.0, "steps_lost": 0}
     tolerated = events + [{"time": 150.0, "kind": "straggler", "reason": "rank 0 is slow", "rank": 0,
                            "action": "tolerate"}]
-    assert _job_fault_outcome(straggler, tolerated)["detected_s"] is None  # found, but left in place
+    # Found, but left in place until its throttle ended: not recovered.
+    assert _job_fault_outcome(straggler, tolerated) == {"detected_s": 50.0, "recovered_s": None, "steps_lost": None}
+    # Left in place, then taken by another fault: recovered with that fault's recovery, its steps that fault's.
+    taken = {**straggler, "throttle": SimpleNamespace(gone_at=155.0)}
+    killed_later = tolerated + [{"time": 155.1, "kind": "failure", "reason": "actor died", "rank": 0},
+                                {"time": 160.0, "kind": "recovered", "reason": "next step done", "recovery_s": 4.9,
+                                 "lost_steps": 1}]
+    assert _job_fault_outcome(taken, killed_later) == {"detected_s": 50.0, "recovered_s": 60.0, "steps_lost": 0}
+    assert _job_fault_outcome(straggler, killed_later)["recovered_s"] is None  # its process never went away
     released = events + [{"time": 150.0, "kind": "straggler", "reason": "rank 2 is the slowest", "rank": 2,
                           "action": "release"}, {"time": 151.5, "kind": "resize", "reason": "lend 2 to inference"}]
     assert _job_fault_outcome(straggler, released) == {"detected_s": 50.0, "recovered_s": 51.5, "steps_lost": 0}
