@@ -15,7 +15,8 @@ Reported per fault kind: injected, detected, recovered, detection and recovery s
 steps lost. A job fault is detected at the job's first event that answers it (a "failure" or
 "straggler"; a "controller_restart"; a skipped persisted checkpoint) and recovered at the next
 "recovered" event (whose record names the steps redone), or for a straggler a shrink released (a lend)
-at that shrink's "resize"; a replica fault is detected when Ray lists the
+at that shrink's "resize", and for one the policy tolerated until another fault took its process, at
+that fault's recovery; a replica fault is detected when Ray lists the
 replica dead and recovered when the application has its replicas again (as many as the arbiter
 wants then, where it took a device back meanwhile); an arbiter fault is detected
 when Ray has restarted it and recovered at its first decision after that. For serving: requests, failed
