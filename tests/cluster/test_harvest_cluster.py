@@ -25,7 +25,8 @@ from baige_ray.jobs.launch import launch
 from baige_ray.ops.events import EventLog
 from baige_ray.policies.lending import LendingAction, LendingPolicy
 from baige_ray.serving import replica_states, serve, shutdown
-from tests.cluster.test_colocate_cluster import SteadyLoad, assert_training_continues, free_port
+from tests.cluster.test_colocate_cluster import SteadyLoad, assert_training_continues
+from tests.helpers import free_port
 
 MODEL = br.GPTConfig(seq_len=32, num_layers=1, num_heads=2, hidden=32)
 SHARE = 0.25

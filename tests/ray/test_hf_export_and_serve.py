@@ -20,7 +20,8 @@ from baige_ray.serving import reload_weights, serve, shutdown
 from baige_ray.serving.generators import text_generator
 from baige_ray.serving.requests import GenerateRequest
 from tests.hf_helpers import build_tiny_hf, elastic_hf_run
-from tests.ray.test_serving import call, free_port
+from tests.helpers import free_port
+from tests.ray.test_serving import call
 
 
 @pytest.fixture(scope="module")

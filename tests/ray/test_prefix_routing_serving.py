@@ -17,7 +17,8 @@ import torch
 from baige_ray.serving import KVCacheConfig, scale_replicas, serve, shutdown
 from baige_ray.serving.app import prefix_cache_stats, serving_events
 from tests.hf_helpers import build_tiny_hf
-from tests.ray.test_serving import call, free_port
+from tests.helpers import free_port
+from tests.ray.test_serving import call
 
 pytestmark = pytest.mark.ray
 

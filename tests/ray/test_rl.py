@@ -21,7 +21,7 @@ from baige_ray.rl.config import GRPOConfig
 from baige_ray.rl.faults import RolloutFaultPlan
 from baige_ray.rl.trainer import GRPOTrainer, RolloutOptions
 from tests.hf_helpers import SEQ_LEN, build_tiny_hf
-from tests.ray.test_serving import free_port
+from tests.helpers import free_port
 
 PROMPTS = ["def ", "class ", "import ", "return ", "if ", "for "]
 CONFIG = GRPOConfig(num_iterations=3, prompts_per_iteration=2, group_size=4, max_new_tokens=16, learning_rate=1e-3,

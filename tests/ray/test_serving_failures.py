@@ -26,7 +26,8 @@ from baige_ray.serving import serve, shutdown
 from baige_ray.serving.app import serving_events
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, registry_name
 from baige_ray.serving.vllm_engine import vllm_available
-from tests.ray.test_serving import call, free_port
+from tests.helpers import free_port
+from tests.ray.test_serving import call
 from tests.serving_faults import FAULT_MESSAGE, POISON, FaultyGPTConfig
 
 CONFIG = FaultyGPTConfig(seq_len=64, num_layers=1, num_heads=2, hidden=32, fail_after=3)

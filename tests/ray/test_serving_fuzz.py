@@ -19,7 +19,7 @@ import torch
 from baige_ray.models.gpt import GPT, GPTConfig
 from baige_ray.serving import serve, shutdown
 from tests.cluster.test_colocate_cluster import SteadyLoad as ColocateSteadyLoad
-from tests.ray.test_serving import free_port
+from tests.helpers import free_port
 
 CONFIG = GPTConfig(seq_len=32, num_layers=1, num_heads=2, hidden=32)
 ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")

