@@ -18,6 +18,9 @@ inference devices; a lend's replicas go to whichever side is busier, a reclaim's
 idler one, and while the arbiter holds, one replica at a time may move between the sides as their
 queues shift (policies/disaggregation.py).
 
+Once a backlog of requests has drained, the arbiter asks Serve's HTTP proxies to give back the memory it
+left them (policies/memory_return.py): otherwise each stays as large as the largest backlog it has held.
+
 A lend takes effect only once its replica is up, so the loop measures how long its own lends take
 (smoothed over the lends so far, starting from `lend_latency_s`) and gives the policy a forecast of
 the request rate that far ahead, from the trend of the rates it observed over `trend_window_s`.
@@ -50,6 +53,7 @@ from baige_ray.policies.lending import (
     decide,
     forecast_rate,
 )
+from baige_ray.policies.memory_return import MemoryReturnPolicy, should_return_memory
 
 MIN_REQUESTS_TO_MEASURE = 20
 CAPACITY_SMOOTHING = 0.3
@@ -72,6 +76,8 @@ class ServingSide(Protocol):
     def reload(self, step: int, state_ref: Any) -> None: ...
     def rebalance(self) -> str | None:
         """Re-split the replicas among roles by load; why it moved some, or None."""
+    def return_idle_memory(self) -> int:
+        """Have the HTTP proxies give back the free heap a drained backlog left them; bytes returned."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -92,6 +98,7 @@ class ArbiterConfig:
     event_log: Path | None = None
     harvest_share: float | None = None  # of a serving device one training rank may use; None: no harvesting
     shared_capacity: float = 0.5  # what a shared device serves, as a fraction of replica_capacity
+    memory_return: MemoryReturnPolicy | None = field(default_factory=MemoryReturnPolicy)  # None: never trim proxies
 
     def __post_init__(self) -> None:
         for name in ("slo_p99_s", "replica_capacity", "poll_interval_s", "load_window_s", "lend_latency_s"):
@@ -127,12 +134,15 @@ class ArbiterLoop:
         self._rates: deque[tuple[float, float]] = deque()  # (time the window is centred on, rate)
         self._last_change = -float("inf")
         self._last_refresh = clock()
+        self._peak_depth = 0  # the deepest queue since the proxies last gave memory back
+        self._last_memory_return = -float("inf")
         self.last_decision: LendingDecision | None = None
         self.last_load: dict = {}
 
     def observe(self) -> LendingObservation:
         load = self.serving.load(self.config.load_window_s)
         self.last_load = load
+        self._peak_depth = max(self._peak_depth, int(load["queue_depth"]))
         self._refine_capacity(load)
         self.train_devices = self.training.num_devices()
         self.harvested = self._num_harvested()
@@ -186,6 +196,7 @@ class ArbiterLoop:
         else:
             self._maybe_refresh_weights()
             self._rebalance()
+            self._maybe_return_memory(observation.queue_depth)
         return decision
 
     def _lend(self, decision: LendingDecision, observation: LendingObservation) -> None:
@@ -225,6 +236,17 @@ class ArbiterLoop:
         if moved is not None:
             self.events.record("rebalance", moved, train_devices=self.train_devices, infer_devices=self.infer_devices,
                                took_s=round(self.clock() - started, 3))
+
+    def _maybe_return_memory(self, queue_depth: int) -> None:
+        policy = self.config.memory_return
+        since = self.clock() - self._last_memory_return
+        if policy is None or not should_return_memory(self._peak_depth, queue_depth, since, policy):
+            return
+        started, peak = self.clock(), self._peak_depth
+        self._last_memory_return, self._peak_depth = started, queue_depth  # a failed return waits its interval too
+        returned = self.serving.return_idle_memory()
+        self.events.record("memory_return", f"a backlog of {peak} requests drained",
+                           returned_mib=round(returned / (1 << 20), 1), took_s=round(self.clock() - started, 3))
 
     def _publish_weights(self) -> None:
         step, state_ref = self.training.latest_model_state()

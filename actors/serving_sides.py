@@ -48,6 +48,11 @@ class ServeServingSide:
     def rebalance(self) -> str | None:
         return None  # one role: nothing to re-split
 
+    def return_idle_memory(self) -> int:
+        from baige_ray.serving.proxy_memory import return_proxy_memory
+
+        return sum(max(0, proxy.returned) for proxy in return_proxy_memory())
+
 
 class DisaggregatedServingSide(ServeServingSide):
     """A disaggregated application: the arbiter's replica count is split between prefill and decode

@@ -53,6 +53,10 @@ RUN_NAME = "soak"
 FOLLOWED_BY_THE_INJECTOR = ("replica_kill", "arbiter_kill")  # not through the job's events
 PROCESS_FAULTS = ("worker_kill", "worker_freeze", "straggler", "controller_kill")  # at most 1 step each
 MEMORY_EVERY_S = 10.0
+# After the load's last answer, before the last memory sample: the arbiter (1-s poll, replicas report every
+# 0.5 s) sees the backlog drained and has Serve's proxies give back what it left them. The last sample then
+# measures what the processes keep, not the last burst's high-water mark.
+SETTLE_AFTER_LOAD_S = 5.0
 SEGMENT_S = 20.0  # the load's rate changes (a spike or not) at this period
 # A spike's requests wait for the lend it prompts (14-28 s here) instead of being shed with 503 once 256
 # are queued (serve's default; Serve's own queues without a bound): a 20-s spike at up to 100 requests/s.
@@ -159,6 +163,7 @@ def _soak(args, model, data, work: Path, schedule: list[ScheduledFault], duratio
             outcomes.append(injector.inject(fault))
         time.sleep(max(0.0, started + duration_s - time.monotonic()))
         load.join(timeout=120.0)
+        time.sleep(SETTLE_AFTER_LOAD_S)
         memory.stop()
         job.stop()
         result = job.wait(timeout_s=300.0)

@@ -68,6 +68,10 @@ class Serving:
         self.rebalances += 1
         return self.moves.pop(0) if self.moves else None
 
+    def return_idle_memory(self) -> int:
+        self.calls.append(("return_idle_memory",))
+        return 12 << 20
+
 
 @pytest.fixture
 def pool(tmp_path):
@@ -192,6 +196,21 @@ def test_capacity_follows_what_replicas_report(pool):
     before = loop.replica_capacity
     loop.observe()
     assert loop.replica_capacity == before
+
+
+def test_proxies_give_memory_back_once_a_backlog_drains(pool):
+    loop, training, serving, clock, calls = pool
+    serving.rate, serving.queue = 5.0, 40  # a backlog, while the lend it causes is cooling down
+    loop._last_change = clock.now
+    loop.tick()
+    assert ("return_idle_memory",) not in calls
+    serving.queue = 1
+    loop.tick()
+    assert calls[-1] == ("return_idle_memory",)
+    assert read_events(loop.config.event_log)[-1]["returned_mib"] == 12.0
+    clock.now += 60
+    loop.tick()  # drained and idle since: nothing more to return
+    assert calls.count(("return_idle_memory",)) == 1
 
 
 def test_config_is_validated():
