@@ -48,6 +48,7 @@ from baige_ray.serving.expert_parallel import ExpertParallelServing
 from baige_ray.serving.kv_blocks import KVCacheConfig
 from baige_ray.serving.openai_api import CompletionLimits
 from baige_ray.serving.prefix_router import INGRESS_DEPLOYMENT, PrefixRoutingIngress, router_config
+from baige_ray.serving.request_routing import request_router_config
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, get_or_create_registry, registry_name
 from baige_ray.serving.requests import RequestLimits
 from baige_ray.serving.vllm_engine import vllm_available
@@ -330,6 +331,7 @@ def _bind(settings: ServeOptions, name: str, limits: RequestLimits,
         health_check_period_s=HEALTH_CHECK_PERIOD_S,  # a replica whose engine failed is replaced within seconds
         # Replicas share cores with training; a log line per request would cost more than some requests.
         logging_config={"enable_access_log": False},
+        **request_router_config(),
     )
     server_options = dict(
         app_name=name,
@@ -363,13 +365,14 @@ def _bind_prefix_routed(settings: ServeOptions, deployment_options: dict, server
     handle, and the ingress (an async relay, no device) passes on whatever the replicas can take."""
     servers = ray_serve.deployment(ModelServer).options(
         name=DEPLOYMENT_NAME, num_replicas=settings.num_replicas, max_queued_requests=settings.max_queued_requests,
-        **deployment_options, **router_config(),
+        **{**deployment_options, **router_config()},
     ).bind(**server_options, handover_via=INGRESS_DEPLOYMENT)
     # On the head node, beside Serve's proxy: a worker node's loss must not take the application's ingress.
     ingress = ray_serve.deployment(PrefixRoutingIngress).options(
         name=INGRESS_DEPLOYMENT, num_replicas=1,
         ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
         max_ongoing_requests=INGRESS_MAX_ONGOING, logging_config={"enable_access_log": False},
+        **request_router_config(),
     ).bind(servers, max(limits.max_body_bytes, completion_limits.max_body_bytes))
     return ingress, dict(ingress_deployment_name=INGRESS_DEPLOYMENT)
 

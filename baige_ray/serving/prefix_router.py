@@ -149,12 +149,11 @@ def _arg(pending_request: PendingRequest | None, name: str) -> str:
 
 def router_config(overload_margin: int = DEFAULT_OVERLOAD_MARGIN) -> dict:
     """The replicas' deployment option that makes handles route with PrefixAffinityRouter."""
-    from ray.serve.config import RequestRouterConfig
+    from baige_ray.serving.request_routing import request_router_config
 
     # By its import path: every handle imports the router instead of unpickling a copy of it.
-    return {"request_router_config": RequestRouterConfig(
-        request_router_class=f"{__name__}.{PrefixAffinityRouter.__name__}",
-        request_router_kwargs={"overload_margin": overload_margin})}
+    return request_router_config(request_router_class=f"{__name__}.{PrefixAffinityRouter.__name__}",
+                                 request_router_kwargs={"overload_margin": overload_margin})
 
 
 class PrefixRoutingIngress:
