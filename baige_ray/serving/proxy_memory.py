@@ -28,10 +28,8 @@ def return_proxy_memory(timeout_s: float = 10.0) -> list[ProxyMemory]:
     """Trim every running Serve proxy's heap; what each held before and after. A proxy that does not answer
     within `timeout_s` (dead, restarting) is skipped: the next return reaches it."""
     import ray
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
-    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-    proxies = ray.get(controller.get_proxies.remote(), timeout=timeout_s)
+    proxies = serve_proxies(timeout_s)
     trim = _heap_trimmer()
     calls = {node_id: proxy.__ray_call__.remote(trim) for node_id, proxy in proxies.items()}
     ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout_s)
@@ -44,6 +42,15 @@ def return_proxy_memory(timeout_s: float = 10.0) -> list[ProxyMemory]:
             continue
         trimmed.append(ProxyMemory(str(node_id), before, after))
     return trimmed
+
+
+def serve_proxies(timeout_s: float = 10.0) -> dict:
+    """Serve's running HTTP proxies, node id -> actor handle, as Serve's controller lists them."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    return ray.get(controller.get_proxies.remote(), timeout=timeout_s)
 
 
 def _heap_trimmer():

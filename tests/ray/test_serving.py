@@ -29,7 +29,7 @@ from baige_ray.serving.app import prefix_cache_stats
 from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.disaggregation import PREFILL_DEPLOYMENT, DisaggregationOptions
 from baige_ray.serving.expert_parallel import ExpertParallelServing
-from baige_ray.serving.proxy_memory import return_proxy_memory
+from baige_ray.serving.proxy_memory import return_proxy_memory, serve_proxies
 from baige_ray.serving.requests import GenerateRequest
 
 from ..moe_helpers import HOT_EXPERT, PROMPTS, greedy_tokens, skewed_moe_gpt
@@ -129,8 +129,7 @@ def test_the_proxy_gives_a_drained_backlog_back_without_importing_torch(app):
         assert set(pool.map(lambda _: call(app.url + "/generate", body)[0], range(96))) <= {200, 503}
     (proxy,) = return_proxy_memory()
     assert 0 <= proxy.returned < proxy.resident_before
-    proxy_handle = next(iter(ray.get(ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve").get_proxies.remote())
-                             .values()))
+    (proxy_handle,) = serve_proxies().values()
     modules = ray.get(proxy_handle.__ray_call__.remote(lambda _: [m for m in __import__("sys").modules
                                                                   if m.split(".")[0] in ("torch", "baige_ray")]))
     assert modules == []  # the trim ran by value: importing it would have cost the proxy 170 MiB

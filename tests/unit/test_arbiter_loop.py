@@ -200,12 +200,14 @@ def test_capacity_follows_what_replicas_report(pool):
 
 def test_proxies_give_memory_back_once_a_backlog_drains(pool):
     loop, training, serving, clock, calls = pool
-    serving.rate, serving.queue = 5.0, 40  # a backlog, while the lend it causes is cooling down
-    loop._last_change = clock.now
-    loop.tick()
+    serving.rate, serving.queue = 5.0, 40  # a backlog: the replicas cannot absorb it, so the arbiter lends
+    assert loop.tick().action is LendingAction.LEND
+    clock.now += 1
+    assert loop.tick().action is LendingAction.HOLD  # cooling down, the backlog still there: nothing to trim yet
     assert ("return_idle_memory",) not in calls
     serving.queue = 1
-    loop.tick()
+    clock.now += 1
+    assert loop.tick().action is LendingAction.HOLD
     assert calls[-1] == ("return_idle_memory",)
     assert read_events(loop.config.event_log)[-1]["returned_mib"] == 12.0
     clock.now += 60
