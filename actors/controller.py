@@ -20,6 +20,7 @@ from baige_ray.api.elastic import ElasticConfig
 from baige_ray.elastic.accounts import StepAccounts
 from baige_ray.elastic.commands import AllowSteps, Command, Harvest, JobOver, Resize, Stop
 from baige_ray.elastic.crew import Crew
+from baige_ray.elastic.device_holds import ReleasedDevices
 from baige_ray.elastic.ending import RunEnd
 from baige_ray.elastic.faults import FaultKind, FaultPlan
 from baige_ray.elastic.harvest import check_harvest, harvest_members, whole_members
@@ -88,8 +89,9 @@ class ElasticController:
         self.state_sources = StateSources(elastic, run.name, self.events)
         record = record or JobRecord(run.name)
         self.crew = Crew(job, layout, self.pool, planner=planner, accounts=self.accounts, events=self.events,
-                         faults=self.faults, record=record, placement_timeout_s=scaling.placement_timeout_s)
-        self.recovery = Recovery(self.crew, self.pool, self.state_sources, self.accounts, self.events, elastic, bounds)
+                         faults=self.faults, record=record, placement_timeout_s=scaling.placement_timeout_s,
+                         released=ReleasedDevices(elastic.released_device_hold_s))
+        self.recovery = Recovery(self.crew, self.pool, self.state_sources, self.accounts, self.events, bounds)
         self.resizer = Resizer(self.crew, self.pool, self.state_sources, self.accounts, self.events, self.recovery,
                                elastic, sizes=self.sizes, target_workers=scaling.num_workers,
                                steps_allowed=steps_allowed)
@@ -148,7 +150,6 @@ class ElasticController:
         if len(members) < wanted:
             self.pool.stop(started + self.crew.spares)
             return Phase.FAILED, f"only {len(members)} of {wanted} workers started"
-        self.crew.start_spares(self.elastic.num_spares - len(self.crew.spares))
         self.crew.regroup(self.pool.by_locality(members), None, self.step)
         if self.crew.planner is not None:  # grow back to what the planner chose on full capacity
             self.resizer.target_workers = len(self.crew.members)
@@ -156,6 +157,7 @@ class ElasticController:
         return Phase.RUNNING, "workers up"
 
     def _run_step(self) -> tuple[Phase, str]:
+        self.resizer.keep_spares()
         if self.steps.between_steps:
             self.resizer.take_commands()
             if self.resizer.stopping:

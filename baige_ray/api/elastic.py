@@ -19,7 +19,9 @@ class ElasticConfig:
     abortable let go as soon as the controller sees the peer die). The defaults
     leave room for a shared, overloaded machine: a false alarm costs a recovery. A worker is a straggler when its compute time
     exceeds the median of its peers by straggler_threshold (1.5 = 50% slower) for
-    straggler_patience steps in a row.
+    straggler_patience steps in a row. Spares are kept at num_spares on free devices, except
+    devices a resize just released: they stay free for released_device_hold_s, for whoever the
+    job shrank for (a lend's serving replica) to start on.
     """
 
     min_workers: int | None = None
@@ -46,6 +48,7 @@ class ElasticConfig:
     keep_checkpoints: int = 3
     max_recoveries: int = 10
     grow_check_interval_s: float = 1.0
+    released_device_hold_s: float = 60.0
     peak_flops_per_device: float | None = None  # for the MFU estimate; None: MFU is not exported
 
     def __post_init__(self) -> None:
@@ -75,6 +78,7 @@ class ElasticConfig:
             object.__setattr__(self, "persist_path", Path(self.persist_path).expanduser().resolve())
         require_int("ElasticConfig", "keep_checkpoints", self.keep_checkpoints, minimum=1)
         require_int("ElasticConfig", "max_recoveries", self.max_recoveries, minimum=0)
+        require_number("ElasticConfig", "released_device_hold_s", self.released_device_hold_s, minimum=0)
         if self.peak_flops_per_device is not None:
             require_number("ElasticConfig", "peak_flops_per_device", self.peak_flops_per_device, minimum=0,
                            exclusive_minimum=True)

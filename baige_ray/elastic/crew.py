@@ -9,6 +9,7 @@ from __future__ import annotations
 import ray
 
 from baige_ray.elastic.accounts import StepAccounts
+from baige_ray.elastic.device_holds import ReleasedDevices
 from baige_ray.elastic.faults import FaultPlan
 from baige_ray.elastic.job_record import JobRecord
 from baige_ray.elastic.planning import ElasticPlanner
@@ -24,8 +25,9 @@ from baige_ray.policies.scaling import spares_to_start
 class Crew:
     def __init__(self, job: TrainJob, layout: ParallelLayout, pool: WorkerPool, *, planner: ElasticPlanner | None,
                  accounts: StepAccounts, events: EventLog, faults: FaultPlan, record: JobRecord,
-                 placement_timeout_s: float):
+                 placement_timeout_s: float, released: ReleasedDevices):
         self.job, self.pool, self.planner = job, pool, planner
+        self.released = released  # devices a resize freed for someone else: spares leave them alone
         self.accounts, self.events, self.faults, self.record = accounts, events, faults, record
         self.placement_timeout_s = placement_timeout_s
         self.requested_layout = layout  # resizes derive from it: an EP degree cut by a shrink comes back on growth
@@ -44,7 +46,7 @@ class Crew:
         return self.pool.ready(self.spares)
 
     def start_spares(self, wanted: int) -> None:
-        count = spares_to_start(wanted, 0, self.pool.free_devices()) if wanted > 0 else 0
+        count = spares_to_start(wanted, 0, self.pool.free_devices() - self.released.held()) if wanted > 0 else 0
         if count:
             self.spares.extend(self.pool.start(count))
 

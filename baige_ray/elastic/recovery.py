@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from baige_ray.api.elastic import ElasticConfig
 from baige_ray.elastic.accounts import StepAccounts
 from baige_ray.elastic.crew import Crew
 from baige_ray.elastic.machine import Phase
@@ -46,9 +45,9 @@ class Loss:
 
 class Recovery:
     def __init__(self, crew: Crew, pool: WorkerPool, state_sources: StateSources, accounts: StepAccounts,
-                 events: EventLog, elastic: ElasticConfig, bounds: Bounds):
+                 events: EventLog, bounds: Bounds):
         self.crew, self.pool, self.state_sources = crew, pool, state_sources
-        self.accounts, self.events, self.elastic, self.bounds = accounts, events, elastic, bounds
+        self.accounts, self.events, self.bounds = accounts, events, bounds
         self.history: list[dict] = []  # one record per finished recovery
         self.loss: Loss | None = None
         self.started: float | None = None  # when the trouble began (the failed step's start)
@@ -274,5 +273,4 @@ class Recovery:
         self.history.append(record)
         self.started, self._failed_step = None, None
         self.accounts.metrics.recovery(seconds)
-        self.crew.start_spares(self.elastic.num_spares - len(self.crew.spares))  # after the step: off the critical path
         self.events.record("recovered", f"next step done {seconds:.2f}s after the failure", **record)

@@ -39,6 +39,7 @@ class Resizer:
         self._last_growth_check = 0.0
         self._growth_key: frozenset[str] | None = None  # the workers last weighed for growth
         self._growth_devices = 0  # how many of them the planner would use
+        self._last_spare_check = 0.0
 
     @property
     def planned(self) -> bool:
@@ -68,6 +69,8 @@ class Resizer:
         self._answer_growth_waiters(superseded=True)
         self.target_workers = pending.command.num_workers
         whole = len(whole_members(self.crew.members))
+        if self.target_workers > whole:
+            self.crew.released.end()
         if self.planned or self.target_workers < whole:
             self._resizing = pending
         elif self.target_workers > whole:
@@ -121,6 +124,21 @@ class Resizer:
             return True
         self._last_growth_check = now - self.elastic.grow_check_interval_s + 0.1  # spares starting: look again soon
         return False
+
+    # ----- spares -----
+
+    def keep_spares(self) -> None:
+        """Top the warm spares up to num_spares on free devices, checked every grow_check_interval_s.
+
+        Growth and recoveries use spares up and a lend can then shrink the job to its floor, where a
+        straggler can only be swapped for a spare: they are refilled whenever a device is free, not
+        only after a recovery."""
+        missing = self.elastic.num_spares - len(self.crew.spares)
+        now = time.monotonic()
+        if missing <= 0 or now - self._last_spare_check < self.elastic.grow_check_interval_s:
+            return
+        self._last_spare_check = now
+        self.crew.start_spares(missing)
 
     # ----- resizing -----
 
@@ -228,6 +246,7 @@ class Resizer:
             return self.recovery.lost_during_regroup(members, error, released=tuple(released))
         self.state_sources.release_shelves(state, members)  # the released remove their own, then go
         self.pool.stop(released)
+        self.crew.released.hold(sum(1 for w in released if w.share >= 1))  # harvest ranks free no whole device
         self.accounts.resume_after(step)
         return None
 

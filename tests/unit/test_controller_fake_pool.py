@@ -235,6 +235,38 @@ def test_a_shrink_releases_a_straggler_first_and_says_so(tmp_path):
     assert losses(out["result"]) == fault_free(20)
 
 
+def wait_until(condition, what: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_spare_growth_used_comes_back_once_a_lends_device_was_held_and_swaps_a_straggler_at_the_floor(tmp_path):
+    """The 30-minute soak's miss: growth took the spare, a lend shrank the job to min_workers, and a
+    straggler there was tolerated for a minute, as nothing refilled the spare. Spares are refilled on
+    free devices now, after the device a lend freed was left to its replica for the hold."""
+    cluster = FakeCluster({"n0": 3})
+    cluster.step_s = 0.01
+    ctl = controller(tmp_path, cluster, workers=2, steps=5000, num_spares=1, min_workers=2, max_workers=3,
+                     straggler_patience=3, released_device_hold_s=1.0)
+    thread, out = run_in_thread(ctl)
+    wait_until(lambda: len(ctl.crew.ready_spares()) == 1, "the spare never started")
+    assert ctl.resize(3, "capacity came back") == 3
+    assert ctl.crew.spares == [] and cluster.free() == 0
+    assert ctl.resize(2, "lend 1 to inference") == 2
+    time.sleep(0.4)
+    assert cluster.free() == 1 and ctl.crew.spares == [], "a spare took the device the lend freed"
+    wait_until(lambda: len(ctl.crew.ready_spares()) == 1, "the spare was not refilled after the hold")
+    slow = ctl.crew.members[1].name
+    cluster.named(slow).lag = 3.0
+    wait_until(lambda: "eviction" in kinds(ctl), "the straggler at min_workers was not swapped for the spare")
+    ctl.stop()
+    thread.join(10)
+    assert slow not in [w.name for w in ctl.crew.members] and len(ctl.crew.members) == 2
+    assert losses(out["result"]) == fault_free(ctl.step)
+
+
 def test_a_member_frozen_in_a_shrinks_regroup_is_lost_and_those_the_shrink_let_go_are_not(tmp_path):
     cluster = FakeCluster({"n0": 4})
     cluster.step_s = 0.01
@@ -396,8 +428,9 @@ def test_a_second_failure_during_recovery_keeps_the_first_failed_step(tmp_path):
     cluster.scripted[1] = {"die_at": 2}
     ctl = controller(tmp_path, cluster, workers=3, num_spares=1, min_workers=2)
     result = ctl.run()
-    assert kinds(ctl).count("failure") == 2 and phases(ctl) == ONE_RECOVERY
-    assert losses(result) == fault_free(6) and len(result["workers"]) == 2
+    # One recovery to 2 workers; a spare refilled on a freed device may then grow the job back to 3.
+    assert kinds(ctl).count("failure") == 2 and phases(ctl)[:4] == ONE_RECOVERY[:4]
+    assert losses(result) == fault_free(6) and len(result["recoveries"]) == 1
     assert result["recoveries"][0]["resumed_step"] == 2
 
 
