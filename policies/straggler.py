@@ -9,13 +9,15 @@ at the straggler's pace.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 
 @dataclass(frozen=True)
 class StragglerObservation:
-    compute_s: tuple[tuple[float, ...], ...]  # recent steps, oldest first; per rank forward + backward seconds
+    compute_s: tuple[tuple[float, ...], ...]  # recent steps, oldest first; per rank forward + backward seconds,
+    # each divided by the rank's relative load (`relative_loads`)
     threshold: float  # slower than the median of its peers by this factor
     patience: int  # for this many consecutive steps
     num_spares: int
@@ -38,6 +40,17 @@ class StragglerDecision:
     action: StragglerAction
     rank: int | None
     reason: str
+
+
+def relative_loads(shares: Sequence[float], speeds: Sequence[float]) -> tuple[float, ...]:
+    """Each rank's expected compute time relative to the group's mean: its share of the batch over its
+    chip's speed. Compute times divided by these are paces the ranks can be compared by: a rank holding
+    two micro-batches where its peers hold one is not a straggler for taking twice as long (a 3-minute
+    soak on 3 workers evicted the rank holding the batch's extra micro-batch five times), and a slower
+    chip given less work is not one for matching its peers."""
+    expected = [share / speed for share, speed in zip(shares, speeds, strict=True)]
+    mean = sum(expected) / len(expected)
+    return tuple(load / mean for load in expected)
 
 
 def persistent_straggler(compute_s: tuple[tuple[float, ...], ...], threshold: float, patience: int) -> int | None:

@@ -5,7 +5,8 @@ fake worker answers each call the controller makes of a worker actor (`worker.ac
 with an answer the controller waits for through `baige_ray.elastic.calls`, as it waits for Ray's. A
 worker can be told to die (as SIGKILL leaves it: every call raises RayActorError), freeze (as SIGSTOP
 does: nothing answers, heartbeats included), hang in a step (heartbeats answer, the step never ends),
-lag (report `lag` times the compute time of the others), die when it reaches a step, or die while
+lag (report `lag` times the compute time of the others, which is in proportion to a rank's batch), die
+when it reaches a step, or die while
 joining a group. A step completes on a rank once every member of its group can run it; a member
 that died makes the others' step fail, as a collective with a lost peer does.
 
@@ -101,6 +102,7 @@ class FakeWorker:
         self.cluster, self.name, self.node, self.device, self.share = cluster, name, node, device, share
         self.alive, self.frozen = True, False
         self.lag = 1.0
+        self.batch = 0  # sequences its data-parallel replica trains per step
         self.hang_at: int | None = None  # the step that never ends (heartbeats still answer)
         self.die_at: int | None = None  # the step it dies in
         self.die_in_rejoin = False
@@ -160,6 +162,7 @@ class FakeWorker:
                                                Group(membership.world_size))
         group.joined[membership.rank] = self
         self.group, self.generation, self.rank, self.job = group, membership.generation, membership.rank, job
+        self.batch = layout.replica_batches(job.train)[layout.coords(membership.rank).dp]
         if state_parts:
             (part,) = state_parts
             state = part.value() if hasattr(part, "ready") else part
@@ -227,7 +230,7 @@ class FakeWorker:
         if snapshot:
             self.snapshots = (self.snapshots + [(step, {"model": {"w": self.weights}, "optimizer": {}})])[-2:]
         metrics = {"step": step, "loss": loss, "group_loss": loss, "learning_rate": 0.1, "tokens": 8,
-                   "group_tokens": 8 * self.group.world_size, "compute_s": 0.01 * self.lag, "snapshot_stall_s": 0.0}
+                   "group_tokens": 8 * self.group.world_size, "compute_s": 0.0025 * self.batch * self.lag, "snapshot_stall_s": 0.0}
         self.recent = (self.recent + [metrics])[-16:]
         self.cluster.after_step(self, step)
         return metrics

@@ -27,7 +27,8 @@ class StepAccounts:
         self.metrics = JobMetrics(job=run_name)
         self.log: StepLog | None = None  # opened once the controller knows whether it restarted
         self.step_times: list[float] = []
-        self.compute_history: list[tuple[float, ...]] = []
+        self.compute_history: list[tuple[float, ...]] = []  # each rank's compute over its expected load
+        self.rank_loads: tuple[float, ...] | None = None  # the generation's relative_loads; None: all equal
         self.expert_load: list[list[int]] = []  # MoE jobs: the last step's slots per expert of each layer
         self.productive_s = 0.0
         self.started_at = time.time()
@@ -59,10 +60,11 @@ class StepAccounts:
         self.log.keep_before(self.next_step)
         return self.next_step
 
-    def new_generation(self, num_parameters: int) -> None:
-        """A regroup: ranks may now be other workers, so their compute times start over."""
+    def new_generation(self, num_parameters: int, rank_loads: tuple[float, ...] | None = None) -> None:
+        """A regroup: ranks may now be other workers, so their compute times start over. `rank_loads`:
+        each rank's expected compute relative to the mean (`policies.straggler.relative_loads`)."""
         self.generation_steps, self.num_parameters = 0, num_parameters
-        self.compute_history = []
+        self.compute_history, self.rank_loads = [], rank_loads
 
     # ----- judging the next step -----
 
@@ -108,8 +110,12 @@ class StepAccounts:
         self.generation_steps += 1
         self.productive_s += seconds
         if self.generation_steps > WARMUP_STEPS:  # a new engine's first steps build caches: not a chip's pace
-            self.compute_history = (self.compute_history + [tuple(m["compute_s"] for m in per_rank)])[-COMPUTE_HISTORY:]
+            self.compute_history = (self.compute_history + [self._paces(per_rank)])[-COMPUTE_HISTORY:]
         self.next_step = step + 1
+
+    def _paces(self, per_rank: list[dict]) -> tuple[float, ...]:
+        loads = self.rank_loads if self.rank_loads is not None and len(self.rank_loads) == len(per_rank) else None
+        return tuple(m["compute_s"] / (loads[rank] if loads else 1.0) for rank, m in enumerate(per_rank))
 
     def record_unreported(self, per_rank: list[dict | None], step: int) -> None:
         """A step that finished everywhere but whose result died with a lost worker: any survivor holds

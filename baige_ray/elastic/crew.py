@@ -20,6 +20,7 @@ from baige_ray.engines.train_job import TrainJob
 from baige_ray.ops.events import EventLog
 from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.policies.scaling import spares_to_start
+from baige_ray.policies.straggler import relative_loads
 
 
 class Crew:
@@ -100,13 +101,19 @@ class Crew:
         self.accounts.new_generation(sum(
             report["num_parameters"] for rank, report in enumerate(reports)
             if layout.coords(rank).dp == 0 and layout.coords(rank).tp == 0
-        ))
+        ), self._rank_loads(members, layout))
         self.members, self.layout, self.failed_regroups = members, layout, 0
         self.record.save(self.members, self.layout, self.generation)
+
+    def _rank_loads(self, members: list[Worker], layout: ParallelLayout) -> tuple[float, ...]:
+        batches = layout.replica_batches(self.job.train)
+        return relative_loads([batches[layout.coords(rank).dp] for rank in range(len(members))],
+                              [worker.speed for worker in members])
 
     def assume(self, members: list[Worker], *, layout: ParallelLayout, generation: int) -> None:
         """Take `members` as the group without forming it: the group a restarted controller found."""
         self.members, self.layout, self.generation = members, layout, generation
+        self.accounts.new_generation(self.accounts.num_parameters, self._rank_loads(members, layout))
 
     def regroup_failed(self) -> int:
         """A regroup failed part way; the generation that last formed stays the group recovery starts

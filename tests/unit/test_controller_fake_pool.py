@@ -17,6 +17,7 @@ from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
 from baige_ray.api.elastic import ElasticConfig
 from baige_ray.elastic.job_record import JobRecord
 from baige_ray.engines.train_job import TrainJob
+from baige_ray.models.gpt import GPTConfig
 from baige_ray.models.mlp import MLPConfig
 from baige_ray.parallel.layout import ParallelLayout
 from tests.fake_pool import FakeCluster, FakeWorkerPool, MemoryKeyValueStore, loss_at
@@ -34,8 +35,9 @@ class ControllerCrashed(BaseException):
 
 def controller(tmp_path: Path, cluster: FakeCluster, *, workers: int = 2, steps: int = 6, store=None,
                pool: FakeWorkerPool | None = None, restarted: bool = False, steps_allowed: int | None = None,
-               **elastic) -> ElasticController:
-    job = TrainJob(model=MLPConfig(sizes=(4, 4)), train=TrainConfig(num_steps=steps, global_batch_size=12), data=None)
+               micro_batch_size: int | None = None, model=None, **elastic) -> ElasticController:
+    train = TrainConfig(num_steps=steps, global_batch_size=12, micro_batch_size=micro_batch_size)
+    job = TrainJob(model=model or MLPConfig(sizes=(4, 4)), train=train, data=None)
     return ElasticController(
         job, ScalingConfig(num_workers=workers, placement_timeout_s=0.5),
         RunConfig(name="fake", storage_path=tmp_path, show_progress=False),
@@ -80,6 +82,13 @@ def wait_for_step(ctl: ElasticController, step: int, timeout_s: float = 5.0) -> 
     while ctl.step < step:
         assert time.monotonic() < deadline, f"step {step} not reached"
         time.sleep(0.005)
+
+
+def wait_until(condition, what: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
 
 
 def test_a_fault_free_run_trains_every_step_once(tmp_path):
@@ -146,6 +155,33 @@ def test_a_straggler_is_evicted_for_a_spare_after_its_patience(tmp_path):
     # (2-4); step 5, queued behind it, completes first.
     assert recovery["resumed_step"] == 6
     assert all(w["pid"] != 0 for w in result["status"]["workers"])
+
+
+def test_a_rank_holding_the_batchs_extra_micro_batch_is_not_a_straggler(tmp_path):
+    """4 micro-batches on 3 workers: rank 0 trains 2 and takes twice as long. A 3-minute soak evicted
+    that rank for a spare five times (the spare became rank 0 and took as long); ranks are judged by
+    their pace per sequence now, and a real straggler still is one."""
+    cluster = FakeCluster({"n0": 5})
+    cluster.step_s = 0.01
+    gpt = GPTConfig(num_layers=1, hidden=8, num_heads=2, seq_len=8)  # never built; its plugin allows uneven shares
+    ctl = controller(tmp_path, cluster, workers=4, steps=5000, micro_batch_size=3, model=gpt, num_spares=1,
+                     min_workers=2, straggler_patience=3)
+    thread, out = run_in_thread(ctl)
+    wait_for_step(ctl, 3)
+    assert ctl.resize(3, "lend 1 to inference") == 3
+    shrunk = ctl.step
+    wait_for_step(ctl, shrunk + 20)
+    last = ctl.accounts.records[-1]
+    assert last["num_workers"] == 3 and last["compute_s"][0] == 2 * last["compute_s"][1]
+    assert "straggler" not in kinds(ctl)
+    slow = ctl.crew.members[2].name
+    cluster.named(slow).lag = 3.0
+    wait_until(lambda: "eviction" in kinds(ctl), "the straggler was not swapped for the spare")
+    ctl.stop()
+    thread.join(10)
+    (straggler,) = [e for e in ctl.events.recent(200) if e["kind"] == "straggler"]
+    assert straggler["rank"] == 2 and straggler["action"] == "replace"
+    assert losses(out["result"]) == fault_free(ctl.step)
 
 
 def test_a_straggler_left_in_place_is_logged_once_with_why_and_each_ranks_compute_is_in_the_step_log(tmp_path):
@@ -233,13 +269,6 @@ def test_a_shrink_releases_a_straggler_first_and_says_so(tmp_path):
     (released,) = [e for e in ctl.events.recent(200) if e["kind"] == "straggler"]
     assert released["action"] == "release" and released["rank"] == 0 and "a lend to serving" in released["reason"]
     assert losses(out["result"]) == fault_free(20)
-
-
-def wait_until(condition, what: str, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def test_a_spare_growth_used_comes_back_once_a_lends_device_was_held_and_swaps_a_straggler_at_the_floor(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from baige_ray.policies.failure import FailureAction, FailureObservation, decide_failure
 from baige_ray.policies.scaling import GrowthObservation, grow_to, spares_to_start
 from baige_ray.policies.straggler import (
+    relative_loads,
     StragglerAction,
     StragglerObservation,
     decide_straggler,
@@ -68,6 +69,15 @@ def test_a_straggler_is_priced_at_its_median_pace_over_the_window_not_its_last_s
     decision = decide_straggler(straggler_obs(history, num_spares=1, step_s=10.0))
     assert (decision.action, decision.rank) == (StragglerAction.REPLACE, 1)
     assert "3.0x slower" in decision.reason  # its last step alone, 1.6x, costs under 10% of a 10-s step
+
+
+def test_relative_loads_are_each_ranks_batch_share_over_its_chip_speed():
+    # 4 micro-batches on 3 workers: 2, 1, 1. Mean share 4/3.
+    assert relative_loads([2, 1, 1], [1.0, 1.0, 1.0]) == (1.5, 0.75, 0.75)
+    # Shares in proportion to the chips' speeds: every rank is expected to take as long.
+    assert relative_loads([4, 2], [2.0, 1.0]) == (1.0, 1.0)
+    # Even shares on a chip half as fast: it is expected to take twice as long as its peer.
+    assert relative_loads([3, 3], [0.5, 1.0]) == (4 / 3, 2 / 3)
 
 
 def test_a_spare_replaces_a_straggler():

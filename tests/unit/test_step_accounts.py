@@ -59,3 +59,12 @@ def test_straggler_evidence_is_per_rank_compute_time_past_the_warm_up_and_is_for
     _record(accounts, 5, 1.0, compute=(1.0, 3.0))
     accounts.new_generation(num_parameters=10)  # a regroup: ranks may be other workers now
     assert accounts.compute_history == []
+
+
+def test_straggler_evidence_divides_each_ranks_compute_by_its_expected_load(accounts):
+    """A rank holding two micro-batches where its peer holds one takes twice as long and is as fast."""
+    accounts.new_generation(num_parameters=10, rank_loads=(4 / 3, 2 / 3))
+    for step in range(4):
+        _record(accounts, step, 1.0, compute=(2.0, 1.0))
+    assert accounts.compute_history == [(1.5, 1.5), (1.5, 1.5)]
+    assert [m["compute_s"] for m in read_steps(accounts.log.path)][-1] == [2.0, 1.0]  # the log keeps seconds
