@@ -34,8 +34,8 @@ test: install
 test-unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
-# A 3-minute `bench soak` under #33's bounds, on a simulated cluster of its own (about 7 minutes: the
-# soak, its fault-free run, starting the cluster, Serve and the job). Not in CI yet (docs/benchmarks.md).
+# A 3-minute `bench soak` under #33's bounds, on a simulated cluster of its own (about 6 minutes: the
+# soak, its fault-free run, starting the cluster, Serve and the job). CI's stage after `make test`.
 test-soak: install
 	$(PY) -m pytest tests/soak $(PYTEST_ARGS)
 

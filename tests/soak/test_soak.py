@@ -1,4 +1,4 @@
-"""`bench soak --minutes 3` under #33's bounds (`make test-soak`; meant as CI's stage after `make test`).
+"""`bench soak --minutes 3` under #33's bounds (`make test-soak`, CI's stage after `make test`).
 
 Cluster tier: the soak opens the simulated 2 x 4 cluster itself, so it runs in a pytest process of its
 own, outside the suite's shared sessions (it takes about 7 minutes).
