@@ -51,6 +51,14 @@ class Crew:
         if count:
             self.spares.extend(self.pool.start(count))
 
+    def hold_released(self, workers: list[Worker]) -> None:
+        """`workers` were stopped for someone else: spares leave their devices alone for the hold."""
+        self.released.hold(sum(1 for w in workers if w.share >= 1))  # harvest ranks free no whole device
+
+    def end_holds(self) -> None:
+        """The job is asked to grow: the devices it let go of are its own again."""
+        self.released.end()
+
     def drop_dead_spares(self) -> None:
         """Forget ready spares that no longer answer (spares still starting are left alone)."""
         ready = self.ready_spares()

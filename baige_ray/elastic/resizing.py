@@ -70,7 +70,7 @@ class Resizer:
         self.target_workers = pending.command.num_workers
         whole = len(whole_members(self.crew.members))
         if self.target_workers > whole:
-            self.crew.released.end()
+            self.crew.end_holds()
         if self.planned or self.target_workers < whole:
             self._resizing = pending
         elif self.target_workers > whole:
@@ -246,7 +246,7 @@ class Resizer:
             return self.recovery.lost_during_regroup(members, error, released=tuple(released))
         self.state_sources.release_shelves(state, members)  # the released remove their own, then go
         self.pool.stop(released)
-        self.crew.released.hold(sum(1 for w in released if w.share >= 1))  # harvest ranks free no whole device
+        self.crew.hold_released(released)
         self.accounts.resume_after(step)
         return None
 
