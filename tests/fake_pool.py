@@ -230,7 +230,8 @@ class FakeWorker:
         if snapshot:
             self.snapshots = (self.snapshots + [(step, {"model": {"w": self.weights}, "optimizer": {}})])[-2:]
         metrics = {"step": step, "loss": loss, "group_loss": loss, "learning_rate": 0.1, "tokens": 8,
-                   "group_tokens": 8 * self.group.world_size, "compute_s": 0.0025 * self.batch * self.lag, "snapshot_stall_s": 0.0}
+                   "group_tokens": 8 * self.group.world_size, "compute_s": 0.0025 * self.batch * self.lag,
+                   "snapshot_stall_s": 0.0}
         self.recent = (self.recent + [metrics])[-16:]
         self.cluster.after_step(self, step)
         return metrics

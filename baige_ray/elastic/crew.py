@@ -59,12 +59,19 @@ class Crew:
         """The job is asked to grow: the devices it let go of are its own again."""
         self.released.end()
 
+    def never_started_spares(self) -> list[Worker]:
+        """Spares whose actor died before it came up (their device info never arrived)."""
+        return [w for w in self.spares if w.info is None and w.ready_ref is None]
+
+    def drop_spares(self, workers: list[Worker]) -> None:
+        """Stop `workers` and forget them as spares (dead or silent: they would fail the regroup they join)."""
+        self.pool.stop(workers)
+        self.take_spares(workers)
+
     def drop_dead_spares(self) -> None:
         """Forget ready spares that no longer answer (spares still starting are left alone)."""
         ready = self.ready_spares()
-        dead = [w for w, alive in zip(ready, self.pool.responsive(ready)) if not alive]
-        self.pool.stop(dead)
-        self.spares = [w for w in self.spares if w not in dead]
+        self.drop_spares([w for w, alive in zip(ready, self.pool.responsive(ready)) if not alive])
 
     def add_spares(self, workers: list[Worker]) -> None:
         self.spares.extend(workers)

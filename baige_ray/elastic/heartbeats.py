@@ -9,6 +9,8 @@ worker frozen just after its last answer one wait late: a soak's frozen member t
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import ray
 from ray.exceptions import RayActorError
 
@@ -20,11 +22,12 @@ SILENT = "stopped answering heartbeats"
 class Heartbeats:
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
-        self._sent: dict[int, tuple[ray.ObjectRef, float]] = {}  # rank -> (heartbeat in flight, sent at)
+        self._sent: dict[Hashable, tuple[ray.ObjectRef, float]] = {}  # key -> (heartbeat in flight, sent at)
 
-    def unresponsive(self, workers: dict, now: float) -> dict[int, str]:
-        """Of `workers` (rank -> Worker), those silent for `timeout_s` or whose heartbeat says they died
-        (rank -> why); sends the next heartbeat to the others."""
+    def unresponsive(self, workers: dict, now: float) -> dict[Hashable, str]:
+        """Of `workers` (a key, such as the rank, -> Worker), those silent for `timeout_s` or whose heartbeat
+        says they died (key -> why); sends the next heartbeat to the others and forgets keys not given."""
+        self._sent = {key: sent for key, sent in self._sent.items() if key in workers}
         lost = {}
         for rank, worker in workers.items():
             sent = self._sent.get(rank)

@@ -15,6 +15,7 @@ from baige_ray.elastic.accounts import StepAccounts
 from baige_ray.elastic.commands import AllowSteps, Command, CommandQueue, Harvest, Pending, Resize, Stop
 from baige_ray.elastic.crew import Crew
 from baige_ray.elastic.harvest import harvest_members, harvest_regroup, whole_members
+from baige_ray.elastic.heartbeats import Heartbeats
 from baige_ray.elastic.machine import Phase
 from baige_ray.elastic.recovery import Recovery
 from baige_ray.elastic.state_sources import StateSources
@@ -40,6 +41,7 @@ class Resizer:
         self._growth_key: frozenset[str] | None = None  # the workers last weighed for growth
         self._growth_devices = 0  # how many of them the planner would use
         self._last_spare_check = 0.0
+        self._spare_heartbeats = Heartbeats(elastic.heartbeat_timeout_s)  # spares no step call watches
 
     @property
     def planned(self) -> bool:
@@ -132,13 +134,26 @@ class Resizer:
 
         Growth and recoveries use spares up and a lend can then shrink the job to its floor, where a
         straggler can only be swapped for a spare: they are refilled whenever a device is free, not
-        only after a recovery."""
-        missing = self.elastic.num_spares - len(self.crew.spares)
+        only after a recovery. A spare that died or froze unseen (its node lost, with no member on it)
+        is dropped first, and replaced."""
         now = time.monotonic()
-        if missing <= 0 or now - self._last_spare_check < self.elastic.grow_check_interval_s:
+        if not self.elastic.num_spares or now - self._last_spare_check < self.elastic.grow_check_interval_s:
             return
         self._last_spare_check = now
-        self.crew.start_spares(missing)
+        self._drop_lost_spares(now)
+        missing = self.elastic.num_spares - len(self.crew.spares)
+        if missing > 0:
+            self.crew.start_spares(missing)
+
+    def _drop_lost_spares(self, now: float) -> None:
+        ready = self.crew.ready_spares()
+        lost = self._spare_heartbeats.unresponsive({w.name: w for w in ready}, now)
+        gone = [w for w in ready if w.name in lost] + self.crew.never_started_spares()
+        if gone:
+            self.crew.drop_spares(gone)
+            why = sorted({lost.get(w.name, "it never came up") for w in gone})
+            self.events.record("spare_lost", f"{len(gone)} spare(s) lost: {'; '.join(why)}",
+                               spares=len(self.crew.spares))
 
     # ----- resizing -----
 

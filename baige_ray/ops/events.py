@@ -21,7 +21,7 @@ from baige_ray.api.validation import require_int
 EVENT_KINDS = (
     "plan", "start", "failure", "eviction", "straggler", "resize", "recovered",
     "lend", "reclaim", "harvest", "unharvest", "rebalance", "checkpoint", "finished", "failed", "controller_restart",
-    "arbiter_restart", "kv_handover", "engine_asleep", "engine_awake", "memory_return",
+    "arbiter_restart", "kv_handover", "engine_asleep", "engine_awake", "memory_return", "spare_lost",
 )
 # Fields some kinds must carry: the timeline plot and `baige-ray status` read them. A training job's
 # resize says what training holds; what serving holds is the arbiter's to say (lend, reclaim).

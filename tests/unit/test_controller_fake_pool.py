@@ -157,6 +157,25 @@ def test_a_straggler_is_evicted_for_a_spare_after_its_patience(tmp_path):
     assert all(w["pid"] != 0 for w in result["status"]["workers"])
 
 
+def test_a_spare_lost_with_a_node_no_member_was_on_is_dropped_and_replaced(tmp_path):
+    """Nothing else watches a spare: one that died unseen would be counted until a regroup it joined failed."""
+    cluster = FakeCluster({"n0": 2, "n1": 1})
+    cluster.step_s = 0.01
+    ctl = controller(tmp_path, cluster, steps=5000, num_spares=1)
+    thread, out = run_in_thread(ctl)
+    wait_until(lambda: len(ctl.crew.ready_spares()) == 1, "the spare never started")
+    (spare,) = ctl.crew.spares
+    cluster.lose_node("n1")  # the spare's node, and no member's
+    cluster.add_node("n2", 1)
+    wait_until(lambda: "spare_lost" in kinds(ctl), "the lost spare was not noticed")
+    wait_until(lambda: [cluster.named(w.name).node for w in ctl.crew.ready_spares()] == ["n2"],
+               "no spare was started in its place")
+    ctl.stop()
+    thread.join(10)
+    assert spare not in ctl.crew.spares and phases(ctl) == ["starting", "running", "finished"]
+    assert losses(out["result"]) == fault_free(ctl.step)
+
+
 def test_a_rank_holding_the_batchs_extra_micro_batch_is_not_a_straggler(tmp_path):
     """4 micro-batches on 3 workers: rank 0 trains 2 and takes twice as long. A 3-minute soak evicted
     that rank for a spare five times (the spare became rank 0 and took as long); ranks are judged by
