@@ -275,8 +275,31 @@ def _recovery_after(since: float, at: float, detected_s: float, events: list[dic
     (an earlier one says what it decided)."""
     recovered = next((e for e in events if e["time"] >= since and e["kind"] == "recovered" and "recovery_s" in e),
                      None)
+    steps_lost = None if recovered is None else recovered.get("lost_steps")
+    underway = _resume_point_underway(at, events)
+    resumed = next((e["resume_step"] for e in events if e["time"] >= since and "resume_step" in e), None)
+    if steps_lost is not None and underway is not None and resumed is not None:
+        steps_lost = max(0, underway - resumed)
     return {"detected_s": detected_s, "recovered_s": None if recovered is None else recovered["time"] - at,
-            "steps_lost": None if recovered is None else recovered.get("lost_steps")}
+            "steps_lost": steps_lost}
+
+
+def _resume_point_underway(at: float, events: list[dict]) -> int | None:
+    """The step an earlier fault's recovery, still under way at `at`, had decided to resume from (None:
+    none was under way, or it had not decided yet).
+
+    A recovery's record counts the steps redone since the first failure it met, which are the earlier
+    fault's: a fault striking in the middle of it costs only as far as it moves that resume point back.
+    (A 3-minute soak lost a node 13 s into the recovery from a corrupted checkpoint and was charged the
+    27 steps the checkpoint cost.)"""
+    before = [e for e in events if e["time"] < at]
+    last_done = max((e["time"] for e in before if e["kind"] == "recovered" and "recovery_s" in e), default=None)
+    failures = [e["time"] for e in before if e["kind"] in ("failure", "eviction")]
+    if not failures or (last_done is not None and max(failures) <= last_done):
+        return None
+    began = min(t for t in failures if last_done is None or t > last_done)
+    decided = [e for e in before if e["time"] >= began and "resume_step" in e]
+    return decided[-1]["resume_step"] if decided else None
 
 
 class _MemorySampler:

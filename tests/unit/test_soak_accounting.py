@@ -38,6 +38,29 @@ def test_a_straggler_is_detected_only_by_the_straggler_policys_word_and_recovere
     assert _job_fault_outcome(killed, evicted)["detected_s"] == 5.0
 
 
+def test_a_fault_in_the_middle_of_another_ones_recovery_is_charged_only_what_it_moves_the_resume_point_back():
+    """A node lost 13 s into the recovery from a corrupted checkpoint (every worker killed, restored from the
+    checkpoint before it): one recovery record covers both and counts 27 steps redone since the first
+    failure. They are the checkpoint's; the node loss left the resume point where it was."""
+    events = [
+        {"time": 132.0, "kind": "failure", "reason": "actor died", "rank": 0},
+        {"time": 132.0, "kind": "checkpoint", "reason": "skipped persisted step 1274: fails its SHA-256 check",
+         "step": 1274},
+        {"time": 144.8, "kind": "resize", "reason": "1 usable worker(s) < min_workers=2", "resume_step": 1250},
+        {"time": 145.1, "kind": "failure", "reason": "actor died", "rank": 0},
+        {"time": 151.2, "kind": "recovered", "reason": "1 spare(s) take the lost rank(s)", "resume_step": 1250},
+        {"time": 151.2, "kind": "recovered", "reason": "next step done", "recovery_s": 19.2, "lost_steps": 27},
+    ]
+    corrupt = {"kind": "checkpoint_corrupt", "at": 131.5, "corrupted_step": 1274}
+    node = {"kind": "node_loss", "at": 145.0}
+    assert _job_fault_outcome(corrupt, events)["steps_lost"] == 27
+    outcome = _job_fault_outcome(node, events)
+    assert outcome["steps_lost"] == 0 and round(outcome["recovered_s"], 3) == 6.2
+    # Had it sent the job further back (its snapshot gone with the node), it would be charged the difference.
+    further = [dict(e, resume_step=1225) if e["time"] == 151.2 and "resume_step" in e else e for e in events]
+    assert _job_fault_outcome(node, further)["steps_lost"] == 25
+
+
 def test_a_killed_replica_is_back_when_the_application_has_the_replicas_the_arbiter_wants_now():
     assert replicas_wanted(3, 3) == 3
     assert replicas_wanted(3, 2) == 2  # a reclaim while the killed replica restarted
