@@ -29,22 +29,22 @@ class Heartbeats:
         says they died (key -> why); sends the next heartbeat to the others and forgets keys not given."""
         self._sent = {key: sent for key, sent in self._sent.items() if key in workers}
         lost = {}
-        for rank, worker in workers.items():
-            sent = self._sent.get(rank)
+        for key, worker in workers.items():
+            sent = self._sent.get(key)
             if sent is not None:
                 ref, at = sent
                 ready, _ = calls.wait([ref], timeout=0)
                 if not ready:
                     if now - at > self.timeout_s:
-                        lost[rank] = SILENT
+                        lost[key] = SILENT
                     continue
                 died = _death_of(ref)
                 if died is not None:
                     # The worker's own call can stay pending for a while after its actor died (Ray waits
                     # for the death's cause before failing it): a heartbeat sent since then fails at once.
-                    lost[rank] = died
+                    lost[key] = died
                     continue
-            self._sent[rank] = (worker.actor.heartbeat.remote(), now)
+            self._sent[key] = (worker.actor.heartbeat.remote(), now)
         return lost
 
 
