@@ -27,7 +27,7 @@ from baige_ray.elastic.harvest import check_harvest, harvest_members, whole_memb
 from baige_ray.elastic.job_record import JobRecord
 from baige_ray.elastic.machine import Phase, StateMachine
 from baige_ray.elastic.planning import ElasticPlanner
-from baige_ray.elastic.recovery import Bounds, Recovery
+from baige_ray.elastic.recovery import MAX_REGROUP_RETRIES, Bounds, Recovery
 from baige_ray.elastic.resizing import Resizer
 from baige_ray.elastic.sizing import valid_sizes
 from baige_ray.elastic.state_sources import StateSources
@@ -150,11 +150,27 @@ class ElasticController:
         if len(members) < wanted:
             self.pool.stop(started + self.crew.spares)
             return Phase.FAILED, f"only {len(members)} of {wanted} workers started"
-        self.crew.regroup(self.pool.by_locality(members), None, self.step)
+        try:
+            self.crew.regroup(self.pool.by_locality(members), None, self.step)
+        except Exception as error:  # a member died or fell silent before the first group formed
+            return self._start_over(started, error)
         if self.crew.planner is not None:  # grow back to what the planner chose on full capacity
             self.resizer.target_workers = len(self.crew.members)
         self.events.record("start", f"{len(members)} workers", train_devices=len(members))
         return Phase.RUNNING, "workers up"
+
+    def _start_over(self, started: list[Worker], error: Exception) -> tuple[Phase, str]:
+        """Nothing was trained yet: stop the workers and spares started for the first group and start
+        afresh, a few times (a busy host can hold a joining worker silent; a dead one is not coming)."""
+        self.pool.abandon(started, self.crew.generation)
+        spares = list(self.crew.spares)
+        self.pool.stop(started + spares)
+        self.crew.take_spares(spares)
+        failures = self.crew.regroup_failed()
+        if failures > MAX_REGROUP_RETRIES:
+            return Phase.FAILED, f"the first group failed to form {failures} times; the last time: {error}"
+        self.events.record("start", f"the first group did not form ({error}); starting it again", train_devices=0)
+        return Phase.STARTING, f"starting again: {error}"
 
     def _run_step(self) -> tuple[Phase, str]:
         self.resizer.keep_spares()

@@ -29,12 +29,12 @@ from baige_ray.api.device import DeviceInfo
 from baige_ray.checkpoint.sharded import write_rank_part
 from baige_ray.elastic.faults import Fault, carry_out
 from baige_ray.elastic.shelf import (
+    ShelfReader,
     ShelfRef,
     SnapshotShelf,
     read_shelf,
     run_shelves,
     shelf_directory,
-    shelf_steps,
 )
 from baige_ray.elastic.snapshot import HostSnapshotter
 from baige_ray.engines.base import Engine
@@ -233,6 +233,7 @@ class ElasticWorkerActor(WorkerActor):
         self.snapshots: HostSnapshotter | None = None
         self.snapshot_slots = snapshot_slots
         self._shelf: SnapshotShelf | None = None
+        self._shelves = ShelfReader()  # this node's shelves, for workers elsewhere
         self._collective_timeout_s: float | None = None
         self._failed_generation: int | None = None
         self._abandoned_generation = -1
@@ -412,19 +413,16 @@ class ElasticWorkerActor(WorkerActor):
     def shelf_steps_of(self, worker_name: str) -> list[int]:
         """The steps of the whole sharded snapshots on the shelf of `worker_name`, a worker of this node
         (this one, or one that died), newest first."""
-        return shelf_steps(shelf_directory(worker_name))
+        return self._shelves.shelf_steps_of(worker_name)
 
     @ray.method(concurrency_group="control")
     def read_shelf_of(self, worker_name: str, step: int) -> ShardedPart:
-        found = read_shelf(shelf_directory(worker_name), step)
-        if found is None:
-            raise RuntimeError(f"the shelf of {worker_name} holds no snapshot of step {step}")
-        return found[1]
+        return self._shelves.read_shelf_of(worker_name, step)
 
     @ray.method(concurrency_group="control")
     def discard_shelf_of(self, worker_name: str) -> None:
         """Remove the shelf a worker of this node left (it died, and its snapshot has been restored)."""
-        shutil.rmtree(shelf_directory(worker_name), ignore_errors=True)
+        self._shelves.discard_shelf_of(worker_name)
 
     @ray.method(concurrency_group="control")
     def discard_shelves(self, run_name: str) -> None:

@@ -19,7 +19,7 @@ class Phase(Enum):
 
 ALLOWED: dict[Phase, frozenset[Phase]] = {
     Phase.PLANNING: frozenset({Phase.STARTING, Phase.RECOVERING, Phase.FAILED}),  # recovering: after a restart
-    Phase.STARTING: frozenset({Phase.RUNNING, Phase.RECOVERING, Phase.FAILED}),
+    Phase.STARTING: frozenset({Phase.STARTING, Phase.RUNNING, Phase.RECOVERING, Phase.FAILED}),  # again: the first group failed
     Phase.RUNNING: frozenset({Phase.RUNNING, Phase.RECOVERING, Phase.RESIZING, Phase.FINISHED, Phase.FAILED}),
     Phase.RECOVERING: frozenset({Phase.RUNNING, Phase.RECOVERING, Phase.FAILED}),
     Phase.RESIZING: frozenset({Phase.RUNNING, Phase.RECOVERING, Phase.FAILED}),

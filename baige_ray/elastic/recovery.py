@@ -94,6 +94,8 @@ class Recovery:
         self._abort_queued_steps(loss)
         self._confirm_the_rest(loss)
         marks["confirmed"] = time.monotonic()
+        self.crew.drop_dead_spares()  # before the state is chosen: a spare may read a shelf for it
+        marks["spares_checked"] = time.monotonic()
         members = self.crew.members
         survivors = [(rank, w) for rank, w in enumerate(members) if rank not in loss.lost]
         step, state = self._newest_state(loss, survivors)
@@ -139,21 +141,20 @@ class Recovery:
                                    step=self.accounts.next_step)
 
     def _newest_state(self, loss: Loss, survivors: list[tuple[int, Worker]]):
-        """(step, state parts) of the newest snapshot every rank can be restored from; lost ranks that
-        still answer (wedged, evicted) are read before they are stopped."""
+        """(step, state parts) of the newest snapshot every rank can be restored from. Lost ranks that still
+        answer (wedged, evicted) hand over their in-memory snapshots before they are stopped; their
+        shelves, like the dead ranks', are read afterwards by a worker that stays on their node, or by a
+        reader started there."""
         members = self.crew.members
         departing = [(rank, members[rank]) for rank in sorted(loss.readable & set(loss.lost))]
         replicas = self.state_sources.readable_replicas(members, loss.lost, loss.readable)
-        # A spare on a node none of the group survives on can still read the shelves its dead ranks left.
-        step, state = self.state_sources.newest_snapshot(survivors + departing, self.crew.layout, replicas,
+        step, state = self.state_sources.newest_snapshot(survivors, self.crew.layout, replicas,
                                                          members=list(enumerate(members)),
-                                                         spares=self.crew.ready_spares())
+                                                         spares=self.crew.ready_spares(), leaving=departing)
         settle_parts(state)
         return step, state
 
     def _decide(self, loss: Loss, marks: dict[str, float]) -> FailureDecision:
-        self.crew.drop_dead_spares()
-        marks["spares_checked"] = time.monotonic()
         self.pool.stop([self.crew.members[rank] for rank in loss.lost])
         marks["stopped"] = time.monotonic()
         ready = self.crew.ready_spares()

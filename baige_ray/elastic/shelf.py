@@ -128,6 +128,27 @@ class SnapshotShelf:
         return 1 - self._newest
 
 
+class ShelfReader:
+    """Reads and removes the shelves of a node's workers, dead or alive, for a worker on another node.
+
+    Every elastic worker answers these for its node; a job with no live worker left on a node runs
+    one of these there on its own (shelf_readers.py), so what its dead ranks left is not lost."""
+
+    def shelf_steps_of(self, worker_name: str) -> list[int]:
+        """The steps of the whole snapshots on the shelf of `worker_name`, newest first."""
+        return shelf_steps(shelf_directory(worker_name))
+
+    def read_shelf_of(self, worker_name: str, step: int) -> ShardedPart:
+        found = read_shelf(shelf_directory(worker_name), step)
+        if found is None:
+            raise RuntimeError(f"the shelf of {worker_name} holds no snapshot of step {step}")
+        return found[1]
+
+    def discard_shelf_of(self, worker_name: str) -> None:
+        """Remove the shelf of a worker that died, once its snapshot has been restored."""
+        shutil.rmtree(shelf_directory(worker_name), ignore_errors=True)
+
+
 def shelf_steps(directory: Path) -> list[int]:
     """The steps of the whole snapshots on the shelf at `directory`, newest first."""
     steps = []

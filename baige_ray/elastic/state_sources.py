@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shutil
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -20,6 +20,7 @@ from baige_ray.checkpoint.store import begin_checkpoint, commit_checkpoint, load
 from baige_ray.elastic import calls
 from baige_ray.elastic.replica_copies import ReplicaCopies
 from baige_ray.elastic.shelf import ShelfRef
+from baige_ray.elastic.shelf_readers import ShelfReaders
 from baige_ray.elastic.workers import Worker
 from baige_ray.ops.events import EventLog
 from baige_ray.parallel.layout import ParallelLayout
@@ -33,8 +34,10 @@ PERSIST_TIMEOUT_S = 1800.0  # every rank writing its pieces of a checkpoint
 class StateSources:
     """The job's replicas and persisted checkpoints, and the choice of the newest state to resume from."""
 
-    def __init__(self, elastic: ElasticConfig, run_name: str, events: EventLog):
+    def __init__(self, elastic: ElasticConfig, run_name: str, events: EventLog,
+                 shelf_readers: ShelfReaders | None = None):
         self.elastic = elastic
+        self.shelf_readers = shelf_readers or ShelfReaders()
         self.run_name = run_name
         self.events = events
         self.replica_copies = ReplicaCopies()
@@ -54,18 +57,21 @@ class StateSources:
 
     def newest_snapshot(self, holders: list[tuple[int, Worker]], layout: ParallelLayout,
                         replicas: list[Worker] = (), members: list[tuple[int, Worker]] | None = None,
-                        spares: list[Worker] = ()):
+                        spares: list[Worker] = (), leaving: list[tuple[int, Worker]] = ()):
         """(step, refs to the parts to assemble) of the newest snapshot every stage still has: live in the
-        holders (sharded layouts: on the shelves of every rank in `members`, dead or alive, read by a live
-        holder or spare on its node) or in a replica (all stages at one step) held on another node.
+        holders or in `leaving` (ranks that still answer but are stopped before the restore), or in a
+        replica (all stages at one step) held on another node. Sharded layouts: on the shelves of every
+        rank in `members`, dead or alive, read by a holder or spare on its node, or by a reader started
+        there (shelf_readers.py).
 
         Falls back to the newest good persisted checkpoint; (None, None) when there is neither.
         The parts stay in the object store: workers fetch them from each other.
         """
         if layout.snapshots_are_sharded:
-            live = newest_on_shelves(members or holders, [w for _, w in holders] + list(spares))
+            readers = [w for _, w in holders] + list(spares)
+            live = newest_on_shelves(members or list(holders) + list(leaving), readers, self.shelf_readers.on_node)
         else:
-            live = newest_live(holders, layout)
+            live = newest_live(list(holders) + list(leaving), layout)
         replica_steps = answers_or_none([w.actor.replica_step.remote() for w in replicas])
         replica = max(((step, w) for step, w in zip(replica_steps, replicas) if step is not None),
                       key=lambda pair: pair[0], default=None)
@@ -76,14 +82,15 @@ class StateSources:
             return self.persisted_state()
         return live
 
-    @staticmethod
-    def release_shelves(parts: list | None, kept: list[Worker], timeout_s: float = 10.0) -> None:
-        """Once restored, remove the shelves that workers no longer in `kept` (dead ones) left behind."""
+    def release_shelves(self, parts: list | None, kept: list[Worker], timeout_s: float = 10.0) -> None:
+        """Once restored, remove the shelves that workers no longer in `kept` (dead ones) left behind,
+        and stop the readers started for them."""
         names = {worker.name for worker in kept}
         refs = [part.reader.discard_shelf_of.remote(part.worker_name) for part in parts or []
                 if isinstance(part, ShelfRef) and part.worker_name not in names]
         if refs:
             calls.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        self.shelf_readers.stop()
 
     def readable_replicas(self, members: list[Worker], lost: dict[int, str], readable: set[int]) -> list[Worker]:
         """Replica holders still reachable: none of the lost members, unless they still answer."""
@@ -222,6 +229,7 @@ class StateSources:
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Let checkpoints being written finish."""
+        self.shelf_readers.stop()
         if self._persister is not None:
             self._persister.close(timeout=timeout_s)
         if self._sharded_writer is not None:
@@ -242,18 +250,34 @@ def newest_live(holders: list[tuple[int, Worker]], layout: ParallelLayout):
     return newest, [w.actor.snapshot_state.remote() for w in by_step[newest].values()]
 
 
-def newest_on_shelves(members: list[tuple[int, Worker]], readers: list[Worker]):
+def newest_on_shelves(members: list[tuple[int, Worker]], readers: list[Worker],
+                      reader_on: Callable[[str], Any | None] = lambda node_id: None):
     """(step, refs to every rank's part) of the newest sharded snapshot that every rank's shelf holds;
-    None when one has none whole or no live worker is left on its node to read it."""
-    on_node = {}
+    None when one has none whole or its node is gone.
+
+    A shelf is read by a worker of its node that stays through the restore (`readers`: members that
+    live on, spares), or else by the reader `reader_on(node_id)` gives (None: the node is gone). A
+    worker being stopped does not read: the restore reads the shelves after it is gone."""
+    if not members:
+        return None
+    on_node: dict[str, Any] = {}
     for worker in readers:
-        on_node.setdefault(worker.info.node_id, worker)
-    live = {worker.name for worker in readers}
-    askers = [worker if worker.name in live else on_node.get(worker.info.node_id) if worker.info else None
-              for _, worker in members]
+        on_node.setdefault(worker.info.node_id, worker.actor)
+    staying = {worker.name for worker in readers}
+    askers = []
+    for _, worker in members:
+        if worker.name in staying:
+            askers.append(worker.actor)
+        elif worker.info is None:  # never came up: it left no shelf
+            askers.append(None)
+        else:
+            node_id = worker.info.node_id
+            if node_id not in on_node:
+                on_node[node_id] = reader_on(node_id)
+            askers.append(on_node[node_id])
     if None in askers:
         return None
-    steps = answers_or_none([asker.actor.shelf_steps_of.remote(worker.name)
+    steps = answers_or_none([asker.shelf_steps_of.remote(worker.name)
                              for asker, (_, worker) in zip(askers, members)])
     if None in steps:
         return None
@@ -261,7 +285,7 @@ def newest_on_shelves(members: list[tuple[int, Worker]], readers: list[Worker]):
     if not common:
         return None
     step = max(common)
-    return step, [ShelfRef(worker.name, worker.info.node_id, step, asker.actor)
+    return step, [ShelfRef(worker.name, worker.info.node_id, step, asker)
                   for asker, (_, worker) in zip(askers, members)]
 
 

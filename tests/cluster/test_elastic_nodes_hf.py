@@ -7,6 +7,10 @@ both). Each faulty run is compared with its fault-free twin.
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+
 import pytest
 import ray
 import torch
@@ -60,6 +64,22 @@ def test_a_crashed_fsdp2_worker_is_restored_from_the_shards_it_left_in_shared_me
         assert torch.equal(final[name], expected[name]), name
 
 
+def test_every_worker_killed_on_live_hosts_is_restored_from_the_shelves_by_readers_started_there(tiny, tmp_path):
+    """No worker of the job is left on any node, and nothing was persisted: the shelves outlive the
+    processes, so readers started on their nodes restore from memory (a step or two lost), not from
+    step 0."""
+    layout = ParallelLayout(dp=2, data_parallel="fsdp2")
+    job = elastic_hf_run("elastic-hf-readers", tmp_path, tiny, num_workers=2, num_steps=12,
+                         elastic=ElasticConfig(num_spares=0, replicate_every=0), layout=layout)
+    wait_for(job, lambda s: s["step"] >= 5, 180, "step 5")
+    for worker in ray.util.list_named_actors(all_namespaces=True):
+        if worker["name"].startswith("baige-worker:elastic-hf-readers:"):
+            ray.kill(ray.get_actor(worker["name"], namespace=worker["namespace"]), no_restart=True)
+    result = job.wait()
+    assert [m.step for m in result.metrics] == list(range(12))
+    assert len(result.recoveries) == 1 and result.recoveries[0]["lost_steps"] <= 2, result.recoveries
+    assert not run_shelves("elastic-hf-readers").exists()  # the readers removed what the dead left
+
 def constant_rate(num_steps: int, learning_rate: float) -> TrainConfig:
     """elastic_hf_run's optimisation problem."""
     return TrainConfig(num_steps=num_steps, global_batch_size=24, warmup_steps=0, learning_rate=learning_rate,
@@ -109,8 +129,11 @@ def test_a_lost_node_shrinks_a_hf_job_and_training_agrees_with_a_fault_free_run(
     assert max(differences.values()) <= 1e-5, differences
 
 
-def test_a_hf_job_that_loses_every_worker_resumes_from_its_persisted_checkpoint(tiny, tmp_path):
-    """Under FSDP2 every rank writes its own pieces of the checkpoint (checkpoint/sharded.py)."""
+def test_a_hf_job_whose_hosts_lose_every_worker_and_their_memory_resumes_from_its_persisted_checkpoint(
+        tiny, tmp_path):
+    """Under FSDP2 every rank writes its own pieces of the checkpoint (checkpoint/sharded.py). Workers
+    killed on live hosts leave their shelves, and readers started there restore from them; here the
+    hosts' shared memory goes too (as in a reboot), so only the persisted checkpoint is left."""
     num_steps = 30
     layout = ParallelLayout(dp=2, data_parallel="fsdp2")
     persisted = ElasticConfig(num_spares=0, persist_every=3, persist_path=tmp_path / "checkpoints")
@@ -121,6 +144,11 @@ def test_a_hf_job_that_loses_every_worker_resumes_from_its_persisted_checkpoint(
     assert job.status()["step"] < num_steps, "the job finished before the workers could be lost"
     written = list_checkpoints(tmp_path / "checkpoints")[-1][1]
     assert (written / "rank-00001.safetensors").is_file() and not (written / "model.safetensors").exists()
+    # Frozen first, so that no snapshot lands on a shelf between its removal and the kill.
+    pids = [worker["pid"] for worker in job.status()["workers"]]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    shutil.rmtree(run_shelves("elastic-hf-all-lost"))  # every simulated node's shared memory is this host's
     for worker in ray.util.list_named_actors(all_namespaces=True):
         if worker["name"].startswith("baige-worker:elastic-hf-all-lost:"):
             ray.kill(ray.get_actor(worker["name"], namespace=worker["namespace"]), no_restart=True)

@@ -242,6 +242,31 @@ def test_a_worker_frozen_while_the_group_reforms_is_found_by_its_silence_and_rec
     assert losses(result) == fault_free(6) and len(result["workers"]) == 2
 
 
+
+def test_a_first_group_that_does_not_form_is_started_again_instead_of_failing_the_job(tmp_path):
+    """A member silent while the first group forms (a busy host, a SIGSTOP) raised out of the
+    controller: the job failed before its first step. Nothing is trained yet, so it starts over."""
+    cluster = FakeCluster({"n0": 3})
+    cluster.scripted[1] = {"freeze_in_rejoin": True}
+    pool = FakeWorkerPool(cluster)
+    pool.regroup_silence_s = 0.5
+    ctl = controller(tmp_path, cluster, pool=pool)
+    result = ctl.run()
+    assert phases(ctl) == ["starting", "running", "finished"]
+    again = [e for e in ctl.events.recent() if e["kind"] == "start" and "again" in e["reason"]]
+    assert len(again) == 1 and "MemberSilent" not in again[0]["reason"] and "heartbeat" in again[0]["reason"]
+    assert losses(result) == fault_free(6) and len(result["workers"]) == 2
+    assert not cluster.workers[1].alive  # the silent one was stopped, not left holding its device
+
+
+def test_a_first_group_that_never_forms_fails_the_job_with_the_reason(tmp_path):
+    cluster = FakeCluster({"n0": 2})
+    cluster.scripted.update({index: {"die_in_rejoin": True} for index in range(1, 12, 2)})
+    ctl = controller(tmp_path, cluster)
+    result = ctl.run()
+    assert result["phase"] == "failed"
+    assert "the first group failed to form 4 times" in ctl.machine.history[-1].reason
+
 def test_a_job_below_its_minimum_with_no_capacity_left_fails(tmp_path):
     cluster = FakeCluster({"n0": 1, "n1": 1})
     cluster.hooks.append(lambda worker, step: cluster.lose_node("n1") if step == 2 and "n1" in cluster.slots else None)
