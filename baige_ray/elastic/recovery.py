@@ -21,6 +21,9 @@ from baige_ray.ops.events import EventLog
 from baige_ray.policies.failure import FailureAction, FailureDecision, FailureObservation, decide_failure
 
 MAX_REGROUP_RETRIES = 3
+# Regroups that failed in a row, each losing a member, before the job fails: something that fails every
+# regroup (a full disk under Ray's object store, a broken node) would otherwise replace workers forever.
+MAX_FAILED_REGROUPS = 10
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,8 @@ class Recovery:
         failures = self.crew.regroup_failed()
         if not dead and failures > MAX_REGROUP_RETRIES:
             return Phase.FAILED, f"regrouping failed {failures} times with every worker alive: {error}"
+        if failures > MAX_FAILED_REGROUPS:
+            return Phase.FAILED, f"regrouping failed {failures} times in a row; the last time: {error}"
         # With everyone alive the rendezvous itself failed (e.g. it waited on a member that died
         # meanwhile, then timed out): the same members try again.
         self.loss = Loss(dead, "failure")

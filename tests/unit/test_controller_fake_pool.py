@@ -267,6 +267,18 @@ def test_a_first_group_that_never_forms_fails_the_job_with_the_reason(tmp_path):
     assert result["phase"] == "failed"
     assert "the first group failed to form 4 times" in ctl.machine.history[-1].reason
 
+
+def test_regroups_that_fail_every_time_end_the_job_instead_of_replacing_workers_forever(tmp_path):
+    """A CI machine's full disk failed every regroup (Ray's object store could not spill): each attempt
+    lost the worker joining, started another, and tried again for as long as the test ran."""
+    cluster = FakeCluster({"n0": 3})
+    cluster.scripted[1] = {"die_at": 2}
+    cluster.scripted.update({index: {"die_in_rejoin": True} for index in range(2, 40)})
+    ctl = controller(tmp_path, cluster)
+    result = ctl.run()
+    assert result["phase"] == "failed"
+    assert "regrouping failed 11 times in a row" in ctl.machine.history[-1].reason
+
 def test_a_job_below_its_minimum_with_no_capacity_left_fails(tmp_path):
     cluster = FakeCluster({"n0": 1, "n1": 1})
     cluster.hooks.append(lambda worker, step: cluster.lose_node("n1") if step == 2 and "n1" in cluster.slots else None)
