@@ -8,6 +8,8 @@ other tier's. With RAY_ADDRESS set, both Ray tiers use the user's cluster.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -28,6 +30,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # cluster shuts one down and starts the other (about 25 s). The sort is stable: the order stays
     # the files' order otherwise.
     items.sort(key=lambda item: "sim_cluster_4x2" in getattr(item, "fixturenames", ()))
+
+
+RAY_FULL_DISK = 0.95  # Ray's local_fs_capacity_threshold: above it the object store cannot spill
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """On a disk over 95% full Ray's object store refuses to spill (OutOfDiskError), so every regroup
+    that moves state fails, and a recovery test retries until it times out: say why at once."""
+    directory = tempfile.gettempdir()
+    usage = shutil.disk_usage(directory)
+    used = 1 - usage.free / usage.total
+    if used > RAY_FULL_DISK:
+        raise pytest.UsageError(f"the disk under {directory} is {used:.1%} full ({usage.free / 2**30:.1f} GiB free): "
+                                f"Ray's object store fails above {RAY_FULL_DISK:.0%}; free some space first")
 
 
 class RaySessions:
