@@ -14,8 +14,10 @@ process or node hit). How the job noticed and recovered is read afterwards from 
 - node_loss: the simulated worker node stopped (every process on it dies at once, workers and
   replicas alike) and started again `NODE_DOWN_S` later; the job shrinks, then grows back.
 - checkpoint_corrupt: the newest persisted checkpoint's largest file damaged in the middle (size
-  unchanged) as it commits, then every worker SIGKILLed, so the job must restore from disk and meets
-  the damage: it has to skip that checkpoint (its checksum) and restore the one before.
+  unchanged) as it commits, then the hosts' memory lost as in a reboot (every worker frozen, the run's
+  snapshot shelves removed, every worker SIGKILLed), so the job must restore from disk and meets the
+  damage: it has to skip that checkpoint (its checksum) and restore the one before. (Workers killed
+  on hosts that stay up leave their shelves, and the job restores from those instead.)
 - checkpoint_disk_full: the checkpoints' volume (a tmpfs of its own, `checkpoint_volume`) filled to the
   last byte for `DISK_FULL_S`, then freed; the job trains on, records each checkpoint that failed, and
   persists again once there is room. Without the right to mount (not root) it is not injected.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from baige_ray.bench.soak_schedule import ScheduledFault, Throttle
+from baige_ray.elastic.shelf import run_shelves
 from baige_ray.rl.faults import live_replica_pids, replica_pids
 
 REPLICA_RECOVERY_WAIT_S = 120.0
@@ -238,6 +242,9 @@ class FaultInjector:
         step, path = committed[-1]
         damaged = damage_largest_file(path)
         at = time.time()
+        for pid in pids:  # frozen first: no snapshot lands on a shelf between its removal and the kill
+            os.kill(pid, signal.SIGSTOP)
+        shutil.rmtree(run_shelves(self.run_name), ignore_errors=True)  # the simulated nodes share this host's
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         return {"kind": fault.kind, "at": at, "pids": pids, "corrupted_step": step, "damaged": str(damaged)}
