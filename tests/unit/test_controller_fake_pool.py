@@ -242,7 +242,6 @@ def test_a_worker_frozen_while_the_group_reforms_is_found_by_its_silence_and_rec
     assert losses(result) == fault_free(6) and len(result["workers"]) == 2
 
 
-
 def test_a_first_group_that_does_not_form_is_started_again_instead_of_failing_the_job(tmp_path):
     """A member silent while the first group forms (a busy host, a SIGSTOP) raised out of the
     controller: the job failed before its first step. Nothing is trained yet, so it starts over."""
@@ -278,6 +277,7 @@ def test_regroups_that_fail_every_time_end_the_job_instead_of_replacing_workers_
     result = ctl.run()
     assert result["phase"] == "failed"
     assert "regrouping failed 11 times in a row" in ctl.machine.history[-1].reason
+
 
 def test_a_job_below_its_minimum_with_no_capacity_left_fails(tmp_path):
     cluster = FakeCluster({"n0": 1, "n1": 1})
