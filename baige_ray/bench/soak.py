@@ -15,8 +15,9 @@ Reported per fault kind: injected, detected, recovered, detection and recovery s
 steps lost. A job fault is detected at the job's first event that answers it (a "failure" or
 "straggler"; a "controller_restart"; a skipped persisted checkpoint) and recovered at the next
 "recovered" event (whose record names the steps redone), or for a straggler a shrink released (a lend)
-at that shrink's "resize", and for one the policy tolerated until another fault took its process, at
-that fault's recovery; a replica fault is detected when Ray lists the
+at that shrink's "resize" (one released before the policy named it is reported recovered there, not
+detected, with `released_unnamed`), and for one the policy tolerated until another fault took its
+process, at that fault's recovery; a replica fault is detected when Ray lists the
 replica dead and recovered when the application has its replicas again (as many as the arbiter
 wants then, where it took a device back meanwhile); an arbiter fault is detected
 when Ray has restarted it and recovered at its first decision after that. For serving: requests, failed
@@ -232,6 +233,10 @@ def _job_fault_outcome(outcome: dict[str, Any], events: list[dict]) -> dict[str,
     """When the job noticed a fault injected at `outcome["at"]` (wall clock), when it recovered, steps redone."""
     at, answers = outcome["at"], _answers(outcome)
     noticed = next((e for e in events if e["time"] >= at and answers(e) and e["time"] - at <= JOB_EVENT_WAIT_S), None)
+    if outcome["kind"] == "straggler":
+        released = _released_unnamed(outcome, noticed, events)
+        if released is not None:
+            return released
     if noticed is None:
         return {"detected_s": None, "recovered_s": None, "steps_lost": None}
     if outcome["kind"] == "checkpoint_disk_full":  # training never stopped: recovered once a checkpoint lands again
@@ -245,6 +250,18 @@ def _job_fault_outcome(outcome: dict[str, Any], events: list[dict]) -> dict[str,
     if outcome["kind"] == "straggler":
         return _straggler_outcome(outcome, noticed, events)
     return _recovery_after(noticed["time"], at, noticed["time"] - at, events)
+
+
+def _released_unnamed(outcome: dict[str, Any], noticed: dict | None, events: list[dict]) -> dict[str, Any] | None:
+    """A straggler a shrink (a lend) released before the policy named it: the job no longer runs on it, at
+    that resize, though nothing detected it (a throttle met 6 s before a lend in a 3-minute soak; the
+    policy names one after `straggler_patience` slow steps in a row). None: no such release."""
+    at = outcome["at"]
+    released = next((e for e in events if e["time"] >= at and e["kind"] == "resize"
+                     and outcome["pid"] in e.get("released_pids", ())), None)
+    if released is None or (noticed is not None and noticed["time"] <= released["time"]):
+        return None
+    return {"detected_s": None, "recovered_s": released["time"] - at, "steps_lost": 0, "released_unnamed": True}
 
 
 def _straggler_outcome(outcome: dict[str, Any], noticed: dict, events: list[dict]) -> dict[str, Any]:
@@ -357,7 +374,8 @@ def _still_alive(pids: set[int], wait_s: float = 15.0) -> list[int]:
 def _summary(soak: dict[str, Any], clean_losses: dict[int, float], args) -> dict[str, Any]:
     per_kind = {kind: _kind_figures([f for f in soak["faults"] if f["kind"] == kind]) for kind in FAULT_KINDS}
     for fault in soak["faults"]:
-        fault.pop("throttle", None)
+        if (throttle := fault.pop("throttle", None)) is not None:
+            fault["process_gone_at"] = throttle.gone_at  # where a straggler's worker went, for the reader
     common = sorted(set(soak["losses"]) & set(clean_losses))
     last = common[-1]
     requests = soak["requests"]

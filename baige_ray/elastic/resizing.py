@@ -194,7 +194,7 @@ class Resizer:
             if failed is not None:
                 return failed
             self.events.record("resize", reason, train_devices=len(members),
-                               resume_step=self.accounts.next_step)
+                               resume_step=self.accounts.next_step, released_pids=_pids(released))
         return Phase.RUNNING, f"{before} -> {len(self.crew.members)} workers"
 
     def _reharvest(self, request: Harvest) -> tuple[Phase, str]:
@@ -228,7 +228,7 @@ class Resizer:
         if failed is not None:
             return failed
         self.events.record("resize", reason, train_devices=len(self.crew.members),
-                           resume_step=self.accounts.next_step)
+                           resume_step=self.accounts.next_step, released_pids=_pids(released))
         return Phase.RUNNING, f"{before} -> {self.crew.layout.describe()}"
 
     def _slow_members(self, among: list[Worker]) -> list[Worker]:
@@ -298,3 +298,8 @@ class Resizer:
                 self._growth_key, used = None, len(self.crew.members)
             self._growth_devices = len(candidates) if used > len(self.crew.members) else len(self.crew.members)
         return self._growth_devices
+
+
+def _pids(workers: list[Worker]) -> list[int]:
+    """The processes of `workers` (those known): what an operator or a fault injector matches a release by."""
+    return [w.info.pid for w in workers if w.info is not None]

@@ -296,6 +296,7 @@ def test_a_resize_down_then_up_regroups_from_the_newest_snapshot(tmp_path):
     ctl = controller(tmp_path, cluster, workers=3, steps=40, min_workers=1)
     thread, out = run_in_thread(ctl)
     wait_for_step(ctl, 3)
+    pids = [w["pid"] for w in ctl.status()["workers"]]
     assert ctl.resize(1, "serve needs two devices") == 1
     shrunk_at = ctl.step
     assert ctl.resize(3, "serve is done") == 3
@@ -305,6 +306,7 @@ def test_a_resize_down_then_up_regroups_from_the_newest_snapshot(tmp_path):
     assert losses(result) == fault_free(40)
     resizes = [e for e in ctl.events.recent(200) if e["kind"] == "resize"]
     assert [e["train_devices"] for e in resizes] == [1, 3] and resizes[0]["resume_step"] == shrunk_at
+    assert resizes[0]["released_pids"] == pids[1:] and resizes[1]["released_pids"] == []  # by process
 
 
 def test_a_shrink_releases_a_straggler_first_and_says_so(tmp_path):

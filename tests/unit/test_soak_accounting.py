@@ -38,6 +38,23 @@ def test_a_straggler_is_detected_only_by_the_straggler_policys_word_and_recovere
     assert _job_fault_outcome(killed, evicted)["detected_s"] == 5.0
 
 
+def test_a_straggler_a_lend_released_before_the_policy_named_it_is_recovered_at_that_resize_not_detected():
+    """A CI soak throttled a worker 6 s before a lend shrank the job from 4 workers to 2: the shrink let
+    it go among the last ranks before its slow steps were enough to name it, and the soak reported it
+    neither detected nor recovered. The resize names the processes it released."""
+    straggler = {"kind": "straggler", "at": 6871.6, "pid": 6001}
+    lend = {"time": 6877.7, "kind": "resize", "reason": "lend 2 to inference", "train_devices": 2,
+            "released_pids": [6001, 6002]}
+    assert _job_fault_outcome(straggler, [lend]) == {"detected_s": None, "recovered_s": 6877.7 - 6871.6,
+                                                     "steps_lost": 0, "released_unnamed": True}
+    other = {**lend, "released_pids": [6002, 6003]}  # it stays in the job: the policy must still name it
+    assert _job_fault_outcome(straggler, [other])["recovered_s"] is None
+    named_first = [{"time": 6875.0, "kind": "straggler", "reason": "rank 1 is slow", "rank": 1, "action": "release"},
+                   lend]
+    assert _job_fault_outcome(straggler, named_first) == {"detected_s": 6875.0 - 6871.6,
+                                                          "recovered_s": 6877.7 - 6871.6, "steps_lost": 0}
+
+
 def test_a_fault_in_the_middle_of_another_ones_recovery_is_charged_only_what_it_moves_the_resume_point_back():
     """A node lost 13 s into the recovery from a corrupted checkpoint (every worker killed, restored from the
     checkpoint before it): one recovery record covers both and counts 27 steps redone since the first
