@@ -224,6 +224,7 @@ class ElasticController:
             "num_spares": len(self.crew.spares),
             "sizes": list(self.sizes),  # the worker counts a resize may ask for
             "workers": [worker.describe(rank) for rank, worker in enumerate(members)],
+            "spares": [spare.describe(None) for spare in self.crew.spares],  # warm, idle: rank None
             "events": self.events.recent(20),
             "steps_per_s": self.accounts.steps_per_s(),
             "loss": self.accounts.records[-1]["loss"] if self.accounts.records else None,

@@ -8,8 +8,9 @@ spikes at `--spike-utilization` of what the 2 replicas answer (measured before t
 arbiter meets by lending a training device and ends by taking it back. Faults come at seeded moments
 (soak_schedule.py), carried out by soak_faults.py: a worker SIGKILLed, frozen with SIGSTOP or throttled
 into a straggler, a replica SIGKILLed, the controller SIGKILLed, the arbiter SIGKILLed, the worker node
-stopped and started again, and the newest persisted checkpoint damaged while every worker is killed (the
-job must skip it and restore the one before), and the checkpoints' disk filled to the last byte for 20 s.
+stopped and started again, and the newest persisted checkpoint damaged while every worker and spare is
+killed (the job must skip it and restore the one before), and the checkpoints' disk filled to the last
+byte for 20 s.
 
 Reported per fault kind: injected, detected, recovered, detection and recovery seconds (p50, max) and
 steps lost. A job fault is detected at the job's first event that answers it (a "failure" or

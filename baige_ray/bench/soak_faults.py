@@ -14,8 +14,8 @@ process or node hit). How the job noticed and recovered is read afterwards from 
 - node_loss: the simulated worker node stopped (every process on it dies at once, workers and
   replicas alike) and started again `NODE_DOWN_S` later; the job shrinks, then grows back.
 - checkpoint_corrupt: the newest persisted checkpoint's largest file damaged in the middle (size
-  unchanged) as it commits, then the hosts' memory lost as in a reboot (every worker frozen, the run's
-  snapshot shelves removed, every worker SIGKILLed), so the job must restore from disk and meets the
+  unchanged) as it commits, then the hosts' memory lost as in a reboot (every worker and spare frozen,
+  the run's snapshot shelves removed, each of them SIGKILLed), so the job must restore from disk and meets the
   damage: it has to skip that checkpoint (its checksum) and restore the one before. (Workers killed
   on hosts that stay up leave their shelves, and the job restores from those instead.)
 - checkpoint_disk_full: the checkpoints' volume (a tmpfs of its own, `checkpoint_volume`) filled to the
@@ -99,6 +99,11 @@ class FaultInjector:
             time.sleep(0.25)
         self.seen_pids.update(w["pid"] for w in workers)
         return workers
+
+    def _spare_pids(self) -> list[int]:
+        pids = [s["pid"] for s in self.job.status()["spares"] if s["pid"] is not None and process_alive(s["pid"])]
+        self.seen_pids.update(pids)
+        return pids
 
     def _signal_worker(self, fault: ScheduledFault) -> dict[str, Any]:
         pids = self._worker_pids()
@@ -232,11 +237,13 @@ class FaultInjector:
     # ----- a checkpoint -----
 
     def _corrupt_checkpoint(self, fault: ScheduledFault) -> dict[str, Any]:
-        """Damage the newest persisted checkpoint just as it commits, then kill every worker: no write is in
-        flight then (the next is due 25 steps later) that could land a newer, intact one before the job
-        restores (a checkpoint written beside training commits after its workers died)."""
+        """Damage the newest persisted checkpoint just as it commits, then kill every worker and spare: no
+        write is in flight then (the next is due 25 steps later) that could land a newer, intact one before
+        the job restores (a checkpoint written beside training commits after its workers died). The spares
+        too: one may hold a copy of the snapshots (a job on one node replicates them to another), and the
+        job then restores from that copy, never reading the disk (twice in a 30-minute soak)."""
         committed = self._next_commit()
-        pids = self._worker_pids()
+        pids = self._worker_pids() + self._spare_pids()
         if not committed:
             return {"kind": fault.kind, "at": time.time(), "pids": pids, "corrupted_step": None}
         step, path = committed[-1]

@@ -37,8 +37,8 @@ class Worker:
     share: float = 1.0  # the fraction of its device it holds: < 1 for a rank harvesting a serving device
     ready_ref: ray.ObjectRef | None = field(default=None, repr=False)
 
-    def describe(self, rank: int) -> dict:
-        """What the job's status says of it, at rank `rank`."""
+    def describe(self, rank: int | None) -> dict:
+        """What the job's status says of it, at rank `rank` (None: a spare)."""
         info = self.info
         if info is None:  # lost, or not found after a controller restart
             return {"rank": rank, "node_id": None, "node_ip": None, "device_index": None, "pid": None,

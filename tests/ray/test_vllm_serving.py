@@ -12,9 +12,7 @@ import pytest
 import ray
 import torch
 
-from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
 from baige_ray.api.elastic import ElasticConfig
-from baige_ray.jobs.launch import launch
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.models.hf import HFModel
 from baige_ray.models.plugin import plugin_for
@@ -55,19 +53,18 @@ def app(trained):
 
 
 @pytest.fixture(scope="module")
-def trained_gpt(local_ray, tmp_path_factory):
+def gpt_state(local_ray):
+    """The reference GPT's weights as a state in memory: a launched job's state reaching vLLM is the tied
+    Qwen2's fixture above; this one is about serving GPT's layout as GPT-2."""
     config = GPTConfig(num_layers=2, hidden=128, num_heads=4, seq_len=64)  # head_dim 32
-    job = launch(config, train=TrainConfig(num_steps=4, global_batch_size=8, learning_rate=3e-3, warmup_steps=0),
-                 scaling=ScalingConfig(num_workers=2, placement_timeout_s=240),
-                 run=RunConfig(name="gpt-vllm", storage_path=tmp_path_factory.mktemp("gpt-vllm"), show_progress=False),
-                 elastic=ElasticConfig(num_spares=0))
-    return config, job.wait()
+    torch.manual_seed(1)
+    return config, plugin_for(config).build_model().state_dict()
 
 
 @pytest.fixture(scope="module")
-def gpt_app(trained_gpt):
-    config, result = trained_gpt
-    weights = ray.put(ray.get(result.final_state)["model"])
+def gpt_app(gpt_state):
+    config, state = gpt_state
+    weights = ray.put(state)
     # Beside the Llama application at /, behind the prefix-routing ingress (it relays to vLLM replicas too).
     info = serve((4, weights), model_config=config, name="gpt-vllm", port=free_port(), engine="vllm",
                  route_prefix="/gpt", routing="prefix")
@@ -117,9 +114,9 @@ def test_vllm_rollouts_carry_the_log_probabilities_the_policy_gives_its_samples(
         torch.testing.assert_close(torch.tensor(completion.log_probs), torch.tensor(expected), rtol=0, atol=1e-3)
 
 
-def test_vllm_serves_the_reference_gpt_trained_by_launch_and_takes_a_later_state_in_place(trained_gpt, gpt_app):
-    config, result = trained_gpt
-    assert served_greedy(gpt_app) == builtin_greedy(config, ray.get(result.final_state)["model"])
+def test_vllm_serves_the_reference_gpt_and_takes_a_later_state_in_place(gpt_state, gpt_app):
+    config, state = gpt_state
+    assert served_greedy(gpt_app) == builtin_greedy(config, state)
     replica_before = call(f"{gpt_app.url}/health")[1]["replica"]
     torch.manual_seed(3)
     fresh = plugin_for(config).build_model().state_dict()

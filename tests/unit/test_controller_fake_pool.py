@@ -155,6 +155,7 @@ def test_a_straggler_is_evicted_for_a_spare_after_its_patience(tmp_path):
     # (2-4); step 5, queued behind it, completes first.
     assert recovery["resumed_step"] == 6
     assert all(w["pid"] != 0 for w in result["status"]["workers"])
+    assert [(s["rank"], s["pid"] != 0) for s in result["status"]["spares"]] == [(None, True)]  # refilled
 
 
 def test_a_spare_lost_with_a_node_no_member_was_on_is_dropped_and_replaced(tmp_path):
