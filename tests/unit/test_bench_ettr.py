@@ -21,3 +21,11 @@ def test_recorded_run_prices_both_strategies_on_the_same_faults():
     assert result["phases"]["measured"] is False
     assert "assumed" in result and "ettr_16k" not in result
     assert "1024" in ettr.summarize(result)
+
+
+def test_the_16k_figures_carry_the_keys_the_issue_names():
+    parser = argparse.ArgumentParser()
+    ettr.add_arguments(parser)
+    result = ettr.run(parser.parse_args(["--no-measure", "--sizes", "16384", "--days", "2", "--seeds", "1"]))
+    (row,) = result["sizes"]
+    assert result["ettr_16k"] == row["baige_ray"]["ettr"] and result["baseline_ettr_16k"] == row["restart"]["ettr"]
