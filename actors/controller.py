@@ -9,6 +9,7 @@ to Ray and answers the control thread, which reaches the loop only through the c
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -46,6 +47,7 @@ HARVEST_START_TIMEOUT_S = 60.0  # a harvest rank not up by then found no device 
 CRASH_LOOP_RESTARTS = 5
 CRASH_LOOP_WINDOW_S = 600.0
 GATE_WAIT_S = 0.5  # a loop held by steps_allowed looks at growth this often when no command comes
+logger = logging.getLogger(__name__)
 
 
 def ray_worker_pool(scaling: ScalingConfig, run_name: str, worker_cls: type, snapshot_slots: int) -> WorkerPool:
@@ -116,13 +118,23 @@ class ElasticController:
         }
         try:
             while not self.machine.done:
-                phase, reason = handlers[self.machine.phase]()
+                phase, reason = self._handle(handlers[self.machine.phase])
                 self.machine.advance(phase, reason)
                 if phase in (Phase.FINISHED, Phase.FAILED):
                     self.events.record(phase.value, reason, step=self.step)
             return self._finish()
         finally:
             self._release()
+
+    def _handle(self, handler: Callable[[], tuple[Phase, str]]) -> tuple[Phase, str]:
+        """The phase `handler` leads to; FAILED, with the error as the reason, where it raises. A loop that
+        died of an error left a job that still read "recovering" with nothing in its events (a 30-minute
+        soak stalled so for minutes)."""
+        try:
+            return handler()
+        except Exception as error:
+            logger.exception("the controller failed in phase %s", self.machine.phase.value)
+            return Phase.FAILED, f"the controller failed while {self.machine.phase.value}: {error!r}"
 
     def _plan(self) -> tuple[Phase, str]:
         restarted = self.was_restarted()

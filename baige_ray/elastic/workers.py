@@ -47,6 +47,14 @@ class Worker:
                 "device_index": info.device_index, "pid": info.pid, "speed": self.speed, "share": self.share}
 
 
+def _answered(beat: ray.ObjectRef) -> bool:
+    try:
+        calls.get(beat, timeout=0)
+        return True
+    except Exception:  # dead, or silent for the wait before
+        return False
+
+
 class MemberSilent(RuntimeError):
     """A member stopped answering heartbeats while the group regrouped (frozen: SIGSTOP, a hung host)."""
 
@@ -130,17 +138,13 @@ class WorkerPool:
 
     @staticmethod
     def responsive(workers: list[Worker], timeout_s: float = 1.0) -> list[bool]:
-        """Whether each worker answers a heartbeat (on its control thread, so a busy one answers too)."""
-        beats = [worker.actor.heartbeat.remote() for worker in workers]
-        calls.wait(beats, num_returns=len(beats), timeout=timeout_s)
-        answered = []
-        for beat in beats:
-            try:
-                calls.get(beat, timeout=0)
-                answered.append(True)
-            except Exception:  # dead, or silent for timeout_s
-                answered.append(False)
-        return answered
+        """Whether each worker answers a heartbeat (on its control thread, so a busy one answers too). One
+        without an actor (a member a restarted controller did not find) does not."""
+        beats = [worker.actor.heartbeat.remote() if worker.actor is not None else None for worker in workers]
+        sent = [beat for beat in beats if beat is not None]
+        if sent:
+            calls.wait(sent, num_returns=len(sent), timeout=timeout_s)
+        return [beat is not None and _answered(beat) for beat in beats]
 
     def free_devices(self) -> int:
         bundle = worker_bundle(self.scaling, self.resource)
