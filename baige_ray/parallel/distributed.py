@@ -44,14 +44,18 @@ class GroupMembership:
 
 
 STORE_CONNECT_TIMEOUT_S = 5.0  # the host's store is listening before any member is asked to join
+# Connecting the members (all of them arrived and alive) takes milliseconds; one that dies between arriving
+# and connecting leaves the others in gloo's connect, which nothing interrupts, for this long.
+GROUP_CONNECT_TIMEOUT_S = 15.0
 
 
 class ProcessGroupMember:
     """The process-group side of one worker: host a store, join, leave, join again."""
 
-    def __init__(self, backend: str, *, timeout_s: float = 60.0):
+    def __init__(self, backend: str, *, timeout_s: float = 60.0, connect_timeout_s: float = GROUP_CONNECT_TIMEOUT_S):
         self.backend = backend
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.connect_timeout = datetime.timedelta(seconds=min(connect_timeout_s, timeout_s))
         self.membership: GroupMembership | None = None
         self._hosted_store: dist.TCPStore | None = None
         self._hosted_address: StoreAddress | None = None
@@ -70,13 +74,16 @@ class ProcessGroupMember:
         store = self._store_for(membership.store)
         prefixed = dist.PrefixStore(f"baige/generation-{membership.generation}", store)
         await_arrivals(prefixed, membership.world_size, abandoned, self.timeout.total_seconds())
+        # The group's timeout bounds gloo's connect as well as its collectives: connect under the short one,
+        # then give the collectives theirs (a step's slowest rank may lag the others by seconds).
         dist.init_process_group(
             self.backend,
             store=prefixed,
             rank=membership.rank,
             world_size=membership.world_size,
-            timeout=self.timeout,
+            timeout=self.connect_timeout,
         )
+        dist.distributed_c10d._set_pg_timeout(self.timeout)
         self.membership = membership
 
     def leave(self) -> None:

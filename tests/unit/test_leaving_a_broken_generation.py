@@ -1,5 +1,6 @@
 """Leaving a generation that broke does not wait out gloo's timeout: a collective a live peer left
-(an aborted step, a regroup a member died in) and a store whose host died both end at once."""
+(an aborted step, a regroup a member died in) and a store whose host died both end at once; a member
+that died after arriving holds the others' connect only for the connect timeout."""
 
 from __future__ import annotations
 
@@ -70,3 +71,45 @@ def test_joining_a_generation_whose_store_host_died_fails_at_once():
     with pytest.raises(ConnectionRefusedError):
         ProcessGroupMember("gloo", timeout_s=TIMEOUT_S).join(GroupMembership(address, rank=1, world_size=2, generation=0))
     assert time.monotonic() - started < STORE_CONNECT_TIMEOUT_S
+
+
+CONNECT_TIMEOUT_S = 1.0
+
+
+def member_after_a_death(address: StoreAddress, rank: int, results) -> None:
+    group = ProcessGroupMember("gloo", timeout_s=TIMEOUT_S, connect_timeout_s=CONNECT_TIMEOUT_S)
+    started = time.monotonic()
+    try:
+        group.join(GroupMembership(address, rank=rank, world_size=3, generation=0))
+        outcome = "joined"
+    except Exception as error:  # gloo's connect timing out: a DistStoreError or a RuntimeError
+        outcome = type(error).__name__
+    failed_s = time.monotonic() - started
+    group.join(GroupMembership(address, rank=rank, world_size=2, generation=1))
+    if rank == 1:  # later than the connect timeout: the collectives wait under the group's full timeout
+        time.sleep(3 * CONNECT_TIMEOUT_S)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    results.put((rank, outcome, failed_s, float(total)))
+
+
+def test_a_member_dying_after_it_arrived_holds_the_others_only_for_the_connect_timeout():
+    host = ProcessGroupMember("gloo", timeout_s=TIMEOUT_S)
+    address = host.host_store("127.0.0.1")
+    # Rank 2 arrives at generation 0's rendezvous and is gone before gloo connects.
+    dist.PrefixStore("baige/generation-0", host._store_for(address)).add("arrived", 1)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=member_after_a_death, args=(address, rank, results), daemon=True)
+                 for rank in range(2)]
+    for process in processes:
+        process.start()
+    try:
+        answers = sorted(results.get(timeout=50) for _ in processes)
+    finally:
+        for process in processes:
+            process.kill()
+    for rank, outcome, failed_s, total in answers:
+        assert outcome != "joined", f"rank {rank} joined a generation whose third member never connected"
+        assert failed_s < 10 * CONNECT_TIMEOUT_S, f"rank {rank} waited {failed_s:.1f}s for the dead member"
+        assert total == 2.0, f"rank {rank} summed {total} in the next generation"
