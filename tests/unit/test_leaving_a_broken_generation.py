@@ -35,19 +35,24 @@ def member(address: StoreAddress, rank: int, results) -> None:
     results.put((rank, float(total), left_s))
 
 
-def test_leaving_with_a_collective_in_flight_and_joining_again_is_immediate():
-    host = ProcessGroupMember("gloo", timeout_s=TIMEOUT_S)
-    address = host.host_store("127.0.0.1")
+def run_members(target, address: StoreAddress, count: int) -> list:
+    """Run `target(address, rank, results)` in `count` new processes; what each put in `results`, sorted."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    processes = [context.Process(target=member, args=(address, rank, results), daemon=True) for rank in range(3)]
+    processes = [context.Process(target=target, args=(address, rank, results), daemon=True) for rank in range(count)]
     for process in processes:
         process.start()
     try:
-        answers = sorted(results.get(timeout=50) for _ in processes)
+        return sorted(results.get(timeout=50) for _ in processes)
     finally:
         for process in processes:
             process.kill()
+
+
+def test_leaving_with_a_collective_in_flight_and_joining_again_is_immediate():
+    host = ProcessGroupMember("gloo", timeout_s=TIMEOUT_S)
+    address = host.host_store("127.0.0.1")
+    answers = run_members(member, address, 3)
     assert answers[2][:2] == (2, "idle")
     for rank, total, left_s in answers[:2]:
         assert total == 2.0, f"rank {rank} summed {total} in the next generation"
@@ -98,18 +103,7 @@ def test_a_member_dying_after_it_arrived_holds_the_others_only_for_the_connect_t
     address = host.host_store("127.0.0.1")
     # Rank 2 arrives at generation 0's rendezvous and is gone before gloo connects.
     dist.PrefixStore("baige/generation-0", host._store_for(address)).add("arrived", 1)
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    processes = [context.Process(target=member_after_a_death, args=(address, rank, results), daemon=True)
-                 for rank in range(2)]
-    for process in processes:
-        process.start()
-    try:
-        answers = sorted(results.get(timeout=50) for _ in processes)
-    finally:
-        for process in processes:
-            process.kill()
-    for rank, outcome, failed_s, total in answers:
+    for rank, outcome, failed_s, total in run_members(member_after_a_death, address, 2):
         assert outcome != "joined", f"rank {rank} joined a generation whose third member never connected"
         assert failed_s < 10 * CONNECT_TIMEOUT_S, f"rank {rank} waited {failed_s:.1f}s for the dead member"
         assert total == 2.0, f"rank {rank} summed {total} in the next generation"
