@@ -16,6 +16,7 @@ import gc
 import os
 import shutil
 import socket
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -24,6 +25,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from baige_ray import failpoints
 from baige_ray.accelerator import AcceleratorSpec, DeviceProbe, detect_accelerator
 from baige_ray.api.device import DeviceInfo
 from baige_ray.checkpoint.sharded import write_rank_part
@@ -335,6 +337,8 @@ class ElasticWorkerActor(WorkerActor):
             if not isinstance(error, Exception):
                 raise
             failure = f"step {step} failed: {error!r}\n{traceback.format_exc()}"
+        finally:
+            _disarm_fail_points(step)
         if failure is not None:
             # Raised outside the handler, as text: the error's frames (and a new exception's context)
             # would hold the aborted step's tensors, which must go before the next engine is built.
@@ -500,6 +504,13 @@ class ElasticWorkerActor(WorkerActor):
         if self.replica is None:
             raise RuntimeError("this worker holds no replica")
         return self.replica[1]
+
+
+def _disarm_fail_points(step: int) -> None:
+    missed = failpoints.disarm()
+    if missed:  # a crash planned inside a phase this step does not have (a pipeline's backward)
+        print(f"baige-ray worker: step {step} never reached fail point(s) {', '.join(missed)}; no crash",
+              file=sys.stderr)
 
 
 def _read(refs: dict, deadline: float) -> dict:

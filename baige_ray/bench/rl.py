@@ -5,12 +5,15 @@ the sum scores 1, any other 0.5 x the share of digits in its first four characte
 has not learned the sums yet is still told that numbers are the kind of answer wanted). The policy is
 a tiny Llama with a tokenizer trained here on local text and the task's lines, fresh weights.
 
-* baige-ray: `GRPOTrainer` on the simulated 2 x 4 cluster, 2 rollout replicas (built-in engine) and a
-  2-worker elastic job, `--iterations` iterations: reward per iteration, each phase's seconds.
-* The same run with a trainer worker SIGKILLed (FaultPlan) and a rollout replica SIGKILLed mid-batch
-  (RolloutFaultPlan): every iteration must complete and the reward curve equal the fault-free one.
-  `--placement hybrid` (the workers sample from their own weights, rl/hybrid.py; no replicas): a worker
-  killed mid-run and the other two iterations later, each as its step, and so its rollout, begins.
+* baige-ray: `GRPOTrainer` on the simulated 2 x 4 cluster, a 2-worker elastic job, `--iterations`
+  iterations: reward per iteration, each phase's seconds. By default (`--placement hybrid`, rl/hybrid.py,
+  as veRL's hybrid engine) each worker samples its groups with the built-in engine from the weights it
+  trains; `--placement split` and `colocated` sample on 2 rollout replicas and refit them each iteration.
+* The same run with a trainer worker and a rollout engine SIGKILLed mid-run: every iteration must complete
+  and the reward curve equal the fault-free one. Hybrid: rank 1 dies in its backward (fail point
+  "backward"), and two iterations later rank 0 dies between two decode steps of its rollout ("sampling"),
+  its groups half sampled. Split and colocated: rank 1 in its backward, and the iteration after a replica
+  while it holds requests (RolloutFaultPlan), whose requests are re-issued to the other.
 * Refit: the policy's weights into a running replica from memory (`reload_weights` of an object ref)
   against through a checkpoint (written as a Hugging Face directory, then reloaded from it), for the tiny
   policy and for a Qwen2.5-0.5B-sized one (bench/rl_refit.py; `refit_vs_checkpoint` is that one's).
@@ -56,9 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--hidden-size", type=int, default=64, help="the policy's width (a multiple of 32)")
     parser.add_argument("--num-layers", type=int, default=2, help="the policy's layers")
-    parser.add_argument("--placement", choices=("split", "colocated", "hybrid"), default="split",
-                        help="replicas and workers on devices of their own, each device one of each in turns, "
-                             "or the workers sampling from their own weights")
+    parser.add_argument("--placement", choices=("hybrid", "split", "colocated"), default="hybrid",
+                        help="the workers sampling from their own weights (veRL's default), replicas and workers "
+                             "on devices of their own, or each device one of each in turns")
     parser.add_argument("--kl-coef", type=float, default=0.0, help="a KL penalty to the starting weights")
     parser.add_argument("--updates-per-iteration", type=int, default=1)
     parser.add_argument("--off-policy-lag", type=int, choices=(0, 1), default=0,
@@ -137,13 +140,14 @@ def _grpo(args, model_dir: Path, prompts: list[str], iterations: int, work: Path
 
     options = {}
     hybrid, colocated = args.placement == "hybrid", args.placement == "colocated"
-    if faults and hybrid:  # the workers sample: one killed mid-run, the other two iterations later
+    if faults and hybrid:  # the workers sample: one killed in its backward, the other as it decodes
         # Two steps apart: a fault is armed as its step is queued, one step ahead, so kills at t and t + 1
         # both land before the first is recovered from and lose every worker at once.
         second = min(iterations - 1, iterations // 2 + 2)
-        options = dict(faults=FaultPlan().crash(rank=1, step=iterations // 2).crash(rank=0, step=second))
-    elif faults:  # the trainer mid-run, a replica the iteration after
-        options = dict(faults=FaultPlan().crash(rank=1, step=iterations // 2),
+        options = dict(faults=FaultPlan().crash(rank=1, step=iterations // 2, at="backward")
+                       .crash(rank=0, step=second, at="sampling"))
+    elif faults:  # the trainer in its backward mid-run, a replica mid-batch the iteration after
+        options = dict(faults=FaultPlan().crash(rank=1, step=iterations // 2, at="backward"),
                        rollout_faults=RolloutFaultPlan().kill_replica(iteration=iterations // 2 + 1))
     trainer = GRPOTrainer(
         HFModel(model_dir, seq_len=SEQ_LEN), prompts=prompts, reward=arithmetic_reward,
@@ -159,6 +163,7 @@ def _grpo(args, model_dir: Path, prompts: list[str], iterations: int, work: Path
     result = trainer.train()
     if faults:
         result.fired = options["rollout_faults"].fired if "rollout_faults" in options else []
+        result.worker_kills = [{"rank": f.rank, "step": f.step, "at": f.at} for f in options["faults"].fired]
     return result
 
 
@@ -225,6 +230,7 @@ def _summary(clean, faulted, refit: dict[str, float], large: dict[str, Any] | No
                                for r in faulted.training.recoveries],
         "faulted_reissued": sum(r.reissued for r in faulted.iterations),
         "replica_kills": len(faulted.fired),
+        "worker_kills": faulted.worker_kills,
     }
     if large is not None:
         result.update(refit_large=large, refit_vs_checkpoint=large["ratio"])
@@ -243,7 +249,8 @@ def summarize(result: dict[str, Any]) -> str:
              f"refit from memory {result['refit_s']:.2f} s, through a checkpoint {result['refit_checkpoint_s']:.2f} s",
              *_large_refit_lines(result.get("refit_large")),
              f"faulted run: {result['faulted_iterations']} iterations, reward max |diff| "
-             f"{result['faulted_reward_max_diff']:.3g}, {result['faulted_reissued']} requests re-issued"]
+             f"{result['faulted_reward_max_diff']:.3g}, {result['faulted_reissued']} requests re-issued, workers "
+             "killed " + ", ".join(f"{k['rank']} at step {k['step']} ({k['at']})" for k in result["worker_kills"])]
     if "trl_iteration_s" in result:
         lines.append(f"TRL {result['trl_version']} GRPOTrainer: {result['trl_iteration_s']:.2f} s per iteration")
     return "\n".join(lines)

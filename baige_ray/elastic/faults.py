@@ -17,6 +17,8 @@ import signal
 from dataclasses import dataclass, field
 from enum import Enum
 
+from baige_ray import failpoints
+
 
 class FaultKind(Enum):
     CRASH = "crash"
@@ -31,10 +33,16 @@ class Fault:
     step: int
     speed: float = 0.25  # SLOW only: the chip's emulated speed from this step on
     regrouping: bool = False  # in the first regroup at `step` or later, before the rank joins
+    at: str | None = None  # CRASH only: inside the step, at this fail point (baige_ray/failpoints.py)
 
     def __post_init__(self) -> None:
         if self.rank < 0 or self.step < 0:
             raise ValueError(f"Fault(rank={self.rank}, step={self.step}) is invalid: expected rank >= 0 and step >= 0")
+        if self.at is not None and (self.kind is not FaultKind.CRASH or self.regrouping):
+            raise ValueError(f"Fault.at={self.at!r} is invalid for a {self.kind.value} fault"
+                             f"{' while regrouping' if self.regrouping else ''}: only a step's crash has a place")
+        if self.at is not None and self.at not in failpoints.NAMES:
+            raise ValueError(f"Fault.at={self.at!r} is invalid: expected one of {', '.join(failpoints.NAMES)}")
         if not 0 < self.speed <= 1:
             raise ValueError(f"Fault.speed={self.speed!r} is invalid: expected 0 < speed <= 1")
 
@@ -44,8 +52,10 @@ class FaultPlan:
     faults: list[Fault] = field(default_factory=list)
     fired: list[Fault] = field(default_factory=list)
 
-    def crash(self, rank: int, step: int) -> FaultPlan:
-        self.faults.append(Fault(FaultKind.CRASH, rank, step))
+    def crash(self, rank: int, step: int, at: str | None = None) -> FaultPlan:
+        """Crash the worker at `rank` as step `step` begins or, with `at`, inside it: at fail point
+        "sampling" (a hybrid GRPO rank's rollout, mid-batch) or "backward" (mid-training)."""
+        self.faults.append(Fault(FaultKind.CRASH, rank, step, at=at))
         return self
 
     def hang(self, rank: int, step: int) -> FaultPlan:
@@ -80,8 +90,10 @@ class FaultPlan:
 
 
 def carry_out(fault: Fault, set_speed) -> None:
-    """Run inside the worker process at the start of the faulty step."""
-    if fault.kind is FaultKind.CRASH:
+    """Run inside the worker process at the start of the faulty step (a crash with a place is armed there)."""
+    if fault.at is not None:
+        failpoints.arm(fault.at)
+    elif fault.kind is FaultKind.CRASH:
         os._exit(17)  # no cleanup, like a segfault or an OOM kill
     if fault.kind is FaultKind.HANG:
         os.kill(os.getpid(), signal.SIGSTOP)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from baige_ray import failpoints
 from baige_ray.engines import parallelize
 from baige_ray.engines.base import Engine, SlowChipEmulator
 from baige_ray.engines.exact_gradients import ExactGradientSum, check_world_size_invariant
@@ -252,6 +253,7 @@ class TorchEngine(Engine):
                 chunk = slice(index * micro, (index + 1) * micro)
                 with self._gradient_sync(model, index == num_micro - 1):
                     loss = self.job.loss(model(inputs[chunk]), targets[chunk]) / weight_divisor
+                    failpoints.reach(failpoints.BACKWARD)
                     loss.backward()
                 if self.exact_sum is not None:
                     self.exact_sum.take_shard()

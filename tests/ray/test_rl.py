@@ -57,7 +57,7 @@ def test_grpo_survives_a_trainer_and_a_rollout_replica_killed_and_matches_the_fa
     assert len(clean.training.metrics) == CONFIG.num_steps == 6
 
     replica_faults = RolloutFaultPlan().kill_replica(iteration=1)
-    faulted = run(tiny, tmp_path, "rl-faulted", "colocated", faults=FaultPlan().crash(rank=1, step=3),
+    faulted = run(tiny, tmp_path, "rl-faulted", "colocated", faults=FaultPlan().crash(rank=1, step=3, at="backward"),
                   rollout_faults=replica_faults)
     assert clean.shared_devices == 0 and faulted.shared_devices == 2  # each worker beside a replica
     assert all(r.release_s > 0 for r in faulted.iterations) and all(r.release_s == 0 for r in clean.iterations)
@@ -95,7 +95,7 @@ def test_one_step_off_policy_samples_beside_training_and_a_faulted_run_matches_t
 
 def test_hybrid_rollouts_on_the_training_ranks_survive_a_worker_killed_and_match_the_fault_free_run(tiny, tmp_path):
     """Placement "hybrid": each worker samples its groups from its own weights as a step begins. A worker
-    killed as its step (and so its rollout) begins changes nothing: the step is redone from memory and
+    killed between two decode steps of its rollout changes nothing: the step is redone from memory and
     samples again what it sampled."""
     config = GRPOConfig(num_iterations=3, prompts_per_iteration=2, group_size=4, max_new_tokens=16,
                         learning_rate=1e-3)
@@ -103,7 +103,8 @@ def test_hybrid_rollouts_on_the_training_ranks_survive_a_worker_killed_and_match
     assert [r.iteration for r in clean.iterations] == [0, 1, 2]
     assert all(len(r.rewards) == config.batch_size and r.rollout_s > 0 and r.refit_s == 0 for r in clean.iterations)
     assert all(r.period_s > 0 for r in clean.iterations[1:])
-    faulted = run(tiny, tmp_path, "rl-hybrid-faulted", "hybrid", config=config, faults=FaultPlan().crash(rank=1, step=1))
+    faulted = run(tiny, tmp_path, "rl-hybrid-faulted", "hybrid", config=config,
+                  faults=FaultPlan().crash(rank=1, step=1, at="sampling"))
     (recovery,) = faulted.training.recoveries
     assert recovery["lost_steps"] <= 1
     assert faulted.rewards == clean.rewards
