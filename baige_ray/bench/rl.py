@@ -163,7 +163,7 @@ def _grpo(args, model_dir: Path, prompts: list[str], iterations: int, work: Path
     result = trainer.train()
     if faults:
         result.fired = options["rollout_faults"].fired if "rollout_faults" in options else []
-        result.worker_kills = [{"rank": f.rank, "step": f.step, "at": f.at} for f in options["faults"].fired]
+        result.worker_kills = [{"rank": f.rank, "step": f.step, "at": f.at} for f in options["faults"].faults]
     return result
 
 
