@@ -25,7 +25,6 @@ import ray
 import torch
 import torch.distributed as dist
 
-from baige_ray import failpoints
 from baige_ray.accelerator import AcceleratorSpec, DeviceProbe, detect_accelerator
 from baige_ray.api.device import DeviceInfo
 from baige_ray.checkpoint.sharded import write_rank_part
@@ -43,6 +42,7 @@ from baige_ray.engines.base import Engine
 from baige_ray.engines.factory import build_engine
 from baige_ray.engines.host_allocator import return_freed_memory
 from baige_ray.engines.train_job import TrainJob
+from baige_ray.failpoints import disarm_fail_points
 from baige_ray.parallel.distributed import (
     STEP_ABORT,
     GroupMembership,
@@ -338,7 +338,7 @@ class ElasticWorkerActor(WorkerActor):
                 raise
             failure = f"step {step} failed: {error!r}\n{traceback.format_exc()}"
         finally:
-            _disarm_fail_points(step)
+            _disarm_and_report_missed_fail_points(step)
         if failure is not None:
             # Raised outside the handler, as text: the error's frames (and a new exception's context)
             # would hold the aborted step's tensors, which must go before the next engine is built.
@@ -506,8 +506,8 @@ class ElasticWorkerActor(WorkerActor):
         return self.replica[1]
 
 
-def _disarm_fail_points(step: int) -> None:
-    missed = failpoints.disarm()
+def _disarm_and_report_missed_fail_points(step: int) -> None:
+    missed = disarm_fail_points()
     if missed:  # a crash planned inside a phase this step does not have (a pipeline's backward)
         print(f"baige-ray worker: step {step} never reached fail point(s) {', '.join(missed)}; no crash",
               file=sys.stderr)

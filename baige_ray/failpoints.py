@@ -2,9 +2,9 @@
 
 A crash at a step's start tests recovery, but not every fault lands there: a rollout engine dies while it
 decodes, a trainer while its gradients are half reduced. A worker arms a point before its step
-(`FaultPlan.crash(rank, step, at=...)`), the code passes the point with `reach`, and the first pass kills
+(`FaultPlan.crash(rank, step, at=...)`), the code passes the point with `fail_point`, and the first pass kills
 the process with SIGKILL, as the kernel's OOM killer would. The worker disarms what its step did not reach.
-When nothing is armed, `reach` is one dictionary lookup.
+When nothing is armed, `fail_point` is one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -14,24 +14,24 @@ import signal
 
 SAMPLING = "sampling"  # after each decode step of the built-in engine: some tokens sampled, not all
 BACKWARD = "backward"  # before a micro-batch's backward in the torch and DeepSpeed engines (not pipelines)
-NAMES = (SAMPLING, BACKWARD)
+FAIL_POINTS = (SAMPLING, BACKWARD)
 
 _armed: set[str] = set()
 
 
-def arm(name: str) -> None:
+def arm_fail_point(name: str) -> None:
     """Kill this process the next time the code reaches `name`."""
-    if name not in NAMES:
-        raise ValueError(f"fail point {name!r} is unknown: expected one of {', '.join(NAMES)}")
+    if name not in FAIL_POINTS:
+        raise ValueError(f"fail point {name!r} is unknown: expected one of {', '.join(FAIL_POINTS)}")
     _armed.add(name)
 
 
-def reach(name: str) -> None:
+def fail_point(name: str) -> None:
     if name in _armed:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def disarm() -> list[str]:
+def disarm_fail_points() -> list[str]:
     """Disarm every point; returns those armed and never reached."""
     missed = sorted(_armed)
     _armed.clear()

@@ -17,7 +17,7 @@ import signal
 from dataclasses import dataclass, field
 from enum import Enum
 
-from baige_ray import failpoints
+from baige_ray.failpoints import FAIL_POINTS, arm_fail_point
 
 
 class FaultKind(Enum):
@@ -41,8 +41,8 @@ class Fault:
         if self.at is not None and (self.kind is not FaultKind.CRASH or self.regrouping):
             raise ValueError(f"Fault.at={self.at!r} is invalid for a {self.kind.value} fault"
                              f"{' while regrouping' if self.regrouping else ''}: only a step's crash has a place")
-        if self.at is not None and self.at not in failpoints.NAMES:
-            raise ValueError(f"Fault.at={self.at!r} is invalid: expected one of {', '.join(failpoints.NAMES)}")
+        if self.at is not None and self.at not in FAIL_POINTS:
+            raise ValueError(f"Fault.at={self.at!r} is invalid: expected one of {', '.join(FAIL_POINTS)}")
         if not 0 < self.speed <= 1:
             raise ValueError(f"Fault.speed={self.speed!r} is invalid: expected 0 < speed <= 1")
 
@@ -92,7 +92,7 @@ class FaultPlan:
 def carry_out(fault: Fault, set_speed) -> None:
     """Run inside the worker process at the start of the faulty step (a crash with a place is armed there)."""
     if fault.at is not None:
-        failpoints.arm(fault.at)
+        arm_fail_point(fault.at)
     elif fault.kind is FaultKind.CRASH:
         os._exit(17)  # no cleanup, like a segfault or an OOM kill
     if fault.kind is FaultKind.HANG:

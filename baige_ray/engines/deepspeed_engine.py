@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from baige_ray import failpoints
 from baige_ray.engines.base import Engine, SlowChipEmulator
 from baige_ray.engines.train_job import TrainJob, build_optimizer
+from baige_ray.failpoints import BACKWARD, fail_point
 from baige_ray.models.aux_loss import auxiliary_losses
 from baige_ray.parallel.boxes import Box
 from baige_ray.parallel.layout import ParallelLayout
@@ -103,7 +103,7 @@ class DeepSpeedEngine(Engine):
             for index in range(num_micro):
                 chunk = slice(index * micro, (index + 1) * micro)
                 loss = self.job.loss(self.engine(inputs[chunk].to(self.device)), targets[chunk].to(self.device))
-                failpoints.reach(failpoints.BACKWARD)
+                fail_point(BACKWARD)
                 self.engine.backward(loss)
                 if index < num_micro - 1:
                     self.engine.step()  # a micro-step: DeepSpeed only accumulates here

@@ -19,11 +19,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from baige_ray import failpoints
 from baige_ray.engines import parallelize
 from baige_ray.engines.base import Engine, SlowChipEmulator
 from baige_ray.engines.exact_gradients import ExactGradientSum, check_world_size_invariant
 from baige_ray.engines.train_job import TrainJob, build_optimizer
+from baige_ray.failpoints import BACKWARD, fail_point
 from baige_ray.models.aux_loss import auxiliary_losses, mark_forward
 from baige_ray.parallel.boxes import is_dtensor
 from baige_ray.parallel.distributed import all_reduce_abortable
@@ -253,7 +253,7 @@ class TorchEngine(Engine):
                 chunk = slice(index * micro, (index + 1) * micro)
                 with self._gradient_sync(model, index == num_micro - 1):
                     loss = self.job.loss(model(inputs[chunk]), targets[chunk]) / weight_divisor
-                    failpoints.reach(failpoints.BACKWARD)
+                    fail_point(BACKWARD)
                     loss.backward()
                 if self.exact_sum is not None:
                     self.exact_sum.take_shard()

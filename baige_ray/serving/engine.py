@@ -37,8 +37,8 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
-from baige_ray import failpoints
 from baige_ray.api.validation import require_int
+from baige_ray.failpoints import SAMPLING, fail_point
 from baige_ray.models.generation import (
     KV,
     KVDecoder,
@@ -413,7 +413,7 @@ class ContinuousBatchingEngine:
             for row in (row for row, done in enumerate(finished) if done):
                 self._store_answer(row)
             self._keep_rows([row for row, done in enumerate(finished) if not done])
-        failpoints.reach(failpoints.SAMPLING)
+        fail_point(SAMPLING)
 
     def _store_answer(self, row: int) -> None:
         """Keep the blocks of a finished row's prompt and answer (the next turn of a chat starts with them)."""

@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from baige_ray import failpoints
 from baige_ray.elastic.faults import Fault, FaultKind, FaultPlan
+from baige_ray.failpoints import BACKWARD, SAMPLING, arm_fail_point, disarm_fail_points, fail_point
 
 # Generates twice with the built-in engine: unarmed, then with "sampling" armed (a rollout engine dying mid-batch).
 SAMPLER = """
 import torch
-from baige_ray import failpoints
+from baige_ray.failpoints import SAMPLING, arm_fail_point
 from baige_ray.models.gpt import GPT, GPTConfig
 from baige_ray.models.gpt_decoding import GPTDecoder
 from baige_ray.serving.causal_lm_generation import SamplingParams
@@ -26,7 +26,7 @@ def generate():
     engine = ContinuousBatchingEngine(GPTDecoder(model), eos_token_id=None)
     return generate_all(engine, [[1, 2, 3]] * 4, [SamplingParams(max_new_tokens=5, temperature=0.0)] * 4)
 print("unarmed", sum(len(g.tokens) for g in generate()), flush=True)
-failpoints.arm(failpoints.SAMPLING)
+arm_fail_point(SAMPLING)
 print("armed", generate(), flush=True)
 """
 
@@ -38,11 +38,11 @@ def test_an_armed_sampling_point_kills_the_process_inside_its_first_decode_step(
 
 
 def test_disarming_reports_the_points_never_reached():
-    failpoints.arm(failpoints.BACKWARD)
-    failpoints.reach(failpoints.SAMPLING)  # not armed: passes
-    assert failpoints.disarm() == [failpoints.BACKWARD]
-    assert failpoints.disarm() == []
-    failpoints.reach(failpoints.BACKWARD)  # disarmed: passes
+    arm_fail_point(BACKWARD)
+    fail_point(SAMPLING)  # not armed: passes
+    assert disarm_fail_points() == [BACKWARD]
+    assert disarm_fail_points() == []
+    fail_point(BACKWARD)  # disarmed: passes
 
 
 def test_a_crash_takes_a_known_place_and_only_a_steps_crash_has_one():
@@ -54,4 +54,4 @@ def test_a_crash_takes_a_known_place_and_only_a_steps_crash_has_one():
     with pytest.raises(ValueError, match="while regrouping"):
         Fault(FaultKind.CRASH, 0, 1, regrouping=True, at="backward")
     with pytest.raises(ValueError, match="fail point 'forward' is unknown"):
-        failpoints.arm("forward")
+        arm_fail_point("forward")
