@@ -4,7 +4,7 @@ A crash at a step's start tests recovery, but not every fault lands there: a rol
 decodes, a trainer while its gradients are half reduced. A worker arms a point before its step
 (`FaultPlan.crash(rank, step, at=...)`), the code passes the point with `fail_point`, and the first pass kills
 the process with SIGKILL, as the kernel's OOM killer would. The worker disarms what its step did not reach.
-When nothing is armed, `fail_point` is one dictionary lookup.
+When nothing is armed, `fail_point` is one set lookup.
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def _grpo(args, model_dir: Path, prompts: list[str], iterations: int, work: Path
     result = trainer.train()
     if faults:
         result.fired = options["rollout_faults"].fired if "rollout_faults" in options else []
-        result.worker_kills = [{"rank": f.rank, "step": f.step, "at": f.at} for f in options["faults"].faults]
+        result.planned_worker_kills = [{"rank": f.rank, "step": f.step, "at": f.at} for f in options["faults"].faults]
     return result
 
 
@@ -230,7 +230,7 @@ def _summary(clean, faulted, refit: dict[str, float], large: dict[str, Any] | No
                                for r in faulted.training.recoveries],
         "faulted_reissued": sum(r.reissued for r in faulted.iterations),
         "replica_kills": len(faulted.fired),
-        "worker_kills": faulted.worker_kills,
+        "planned_worker_kills": faulted.planned_worker_kills,  # the recoveries say they landed
     }
     if large is not None:
         result.update(refit_large=large, refit_vs_checkpoint=large["ratio"])
@@ -249,8 +249,9 @@ def summarize(result: dict[str, Any]) -> str:
              f"refit from memory {result['refit_s']:.2f} s, through a checkpoint {result['refit_checkpoint_s']:.2f} s",
              *_large_refit_lines(result.get("refit_large")),
              f"faulted run: {result['faulted_iterations']} iterations, reward max |diff| "
-             f"{result['faulted_reward_max_diff']:.3g}, {result['faulted_reissued']} requests re-issued, workers "
-             "killed " + ", ".join(f"{k['rank']} at step {k['step']} ({k['at']})" for k in result["worker_kills"])]
+             f"{result['faulted_reward_max_diff']:.3g}, {result['faulted_reissued']} requests re-issued, "
+             f"{len(result['faulted_recoveries'])} recoveries; kills planned: "
+             + ", ".join(f"rank {k['rank']} at step {k['step']} ({k['at']})" for k in result["planned_worker_kills"])]
     if "trl_iteration_s" in result:
         lines.append(f"TRL {result['trl_version']} GRPOTrainer: {result['trl_iteration_s']:.2f} s per iteration")
     return "\n".join(lines)
