@@ -74,6 +74,18 @@ def test_compute_curve_interpolates_in_log_space_and_holds_its_ends():
         ComputeCurve(tokens=(10, 5), flops_per_s=(1.0, 1.0))
 
 
+def test_past_its_largest_token_count_a_curve_grows_a_calls_time_by_its_last_seconds_per_token():
+    def rate(tokens):  # a call costs 50 ms plus 0.1 ms per token, for one FLOP per token
+        return tokens / (0.05 + 1e-4 * tokens)
+
+    curve = ComputeCurve(tokens=(128, 256, 1024), flops_per_s=tuple(rate(n) for n in (128, 256, 1024)))
+    assert curve.rate([2048, 8192]).tolist() == pytest.approx([rate(2048), rate(8192)])
+    assert curve.rate([2048])[0] < 1e4  # never past the marginal rate: 1 / 0.1 ms
+    # A last call no slower than the one before (noise) gives no slope to follow: the rate is held.
+    noisy = ComputeCurve(tokens=(256, 1024), flops_per_s=(256 / 0.08, 1024 / 0.07))
+    assert noisy.rate([4096])[0] == pytest.approx(1024 / 0.07)
+
+
 def test_calibration_survives_json():
     calibration = _calibration()
     again = Calibration.from_json(calibration.to_json())
