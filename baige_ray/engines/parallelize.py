@@ -14,11 +14,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from baige_ray.parallel.boxes import is_dtensor
 from baige_ray.parallel.distributed import all_reduce_abortable
+from baige_ray.parallel.subgroups import device_mesh, flattened, subgroup
 
 
 def apply_tensor_parallel(blocks: list[nn.Module], tp_mesh: DeviceMesh, plan: dict) -> None:
@@ -190,7 +191,7 @@ def pipeline_ends_group(world_size: int, pp: int, rank: int) -> dist.ProcessGrou
     mine = None
     for offset in range(per_stage):
         pair = [offset, (pp - 1) * per_stage + offset]
-        group = dist.new_group(pair)
+        group = subgroup(pair)
         if rank in pair:
             mine = group
     return mine
@@ -200,10 +201,10 @@ def sliced_meshes(device_type: str, sizes: dict[str, int]) -> dict[str, DeviceMe
     """`sizes`' dimensions of more than one rank as slices of one device mesh; with "edp" and "ep",
     "dp" is the two together (the ranks all-reducing dense gradients)."""
     multi = {name: size for name, size in sizes.items() if size > 1}
-    mesh = init_device_mesh(device_type, tuple(multi.values()), mesh_dim_names=tuple(multi))
+    mesh = device_mesh(device_type, tuple(multi.values()), tuple(multi))
     meshes = {name: mesh[name] for name in multi}
     if "edp" in meshes:
-        meshes["dp"] = mesh["edp", "ep"]._flatten("dp")
+        meshes["dp"] = flattened(mesh["edp", "ep"], "dp")
     elif "ep" in meshes:
         meshes["dp"] = meshes["ep"]  # one replica per expert group: the expert group is the data-parallel group
     return meshes

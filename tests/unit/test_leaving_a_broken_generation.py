@@ -107,3 +107,47 @@ def test_a_member_dying_after_it_arrived_holds_the_others_only_for_the_connect_t
         assert outcome != "joined", f"rank {rank} joined a generation whose third member never connected"
         assert failed_s < 10 * CONNECT_TIMEOUT_S, f"rank {rank} waited {failed_s:.1f}s for the dead member"
         assert total == 2.0, f"rank {rank} summed {total} in the next generation"
+
+
+def member_building_meshes_after_a_death(address: StoreAddress, rank: int, results) -> None:
+    from baige_ray.parallel.subgroups import collective_timeout, device_mesh, subgroup
+
+    group = ProcessGroupMember("gloo", timeout_s=TIMEOUT_S)
+    group.join(GroupMembership(address, rank=rank, world_size=3, generation=0))
+    dist.barrier()
+    if rank == 2:  # gone after the generation formed, before the engine built its meshes
+        import os
+
+        results.put((rank, "left", set(), 0.0))
+        time.sleep(0.2)  # the queue's feeder thread hands the answer over
+        os._exit(0)
+    time.sleep(0.5)
+    outcomes = []
+    for build in (lambda: device_mesh("cpu", (1, 3), ("pp", "dp"), connect_timeout_s=CONNECT_TIMEOUT_S),
+                  lambda: subgroup([0, 1, 2], connect_timeout_s=CONNECT_TIMEOUT_S)):
+        started = time.monotonic()
+        try:
+            build()
+            outcomes.append(("built", time.monotonic() - started))
+        except Exception as error:  # gloo's connect or the store barrier timing out
+            outcomes.append((type(error).__name__, time.monotonic() - started))
+    group.join(GroupMembership(address, rank=rank, world_size=2, generation=1))
+    mesh = device_mesh("cpu", (1, 2), ("pp", "dp"), connect_timeout_s=CONNECT_TIMEOUT_S)
+    pair = subgroup([0, 1], connect_timeout_s=CONNECT_TIMEOUT_S)
+    timeouts = {collective_timeout(g).total_seconds() for g in (mesh.get_group("dp"), mesh.get_group("pp"), pair)}
+    total = torch.ones(1)
+    dist.all_reduce(total, group=mesh.get_group("dp"))
+    results.put((rank, outcomes, timeouts, float(total)))
+
+
+def test_a_member_dying_before_the_meshes_are_built_holds_the_others_only_for_the_connect_timeout():
+    host = ProcessGroupMember("gloo", timeout_s=TIMEOUT_S)
+    address = host.host_store("127.0.0.1")
+    *survivors, gone = run_members(member_building_meshes_after_a_death, address, 3)
+    assert gone[:2] == (2, "left")
+    for rank, outcomes, timeouts, total in survivors:
+        for outcome, seconds in outcomes:
+            assert outcome != "built", f"rank {rank} built a group with a dead member"
+            assert seconds < 10 * CONNECT_TIMEOUT_S, f"rank {rank} waited {seconds:.1f}s for the dead member"
+        assert timeouts == {TIMEOUT_S}, f"rank {rank}'s subgroups wait {timeouts} s on a collective"
+        assert total == 2.0
