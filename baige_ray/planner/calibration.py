@@ -8,7 +8,8 @@ questions, with plain arithmetic:
     the LM head of the model's own shapes, per TP degree (the local shard's shapes), at
     several micro-batch sizes, measured with every device of the cluster busy at once (on a
     host whose cores the devices share, that is the speed each of them gets). Between the
-    measured token counts the rate is interpolated in log-log space, outside it is held.
+    measured token counts the rate is interpolated in log-log space; below them it is held, above
+    them a call's time grows by the seconds per token between the last two.
   * links: latency and bandwidth per link tier, fitted by least squares (relative error)
     to all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point timings at
     several message and group sizes through the same alpha-beta formulas the cost model
