@@ -194,31 +194,43 @@ def compute_probe(spec: dict, tp: int, micro_batches: list[int], window_s: float
     layers = 1 if device == "cpu" else ASYNC_PROBE_LAYERS
     block, _ = _probe_layers(model, layers, source, device, dtype, tp_mesh)
     head = _probe_head(model, device, dtype, tp_mesh)
-    layer_rates, head_rates, layer_seconds, smallest = [], [], [], None
-    for b in micro_batches:
-        x = torch.randn(b, model.seq_len, model.hidden, device=device, dtype=dtype, requires_grad=True)
-        labels = torch.randint(0, model.vocab_size, (b * model.seq_len,), device=device)
+    calls = [_layer_and_head_calls(model, block, head, b, device, dtype) for b in micro_batches]
+    communicates = tp > 1
+    # The first window a process times runs up to 2x slow (a TP-2 GPT layer: 0.20 s per call against 0.10 s
+    # timed again, whichever micro-batch came first), so the largest micro-batch runs one untimed window first.
+    for warm_up in calls[-1]:
+        _seconds_per_call(warm_up, window_s, device, communicates)
+    layer_rates, head_rates, layer_seconds = [], [], []
+    for b, (layer_backward, head_backward) in zip(micro_batches, calls):
         tokens = b * model.seq_len
-        communicates = tp > 1
-
-        def layer_backward(x=x) -> None:
-            block(x).float().sum().backward()
-
-        def head_backward(x=x, labels=labels, tokens=tokens) -> None:
-            F.cross_entropy(head(x).float().view(tokens, -1), labels).backward()
-
-        smallest = smallest or (layer_backward, head_backward)
         layer_s = _seconds_per_call(layer_backward, window_s, device, communicates)
         head_s = _seconds_per_call(head_backward, window_s, device, communicates)
         layer_seconds.append(layer_s / layers)
         layer_rates.append(3 * tokens * model.layer_flops_per_token * layers / tp / layer_s)
         head_rates.append(3 * tokens * model.logits_flops_per_token / tp / head_s)
+    smallest = calls[0]
     return {"tokens": [b * model.seq_len for b in micro_batches], "layer": layer_rates, "head": head_rates,
             "layer_s": layer_seconds,
             # After the smallest micro-batch's backward: any backward evicts the weights from cache, and
             # the largest one's would cost most of the probe's time.
             "optimizer_s": [_optimizer_seconds(block, window_s, device, tp > 1, smallest[0]) / layers,
                             _optimizer_seconds(head, window_s, device, tp > 1, smallest[1])]}
+
+
+def _layer_and_head_calls(model: ModelSpec, block: torch.nn.Module, head: torch.nn.Module, micro_batch: int,
+                          device: str, dtype) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Forward + backward of `block` and of `head` (with the loss) on a micro-batch of random hidden states."""
+    x = torch.randn(micro_batch, model.seq_len, model.hidden, device=device, dtype=dtype, requires_grad=True)
+    tokens = micro_batch * model.seq_len
+    labels = torch.randint(0, model.vocab_size, (tokens,), device=device)
+
+    def layer_backward() -> None:
+        block(x).float().sum().backward()
+
+    def head_backward() -> None:
+        F.cross_entropy(head(x).float().view(tokens, -1), labels).backward()
+
+    return layer_backward, head_backward
 
 
 def sharded_layer_probe(spec: dict, tp: int, micro_batches: list[int], window_s: float, device: str,
