@@ -78,4 +78,3 @@ def _connect_options(timeout: datetime.timedelta):
     options = _OPTIONS[dist.get_backend()]()
     options._timeout = timeout
     return options
-
