@@ -201,8 +201,17 @@ def test_prefill_replicas_hand_the_prompt_cache_over_through_ray(disaggregated_a
     assert (rest.kv_from, rest.kv[0][0].shape[2], rest.first_token) == (8, 1, prefilled.first_token)
 
 
+def _wait_until_both_sides_report_idle(info, timeout_s: float = 10.0) -> None:
+    """Replicas report about once a second: a request an earlier test sent can still be in the last report."""
+    deadline = time.monotonic() + timeout_s
+    while any(load.num_requests for load in side_loads(info).values()):
+        assert time.monotonic() < deadline, f"the sides still report queued requests: {side_loads(info)}"
+        time.sleep(0.2)
+
+
 def test_the_sides_resize_by_the_split_policy_as_the_arbiter_asks(disaggregated_app):
     """What the pool arbiter does on a lend and a reclaim: idle sides, so a tie, which goes to decode."""
+    _wait_until_both_sides_report_idle(disaggregated_app)
     lent = rebalance(disaggregated_app, num_replicas=3)
     assert (lent.prefill_replicas, lent.decode_replicas) == (1, 2)
     loads = side_loads(disaggregated_app)
