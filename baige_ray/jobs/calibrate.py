@@ -107,6 +107,7 @@ def calibrate(graph: ResourceGraph, request: CalibrationRequest | None = None, *
     scaling = scaling or ScalingConfig(num_workers=graph.num_devices)
     with _ProbeGroup(graph, dataclasses.replace(scaling, num_workers=graph.num_devices)) as group:
         calibration.backend = group.backend
+        calibration.seconds["starting the workers"] = group.start_s
         if not _has_fabric(calibration, graph):
             _measure_fabric(group, calibration, request, progress)
         for index, (model, tp) in enumerate(todo):
@@ -127,14 +128,17 @@ class _ProbeGroup:
 
     def __init__(self, graph: ResourceGraph, scaling: ScalingConfig):
         self.graph, self.scaling = graph, scaling
+        self.start_s = 0.0  # seconds the actors took to start and form their process group
 
     def __enter__(self) -> _ProbeGroup:
         from baige_ray.jobs.worker_group import WorkerGroup
 
+        started = time.perf_counter()
         self.group = WorkerGroup(self.scaling, timeout_s=600.0)
         self.group.form_process_group()
         self.positions = _rank_positions(self.graph, self.group.device_infos)
         self.backend = "nccl" if self.group.device_infos[0].device_kind == "cuda" else "gloo"
+        self.start_s = time.perf_counter() - started
         return self
 
     def __exit__(self, *exc) -> None:
@@ -190,7 +194,9 @@ def _measure_fabric(group: _ProbeGroup, calibration: Calibration, request: Calib
     calibration.step_overhead_s = float(np.median([o["step_overhead_s"] for o in optimizer])
                                         + np.median(synchronization))
     calibration.seconds["overlap_and_optimizer"] = time.perf_counter() - started
+    started = time.perf_counter()
     calibration.host_sharing, calibration.host_sharing_measured_at = _host_sharing(group, request)
+    calibration.seconds["host_sharing"] = time.perf_counter() - started
 
 
 def _host_sharing(group: _ProbeGroup, request: CalibrationRequest) -> tuple[float, float]:
