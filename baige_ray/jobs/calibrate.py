@@ -107,7 +107,9 @@ def calibrate(graph: ResourceGraph, request: CalibrationRequest | None = None, *
     scaling = scaling or ScalingConfig(num_workers=graph.num_devices)
     with _ProbeGroup(graph, dataclasses.replace(scaling, num_workers=graph.num_devices)) as group:
         calibration.backend = group.backend
-        calibration.seconds["starting the workers"] = group.start_s
+        # Summed over the calls that built this calibration, like its measured phases.
+        seconds = calibration.seconds
+        seconds["starting the workers"] = seconds.get("starting the workers", 0.0) + group.start_s
         if not _has_fabric(calibration, graph):
             _measure_fabric(group, calibration, request, progress)
         for index, (model, tp) in enumerate(todo):
