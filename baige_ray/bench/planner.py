@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "speed drifts: one layout measured 1.02-1.46 s in three single-round runs); a "
                              "layout's measured step is the median over its rounds")
     parser.add_argument("--quick", action="store_true", help="4 layouts per model, 6 steps each")
+    parser.add_argument("--layouts", nargs="+", default=None, metavar="TEXT",
+                        help="run only the layouts whose name holds one of these, e.g. 'pp=1 dp=8' or zero2 (the "
+                             "figures then cover those layouts alone: for a look at some, not the acceptance)")
     parser.add_argument("--work-dir", default=None, help="model, tokenizer, data and calibration (default: a temp dir)")
 
 
@@ -64,6 +67,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows, picks = [], []
         for name, model, data, spec in models:
             configs = runnable_configs(spec, graph, calibration, limit=4 if args.quick else None)
+            if args.layouts:
+                configs = [c for c in configs if any(text in c["layout"] for text in args.layouts)]
             rounds: dict[str, list[float]] = {config["layout"]: [] for config in configs}
             for round_index in range(max(1, args.rounds)):
                 ordered = configs if round_index % 2 == 0 else configs[::-1]

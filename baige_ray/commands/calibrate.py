@@ -52,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def describe(calibration, path: str) -> str:
+    from baige_ray.planner.calibration import zero_stage_of
+
     lines = [f"calibration {calibration.fingerprint} ({calibration.backend}), kept in {path}",
              f"  measured in {sum(calibration.seconds.values()):.1f} s: " + ", ".join(calibration.measured_terms())]
     for fit in sorted(calibration.links.values(), key=lambda f: f.tier):
@@ -73,5 +75,7 @@ def describe(calibration, path: str) -> str:
             lines.append(f"  {chip.chip} layer {key}: GFLOP/s {rates}{extra}")
         for key, cost in sorted(chip.sharding.items()):
             added = ", ".join(f"{t} tok {s * 1e3:.1f}" for t, s in zip(cost.tokens, cost.extra_s))
-            lines.append(f"  {chip.chip} ZeRO-3 {key}: ms added per layer {added}")
+            stage = zero_stage_of(key)
+            per = "micro-batch" if stage == 3 else "step"
+            lines.append(f"  {chip.chip} ZeRO-{stage} {key}: ms added per layer and {per} {added}")
     return "\n".join(lines)

@@ -82,6 +82,12 @@ class CalibrationRequest:
         return [t for t in allowed if self.tps is None or t in self.tps]
 
 
+def zero_stages_measured(tp: int) -> tuple[int, ...]:
+    """The ZeRO stages whose engine cost calibration measures at TP degree `tp`: without TP the engines run
+    ZeRO-1/2/3 on DeepSpeed, beside TP only ZeRO-3, on FSDP2 (auto_plan.layout_from_plan)."""
+    return (1, 2, 3) if tp == 1 else (3,)
+
+
 def missing_compute(calibration: Calibration | None, graph: ResourceGraph,
                     request: CalibrationRequest) -> list[tuple[ModelSpec, int]]:
     """(model, tp) pairs whose curves the calibration lacks for some chip of the graph."""
@@ -89,8 +95,9 @@ def missing_compute(calibration: Calibration | None, graph: ResourceGraph,
     peaks = {p.peak_tflops * 1e12 for p in graph.profiles}
     return [(model, tp) for model in request.models for tp in request.tp_degrees(model, per_node, graph.num_devices)
             if calibration is None or not calibration.has_compute(model, [tp], peaks)
-            or (graph.num_devices > tp and calibration.sharding_seconds(
-                model, tp, graph.num_devices // tp, peaks, [model.seq_len]) is None)]
+            or (graph.num_devices > tp and any(calibration.sharding_seconds(
+                model, tp, graph.num_devices // tp, peaks, [model.seq_len], stage) is None
+                for stage in zero_stages_measured(tp)))]
 
 
 def calibrate(graph: ResourceGraph, request: CalibrationRequest | None = None, *, directory: str | Path | None = None,
@@ -240,12 +247,12 @@ def _measure_compute(group: _ProbeGroup, calibration: Calibration, model: ModelS
                         window_s=request.compute_window_s, source=source)
     dp = len(group.positions) // tp
     sharded = None
-    if dp > 1:  # ZeRO-3 over every device outside the TP group, on the engine that runs it (auto_plan.layout_from_plan)
-        # The engines run ZeRO-3 without pipelines, so a micro-batch is at most a replica's share of the batch.
+    if dp > 1:  # ZeRO over every device outside the TP group, on the engine that runs it (auto_plan.layout_from_plan)
+        # The engines run ZeRO without pipelines, so a micro-batch is at most a replica's share of the batch.
         sharded_batches = [b for b in batches if b <= max(1, model.global_batch // dp)]
         sharded = group.run("sharded_layer", spec=dataclasses.asdict(model), tp=tp, micro_batches=sharded_batches,
                             window_s=request.compute_window_s, engine="deepspeed" if tp == 1 else "fsdp2",
-                            source=source)
+                            source=source, zero_stages=zero_stages_measured(tp))
     profile_of_rank = group.graph.devices.profile[group.positions]
     key = shape_key(model, tp)
     for profile_index in np.unique(profile_of_rank):
@@ -259,13 +266,14 @@ def _measure_compute(group: _ProbeGroup, calibration: Calibration, model: ModelS
         chip.head[key] = ComputeCurve(tokens=tokens, flops_per_s=tuple(np.mean([r["head"] for r in mine], axis=0)))
         chip.optimizer_s[key] = tuple(float(v) for v in np.mean([r["optimizer_s"] for r in mine], axis=0))
         if sharded is not None:
-            extra = [np.subtract(z["layer_s"], r["layer_s"][:len(z["layer_s"])])
-                     for z, r, p in zip(sharded, results, profile_of_rank) if p == profile_index]
-            # A difference of two timings can come out below zero (-7 ms once, 8 ranks on 2 cores);
-            # sharding never makes a layer faster.
-            chip.sharding[sharding_key(model, tp, dp)] = ShardingCost(
-                tokens=tuple(sharded[0]["tokens"]),
-                extra_s=tuple(max(0.0, float(v)) for v in np.mean(extra, axis=0)))
+            for stage in zero_stages_measured(tp):
+                extra = [np.subtract(z["layer_s"][stage], r["layer_s"][:len(z["layer_s"][stage])])
+                         for z, r, p in zip(sharded, results, profile_of_rank) if p == profile_index]
+                # A difference of two timings can come out below zero (-7 ms once, 8 ranks on 2 cores);
+                # sharding never makes a layer faster.
+                chip.sharding[sharding_key(model, tp, dp, stage)] = ShardingCost(
+                    tokens=tuple(sharded[0]["tokens"]),
+                    extra_s=tuple(max(0.0, float(v)) for v in np.mean(extra, axis=0)))
         if tp > 1:
             chip.tp_tier[key] = _tensor_parallel_tier(group, tp)
     calibration.seconds[f"compute {key}"] = time.perf_counter() - started

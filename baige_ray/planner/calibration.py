@@ -185,8 +185,18 @@ def shape_key(model: ModelSpec, tp: int) -> str:
             f"-{'rms' if model.rms_norm else 'ln'}-b{model.dtype_bytes}")
 
 
-def sharding_key(model: ModelSpec, tp: int, dp: int) -> str:
-    return f"{shape_key(model, tp)}-dp{dp}"
+def sharding_key(model: ModelSpec, tp: int, dp: int, zero: int = 3) -> str:
+    """ZeRO-3's cost per layer and micro-batch under `...-dp{dp}`; ZeRO-1/2's per layer and step under
+    `...-dp{dp}-z{zero}`."""
+    if zero not in (1, 2, 3):
+        raise ValueError(f"zero={zero} is invalid: expected 1, 2 or 3")
+    return f"{shape_key(model, tp)}-dp{dp}" + ("" if zero == 3 else f"-z{zero}")
+
+
+def zero_stage_of(key: str) -> int:
+    """The ZeRO stage a `sharding_key` was made for."""
+    stage = key.rsplit("-dp", 1)[1].partition("-z")[2]
+    return int(stage) if stage else 3
 
 
 @dataclass(kw_only=True)
@@ -204,7 +214,9 @@ class ChipCalibration:
     # TP rank's share (DTensors when tp > 1), keyed like the curves.
     optimizer_s: dict[str, tuple[float, float]] = field(default_factory=dict)
     # What ZeRO-3 (FSDP2 beside TP, DeepSpeed without) over the data-parallel group of the other devices
-    # adds per layer and micro-batch, keyed by `sharding_key` (the shapes and the group's size).
+    # adds per layer and micro-batch, and DeepSpeed's ZeRO-1/2 per layer and step (reducing the gradients
+    # into partitions, stepping one, gathering the weights), keyed by `sharding_key` (the shapes, the
+    # group's size and the stage).
     sharding: dict[str, ShardingCost] = field(default_factory=dict)
 
 
@@ -240,10 +252,11 @@ class Calibration:
             return None
         return chip.layer[key], chip.head[key]
 
-    def sharding_seconds(self, model: ModelSpec, tp: int, dp: int, peaks, tokens) -> np.ndarray | None:
-        """Per token count, the measured seconds per layer and micro-batch that ZeRO-3 sharding over `dp`
-        devices adds on the slowest chip of `peaks`; None where some chip lacks it."""
-        key = sharding_key(model, tp, dp)
+    def sharding_seconds(self, model: ModelSpec, tp: int, dp: int, peaks, tokens, zero: int = 3) -> np.ndarray | None:
+        """Per token count, the measured seconds per layer that ZeRO-`zero` over `dp` devices adds on the
+        slowest chip of `peaks` (per micro-batch for ZeRO-3, per step for ZeRO-1/2); None where some chip
+        lacks it."""
+        key = sharding_key(model, tp, dp, zero)
         found = [self.chip_for_peak(float(p)) for p in peaks]
         if dp < 2 or any(c is None or key not in c.sharding for c in found):
             return None
@@ -280,8 +293,11 @@ class Calibration:
             terms.insert(0, "compute (layer and head FLOP/s per micro-batch and TP degree)")
             keys = {shape_key(model, int(t)) for t in tps}
             chips = [self.chip_for_peak(float(p)) for p in peaks]
-            if all(c is not None and any(k.rsplit("-dp", 1)[0] in keys for k in c.sharding) for c in chips):
-                terms.insert(1, "ZeRO-3 sharding (the engine's cost per layer)")
+            for stages, term in (((3,), "ZeRO-3 sharding (the engine's cost per layer)"),
+                                 ((1, 2), "ZeRO-1/2 (DeepSpeed's cost per layer and step)")):
+                if all(c is not None and any(k.rsplit("-dp", 1)[0] in keys and zero_stage_of(k) in stages
+                                             for k in c.sharding) for c in chips):
+                    terms.insert(len(terms) - len(self.links), term)
         terms += [name for name, value in (("overlap", self.overlap), ("optimizer", self.optimizer_s_per_param),
                                            ("step overhead", self.step_overhead_s),
                                            ("host sharing", self.host_sharing)) if value is not None]

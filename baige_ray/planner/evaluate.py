@@ -86,7 +86,8 @@ def evaluate(model: ModelSpec, constants: CostConstants, context: LayoutContext,
     data_parallel = data_parallel_cost(model, times, constants, stage_layers=context.stage_layers, stage_dense=dense,
                                        stage_expert=expert, tp=layout.tp, dp=layout.dp, link=context.links["dp"],
                                        ep=rows.ep, zero=rows.zero, num_micro_batches=m,
-                                       measured_sharding=_measured_sharding(model, constants, context, rows))
+                                       measured_sharding=_measured_sharding(model, constants, context, rows),
+                                       measured_zero_steps=_measured_zero_steps(model, constants, context, rows))
     pipeline = pipeline_seconds(times.total, m, constants.host_sharing, constants.sharing_measured_at)
     framework = framework_seconds(model, constants, context, dense, expert, ep=rows.ep, zero=rows.zero)
     step = pipeline + data_parallel.exposed + framework
@@ -107,6 +108,19 @@ def _measured_sharding(model: ModelSpec, constants: CostConstants, context: Layo
     layout = context.layout
     return constants.calibration.sharding_seconds(model, layout.tp, layout.dp, context.stage_peak,
                                                   rows.micro_batch * model.seq_len)
+
+
+def _measured_zero_steps(model: ModelSpec, constants: CostConstants, context: LayoutContext,
+                         rows: Rows) -> dict[int, np.ndarray]:
+    """ZeRO-1/2's measured seconds per layer and step, where the layout runs them on DeepSpeed (no TP, no
+    pipeline: `runtime/auto_plan.layout_from_plan`; beside them the engines run DDP)."""
+    layout = context.layout
+    if constants.calibration is None or layout.tp > 1 or layout.pp > 1:
+        return {}
+    measured = {stage: constants.calibration.sharding_seconds(model, layout.tp, layout.dp, context.stage_peak,
+                                                              rows.micro_batch * model.seq_len, stage)
+                for stage in (1, 2)}
+    return {stage: seconds for stage, seconds in measured.items() if seconds is not None}
 
 
 def framework_seconds(model: ModelSpec, constants: CostConstants, context: LayoutContext, stage_dense, stage_expert,

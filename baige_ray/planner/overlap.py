@@ -19,6 +19,12 @@ layer's weights over the data-parallel group, `ag_out` that of the weights outsi
   ZeRO-2: gradient shards only, so every micro-batch reduce-scatters:  m hide(RS, B) + AG
     DeepSpeed overlaps these reductions only with `overlap_comm`, off by default below ZeRO-3
     (CostConstants.overlapped_zero_stages); then hide(RS, B) is RS.
+    Where calibration measured what DeepSpeed's ZeRO-1/2 step adds to a layer on this cluster (Z per
+    layer and step, one micro-batch: the gradients reduced into partitions, the flat buffers copied, the
+    weights gathered), that replaces the layer terms; ZeRO-2's further micro-batches reduce again:
+      ZeRO-1 exposed = RS_out + AG_out + L Z,   ZeRO-2 exposed = RS_out + AG_out + L Z + (m - 1) RS
+    (8 ranks on 2 cores: DeepSpeed's ZeRO-1/2 steps ran 0.10-0.16 s over DDP's, the links priced them
+    within 12 ms of it.)
   ZeRO-3 / FSDP2 (ZeRO sec. 5.3, FSDP paper Zhao et al. 2023 sec. 3.3): every micro-batch gathers
     each layer before its forward and again before its backward, with one layer prefetched
     behind the compute of the layer before; the first gather of each pass, the weights outside
@@ -60,9 +66,11 @@ def hide(collective, compute, overlap: float) -> np.ndarray:
 
 def data_parallel_cost(model: ModelSpec, times: StageTimes, constants: CostConstants, *, stage_layers,
                        stage_dense, stage_expert, tp: int, dp: int, link: GroupLink, ep, zero,
-                       num_micro_batches, measured_sharding=None) -> DataParallelCost:
+                       num_micro_batches, measured_sharding=None, measured_zero_steps=None) -> DataParallelCost:
     """`measured_sharding`: (rows,) seconds ZeRO-3 sharding adds per layer and micro-batch, measured by
-    calibration for this TP degree and data-parallel group, or None (priced from the links)."""
+    calibration for this TP degree and data-parallel group, or None (priced from the links).
+    `measured_zero_steps`: {1: (rows,), 2: (rows,)} seconds DeepSpeed's ZeRO-1 / ZeRO-2 add per layer and
+    step, measured likewise; a stage missing from it is priced from the links."""
     ep = np.asarray(ep, dtype=np.float64)[:, None]
     zero = np.asarray(zero)[:, None]
     m = np.asarray(num_micro_batches, dtype=np.float64)[:, None]
@@ -92,8 +100,11 @@ def data_parallel_cost(model: ModelSpec, times: StageTimes, constants: CostConst
         sharded = ag_out + rs_out + layers * np.asarray(measured_sharding, dtype=np.float64)[:, None]
     overlapped = np.isin(zero, constants.overlapped_zero_stages)
     reduction = np.where(overlapped, hide(scatter, times.backward, eta), scatter)
-    exposed = np.select([zero == 0, zero == 1, zero == 2], [ddp, reduction + half, m * reduction + half],
-                        m * sharded)
+    low_stages = {1: reduction + half, 2: m * reduction + half}
+    for stage, per_layer in (measured_zero_steps or {}).items():
+        measured_step = ag_out + rs_out + layers * np.asarray(per_layer, dtype=np.float64)[:, None]
+        low_stages[stage] = measured_step + (m - 1) * reduction if stage == 2 else measured_step
+    exposed = np.select([zero == 0, zero == 1, zero == 2], [ddp, low_stages[1], low_stages[2]], m * sharded)
     total = np.select([zero == 0, zero == 1, zero == 2], [full_reduce, scatter + half, m * scatter + half],
                       m * (ag_out + rs_out + layers * (2 * ag + rs)))
     total = np.broadcast_to(total, exposed.shape)

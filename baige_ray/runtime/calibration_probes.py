@@ -234,40 +234,53 @@ def _layer_and_head_calls(model: ModelSpec, block: torch.nn.Module, head: torch.
 
 
 def sharded_layer_probe(spec: dict, tp: int, micro_batches: list[int], window_s: float, device: str,
-                        engine: str = "fsdp2", layers: int = 2, source: Any = None) -> dict[str, list]:
-    """Seconds per layer and micro-batch of a ZeRO-3 layer's forward + backward, as the engine that runs
-    it does it: FSDP2 (`engine="fsdp2"`, beside TP) or DeepSpeed (`"deepspeed"`, without TP): each layer
-    gathered before its forward and again before its backward, the next one prefetched, gradients
-    reduce-scattered. `layers` blocks (the model's own with `source`, as in `compute_probe`;
-    tensor-parallel over TP groups of consecutive ranks when `tp` > 1, data-parallel over the rest)
-    are timed with every rank busy; the compute probe's plain layer, taken off, leaves what sharding
-    adds. DeepSpeed's timing holds its optimizer step on the rank's shard, so the plain update of a
-    shard's share is taken off it (the planner prices the update apart)."""
+                        engine: str = "fsdp2", layers: int = 2, source: Any = None,
+                        zero_stages: tuple[int, ...] = (3,)) -> dict[str, Any]:
+    """Seconds per layer and micro-batch of a ZeRO layer's forward + backward (+ the step), as the engine
+    that runs it does it, per ZeRO stage of `zero_stages`: FSDP2 (`engine="fsdp2"`, ZeRO-3 beside TP) or
+    DeepSpeed (`"deepspeed"`, stages 1-3 without TP). ZeRO-3 gathers each layer before its forward and
+    again before its backward, the next one prefetched, and reduce-scatters its gradients; DeepSpeed's
+    ZeRO-1/2 reduce the gradients into partitions during backward, step the rank's partition and
+    all-gather the updated weights, one step per call. `layers` blocks (the model's own with `source`, as
+    in `compute_probe`; tensor-parallel over TP groups of consecutive ranks when `tp` > 1, data-parallel
+    over the rest) are timed with every rank busy; the compute probe's plain layer, taken off, leaves
+    what the engine adds. DeepSpeed's timings hold its optimizer step on the rank's shard, so the plain
+    update of a shard's share is taken off them (the planner prices the update apart).
+    Returns {"tokens": [...], "layer_s": {stage: [seconds per layer, per token count]}}."""
     if engine not in ("fsdp2", "deepspeed"):
         raise ValueError(f"engine={engine!r} is invalid: expected 'fsdp2' or 'deepspeed'")
+    if engine == "fsdp2" and tuple(zero_stages) != (3,):
+        raise ValueError(f"zero_stages={zero_stages!r} is invalid for FSDP2: expected (3,)")
+    if not zero_stages or not set(zero_stages) <= {1, 2, 3}:
+        raise ValueError(f"zero_stages={zero_stages!r} is invalid: expected stages among 1, 2, 3")
     model = ModelSpec(**spec)
     dtype = DTYPES[model.dtype_bytes]
     mesh = _tp_mesh(device, tp, rest="dp")
-    torch.manual_seed(0)
-    stack, blocks = _probe_layers(model, layers, source, device, dtype, mesh["tp"] if tp > 1 else None)
     inputs = [torch.randn(b, model.seq_len, model.hidden, device=device, dtype=dtype, requires_grad=True)
               for b in micro_batches]
+
+    def stack_of_layers():
+        torch.manual_seed(0)
+        return _probe_layers(model, layers, source, device, dtype, mesh["tp"] if tp > 1 else None)
 
     def per_call(forward, backward=lambda loss: loss.backward()) -> list[float]:
         return [_seconds_per_call(lambda: backward(forward(x).float().sum()), window_s, device, collective=True)
                 for x in inputs]
 
-    update_share = 0.0
+    per_stage = {}
     if engine == "fsdp2":
-        sharded = per_call(_fully_sharded(stack, blocks, mesh["dp"]))
+        stack, blocks = stack_of_layers()
+        per_stage[3] = [s / len(blocks) for s in per_call(_fully_sharded(stack, blocks, mesh["dp"]))]
     else:
+        stack, blocks = stack_of_layers()
         stack(inputs[0]).float().sum().backward()  # gradients for the plain update's timing
         update_share = _optimizer_seconds(stack, window_s, device, False) / mesh["dp"].size()
-        stack.zero_grad(set_to_none=True)
-        wrapped = _deepspeed_zero3(stack, dist.get_world_size())
-        sharded = per_call(wrapped, lambda loss: (wrapped.backward(loss), wrapped.step()))
-    return {"tokens": [b * model.seq_len for b in micro_batches],
-            "layer_s": [(s - update_share) / len(blocks) for s in sharded]}
+        for stage in sorted(zero_stages):  # ZeRO-3 last: it partitions the weights of the stack in place
+            stack, blocks = stack_of_layers()
+            wrapped = _deepspeed_zero(stack, dist.get_world_size(), stage)
+            sharded = per_call(wrapped, lambda loss, engine=wrapped: (engine.backward(loss), engine.step()))
+            per_stage[stage] = [(s - update_share) / len(blocks) for s in sharded]
+    return {"tokens": [b * model.seq_len for b in micro_batches], "layer_s": per_stage}
 
 
 def _parallelize_blocks(blocks: list[torch.nn.Module], tp_mesh) -> None:
@@ -286,8 +299,8 @@ def _fully_sharded(stack: torch.nn.Module, blocks: list[torch.nn.Module], dp_mes
     return fully_shard(stack, mesh=dp_mesh)
 
 
-def _deepspeed_zero3(stack: torch.nn.Sequential, world_size: int):
-    """`stack` under DeepSpeed ZeRO-3 with AdamW, one update per call, as the engines configure it."""
+def _deepspeed_zero(stack: torch.nn.Sequential, world_size: int, stage: int):
+    """`stack` under DeepSpeed ZeRO-`stage` with AdamW, one update per call, as the engines configure it."""
     import os
 
     from baige_ray.engines.deepspeed_init import initialize
@@ -295,7 +308,7 @@ def _deepspeed_zero3(stack: torch.nn.Sequential, world_size: int):
     os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed reads these even when the process group exists
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(dist.get_rank()), str(world_size)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0,
               "steps_per_print": 2**31}
     engine, *_ = initialize(model=stack, optimizer=torch.optim.AdamW(stack.parameters(), lr=1e-6),
                             config=config, dist_init_required=False)

@@ -34,6 +34,10 @@ def test_calibration_measures_every_tier_is_kept_and_reused(sim_cluster, tmp_pat
     # ZeRO-3 measured on the engines that run it: DeepSpeed over all 8 (TP 1), FSDP2 beside TP 2 over 4
     for tp in (1, 2):
         assert calibration.sharding_seconds(MODEL, tp, 8 // tp, [312e12], [32, 128]).shape == (2,)
+    # and DeepSpeed's ZeRO-1/2 steps, which the engines run without TP only
+    for zero in (1, 2):
+        assert calibration.sharding_seconds(MODEL, 1, 8, [312e12], [32], zero=zero).shape == (1,)
+        assert calibration.sharding_seconds(MODEL, 2, 4, [312e12], [32], zero=zero) is None
     assert cache_path(calibration.fingerprint, tmp_path).is_file()
 
     start = time.perf_counter()
@@ -46,7 +50,7 @@ def test_calibration_measures_every_tier_is_kept_and_reused(sim_cluster, tmp_pat
     assert "measured" in text and "link NVLINK" in text
     assert ("measured compute" in text) == (chosen.tp in (1, 2))  # curves were measured at TP 1 and 2 only
     assert "overlap" in describe(again, str(tmp_path)) and "ZeRO-3" in describe(again, str(tmp_path))
-
+    assert "ZeRO-1" in describe(again, str(tmp_path))
 
 
 def test_a_single_device_calibration_is_reused(sim_cluster, tmp_path):

@@ -54,6 +54,8 @@ def _calibration(rate: float = 2e10, overlap: float = 0.5) -> Calibration:
         curve = ComputeCurve(tokens=(128, 2048), flops_per_s=(rate / 2, rate))
         chip.layer[shape_key(MODEL, tp)] = chip.head[shape_key(MODEL, tp)] = curve
         chip.sharding[sharding_key(MODEL, tp, 8 // tp)] = ShardingCost(tokens=(128, 2048), extra_s=(1e-3, 4e-3))
+    for zero in (1, 2):  # DeepSpeed's ZeRO-1/2, which the engines run without TP
+        chip.sharding[sharding_key(MODEL, 1, 8, zero)] = ShardingCost(tokens=(128, 2048), extra_s=(zero * 1e-3,) * 2)
     links = {tier: fit_link(_samples(tier, 50e-6 * (tier + 1), 2e9 / (tier + 1))) for tier in (0, 2, 3)}
     return Calibration(fingerprint=graph_fingerprint(_graph()), backend="gloo", chips={"sim-a100": chip},
                        links=links, overlap=overlap, optimizer_s_per_param=1e-8, step_overhead_s=0.002)
@@ -92,6 +94,11 @@ def test_calibration_survives_json():
     assert again.to_json() == calibration.to_json()
     assert again.sharding_seconds(MODEL, 2, 4, [312e12], [128, 1088, 4096]).tolist() == pytest.approx([1e-3, 2.5e-3, 4e-3])
     assert again.sharding_seconds(MODEL, 2, 2, [312e12], [128]) is None  # not measured over 2
+    assert again.sharding_seconds(MODEL, 1, 8, [312e12], [128], zero=2).tolist() == [2e-3]
+    assert again.sharding_seconds(MODEL, 2, 4, [312e12], [128], zero=1) is None  # beside TP the engines run DDP
+    assert "ZeRO-1/2 (DeepSpeed's cost per layer and step)" in again.measured_terms(MODEL, (1,), [312e12])
+    with pytest.raises(ValueError, match="zero=0"):
+        sharding_key(MODEL, 1, 8, 0)
     assert again.links[2].kinds["all_reduce"].latency_s == pytest.approx(calibration.links[2].kinds["all_reduce"].latency_s)
     with pytest.raises(ValueError, match="format"):
         Calibration.from_json('{"format": 0}')
@@ -201,6 +208,9 @@ def test_a_calibration_request_measures_only_what_is_missing_within_the_probe_me
     graph = _graph()
     assert [tp for _, tp in missing_compute(None, graph, request)] == [1, 2, 4]
     assert missing_compute(_calibration(), graph, request) == []
+    older = _calibration()  # kept before ZeRO-1/2 were measured: TP 1 is measured again, the others kept
+    del older.chips["sim-a100"].sharding[sharding_key(MODEL, 1, 8, 2)]
+    assert [tp for _, tp in missing_compute(older, graph, request)] == [1]
     assert [tp for _, tp in missing_compute(_calibration(), graph, CalibrationRequest(models=(MODEL,), tps=(2,)))] == []
     twelve_heads = dataclasses.replace(MODEL, num_heads=12, hidden=384, ffn_hidden=1536, vocab_size=50304)
     assert request.tp_degrees(twelve_heads, devices_per_node=4, num_devices=8) == [1, 2, 4]  # not 3: 8 % 3

@@ -20,14 +20,16 @@ STAGE_BYTES = 4 * LAYER_BYTES + OUTSIDE_BYTES
 
 
 def _cost(zero: int, forward: float, backward: float, micro_batches: int = 1, overlap: float = 1.0,
-          bucket: float = 25 * 2**20, overlapped=(0, 3), tp: int = 1, measured=None, link=LINK):  # (0, 3): DeepSpeed's default
+          bucket: float = 25 * 2**20, overlapped=(0, 3), tp: int = 1, measured=None, link=LINK,
+          measured_steps=None):  # (0, 3): DeepSpeed's default
     times = StageTimes(forward=np.array([[forward]]), backward=np.array([[backward]]), tp=np.zeros((1, 1)),
                        ep=np.zeros((1, 1)), pp=np.zeros((1, 1)))
     constants = CostConstants(overlap=overlap, ddp_bucket_bytes=bucket, overlapped_zero_stages=overlapped)
     dense = tp * np.array([MODEL.num_layers * MODEL.dense_layer_params + MODEL.embedding_params + MODEL.output_params])
     cost = data_parallel_cost(MODEL, times, constants, stage_layers=np.array([4]), stage_dense=dense,
                               stage_expert=np.zeros(1), tp=tp, dp=4, link=link, ep=[1], zero=[zero],
-                              num_micro_batches=[micro_batches], measured_sharding=measured)
+                              num_micro_batches=[micro_batches], measured_sharding=measured,
+                              measured_zero_steps=measured_steps)
     return float(cost.total[0]), float(cost.exposed[0])
 
 
@@ -95,6 +97,19 @@ def test_zero3_takes_what_calibration_measured_sharding_adds_per_layer_in_place_
     total, exposed = _cost(3, forward=1.0, backward=2.0, micro_batches=2, measured=[0.05])
     assert exposed == pytest.approx(2 * (2 * out + 4 * 0.05))  # 4 layers of 50 ms, twice, and the outside weights
     assert total == pytest.approx(_cost(3, forward=1.0, backward=2.0, micro_batches=2)[0])  # the traffic is the same
+
+
+def test_zero1_and_zero2_take_what_calibration_measured_deepspeed_adds_per_layer_and_step():
+    out = 2 * gather_s(OUTSIDE_BYTES)  # the outside weights' reduce-scatter and all-gather, priced from the link
+    reduction = gather_s(STAGE_BYTES)  # DeepSpeed's default: ZeRO-2's reductions are not overlapped
+    measured = {1: [0.03], 2: [0.04]}
+    _, exposed = _cost(1, forward=1.0, backward=10.0, micro_batches=4, measured_steps=measured)
+    assert exposed == pytest.approx(out + 4 * 0.03)  # ZeRO-1 reduces once, at the accumulation boundary
+    total, exposed = _cost(2, forward=1.0, backward=10.0, micro_batches=4, measured_steps=measured)
+    assert exposed == pytest.approx(out + 4 * 0.04 + 3 * reduction)  # the measured step holds one micro-batch's
+    assert total == pytest.approx(_cost(2, forward=1.0, backward=10.0, micro_batches=4)[0])
+    _, exposed = _cost(2, forward=1.0, backward=10.0, micro_batches=4, measured_steps={1: [0.03]})
+    assert exposed == pytest.approx(5 * reduction)  # a stage not measured stays priced from the links
 
 
 def test_no_data_parallelism_costs_nothing():
