@@ -28,11 +28,16 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch-$(TORCH_VERSION)
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
+# The unit tier's tests share nothing, so they run on one process per core (pytest-xdist); the Ray
+# tiers run in one process, one Ray session per tier (tests/conftest.py), their clusters shared.
+UNIT_PROCESSES ?= auto
+
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit -n $(UNIT_PROCESSES) $(PYTEST_ARGS)
+	$(PY) -m pytest tests/ray tests/cluster $(PYTEST_ARGS)
 
 test-unit: install
-	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit -n $(UNIT_PROCESSES) $(PYTEST_ARGS)
 
 # A 3-minute `bench soak` under #33's bounds, on a simulated cluster of its own (about 6 minutes: the
 # soak, its fault-free run, starting the cluster, Serve and the job). CI's stage after `make test`.

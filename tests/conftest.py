@@ -4,6 +4,9 @@ Tiers follow directories: tests/unit (no Ray), tests/ray (a local Ray with fake
 GPUs), tests/cluster (the simulated 2x4 multi-node cluster). One Ray session is
 alive at a time: each tier's fixture opens its session once and closes the
 other tier's. With RAY_ADDRESS set, both Ray tiers use the user's cluster.
+Serve, once a module starts it, stays up for the later modules of the session
+(each deletes the applications it made): serve() joins a running Serve on its
+proxy's port, and starting Serve again costs seconds each module.
 """
 
 from __future__ import annotations

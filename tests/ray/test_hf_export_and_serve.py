@@ -39,9 +39,6 @@ def app(trained):
     info = serve(result.checkpoint_path, name="tiny-llama", port=free_port())
     yield info
     shutdown(info)
-    from ray import serve as ray_serve
-
-    ray_serve.shutdown()
 
 
 def test_the_final_checkpoint_loads_in_transformers_with_the_trained_logits(trained):

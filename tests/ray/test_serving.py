@@ -70,9 +70,6 @@ def app(local_ray):
                  max_ongoing_requests=2, max_queued_requests=2, max_batch_size=4)
     yield info
     shutdown(info)
-    from ray import serve as ray_serve
-
-    ray_serve.shutdown()
 
 
 def test_generate_and_health_from_an_in_memory_state(app):

@@ -46,7 +46,6 @@ def app(local_ray):
                  max_batch_size=4)
     yield info
     shutdown(info)
-    ray_serve.shutdown()
 
 
 def serving_replica(app) -> tuple[str, float]:

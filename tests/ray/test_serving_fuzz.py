@@ -35,9 +35,6 @@ def app(local_ray):
     info = serve((1, ray.put(GPT(CONFIG).state_dict())), model_config=CONFIG, name="fuzz", port=free_port())
     yield info
     shutdown(info)
-    from ray import serve as ray_serve
-
-    ray_serve.shutdown()
 
 
 def json_case(rng: random.Random) -> bytes:

@@ -47,9 +47,6 @@ def app(trained):
     info = serve((5, weights), model_config=model, name="tiny-llama-vllm", port=free_port(), engine="vllm")
     yield info
     shutdown(info)
-    from ray import serve as ray_serve
-
-    ray_serve.shutdown()
 
 
 @pytest.fixture(scope="module")
