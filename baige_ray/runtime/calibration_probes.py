@@ -24,6 +24,11 @@ DTYPES = {2: torch.bfloat16, 4: torch.float32}
 # ones before them run, as in a model: one layer timed alone pays every launch. Qwen2.5-0.5B's layer
 # alone on one H200 ran at 23-77 TFLOP/s for 1,024-4,096 tokens, and the step it priced took 24-56% less.
 ASYNC_PROBE_LAYERS = 4
+# Rounds the compute probe splits each shape's window into, every shape timed once a round; the median
+# is the figure. On 8 ranks sharing 2 cores a window's speed swings with the moment: five probes one after
+# another timed GPT's TP-2 layer (the mean over ranks) at 68-115 ms for 128 tokens and 227-298 ms for
+# 1,024 in one window each, at 91-102 ms and 281-316 ms in three rounds of a third of it.
+COMPUTE_ROUNDS = 3
 
 
 def _timed(run: Callable[[], None], repeats: int, device: str, warm_up: bool = True) -> float:
@@ -42,24 +47,25 @@ def _timed(run: Callable[[], None], repeats: int, device: str, warm_up: bool = T
 
 
 def _seconds_per_call(run: Callable[[], None], window_s: float, device: str, collective: bool = False,
-                      prepare: Callable[[], None] | None = None) -> float:
-    """Mean seconds of `run` called back to back for `window_s` (at least once after a warm-up) while every rank does
-    the same: each rank keeps busy the whole window, so ranks sharing cores get fair shares of them.
+                      prepare: Callable[[], None] | None = None, warm_up: bool = True) -> float:
+    """Mean seconds of `run` called back to back for `window_s` (at least once, after a warm-up call unless
+    `warm_up` is False: it ran warm just before) while every rank does the same: each rank keeps busy the
+    whole window, so ranks sharing cores get fair shares of them.
     A `run` holding a collective is called as often on every rank: the count the slowest rank's first
     call implies. `prepare`, untimed, runs before each call (what the step does before `run`: the
     caches it leaves behind are the ones `run` meets in a step)."""
     count = None
     if collective:
-        one, with_prepare = _one_call(run, prepare, device)
+        one, with_prepare = _one_call(run, prepare, device, warm_up)
         agreed = torch.tensor([max(1.0, window_s / max(with_prepare, 1e-9))])
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         count = int(agreed.item())
         if count == 1:  # a call as long as the window: the one just timed, every rank started together, is it
             return one
-    else:
+    elif warm_up:
         if prepare is not None:
             prepare()
-        run()  # warm-up
+        run()
     dist.barrier()
     _sync(device)
     window_started, spent, calls = time.perf_counter(), 0.0, 0
@@ -75,11 +81,12 @@ def _seconds_per_call(run: Callable[[], None], window_s: float, device: str, col
     return spent / calls
 
 
-def _one_call(run: Callable[[], None], prepare: Callable[[], None] | None, device: str) -> tuple[float, float]:
-    """Seconds of one call of `run` after a warm-up, every rank started together, without and with the
-    untimed `prepare` before it (an optimizer step's backward can take longer than the step: counted in,
+def _one_call(run: Callable[[], None], prepare: Callable[[], None] | None, device: str,
+              warm_up: bool = True) -> tuple[float, float]:
+    """Seconds of one call of `run` (after a warm-up call unless `warm_up` is False), every rank started
+    together, without and with the untimed `prepare` before it (an optimizer step's backward can take longer than the step: counted in,
     a TP 2 layer's update priced 124 ms against 19-25 ms at TP 1 and 4)."""
-    for _ in range(2):  # the first is the warm-up
+    for _ in range(2 if warm_up else 1):
         began = time.perf_counter()
         if prepare is not None:
             prepare()
@@ -182,11 +189,13 @@ def _tp_mesh(device: str, tp: int, rest: str = "rest"):
 
 
 def compute_probe(spec: dict, tp: int, micro_batches: list[int], window_s: float, device: str,
-                  source: Any = None) -> dict[str, list]:
+                  source: Any = None, rounds: int = COMPUTE_ROUNDS) -> dict[str, list]:
     """Achieved FLOP/s of a layer (the model's own with `source`, its config: `_probe_layers`; on an
-    accelerator a stack of ASYNC_PROBE_LAYERS, per layer) and of the LM head (forward + backward) per micro-batch size, each kept running for `window_s` on every
-    rank at once. With `tp` > 1 they run tensor-parallel over TP groups of consecutive ranks, so the
-    figures hold DTensor's cost and the TP collectives, loaded."""
+    accelerator a stack of ASYNC_PROBE_LAYERS, per layer) and of the LM head (forward + backward) per
+    micro-batch size, each kept running for `window_s` on every rank at once, in `rounds` parts
+    (`_in_rounds`). With `tp` > 1 they run tensor-parallel over TP groups of consecutive ranks, so the
+    figures hold DTensor's cost and the TP collectives, loaded. Then the update's seconds of a layer and
+    of the head (`_update_seconds`)."""
     model = ModelSpec(**spec)
     dtype = DTYPES[model.dtype_bytes]
     torch.manual_seed(0)
@@ -201,20 +210,53 @@ def compute_probe(spec: dict, tp: int, micro_batches: list[int], window_s: float
     for warm_up in calls[-1]:
         _seconds_per_call(warm_up, window_s, device, communicates)
     layer_rates, head_rates, layer_seconds = [], [], []
-    for b, (layer_backward, head_backward) in zip(micro_batches, calls):
+    timed = _in_rounds([call for pair in calls for call in pair], rounds, window_s, device, communicates)
+    for index, b in enumerate(micro_batches):
         tokens = b * model.seq_len
-        layer_s = _seconds_per_call(layer_backward, window_s, device, communicates)
-        head_s = _seconds_per_call(head_backward, window_s, device, communicates)
+        layer_s, head_s = timed[2 * index], timed[2 * index + 1]
         layer_seconds.append(layer_s / layers)
         layer_rates.append(3 * tokens * model.layer_flops_per_token * layers / tp / layer_s)
         head_rates.append(3 * tokens * model.logits_flops_per_token / tp / head_s)
-    smallest = calls[0]
+    layer_update, head_update = _update_seconds(block, head, calls[0], window_s, device, tp > 1)
     return {"tokens": [b * model.seq_len for b in micro_batches], "layer": layer_rates, "head": head_rates,
-            "layer_s": layer_seconds,
-            # After the smallest micro-batch's backward: any backward evicts the weights from cache, and
-            # the largest one's would cost most of the probe's time.
-            "optimizer_s": [_optimizer_seconds(block, window_s, device, tp > 1, smallest[0]) / layers,
-                            _optimizer_seconds(head, window_s, device, tp > 1, smallest[1])]}
+            "layer_s": layer_seconds, "optimizer_s": [layer_update / layers, head_update]}
+
+
+def _update_seconds(block: torch.nn.Module, head: torch.nn.Module, backwards: tuple[Callable[[], None], ...],
+                    window_s: float, device: str, tensor_parallel: bool) -> tuple[float, float]:
+    """Seconds of clipping and updating `block`'s parameters and the head's, each after its backward
+    (`backwards`, the smallest micro-batch's: any backward evicts the weights from cache, and the largest
+    one's would cost most of the probe's time). Tensor-parallel, each update's gradient norm all-reduces
+    over the TP group, which a step does once for all its parameters: the head is timed alone, the block
+    with the head, so the block's figure is what it adds to an update and the collective is the head's
+    alone (a TP-2 GPT layer's update timed alone priced 37 ms a layer, the engine's whole update of 4
+    layers and the head took 83 ms)."""
+    layer_backward, head_backward = backwards
+    head_only = _optimizer_seconds(head, window_s, device, tensor_parallel, head_backward)
+    if not tensor_parallel:
+        return _optimizer_seconds(block, window_s, device, False, layer_backward), head_only
+    both = _optimizer_seconds(torch.nn.ModuleList([block, head]), window_s, device, True,
+                              lambda: (layer_backward(), head_backward()))
+    return max(0.0, both - head_only), head_only  # shorter together than the head alone: noise, adds nothing
+
+
+def _in_rounds(runs: list[Callable[[], None]], rounds: int, window_s: float, device: str,
+               collective: bool) -> list[float]:
+    """Seconds per call of each of `runs`: the median of `rounds` windows of `window_s / rounds`, each round
+    timing every run once, so that a moment the host runs slow weighs on one window of each, not on every
+    window of one. Only the first round warms up. A run whose call fills its first window alone (on the
+    slowest rank) keeps that one call, as one window of `window_s` would: the rounds cost the time of one
+    window, not of `rounds` calls that each fill it."""
+    rounds = max(1, rounds)
+    share = window_s / rounds
+    samples = [[_seconds_per_call(run, share, device, collective)] for run in runs]
+    slowest = torch.tensor([taken[0] for taken in samples], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank times the same runs: its barriers pair up
+    again = [index for index, seconds in enumerate(slowest.tolist()) if seconds < share]
+    for _ in range(rounds - 1):
+        for index in again:
+            samples[index].append(_seconds_per_call(runs[index], share, device, collective, warm_up=False))
+    return [statistics.median(taken) for taken in samples]
 
 
 def _layer_and_head_calls(model: ModelSpec, block: torch.nn.Module, head: torch.nn.Module, micro_batch: int,
@@ -264,8 +306,9 @@ def sharded_layer_probe(spec: dict, tp: int, micro_batches: list[int], window_s:
         return _probe_layers(model, layers, source, device, dtype, mesh["tp"] if tp > 1 else None)
 
     def per_call(forward, backward=lambda loss: loss.backward()) -> list[float]:
-        return [_seconds_per_call(lambda: backward(forward(x).float().sum()), window_s, device, collective=True)
-                for x in inputs]
+        # In rounds, as the compute probe times the plain layer these are compared with.
+        return _in_rounds([lambda x=x: backward(forward(x).float().sum()) for x in inputs], COMPUTE_ROUNDS,
+                          window_s, device, collective=True)
 
     per_stage = {}
     if engine == "fsdp2":

@@ -1,5 +1,6 @@
 """The calibration probes' timing (runtime/calibration_probes.py): what runs untimed before each call stays
-out of the seconds per call, also when a single call fills the window."""
+out of the seconds per call, also when a single call fills the window; a shape timed in rounds is the
+median round."""
 
 from __future__ import annotations
 
@@ -23,6 +24,34 @@ def one_rank_timing(port: int, results) -> None:
 
 
 def test_a_collective_probe_whose_call_fills_the_window_leaves_its_prepare_out():
+    seconds = _in_one_rank(one_rank_timing)
+    assert RUN_S <= seconds < RUN_S + 0.05, f"{seconds:.3f}s per call: the untimed prepare ({PREPARE_S}s) was counted"
+
+
+def rounds_timing(port: int, results) -> None:
+    import torch.distributed as dist
+
+    from baige_ray.runtime.calibration_probes import _in_rounds
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    # Windows of 0.05 s: a short run, whose fourth call (in the first or second round) is slow; a long one,
+    # whose call fills a window alone.
+    short_calls, long_calls = [], []
+
+    def short() -> None:
+        short_calls.append(None)
+        time.sleep(0.0 if len(short_calls) == 1 else 0.15 if len(short_calls) == 5 else 0.02)
+
+    def long() -> None:
+        long_calls.append(None)
+        time.sleep(0.2)
+
+    seconds = _in_rounds([short, long], 3, 0.15, "cpu", collective=False)
+    dist.destroy_process_group()
+    results.put((seconds, len(long_calls)))
+
+
+def _in_one_rank(target):
     import socket
 
     with socket.socket() as probe:
@@ -30,10 +59,15 @@ def test_a_collective_probe_whose_call_fills_the_window_leaves_its_prepare_out()
         port = probe.getsockname()[1]
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    process = context.Process(target=one_rank_timing, args=(port, results), daemon=True)
+    process = context.Process(target=target, args=(port, results), daemon=True)
     process.start()
     try:
-        seconds = results.get(timeout=60)
+        return results.get(timeout=60)
     finally:
         process.kill()
-    assert RUN_S <= seconds < RUN_S + 0.05, f"{seconds:.3f}s per call: the untimed prepare ({PREPARE_S}s) was counted"
+
+
+def test_a_shape_timed_in_rounds_is_the_median_round_and_a_long_call_is_timed_once():
+    (short_s, long_s), long_calls = _in_one_rank(rounds_timing)
+    assert 0.015 <= short_s < 0.05, f"{short_s:.3f}s per call: the round with the slow call (0.15 s) was not left out"
+    assert long_calls == 2 and long_s >= 0.2, f"{long_calls} calls of the long run: expected its warm-up and one"
