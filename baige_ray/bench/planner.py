@@ -39,10 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", choices=["gpt", "llama"], default=["gpt", "llama"])
     parser.add_argument("--steps", type=int, default=10, help="steps per layout, warm-up included")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="times each model's layouts run, every other round in reverse order (the machine's "
-                             "speed drifts: one layout measured 1.02-1.46 s in three single-round runs); a "
-                             "layout's measured step is the median over its rounds")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="times each model's layouts run, every other round in reverse order; a layout's "
+                             "measured step is the median over its rounds, so one slow round is left out (the "
+                             "machine's speed drifts: one layout measured 0.619 and 0.429 s in two rounds)")
     parser.add_argument("--quick", action="store_true", help="4 layouts per model, 6 steps each")
     parser.add_argument("--layouts", nargs="+", default=None, metavar="TEXT",
                         help="run only the layouts whose name holds one of these, e.g. 'pp=1 dp=8' or zero2 (the "
