@@ -24,10 +24,11 @@ DTYPES = {2: torch.bfloat16, 4: torch.float32}
 # ones before them run, as in a model: one layer timed alone pays every launch. Qwen2.5-0.5B's layer
 # alone on one H200 ran at 23-77 TFLOP/s for 1,024-4,096 tokens, and the step it priced took 24-56% less.
 ASYNC_PROBE_LAYERS = 4
-# Rounds the compute probe splits each shape's window into, every shape timed once a round; the median
-# is the figure. On 8 ranks sharing 2 cores a window's speed swings with the moment: five probes one after
-# another timed GPT's TP-2 layer (the mean over ranks) at 68-115 ms for 128 tokens and 227-298 ms for
-# 1,024 in one window each, at 91-102 ms and 281-316 ms in three rounds of a third of it.
+# Rounds the compute and sharded-layer probes split each shape's window into, every shape timed once a
+# round; the median is the figure (`_in_rounds`). On 8 ranks sharing 2 cores a window's speed swings with
+# the moment: five probes in a row timed GPT's TP-2 layer of 128 tokens (the mean over ranks) at 68-115 ms
+# in one window each, at 91-102 ms with every shape in three rounds. That cost GPT's calibration 6-10 s,
+# so calls longer than a round's share (there, every TP-2 layer shape) keep their one call.
 COMPUTE_ROUNDS = 3
 
 
@@ -84,8 +85,8 @@ def _seconds_per_call(run: Callable[[], None], window_s: float, device: str, col
 def _one_call(run: Callable[[], None], prepare: Callable[[], None] | None, device: str,
               warm_up: bool = True) -> tuple[float, float]:
     """Seconds of one call of `run` (after a warm-up call unless `warm_up` is False), every rank started
-    together, without and with the untimed `prepare` before it (an optimizer step's backward can take longer than the step: counted in,
-    a TP 2 layer's update priced 124 ms against 19-25 ms at TP 1 and 4)."""
+    together, without and with the untimed `prepare` before it (an optimizer step's backward can take
+    longer than the step: counted in, a TP 2 layer's update priced 124 ms against 19-25 ms at TP 1 and 4)."""
     for _ in range(2 if warm_up else 1):
         began = time.perf_counter()
         if prepare is not None:
@@ -189,10 +190,10 @@ def _tp_mesh(device: str, tp: int, rest: str = "rest"):
 
 
 def compute_probe(spec: dict, tp: int, micro_batches: list[int], window_s: float, device: str,
-                  source: Any = None, rounds: int = COMPUTE_ROUNDS) -> dict[str, list]:
+                  source: Any = None) -> dict[str, list]:
     """Achieved FLOP/s of a layer (the model's own with `source`, its config: `_probe_layers`; on an
     accelerator a stack of ASYNC_PROBE_LAYERS, per layer) and of the LM head (forward + backward) per
-    micro-batch size, each kept running for `window_s` on every rank at once, in `rounds` parts
+    micro-batch size, each kept running for `window_s` on every rank at once, in COMPUTE_ROUNDS parts
     (`_in_rounds`). With `tp` > 1 they run tensor-parallel over TP groups of consecutive ranks, so the
     figures hold DTensor's cost and the TP collectives, loaded. Then the update's seconds of a layer and
     of the head (`_update_seconds`)."""
@@ -210,7 +211,7 @@ def compute_probe(spec: dict, tp: int, micro_batches: list[int], window_s: float
     for warm_up in calls[-1]:
         _seconds_per_call(warm_up, window_s, device, communicates)
     layer_rates, head_rates, layer_seconds = [], [], []
-    timed = _in_rounds([call for pair in calls for call in pair], rounds, window_s, device, communicates)
+    timed = _in_rounds([call for pair in calls for call in pair], COMPUTE_ROUNDS, window_s, device, communicates)
     for index, b in enumerate(micro_batches):
         tokens = b * model.seq_len
         layer_s, head_s = timed[2 * index], timed[2 * index + 1]
@@ -229,8 +230,8 @@ def _update_seconds(block: torch.nn.Module, head: torch.nn.Module, backwards: tu
     one's would cost most of the probe's time). Tensor-parallel, each update's gradient norm all-reduces
     over the TP group, which a step does once for all its parameters: the head is timed alone, the block
     with the head, so the block's figure is what it adds to an update and the collective is the head's
-    alone (a TP-2 GPT layer's update timed alone priced 37 ms a layer, the engine's whole update of 4
-    layers and the head took 83 ms)."""
+    alone: priced on the last pipeline stage, the one that holds the head (a TP-2 GPT layer's update timed
+    alone priced 37 ms a layer, the engine's whole update of 4 layers and the head took 83 ms)."""
     layer_backward, head_backward = backwards
     head_only = _optimizer_seconds(head, window_s, device, tensor_parallel, head_backward)
     if not tensor_parallel:

@@ -34,8 +34,8 @@ def rounds_timing(port: int, results) -> None:
     from baige_ray.runtime.calibration_probes import _in_rounds
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    # Windows of 0.05 s: a short run, whose fourth call (in the first or second round) is slow; a long one,
-    # whose call fills a window alone.
+    # Rounds of 0.05 s: a short run, whose fourth timed call (in the first or second round) is slow; a long
+    # one, whose call fills a round alone.
     short_calls, long_calls = [], []
 
     def short() -> None:
