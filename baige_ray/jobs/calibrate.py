@@ -248,9 +248,12 @@ def _measure_compute(group: _ProbeGroup, calibration: Calibration, model: ModelS
     dp = len(group.positions) // tp
     sharded = None
     if dp > 1:  # ZeRO over every device outside the TP group, on the engine that runs it (auto_plan.layout_from_plan)
-        # The engines run ZeRO without pipelines, so a micro-batch is at most a replica's share of the batch.
-        sharded_batches = [b for b in batches if b <= max(1, model.global_batch // dp)]
-        sharded = group.run("sharded_layer", spec=dataclasses.asdict(model), tp=tp, micro_batches=sharded_batches,
+        # The engines run ZeRO without pipelines, so a micro-batch is at most a replica's share of the batch:
+        # the largest such is timed, in rounds. What sharding adds is mostly the weights' and gradients'
+        # traffic, which does not grow with the micro-batch: one shape timed three times prices it better
+        # than two shapes timed once each, at about the same cost.
+        sharded_batch = max([b for b in batches if b <= max(1, model.global_batch // dp)] or batches[:1])
+        sharded = group.run("sharded_layer", spec=dataclasses.asdict(model), tp=tp, micro_batches=[sharded_batch],
                             window_s=request.compute_window_s, engine="deepspeed" if tp == 1 else "fsdp2",
                             source=source, zero_stages=zero_stages_measured(tp))
     profile_of_rank = group.graph.devices.profile[group.positions]
@@ -267,7 +270,7 @@ def _measure_compute(group: _ProbeGroup, calibration: Calibration, model: ModelS
         chip.optimizer_s[key] = tuple(float(v) for v in np.mean([r["optimizer_s"] for r in mine], axis=0))
         if sharded is not None:
             for stage in zero_stages_measured(tp):
-                extra = [np.subtract(z["layer_s"][stage], r["layer_s"][:len(z["layer_s"][stage])])
+                extra = [np.subtract(z["layer_s"][stage], r["layer_s"][batches.index(sharded_batch)])
                          for z, r, p in zip(sharded, results, profile_of_rank) if p == profile_index]
                 # A difference of two timings can come out below zero (-7 ms once, 8 ranks on 2 cores);
                 # sharding never makes a layer faster.

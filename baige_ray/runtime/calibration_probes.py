@@ -25,10 +25,10 @@ DTYPES = {2: torch.bfloat16, 4: torch.float32}
 # alone on one H200 ran at 23-77 TFLOP/s for 1,024-4,096 tokens, and the step it priced took 24-56% less.
 ASYNC_PROBE_LAYERS = 4
 # Rounds the compute and sharded-layer probes split each shape's window into, every shape timed once a
-# round; the median is the figure (`_in_rounds`). On 8 ranks sharing 2 cores a window's speed swings with
-# the moment: five probes in a row timed GPT's TP-2 layer of 128 tokens (the mean over ranks) at 68-115 ms
-# in one window each, at 91-102 ms with every shape in three rounds. That cost GPT's calibration 6-10 s,
-# so calls longer than a round's share (there, every TP-2 layer shape) keep their one call.
+# round, a call longer than the round's share once; the median round is the figure (`_in_rounds`). On 8
+# ranks sharing 2 cores a moment's speed swings: five probes in a row timed GPT's TP-2 layer of 128
+# tokens (the mean over ranks) at 68-115 ms in one window each, at 91-102 ms in three rounds; a
+# calibration whose TP-2 and TP-4 layers were timed once each priced those layouts 10-57% long.
 COMPUTE_ROUNDS = 3
 
 
@@ -206,10 +206,10 @@ def compute_probe(spec: dict, tp: int, micro_batches: list[int], window_s: float
     head = _probe_head(model, device, dtype, tp_mesh)
     calls = [_layer_and_head_calls(model, block, head, b, device, dtype) for b in micro_batches]
     communicates = tp > 1
-    # The first window a process times runs up to 2x slow (a TP-2 GPT layer: 0.20 s per call against 0.10 s
-    # timed again, whichever micro-batch came first), so the largest micro-batch runs one untimed window first.
+    # The first calls a process makes run up to 2x slow (a TP-2 GPT layer: 0.20 s per call against 0.10 s
+    # timed again, whichever micro-batch came first): the largest micro-batch runs once, untimed, first.
     for warm_up in calls[-1]:
-        _seconds_per_call(warm_up, window_s, device, communicates)
+        warm_up()
     layer_rates, head_rates, layer_seconds = [], [], []
     timed = _in_rounds([call for pair in calls for call in pair], COMPUTE_ROUNDS, window_s, device, communicates)
     for index, b in enumerate(micro_batches):
@@ -245,18 +245,14 @@ def _in_rounds(runs: list[Callable[[], None]], rounds: int, window_s: float, dev
                collective: bool) -> list[float]:
     """Seconds per call of each of `runs`: the median of `rounds` windows of `window_s / rounds`, each round
     timing every run once, so that a moment the host runs slow weighs on one window of each, not on every
-    window of one. Only the first round warms up. A run whose call fills its first window alone (on the
-    slowest rank) keeps that one call, as one window of `window_s` would: the rounds cost the time of one
-    window, not of `rounds` calls that each fill it."""
+    window of one. Only the first round warms up. A call longer than a round's share is timed once a
+    round: `rounds` calls, the median of which leaves out one slow moment as the windows' median does."""
     rounds = max(1, rounds)
     share = window_s / rounds
     samples = [[_seconds_per_call(run, share, device, collective)] for run in runs]
-    slowest = torch.tensor([taken[0] for taken in samples], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank times the same runs: its barriers pair up
-    again = [index for index, seconds in enumerate(slowest.tolist()) if seconds < share]
     for _ in range(rounds - 1):
-        for index in again:
-            samples[index].append(_seconds_per_call(runs[index], share, device, collective, warm_up=False))
+        for index, run in enumerate(runs):
+            samples[index].append(_seconds_per_call(run, share, device, collective, warm_up=False))
     return [statistics.median(taken) for taken in samples]
 
 
