@@ -24,11 +24,11 @@ DTYPES = {2: torch.bfloat16, 4: torch.float32}
 # ones before them run, as in a model: one layer timed alone pays every launch. Qwen2.5-0.5B's layer
 # alone on one H200 ran at 23-77 TFLOP/s for 1,024-4,096 tokens, and the step it priced took 24-56% less.
 ASYNC_PROBE_LAYERS = 4
-# Rounds the compute and sharded-layer probes split each shape's window into, every shape timed once a
-# round, a call longer than the round's share once; the median round is the figure (`_in_rounds`). On 8
-# ranks sharing 2 cores a moment's speed swings: five probes in a row timed GPT's TP-2 layer of 128
-# tokens (the mean over ranks) at 68-115 ms in one window each, at 91-102 ms in three rounds; a
-# calibration whose TP-2 and TP-4 layers were timed once each priced those layouts 10-57% long.
+# Rounds the compute and sharded-layer probes split each shape's window into, every shape timed in every
+# round (a call longer than the round's share: one call a round); the median round is the figure
+# (`_in_rounds`). On 8 ranks sharing 2 cores a moment's speed swings: five probes in a row timed GPT's
+# TP-2 layer of 128 tokens (the mean over ranks) at 70-126 ms with that call timed once, at 68-75 ms in
+# rounds; a calibration whose TP-2 and TP-4 layers were timed once each priced those layouts 10-57% long.
 COMPUTE_ROUNDS = 3
 
 
