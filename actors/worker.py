@@ -159,6 +159,7 @@ class WorkerActor:
                   "loaded_collectives": calibration_probes.loaded_collective_probe,
                   "host_sharing": calibration_probes.host_sharing_probe,
                   "overlap": calibration_probes.overlap_probe, "optimizer": calibration_probes.optimizer_probe,
+                  "libraries": calibration_probes.library_probe,
                   "synchronization": calibration_probes.synchronization_probe}
         return probes[name](**kwargs, device=self._device())
 

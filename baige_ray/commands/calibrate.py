@@ -55,7 +55,9 @@ def describe(calibration, path: str) -> str:
     from baige_ray.planner.calibration import zero_stage_of
 
     lines = [f"calibration {calibration.fingerprint} ({calibration.backend}), kept in {path}",
-             f"  measured in {sum(calibration.seconds.values()):.1f} s: " + ", ".join(calibration.measured_terms())]
+             f"  measured in {sum(calibration.seconds.values()):.1f} s: " + ", ".join(calibration.measured_terms()),
+             "  where the time went: " + ", ".join(f"{phase} {seconds:.1f} s"
+                                                   for phase, seconds in calibration.seconds.items())]
     for fit in sorted(calibration.links.values(), key=lambda f: f.tier):
         kinds = ", ".join(f"{kind} {k.latency_s * 1e6:.0f} us {k.bandwidth / 1e9:.2f} GB/s"
                           for kind, k in sorted(fit.kinds.items()))

@@ -117,6 +117,7 @@ def calibrate(graph: ResourceGraph, request: CalibrationRequest | None = None, *
         # Summed over the calls that built this calibration, like its measured phases.
         seconds = calibration.seconds
         seconds["starting the workers"] = seconds.get("starting the workers", 0.0) + group.start_s
+        seconds["loading libraries"] = seconds.get("loading libraries", 0.0) + _load_libraries(group, request, todo)
         if not _has_fabric(calibration, graph):
             _measure_fabric(group, calibration, request, progress)
         for index, (model, tp) in enumerate(todo):
@@ -125,6 +126,17 @@ def calibrate(graph: ResourceGraph, request: CalibrationRequest | None = None, *
             _measure_compute(group, calibration, model, tp, request)
     save_calibration(calibration, directory)
     return calibration
+
+
+def _load_libraries(group: _ProbeGroup, request: CalibrationRequest, todo: list[tuple[ModelSpec, int]]) -> float:
+    """Seconds the workers take to import what the probes of `todo` use (runtime/calibration_probes.py's
+    `library_probe`), so that each probe's seconds are its measuring."""
+    started = time.perf_counter()
+    own_layers = {model.name: request.model_configs[model.name] for model, _ in todo
+                  if model.name in request.model_configs and not model.is_moe}  # what `_probe_layers` builds
+    group.run("libraries", sources=list(own_layers.values()), tensor_parallel=any(tp > 1 for _, tp in todo),
+              deepspeed=any(tp == 1 for _, tp in todo) and group.graph.num_devices > 1)
+    return time.perf_counter() - started
 
 
 def _has_fabric(calibration: Calibration, graph: ResourceGraph) -> bool:

@@ -8,6 +8,7 @@ run during training. Results are plain numbers; fitting them is the planner's jo
 
 from __future__ import annotations
 
+import importlib
 import statistics
 import time
 from collections.abc import Callable
@@ -103,6 +104,28 @@ def _one_call(run: Callable[[], None], prepare: Callable[[], None] | None, devic
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+# ---- libraries -----------------------------------------------------------------------------------
+
+
+def library_probe(sources: list[Any], tensor_parallel: bool, deepspeed: bool, device: str) -> float:
+    """Seconds this rank takes to import what the probes after it use: torch._dynamo (every optimizer
+    imports it), DTensor's tensor parallelism, DeepSpeed, and each of `sources`' model library (its
+    plug-in builds a layer on the meta device). Every probe would import these on its first call,
+    untimed; loading them first keeps each probe's seconds its measuring: eight processes sharing 2
+    cores took 10-18 s to import transformers, torch._dynamo and DeepSpeed, as long as the measuring."""
+    started = time.perf_counter()
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1, device=device))])  # imports torch._dynamo
+    for needed, module in ((tensor_parallel, "torch.distributed.tensor.parallel"), (deepspeed, "deepspeed")):
+        if needed:
+            importlib.import_module(module)
+    if sources:
+        from baige_ray.models.plugin import plugin_for
+
+        for source in sources:
+            plugin_for(source).build_probe_layers(1, torch.device("meta"))
+    return time.perf_counter() - started
 
 
 # ---- compute -------------------------------------------------------------------------------------

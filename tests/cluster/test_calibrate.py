@@ -27,6 +27,7 @@ def test_calibration_measures_every_tier_is_kept_and_reused(sim_cluster, tmp_pat
     assert 0.0 <= calibration.overlap <= 1.0 and calibration.optimizer_s_per_param > 0
     assert calibration.host_sharing >= 1.0  # eight workers share this machine's cores
     assert calibration.backend == "gloo"
+    assert {"starting the workers", "loading libraries", "links"} <= set(calibration.seconds)
     curves = calibration.curves(MODEL, 2, 312e12)
     assert curves is not None and len(curves[0].tokens) == 2 and min(curves[0].flops_per_s) > 0
     assert calibration.tensor_parallel_included(MODEL, 2, [312e12], LinkTier.NVLINK)  # TP measured through DTensor

@@ -44,3 +44,28 @@ def test_a_calibration_request_refuses_configs_of_models_it_does_not_measure():
     assert CalibrationRequest(models=(spec,), model_configs={spec.name: GPT}).model_configs[spec.name] is GPT
     with pytest.raises(ValueError, match=r"CalibrationRequest.model_configs=\['other'\]"):
         CalibrationRequest(models=(spec,), model_configs={"other": GPT})
+
+
+LIBRARIES_SCRIPT = """
+import sys
+from baige_ray.models.hf import HFModel
+from baige_ray.runtime.calibration_probes import library_probe
+from tests.hf_helpers import llama_config
+
+modeling = "transformers.models.llama.modeling_llama"
+library_probe([], tensor_parallel=False, deepspeed=False, device="cpu")
+assert "torch._dynamo" in sys.modules and "deepspeed" not in sys.modules and modeling not in sys.modules
+assert library_probe([HFModel.from_config(llama_config(), seq_len=16)], tensor_parallel=True, deepspeed=True,
+                     device="cpu") > 0
+assert {"torch.distributed.tensor.parallel", "deepspeed", modeling} <= set(sys.modules)
+"""
+
+
+def test_the_library_probe_imports_what_the_later_probes_use_and_nothing_else():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", LIBRARIES_SCRIPT], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
