@@ -21,7 +21,7 @@ from baige_ray.api.configs import ScalingConfig
 from baige_ray.api.device import DeviceInfo
 from baige_ray.elastic import calls
 from baige_ray.elastic.heartbeats import SILENT, Heartbeats
-from baige_ray.engines.host_allocator import cluster_node_allocators, worker_runtime_env
+from baige_ray.engines.host_allocator import worker_runtime_env
 from baige_ray.parallel.distributed import GroupMembership
 from baige_ray.runtime.resources import worker_bundle
 
@@ -91,7 +91,6 @@ class WorkerPool:
                 raise ValueError("a device share below 1 needs accelerators (real or simulated); this job runs on CPUs")
             bundle[self.resource] = share
         custom = {name: amount for name, amount in bundle.items() if name not in ("CPU", "GPU")}
-        runtime_env = worker_runtime_env(self.scaling.host_allocator, cluster_node_allocators())
         started = []
         for index in range(count):
             name = f"baige-worker:{self.run_name}:{uuid.uuid4().hex[:8]}"
@@ -102,7 +101,7 @@ class WorkerPool:
                 num_cpus=bundle.get("CPU", 0.0),
                 num_gpus=bundle.get("GPU", 0.0),
                 resources=custom,
-                runtime_env=runtime_env,
+                runtime_env=worker_runtime_env(self.scaling.host_allocator),
             ).remote(cpu_niceness=self.scaling.cpu_niceness, snapshot_slots=self.snapshot_slots)
             worker = Worker(actor=actor, name=name, speed=(speeds or [1.0] * count)[index], share=share)
             worker.ready_ref = actor.device_info.remote()

@@ -24,52 +24,53 @@ prices live tensors, not that: use it only with memory to spare. Under either, a
 
 "system" leaves the allocator as the process starts it. A process whose allocator is not glibc's
 (tcmalloc or jemalloc preloaded) ignores these variables.
-
-A worker gets these variables through its actor's `runtime_env`, unless its node already starts every
-worker with them. The Ray nodes baige-ray starts itself (the simulated cluster, `open_cluster`'s local
-instance) do that for the default allocator and carry `HOST_ALLOCATOR_LABEL` to say so. Ray starts an
-actor with a `runtime_env` through `setup_worker.py`, a second interpreter, and cannot hand it a worker
-it prestarted. On the 2 x 4 simulated cluster, 8 workers started in 11.0 s from their nodes' environment
-(2.6 s of CPU each) and in 13.7-17.7 s through a `runtime_env` (3.1-4.0 s each).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Collection
 
 import psutil
 
-from baige_ray.allocator_env import HOST_ALLOCATOR_LABEL, allocator_env_vars
+from baige_ray.api.configs import HOST_ALLOCATORS
 
 # Below this share of the host's memory available, a worker hands its cached free memory back.
 MIN_AVAILABLE_FRACTION = 0.1
 
+_MMAP_THRESHOLD = 32 << 20  # the most glibc accepts
+_NEVER_TRIM = str(2**62)
+_GLIBC = {
+    "cached": {
+        "MALLOC_ARENA_MAX": "1",  # the actor's method thread shares the main arena
+        "MALLOC_MMAP_THRESHOLD_": str(_MMAP_THRESHOLD),  # fixed: glibc's own moves with the blocks freed
+        "MALLOC_TRIM_THRESHOLD_": _NEVER_TRIM,
+        "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",  # mapped blocks ask for transparent huge pages
+    },
+    "retain": {
+        "MALLOC_ARENA_MAX": "1",
+        "MALLOC_MMAP_MAX_": "0",  # large blocks come from the heap too, and go back to it when freed
+        "MALLOC_TRIM_THRESHOLD_": _NEVER_TRIM,
+    },
+    "system": {},
+}
 
-def cluster_node_allocators() -> set[str | None]:
-    """The host allocator each live node of the connected cluster starts its workers with (its
-    `HOST_ALLOCATOR_LABEL`; None for a node started without one)."""
-    import ray
 
-    return {node.get("Labels", {}).get(HOST_ALLOCATOR_LABEL) for node in ray.nodes() if node.get("Alive")}
+def allocator_env_vars(host_allocator: str) -> dict[str, str]:
+    """The environment a worker process starts with for `host_allocator` (glibc reads it at start-up,
+    so it cannot be set from inside a running actor)."""
+    if host_allocator not in HOST_ALLOCATORS:
+        raise ValueError(f"host_allocator={host_allocator!r} is invalid: expected one of {HOST_ALLOCATORS}")
+    env_vars = dict(_GLIBC[host_allocator])
+    own_tunables = os.environ.get("GLIBC_TUNABLES")
+    if own_tunables and "GLIBC_TUNABLES" in env_vars:  # add to the tunables this process was given
+        env_vars["GLIBC_TUNABLES"] = f"{own_tunables}:{env_vars['GLIBC_TUNABLES']}"
+    return env_vars
 
 
-def worker_runtime_env(host_allocator: str, node_allocators: Collection[str | None] = (None,)) -> dict | None:
-    """Ray's `runtime_env` for a worker actor (merged with the job's own), or None to inherit the job's
-    and its node's environment: where every node (`node_allocators`, `cluster_node_allocators()`) starts
-    its workers with `host_allocator`'s, or it sets nothing."""
+def worker_runtime_env(host_allocator: str) -> dict | None:
+    """Ray's `runtime_env` for a worker actor (merged with the job's own), or None to inherit the job's."""
     env_vars = allocator_env_vars(host_allocator)
-    if set(node_allocators) == {host_allocator}:
-        return None
-    node_set = set(node_allocators) - {None, "system"}  # nodes whose environment sets an allocator
-    if node_set and not env_vars:  # glibc's own behaviour cannot be brought back by setting variables
-        raise ValueError(f"ScalingConfig.host_allocator={host_allocator!r} is invalid on this cluster: its nodes "
-                         f"start every worker with the {sorted(node_set)} allocator's environment (node label "
-                         f"{HOST_ALLOCATOR_LABEL}); expected one of {sorted(node_set)}, or nodes started "
-                         "without that environment")
-    if node_set and "GLIBC_TUNABLES" not in env_vars:  # not the nodes' tunables either
-        env_vars["GLIBC_TUNABLES"] = os.environ.get("GLIBC_TUNABLES", "")
     return {"env_vars": env_vars} if env_vars else None
 
 

@@ -18,7 +18,7 @@ from baige_ray.actors.worker import WorkerActor
 from baige_ray.api.configs import ScalingConfig
 from baige_ray.api.device import DeviceInfo
 from baige_ray.api.errors import ClusterError, WorkerError
-from baige_ray.engines.host_allocator import cluster_node_allocators, worker_runtime_env
+from baige_ray.engines.host_allocator import worker_runtime_env
 from baige_ray.parallel.distributed import GroupMembership
 from baige_ray.planner.materialize import MaterializedPlan
 from baige_ray.runtime.resources import choose_device_resource, worker_bundle
@@ -69,14 +69,13 @@ class WorkerGroup:
             # The planner's bundles carry their own CPU share; the actor takes what its bundle holds.
             bundle = dict(self._placement.layout.groups[0].bundles[0])
             custom = {}
-        runtime_env = worker_runtime_env(self.scaling.host_allocator, cluster_node_allocators())
         return [
             remote_cls.options(
                 num_cpus=bundle.get("CPU", 0.0),
                 num_gpus=bundle.get("GPU", 0.0),
                 resources=custom,
                 scheduling_strategy=self._scheduling_strategy(index),
-                runtime_env=runtime_env,
+                runtime_env=worker_runtime_env(self.scaling.host_allocator),
             ).remote(cpu_niceness=self.scaling.cpu_niceness)
             for index in range(self.scaling.num_workers)
         ]

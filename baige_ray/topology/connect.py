@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -11,7 +10,6 @@ from pathlib import Path
 
 import ray
 
-from baige_ray.allocator_env import node_environment
 from baige_ray.api.connection import connect_ray
 from baige_ray.constants import ray_address
 from baige_ray.topology.descriptor import ClusterDescriptor, load_descriptor
@@ -53,12 +51,10 @@ def open_cluster(
         return
     if descriptor is None:
         # address="local": start a fresh instance even if another `ray start` runs on this machine.
-        node = node_environment()
-        with _started_with(node["env_vars"]):  # ray.init passes this process's environment to its node
-            context = ray.init(
-                address="local", num_cpus=local_num_cpus, num_gpus=local_num_gpus, logging_level=logging.WARNING,
-                log_to_driver=log_to_driver, labels=node["labels"],
-            )
+        context = ray.init(
+            address="local", num_cpus=local_num_cpus, num_gpus=local_num_gpus, logging_level=logging.WARNING,
+            log_to_driver=log_to_driver,
+        )
         try:
             yield ClusterSession(address=context.address_info["address"], simulated=False, descriptor=None)
         finally:
@@ -66,18 +62,3 @@ def open_cluster(
         return
     with SimulatedCluster(descriptor, log_to_driver=log_to_driver) as cluster:
         yield ClusterSession(address=cluster.address, simulated=True, descriptor=descriptor)
-
-
-@contextmanager
-def _started_with(env_vars: dict[str, str]) -> Iterator[None]:
-    """This process's environment with `env_vars` set while the block starts processes, as it was after."""
-    before = {name: os.environ.get(name) for name in env_vars}
-    os.environ.update(env_vars)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value

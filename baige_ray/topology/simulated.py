@@ -16,7 +16,6 @@ import ray
 from ray.cluster_utils import Cluster
 
 from baige_ray.accelerator import spec_for
-from baige_ray.allocator_env import node_environment
 from baige_ray.topology.descriptor import ClusterDescriptor, NodeType
 
 NODE_INDEX_RESOURCE = "baige_node_{index}"
@@ -44,7 +43,6 @@ def node_args(node_type: NodeType, index: int, cpus_per_device: float) -> dict:
         "num_cpus": max(1, int(node_type.num_devices * cpus_per_device) + 1),
         "object_store_memory": _OBJECT_STORE_BYTES,
         "resources": resources,
-        **node_environment(),  # its workers start with the default host allocator, no runtime_env needed
     }
     if accelerator.ray_resource == "GPU":
         args["num_gpus"] = node_type.num_devices

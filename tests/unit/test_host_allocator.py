@@ -59,17 +59,6 @@ def test_system_allocator_leaves_the_job_environment_alone():
         allocator_env_vars("tcmalloc")
 
 
-def test_workers_inherit_the_allocator_their_nodes_start_them_with(monkeypatch):
-    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
-    assert worker_runtime_env("cached", {"cached"}) is None  # the nodes baige-ray starts
-    assert worker_runtime_env("cached", {"cached", None})["env_vars"] == allocator_env_vars("cached")
-    retain = worker_runtime_env("retain", {"cached"})["env_vars"]
-    assert retain["MALLOC_MMAP_MAX_"] == "0" and retain["GLIBC_TUNABLES"] == ""  # not the nodes' huge pages
-    with pytest.raises(ValueError, match="host_allocator='system'.*baige-ray.io/host-allocator"):
-        worker_runtime_env("system", {"cached"})
-    assert worker_runtime_env("system", {None, "system"}) is None
-
-
 def test_cached_memory_is_given_back_only_when_the_host_runs_short():
     assert give_back_under_pressure(min_available_fraction=0.0) is False
     assert give_back_under_pressure(min_available_fraction=1.01) is True

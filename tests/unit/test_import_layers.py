@@ -17,7 +17,7 @@ SOURCES = {"baige_ray": ROOT / "baige_ray", "baige_ray.actors": ROOT / "actors",
 
 # Bottom first. A folder may import its own layer and those below it.
 LAYERS = (
-    ("api", "constants", "accelerator", "allocator_env", "failpoints"),
+    ("api", "constants", "accelerator", "failpoints"),
     ("parallel",),
     ("policies",),
     ("topology",),
