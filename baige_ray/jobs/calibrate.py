@@ -88,6 +88,14 @@ def zero_stages_measured(tp: int) -> tuple[int, ...]:
     return (1, 2, 3) if tp == 1 else (3,)
 
 
+def sharding_engine(tp: int, num_devices: int) -> str | None:
+    """The engine whose ZeRO cost calibration measures at TP degree `tp` over every device outside the TP
+    group (auto_plan.layout_from_plan): DeepSpeed without TP, FSDP2 beside it; None without such devices."""
+    if num_devices // tp <= 1:
+        return None
+    return "deepspeed" if tp == 1 else "fsdp2"
+
+
 def missing_compute(calibration: Calibration | None, graph: ResourceGraph,
                     request: CalibrationRequest) -> list[tuple[ModelSpec, int]]:
     """(model, tp) pairs whose curves the calibration lacks for some chip of the graph."""
@@ -135,7 +143,7 @@ def _load_libraries(group: _ProbeGroup, request: CalibrationRequest, todo: list[
     own_layers = {model.name: request.model_configs[model.name] for model, _ in todo
                   if model.name in request.model_configs and not model.is_moe}  # what `_probe_layers` builds
     group.run("libraries", sources=list(own_layers.values()), tensor_parallel=any(tp > 1 for _, tp in todo),
-              deepspeed=any(tp == 1 for _, tp in todo) and group.graph.num_devices > 1)
+              deepspeed=any(sharding_engine(tp, len(group.positions)) == "deepspeed" for _, tp in todo))
     return time.perf_counter() - started
 
 
@@ -259,14 +267,15 @@ def _measure_compute(group: _ProbeGroup, calibration: Calibration, model: ModelS
                         window_s=request.compute_window_s, source=source)
     dp = len(group.positions) // tp
     sharded = None
-    if dp > 1:  # ZeRO over every device outside the TP group, on the engine that runs it (auto_plan.layout_from_plan)
+    engine = sharding_engine(tp, len(group.positions))
+    if engine is not None:
         # The engines run ZeRO without pipelines, so a micro-batch is at most a replica's share of the batch:
         # the largest such is timed, in rounds. What sharding adds is mostly the weights' and gradients'
         # traffic, which does not grow with the micro-batch: one shape timed three times prices it better
         # than two shapes timed once each, at about the same cost.
         sharded_batch = max([b for b in batches if b <= max(1, model.global_batch // dp)] or batches[:1])
         sharded = group.run("sharded_layer", spec=dataclasses.asdict(model), tp=tp, micro_batches=[sharded_batch],
-                            window_s=request.compute_window_s, engine="deepspeed" if tp == 1 else "fsdp2",
+                            window_s=request.compute_window_s, engine=engine,
                             source=source, zero_stages=zero_stages_measured(tp))
     profile_of_rank = group.graph.devices.profile[group.positions]
     key = shape_key(model, tp)
