@@ -8,6 +8,7 @@ run during training. Results are plain numbers; fitting them is the planner's jo
 
 from __future__ import annotations
 
+import gc
 import importlib
 import statistics
 import time
@@ -125,6 +126,10 @@ def library_probe(sources: list[Any], tensor_parallel: bool, deepspeed: bool, de
 
         for source in sources:
             plugin_for(source).build_probe_layers(1, torch.device("meta"))
+    # What the imports made lives as long as the process: the full collections DeepSpeed asks for while it
+    # builds an engine then scan only what the probes made (one scanned 403,000 objects in 0.9 s, 8 ranks
+    # on 2 cores).
+    gc.freeze()
     return time.perf_counter() - started
 
 

@@ -58,6 +58,8 @@ assert "torch._dynamo" in sys.modules and "deepspeed" not in sys.modules and mod
 assert library_probe([HFModel.from_config(llama_config(), seq_len=16)], tensor_parallel=True, deepspeed=True,
                      device="cpu") > 0
 assert {"torch.distributed.tensor.parallel", "deepspeed", modeling} <= set(sys.modules)
+import gc
+assert gc.get_freeze_count() > 100_000  # the imports' objects: a full collection no longer scans them
 """
 
 
