@@ -30,19 +30,22 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch-$(TORCH_VERSION)
 
 # The unit tier's tests share nothing, so they run on one process per core (pytest-xdist); the Ray
 # tiers run in one process, one Ray session per tier (tests/conftest.py), their clusters shared.
+# Each tier writes a JUnit report under TEST_REPORTS: `.ci/test_report.py` reads them to say where the
+# time went (each tier's time, the ten slowest tests, the costliest modules).
 UNIT_PROCESSES ?= auto
+TEST_REPORTS ?= build/test-reports
 
 test: install
-	$(PY) -m pytest tests/unit -n $(UNIT_PROCESSES) $(PYTEST_ARGS)
-	$(PY) -m pytest tests/ray tests/cluster $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit -n $(UNIT_PROCESSES) --junitxml=$(TEST_REPORTS)/unit.xml $(PYTEST_ARGS)
+	$(PY) -m pytest tests/ray tests/cluster --junitxml=$(TEST_REPORTS)/ray-and-cluster.xml $(PYTEST_ARGS)
 
 test-unit: install
-	$(PY) -m pytest tests/unit -n $(UNIT_PROCESSES) $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit -n $(UNIT_PROCESSES) --junitxml=$(TEST_REPORTS)/unit.xml $(PYTEST_ARGS)
 
 # A 3-minute `bench soak` under #33's bounds, on a simulated cluster of its own (about 6 minutes: the
 # soak, its fault-free run, starting the cluster, Serve and the job). CI's stage after `make test`.
 test-soak: install
-	$(PY) -m pytest tests/soak $(PYTEST_ARGS)
+	$(PY) -m pytest tests/soak --junitxml=$(TEST_REPORTS)/soak.xml $(PYTEST_ARGS)
 
 # DEMO_ARGS=--verbose shows Ray's and Serve's own logs too.
 demo: install
