@@ -2,7 +2,7 @@
 
 The tiny Qwen2 of tests/hf_helpers.py, its head tied to its input embedding and its attention with QKV
 biases, on the simulated 4x2 cluster (next to test_elastic_nodes.py, so the cluster is started once for
-both). Each faulty run is compared with its fault-free twin.
+both). Each faulty run is compared with one process training the same steps, not with a second elastic run.
 """
 
 from __future__ import annotations
@@ -46,6 +46,30 @@ def final_weights(result) -> dict[str, torch.Tensor]:
     return ray.get(result.final_state)["model"]
 
 
+# FSDP2 over 2 or 4 ranks sums gradients in another order than one process does, and Adam carries that
+# rounding forward: the recovered FSDP2 runs here end 6e-7 (4 ranks, 10 steps) and 8e-6 (2 ranks, 30 steps)
+# from one process (key biases aside, below).
+# A step trained twice, skipped, or restored from a stale shard moves the weights by 1e-3 or more.
+ONE_PROCESS_RTOL = 1e-4
+
+
+def assert_agrees_with_one_process(final: dict[str, torch.Tensor], tiny, num_steps: int) -> None:
+    """`final` against the weights one process holding the whole model and batch trains in `num_steps`
+    steps of elastic_hf_run's problem: far cheaper than a fault-free twin of the elastic run."""
+    one_process = build_engine(hf_train_job(tiny, elastic_hf_train(num_steps)), ParallelLayout())
+    for step in range(num_steps):
+        one_process.train_step(step)
+    expected = one_process.export_state()["model"]
+    assert final.keys() == expected.keys()
+    # A key bias adds the same score to every key of a query, which softmax ignores: its gradient is zero but
+    # for rounding, which Adam scales to full-size steps in whatever order the sum took.
+    differences = {name: relative_difference(final[name], expected[name]) for name in expected
+                   if not name.endswith("k_proj.bias")}
+    worst = max(differences.items(), key=lambda item: item[1])
+    print("largest relative difference from one process:", worst)
+    assert worst[1] <= ONE_PROCESS_RTOL, worst
+
+
 def test_a_crashed_fsdp2_worker_is_restored_from_the_shards_it_left_in_shared_memory(tiny, tmp_path):
     """Under FSDP2 each rank snapshots only its own shards, to its shelf in node shared memory: the
     crashed rank's shards are read from there by a peer on its node (no replica: replicate_every=0)."""
@@ -57,11 +81,7 @@ def test_a_crashed_fsdp2_worker_is_restored_from_the_shards_it_left_in_shared_me
     # The crash comes as step 6 begins, while the rank still copies step 5: its whole snapshot is step 4's.
     assert len(result.recoveries) == 1 and result.recoveries[0]["lost_steps"] <= 2
     assert not run_shelves("elastic-hf-fsdp2").exists()  # the run's shelves go with it
-    reference = elastic_hf_run("elastic-hf-fsdp2-reference", tmp_path, tiny, num_workers=4, num_steps=10,
-                               elastic=elastic, layout=layout).wait()
-    final, expected = final_weights(result), final_weights(reference)
-    for name in expected:
-        assert torch.equal(final[name], expected[name]), name
+    assert_agrees_with_one_process(final_weights(result), tiny, num_steps=10)
 
 
 def test_every_worker_killed_on_live_hosts_is_restored_from_the_shelves_by_readers_started_there(tiny, tmp_path):
@@ -155,9 +175,8 @@ def test_a_hf_job_whose_hosts_lose_every_worker_and_their_memory_resumes_from_it
     result = job.wait()
     assert "restored persisted step" in (tmp_path / "elastic-hf-all-lost" / "events.jsonl").read_text()
     assert [m.step for m in result.metrics] == list(range(num_steps)), "steps after the checkpoint are redone once each"
-    reference = elastic_hf_run("elastic-hf-all-lost-reference", tmp_path, tiny, num_workers=2, num_steps=num_steps,
-                               elastic=ElasticConfig(num_spares=0), layout=layout).wait()
-    final, expected = final_weights(result), final_weights(reference)
+    final = final_weights(result)
     assert "model.layers.0.mlp.gate_proj.weight" in final
-    for name in expected:  # the persisted state is exact and the world size the same: bitwise
-        assert torch.equal(final[name], expected[name]), name
+    # That the persisted state resumes bitwise is the unit tier's (test_checkpoint_resume.py); here, that it
+    # was this run's latest checkpoint that resumed it and that nothing was trained twice or skipped.
+    assert_agrees_with_one_process(final, tiny, num_steps=num_steps)

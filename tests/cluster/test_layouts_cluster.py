@@ -17,7 +17,7 @@ from ..helpers import at_full_speed, reference_losses, worker_group
 
 JOB = TrainJob(
     model=GPTConfig(seq_len=32, num_layers=4, num_heads=4, hidden=64),
-    train=TrainConfig(num_steps=20, global_batch_size=16, warmup_steps=3, seed=11),
+    train=TrainConfig(num_steps=8, global_batch_size=16, warmup_steps=3, seed=11),
     data=CorpusConfig(max_bytes=1 << 20),
 )
 RUN = RunConfig(show_progress=False)

@@ -27,7 +27,7 @@ from baige_ray.parallel.state import merge_states
 from ..helpers import at_full_speed, worker_group
 from ..hf_helpers import SEQ_LEN, build_tiny_hf, plain_transformers_losses, qwen2_tied_config
 
-TRAIN = TrainConfig(num_steps=20, global_batch_size=8, warmup_steps=3, seed=5)
+TRAIN = TrainConfig(num_steps=8, global_batch_size=8, warmup_steps=3, seed=5)
 RUN = RunConfig(show_progress=False)
 LAYOUTS = {
     "DP4": ParallelLayout(dp=4),

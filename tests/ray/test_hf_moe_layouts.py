@@ -22,7 +22,7 @@ from baige_ray.parallel.state import merge_states
 from ..helpers import at_full_speed, worker_group
 from ..hf_helpers import SEQ_LEN, build_tiny_hf, mixtral_config, plain_transformers_losses
 
-TRAIN = TrainConfig(num_steps=20, global_batch_size=8, micro_batch_size=2, warmup_steps=2, seed=4)
+TRAIN = TrainConfig(num_steps=8, global_batch_size=8, micro_batch_size=2, warmup_steps=2, seed=4)
 RUN = RunConfig(show_progress=False)
 LAYOUTS = {  # experts held whole (no EP): tests/unit/test_hf_moe.py, logits and router loss against transformers
     "DP4xEP4": ParallelLayout(dp=4, ep=4),

@@ -23,7 +23,7 @@ from ..helpers import at_full_speed, reference_losses, worker_group
 MODEL = GPTConfig(seq_len=16, hidden=32, num_layers=2, num_heads=4,
                   moe=MoEConfig(num_experts=4, top_k=2, num_shared_experts=1, aux_loss_coef=0.05,
                                 overlap_shared_experts=True))
-TRAIN = TrainConfig(num_steps=20, global_batch_size=8, micro_batch_size=2, warmup_steps=2, seed=3)
+TRAIN = TrainConfig(num_steps=8, global_batch_size=8, micro_batch_size=2, warmup_steps=2, seed=3)
 JOB = TrainJob(model=MODEL, train=TRAIN)
 RUN = RunConfig(show_progress=False)
 LAYOUTS = {
