@@ -3,7 +3,9 @@
 Tiers follow directories: tests/unit (no Ray), tests/ray (a local Ray with fake
 GPUs), tests/cluster (the simulated 2x4 multi-node cluster). One Ray session is
 alive at a time: each tier's fixture opens its session once and closes the
-other tier's. With RAY_ADDRESS set, both Ray tiers use the user's cluster.
+other tier's. With RAY_ADDRESS set, both Ray tiers use the user's cluster. `make test` runs tests/ray and
+tests/cluster in two pytest processes side by side, each with its own Ray sessions: `--dashboard-port`
+gives the second its own dashboard (the state API the tests read lives there).
 Serve, once a module starts it, stays up for the later modules of the session
 (each deletes the applications it made): serve() joins a running Serve on its
 proxy's port, and starting Serve again costs seconds each module.
@@ -22,6 +24,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SIM_2X4 = REPO_ROOT / "clusters" / "sim-2x4.yaml"
 SIM_4X2 = REPO_ROOT / "clusters" / "sim-4x2.yaml"
 _TIERS = ("unit", "ray", "cluster")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--dashboard-port", type=int, default=None,
+                     help="the dashboard port of the Ray sessions these tests start (default: Ray's, 8265)")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -52,7 +59,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 class RaySessions:
     """Holds the one open Ray session and which tier opened it."""
 
-    def __init__(self) -> None:
+    def __init__(self, dashboard_port: int | None = None) -> None:
+        self.dashboard_port = dashboard_port
         self.kind: str | None = None
         self.session = None
         self._stack = ExitStack()
@@ -62,7 +70,8 @@ class RaySessions:
 
         if self.kind != kind:
             self.close()
-            self.session = self._stack.enter_context(open_cluster(**open_cluster_args))
+            self.session = self._stack.enter_context(open_cluster(dashboard_port=self.dashboard_port,
+                                                                  **open_cluster_args))
             self.kind = kind
         return self.session
 
@@ -88,8 +97,8 @@ def _own_calibration_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def ray_sessions():
-    sessions = RaySessions()
+def ray_sessions(request):
+    sessions = RaySessions(request.config.getoption("--dashboard-port"))
     yield sessions
     sessions.close()
 

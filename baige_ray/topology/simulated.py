@@ -58,6 +58,7 @@ class SimulatedCluster:
     descriptor: ClusterDescriptor
     cpus_per_device: float = 1.0
     log_to_driver: bool = True  # False: workers' stdout and stderr stay in Ray's log files
+    dashboard_port: int | None = None  # None: Ray's default (8265); another cluster on this machine needs its own
     _cluster: Cluster | None = None
     _worker_nodes: dict[int, Any] = field(default_factory=dict)
     # The running instance, so tests sharing one cluster through a fixture can grow and shrink it.
@@ -70,6 +71,8 @@ class SimulatedCluster:
     def start(self) -> SimulatedCluster:
         node_types = self.descriptor.node_type_sequence()
         head_args = node_args(node_types[0], 0, self.cpus_per_device)
+        if self.dashboard_port is not None:
+            head_args["dashboard_port"] = self.dashboard_port
         self._cluster = Cluster(initialize_head=True, head_node_args=head_args)
         for index, node_type in enumerate(node_types[1:], start=1):
             self._worker_nodes[index] = self._cluster.add_node(
