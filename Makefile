@@ -29,16 +29,18 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch-$(TORCH_VERSION)
 	touch $@
 
 # The unit tier's tests share nothing, so they run on one process per core (pytest-xdist). The Ray
-# tiers run as two pytest processes side by side, tests/ray (a local Ray) and tests/cluster (the simulated
-# clusters), each with its own Ray sessions and dashboard port: a quarter of tests/ray's time is spent
-# waiting (Serve and vLLM starting, requests, polls) and tests/cluster fills it. RAY_TIER_LANES=1 runs
-# them one after the other in one process. tests/cluster's output is printed when both have ended.
+# tiers run as two pytest processes side by side, each with its own Ray sessions and dashboard port: the
+# local Ray's (tests/ray) and the simulated clusters' (tests/cluster, and the docs' snippets, which run on a
+# simulated cluster of their own). A quarter of tests/ray's time is spent waiting (Serve and vLLM
+# starting, requests, polls) and the other lane fills it. RAY_TIER_LANES=1 runs them one after the other
+# in one process. The simulated clusters' output is printed when both lanes have ended.
 # Each tier writes a JUnit report under TEST_REPORTS: `.ci/test_report.py` reads them to say where the
 # time went (each tier's time, the ten slowest tests, the costliest modules).
 UNIT_PROCESSES ?= auto
 TEST_REPORTS ?= build/test-reports
 RAY_TIER_LANES ?= 2
 CLUSTER_DASHBOARD_PORT ?= 8266
+DOCS_SNIPPETS := tests/ray/test_docs_snippets.py
 
 test: install
 	$(PY) -m pytest tests/unit -n $(UNIT_PROCESSES) --junitxml=$(TEST_REPORTS)/unit.xml $(PYTEST_ARGS)
@@ -46,11 +48,12 @@ ifeq ($(RAY_TIER_LANES),1)
 	$(PY) -m pytest tests/ray tests/cluster --junitxml=$(TEST_REPORTS)/ray-and-cluster.xml $(PYTEST_ARGS)
 else
 	@mkdir -p $(TEST_REPORTS)
-	@$(PY) -m pytest tests/cluster --dashboard-port=$(CLUSTER_DASHBOARD_PORT) --junitxml=$(TEST_REPORTS)/cluster.xml \
-		$(PYTEST_ARGS) > $(TEST_REPORTS)/cluster.log 2>&1 & cluster=$$!; \
-	$(PY) -m pytest tests/ray --junitxml=$(TEST_REPORTS)/ray.xml $(PYTEST_ARGS); ray_status=$$?; \
-	wait $$cluster; cluster_status=$$?; \
-	echo "== tests/cluster, run beside tests/ray (exit $$cluster_status):"; cat $(TEST_REPORTS)/cluster.log; \
+	@$(PY) -m pytest tests/cluster $(DOCS_SNIPPETS) --dashboard-port=$(CLUSTER_DASHBOARD_PORT) \
+		--junitxml=$(TEST_REPORTS)/cluster.xml $(PYTEST_ARGS) > $(TEST_REPORTS)/cluster.log 2>&1 & cluster=$$!; \
+	$(PY) -m pytest tests/ray --ignore=$(DOCS_SNIPPETS) --junitxml=$(TEST_REPORTS)/ray.xml $(PYTEST_ARGS); \
+	ray_status=$$?; wait $$cluster; cluster_status=$$?; \
+	echo "== tests/cluster and $(DOCS_SNIPPETS), run beside tests/ray (exit $$cluster_status):"; \
+	cat $(TEST_REPORTS)/cluster.log; \
 	test $$ray_status -eq 0 && test $$cluster_status -eq 0
 endif
 

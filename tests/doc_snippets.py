@@ -61,6 +61,7 @@ from baige_ray.topology.simulated import SimulatedCluster
 
 pages, workdir, repo = json.loads(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 PAGE_LIMIT_S = int(sys.argv[4])
+DASHBOARD_PORT = json.loads(sys.argv[5])  # None: Ray's default
 
 
 def too_long(signum, frame):
@@ -68,7 +69,7 @@ def too_long(signum, frame):
 
 
 signal.signal(signal.SIGALRM, too_long)
-cluster = SimulatedCluster(load_descriptor(repo / "clusters" / "sim-2x4.yaml")).start()
+cluster = SimulatedCluster(load_descriptor(repo / "clusters" / "sim-2x4.yaml"), dashboard_port=DASHBOARD_PORT).start()
 ray.shutdown()  # the cluster stays; each page joins it as its own driver
 os.environ["RAY_ADDRESS"] = cluster.address
 os.environ["RAY_AUTH_MODE"] = "disabled"  # a simulated cluster asks for no token, whatever ~/.ray holds
@@ -100,15 +101,16 @@ sys.exit(1 if failed else 0)
 """
 
 
-def run_pages(pages: list[Path], workdir: Path, *, page_limit_s: int = 180,
-              timeout_s: float = 1200) -> subprocess.CompletedProcess:
-    """Run each page's blocks, page after page, in one new interpreter beside one simulated cluster; the
-    output says `=== PAGE: ok in Ns` or `=== PAGE: FAILED` with the traceback, page by page. A page
-    running past `page_limit_s` fails with a TimeoutError and the next one runs."""
+def run_pages(pages: list[Path], workdir: Path, *, page_limit_s: int = 300, timeout_s: float = 1200,
+              dashboard_port: int | None = None) -> subprocess.CompletedProcess:
+    """Run each page's blocks, page after page, in one new interpreter beside one simulated cluster (its
+    dashboard on `dashboard_port`, Ray's default when None); the output says `=== PAGE: ok in Ns` or
+    `=== PAGE: FAILED` with the traceback, page by page. A page running past `page_limit_s` fails with a
+    TimeoutError and the next one runs."""
     scripts = [(str(page.relative_to(REPO_ROOT)), page_script(page)) for page in pages]
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     return subprocess.run([sys.executable, "-c", SHARED_RUNNER, json.dumps(scripts), str(workdir), str(REPO_ROOT),
-                           str(page_limit_s)],
+                           str(page_limit_s), json.dumps(dashboard_port)],
                           cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout_s)
 

@@ -56,3 +56,10 @@ def _use_token_auth() -> None:
         os.environ["RAY_AUTH_MODE"] = "token"
         return
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def state_api_address() -> str:
+    """The address that points Ray's state API (`ray.util.state`) at the cluster this process is
+    connected to. Without one the state API looks for a Ray instance on this machine and fails (or reads
+    the wrong one) where several run: two simulated clusters, a test suite beside a `ray start`."""
+    return ray.get_runtime_context().gcs_address

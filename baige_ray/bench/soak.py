@@ -345,9 +345,11 @@ class _MemorySampler:
         import psutil
         from ray.util.state import list_actors
 
+        from baige_ray.api.connection import state_api_address
+
         members = self.members()
         rss = {}
-        for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000):
+        for actor in list_actors(address=state_api_address(), filters=[("state", "=", "ALIVE")], limit=10_000):
             try:
                 rss[actor.pid] = (actor.class_name, psutil.Process(actor.pid).memory_info().rss)
             except (psutil.NoSuchProcess, psutil.AccessDenied):

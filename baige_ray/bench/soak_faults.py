@@ -120,8 +120,10 @@ class FaultInjector:
     def _kill_controller(self, fault: ScheduledFault) -> dict[str, Any]:
         from ray.util.state import list_actors
 
+        from baige_ray.api.connection import state_api_address
+
         name = f"baige-controller:{self.run_name}"
-        alive = list_actors(filters=[("name", "=", name), ("state", "=", "ALIVE")])
+        alive = list_actors(address=state_api_address(), filters=[("name", "=", name), ("state", "=", "ALIVE")])
         if not alive:
             raise RuntimeError(f"no live controller named {name!r} to kill")
         pid = alive[0].pid

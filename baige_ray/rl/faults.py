@@ -69,6 +69,8 @@ def live_replica_pids(app_name: str, on_node: str | None = None) -> list[int]:
     none (this node's Ray state API: the test clusters' processes all run here)."""
     from ray.util.state import list_actors
 
-    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
+    from baige_ray.api.connection import state_api_address
+
+    actors = list_actors(address=state_api_address(), filters=[("state", "=", "ALIVE")], limit=10_000)
     return sorted(a.pid for a in actors if a.class_name.startswith(f"ServeReplica:{app_name}:")
                   and (on_node is None or a.node_id == on_node))

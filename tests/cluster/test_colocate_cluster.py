@@ -26,6 +26,7 @@ import ray.util.state
 import baige_ray as br
 from baige_ray.actors.arbiter import ArbiterConfig, ArbiterLoop, JobTrainingSide, start_pool_arbiter
 from baige_ray.actors.serving_sides import ServeServingSide
+from baige_ray.api.connection import state_api_address
 from baige_ray.api.elastic import ElasticConfig
 from baige_ray.jobs.launch import launch
 from baige_ray.ops.events import EventLog
@@ -125,7 +126,7 @@ def test_a_killed_arbiter_is_restarted_on_the_head_node_and_arbitrates_again(job
                 pass
             assert time.monotonic() < deadline, "the arbiter did not come back"
             time.sleep(0.2)
-        node = ray.util.state.get_actor(arbiter._actor_id.hex()).node_id
+        node = ray.util.state.get_actor(arbiter._actor_id.hex(), address=state_api_address()).node_id
         assert node == head_node_id()
         kinds = [json.loads(line)["kind"] for line in (tmp_path / "arbiter.jsonl").read_text().splitlines()]
         assert kinds[0] == "start" and "arbiter_restart" in kinds and after["last_decision"]["action"] == "hold"

@@ -12,6 +12,7 @@ import pytest
 import ray
 from ray.util.state import get_actor
 
+from baige_ray.api.connection import state_api_address
 from baige_ray.rl.rollout_source import start_board
 from baige_ray.serving.registry import get_or_create_registry
 from baige_ray.topology.head import head_node_id
@@ -29,7 +30,8 @@ def test_bookkeeping_actors_start_on_the_head_node(sim_cluster):
     try:
         ray.get([actor.__ray_ready__.remote() for actor in actors])
         head = head_node_id()
-        assert [get_actor(actor._actor_id.hex()).node_id == head for actor in actors] == [True] * len(actors)
+        assert [get_actor(actor._actor_id.hex(), address=state_api_address()).node_id == head
+                for actor in actors] == [True] * len(actors)
     finally:
         for actor in actors:
             ray.kill(actor)

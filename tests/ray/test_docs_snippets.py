@@ -20,8 +20,8 @@ def no_shared_ray_session(ray_sessions):
 
 
 @pytest.mark.timeout(1260)
-def test_every_snippet_of_the_readme_and_the_docs_runs(tmp_path):
-    done = run_pages(PAGES, tmp_path)
+def test_every_snippet_of_the_readme_and_the_docs_runs(tmp_path, ray_sessions):
+    done = run_pages(PAGES, tmp_path, dashboard_port=ray_sessions.dashboard_port)
     outcomes = dict(re.findall(r"^=== (\S+): (ok|FAILED)", done.stdout, re.M))
     names = [str(page.relative_to(REPO_ROOT)) for page in PAGES]
     assert done.returncode == 0 and all(outcomes.get(name) == "ok" for name in names), \
