@@ -28,33 +28,31 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch-$(TORCH_VERSION)
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
-# The unit tier's tests share nothing, so they run on one process per core (pytest-xdist). The Ray
-# tiers run as two pytest processes side by side, each with its own Ray sessions and dashboard port: the
-# local Ray's (tests/ray) and the simulated clusters' (tests/cluster, and the docs' snippets, which run on a
-# simulated cluster of their own). A quarter of tests/ray's time is spent waiting (Serve and vLLM
-# starting, requests, polls) and the other lane fills it. RAY_TIER_LANES=1 runs them one after the other
-# in one process. The simulated clusters' output is printed when both lanes have ended.
+# The unit tier's tests share nothing, so they run on one process per core (pytest-xdist). The Ray tiers
+# run in one process, one Ray session per tier (tests/conftest.py), their clusters shared. RAY_TIER_LANES=2
+# runs tests/ray and tests/cluster as two pytest processes side by side instead, each with its own Ray
+# sessions and dashboard port, the second's output printed when both have ended: worth it with cores to
+# spare, not on 2 cores, where one lane already keeps the CPU 84% busy (2026-12-06: the two lanes took
+# 34.5 min, one lane about as long with the same tests).
 # Each tier writes a JUnit report under TEST_REPORTS: `.ci/test_report.py` reads them to say where the
 # time went (each tier's time, the ten slowest tests, the costliest modules).
 UNIT_PROCESSES ?= auto
 TEST_REPORTS ?= build/test-reports
-RAY_TIER_LANES ?= 2
+RAY_TIER_LANES ?= 1
 CLUSTER_DASHBOARD_PORT ?= 8266
-DOCS_SNIPPETS := tests/ray/test_docs_snippets.py
 
 test: install
 	$(PY) -m pytest tests/unit -n $(UNIT_PROCESSES) --junitxml=$(TEST_REPORTS)/unit.xml $(PYTEST_ARGS)
-ifeq ($(RAY_TIER_LANES),1)
-	$(PY) -m pytest tests/ray tests/cluster --junitxml=$(TEST_REPORTS)/ray-and-cluster.xml $(PYTEST_ARGS)
-else
+ifeq ($(RAY_TIER_LANES),2)
 	@mkdir -p $(TEST_REPORTS)
-	@$(PY) -m pytest tests/cluster $(DOCS_SNIPPETS) --dashboard-port=$(CLUSTER_DASHBOARD_PORT) \
-		--junitxml=$(TEST_REPORTS)/cluster.xml $(PYTEST_ARGS) > $(TEST_REPORTS)/cluster.log 2>&1 & cluster=$$!; \
-	$(PY) -m pytest tests/ray --ignore=$(DOCS_SNIPPETS) --junitxml=$(TEST_REPORTS)/ray.xml $(PYTEST_ARGS); \
-	ray_status=$$?; wait $$cluster; cluster_status=$$?; \
-	echo "== tests/cluster and $(DOCS_SNIPPETS), run beside tests/ray (exit $$cluster_status):"; \
-	cat $(TEST_REPORTS)/cluster.log; \
+	@$(PY) -m pytest tests/cluster --dashboard-port=$(CLUSTER_DASHBOARD_PORT) --junitxml=$(TEST_REPORTS)/cluster.xml \
+		$(PYTEST_ARGS) > $(TEST_REPORTS)/cluster.log 2>&1 & cluster=$$!; \
+	$(PY) -m pytest tests/ray --junitxml=$(TEST_REPORTS)/ray.xml $(PYTEST_ARGS); ray_status=$$?; \
+	wait $$cluster; cluster_status=$$?; \
+	echo "== tests/cluster, run beside tests/ray (exit $$cluster_status):"; cat $(TEST_REPORTS)/cluster.log; \
 	test $$ray_status -eq 0 && test $$cluster_status -eq 0
+else
+	$(PY) -m pytest tests/ray tests/cluster --junitxml=$(TEST_REPORTS)/ray-and-cluster.xml $(PYTEST_ARGS)
 endif
 
 test-unit: install
