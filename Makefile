@@ -32,8 +32,8 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch-$(TORCH_VERSION)
 # run in one process, one Ray session per tier (tests/conftest.py), their clusters shared. RAY_TIER_LANES=2
 # runs tests/ray and tests/cluster as two pytest processes side by side instead, each with its own Ray
 # sessions and dashboard port, the second's output printed when both have ended: worth it with cores to
-# spare, not on 2 cores, where one lane already keeps the CPU 84% busy (2026-12-06: the two lanes took
-# 34.5 min, one lane about as long with the same tests).
+# spare, not on 2 cores, where one lane already keeps the CPU 84% busy (2026-12-06, the same tests: two
+# lanes 34.5 min, one lane 31.0 min an hour later).
 # Each tier writes a JUnit report under TEST_REPORTS: `.ci/test_report.py` reads them to say where the
 # time went (each tier's time, the ten slowest tests, the costliest modules).
 UNIT_PROCESSES ?= auto
