@@ -3,9 +3,9 @@
 Tiers follow directories: tests/unit (no Ray), tests/ray (a local Ray with fake
 GPUs), tests/cluster (the simulated 2x4 multi-node cluster). One Ray session is
 alive at a time: each tier's fixture opens its session once and closes the
-other tier's. With RAY_ADDRESS set, both Ray tiers use the user's cluster. `make test` runs tests/ray and
-tests/cluster in two pytest processes side by side, each with its own Ray sessions: `--dashboard-port`
-gives the second its own dashboard (the state API the tests read lives there).
+other tier's. With RAY_ADDRESS set, both Ray tiers use the user's cluster. `make test RAY_TIER_LANES=2`
+runs tests/ray and tests/cluster in two pytest processes side by side, each with its own Ray sessions:
+`--dashboard-port` gives the second its own dashboard (the state API the tests read lives there).
 Serve, once a module starts it, stays up for the later modules of the session
 (each deletes the applications it made): serve() joins a running Serve on its
 proxy's port, and starting Serve again costs seconds each module.

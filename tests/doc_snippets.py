@@ -101,7 +101,7 @@ sys.exit(1 if failed else 0)
 """
 
 
-def run_pages(pages: list[Path], workdir: Path, *, page_limit_s: int = 300, timeout_s: float = 1200,
+def run_pages(pages: list[Path], workdir: Path, *, page_limit_s: int = 180, timeout_s: float = 1200,
               dashboard_port: int | None = None) -> subprocess.CompletedProcess:
     """Run each page's blocks, page after page, in one new interpreter beside one simulated cluster (its
     dashboard on `dashboard_port`, Ray's default when None); the output says `=== PAGE: ok in Ns` or
