@@ -8,7 +8,7 @@ TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: install test test-unit test-soak demo demo-gpt docs clean
+.PHONY: install test test-unit test-soak test-wheel demo demo-gpt docs clean
 
 install: $(VENV)/.installed
 
@@ -62,6 +62,11 @@ test-unit: install
 # soak, its fault-free run, starting the cluster, Serve and the job). CI's stage after `make test`.
 test-soak: install
 	$(PY) -m pytest tests/soak --junitxml=$(TEST_REPORTS)/soak.xml $(PYTEST_ARGS)
+
+# The wheel, installed into a fresh environment, run from outside the repository (.ci/check_wheel: the
+# version, `plan` and `bench topo` by names, a 2-worker fit on sim-2x4; about 50 s). CI's stage after the soak.
+test-wheel: install
+	.ci/check_wheel
 
 # DEMO_ARGS=--verbose shows Ray's and Serve's own logs too.
 demo: install

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the package's version (pyproject.toml reads it here)
 
 _EXPORTS = {
     "BaigeError": "baige_ray.api",

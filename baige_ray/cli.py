@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from baige_ray import __version__
+
 # subcommand -> module that registers it
 COMMAND_MODULES = {
     "fit": "baige_ray.commands.fit",
@@ -24,7 +26,7 @@ COMMAND_MODULES = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baige-ray", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version="baige-ray 0.1.0")
+    parser.add_argument("--version", action="version", version=f"baige-ray {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for module_name in COMMAND_MODULES.values():
         importlib.import_module(module_name).register(subparsers)

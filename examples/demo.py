@@ -52,7 +52,6 @@ from baige_ray.runtime.auto_plan import first_devices, layout_from_plan, live_gr
 from baige_ray.runtime.progress import JobProgress
 from baige_ray.serving import serve, shutdown
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 NUM_WORKERS, MIN_WORKERS, POOL_DEVICES = 4, 3, 8
 # Constant learning rate after the warm-up: the first steps of any run, however long, are the same
 # steps, so a short fault-free run is the reference for this one's beginning.
@@ -75,7 +74,7 @@ def part(number: int, title: str) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path.home() / "baige_ray_results" / "demo")
-    parser.add_argument("--cluster", type=Path, default=REPO_ROOT / "clusters" / "sim-2x4.yaml")
+    parser.add_argument("--cluster", default="sim-2x4", help="a descriptor's name or YAML path")
     parser.add_argument("--kill-at", type=int, default=15, help="step in which a worker is killed")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--verbose", action="store_true", help="Ray's and Serve's logs on the terminal too")
@@ -93,7 +92,7 @@ def main() -> None:
             print(f"  Ray's and Serve's logs: {log} (--verbose shows them here)")
         model, dataset = prepare(args.workdir)
         with br.open_cluster(args.cluster, log_to_driver=args.verbose):
-            say(f"  cluster: {POOL_DEVICES} simulated GPUs on 2 nodes ({args.cluster.name}), up after "
+            say(f"  cluster: {POOL_DEVICES} simulated GPUs on 2 nodes ({args.cluster}), up after "
                 f"{time.monotonic() - started:.0f}s")
             report = run_story(model, dataset, args, run_name, run_dir)
         part(5, "Summary")

@@ -25,14 +25,13 @@ from baige_ray.api.elastic import ElasticConfig
 from baige_ray.jobs.launch import launch
 from baige_ray.serving import reload_weights, scale_replicas, serve, shutdown
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ("def ", "import ", "class ")
 MODEL = br.GPTConfig(seq_len=128, num_layers=4, num_heads=4, hidden=128)
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cluster", type=Path, default=REPO_ROOT / "clusters" / "sim-2x4.yaml")
+    parser.add_argument("--cluster", default="sim-2x4", help="a descriptor's name or YAML path")
     parser.add_argument("--checkpoint", type=Path, default=None, help="serve this checkpoint instead of training")
     parser.add_argument("--warmup-steps", type=int, default=150, help="steps trained before serving starts")
     parser.add_argument("--port", type=int, default=8000)

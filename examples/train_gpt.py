@@ -29,13 +29,12 @@ from baige_ray.models.corpus import stdlib_corpus
 from baige_ray.models.gpt import generate
 from baige_ray.serving import serve, shutdown
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ("def ", "import ", "class ")
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cluster", type=Path, default=REPO_ROOT / "clusters" / "sim-2x4.yaml")
+    parser.add_argument("--cluster", default="sim-2x4", help="a descriptor's name or YAML path")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--serve-at", type=int, default=150, help="step at which inference borrows devices")
@@ -55,7 +54,7 @@ def train_and_serve(args: argparse.Namespace) -> br.Result:
         num_steps=args.steps, global_batch_size=32, learning_rate=3e-3, min_learning_rate=3e-4, warmup_steps=10
     )
     with br.open_cluster(args.cluster) as session:
-        where = "simulated from " + args.cluster.name if session.simulated else f"Ray at {session.address}"
+        where = "simulated from " + str(args.cluster) if session.simulated else f"Ray at {session.address}"
         print(f"cluster: {where}; {args.workers} workers, {args.steps} steps")
         job = br.launch(
             MODEL,

@@ -26,13 +26,12 @@ from baige_ray.models.hf.tiny import make_llama_tiny
 from baige_ray.parallel.layout import parse_layout
 from baige_ray.serving import serve, shutdown
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ("def ", "import os\n", "class Parser")
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cluster", type=Path, default=REPO_ROOT / "clusters" / "sim-2x4.yaml")
+    parser.add_argument("--cluster", default="sim-2x4", help="a descriptor's name or YAML path")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--layout", default="dp=2,tp=2", help="'ddp', 'auto' or degrees, e.g. dp=2,tp=2")
     parser.add_argument("--steps", type=int, default=120)

@@ -1,9 +1,9 @@
 """Run the Python code blocks of a Markdown page the way a reader would: in order, in one process.
 
 A page's ```python blocks share one namespace, like cells of a notebook: a later block may use what an
-earlier one made. A page runs with an empty working directory holding `clusters/` and `examples/` of this
-repository, so relative paths in the docs mean what they mean in a checkout. Blocks in other languages
-(bash, yaml) are not run here.
+earlier one made. A page runs in an empty working directory, outside the repository, as a user's script
+runs on a node that installed the wheel: descriptors and published configs are named (`"sim-2x4"`), not
+reached by a path into a checkout. Blocks in other languages (bash, yaml) are not run here.
 
 `run_page` runs one page in a fresh interpreter, as a reader would. `run_pages` runs many in one
 interpreter beside one simulated cluster that every page joins (RAY_ADDRESS, as on a real cluster): the
@@ -42,9 +42,6 @@ def page_script(page: Path) -> str:
 def run_page(page: Path, workdir: Path, *, timeout_s: float = 600) -> subprocess.CompletedProcess:
     """Run the page's blocks in a new interpreter inside `workdir`; returns the finished process."""
     workdir.mkdir(parents=True, exist_ok=True)
-    for name in ("clusters", "examples"):
-        if not (workdir / name).exists():
-            (workdir / name).symlink_to(REPO_ROOT / name)
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     return subprocess.run([sys.executable, "-c", page_script(page)], cwd=workdir, env=env, capture_output=True,
                           text=True, timeout=timeout_s)
@@ -59,9 +56,9 @@ import ray
 from baige_ray.topology.descriptor import load_descriptor
 from baige_ray.topology.simulated import SimulatedCluster
 
-pages, workdir, repo = json.loads(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
-PAGE_LIMIT_S = int(sys.argv[4])
-DASHBOARD_PORT = json.loads(sys.argv[5])  # None: Ray's default
+pages, workdir = json.loads(sys.argv[1]), Path(sys.argv[2])
+PAGE_LIMIT_S = int(sys.argv[3])
+DASHBOARD_PORT = json.loads(sys.argv[4])  # None: Ray's default
 
 
 def too_long(signum, frame):
@@ -69,7 +66,7 @@ def too_long(signum, frame):
 
 
 signal.signal(signal.SIGALRM, too_long)
-cluster = SimulatedCluster(load_descriptor(repo / "clusters" / "sim-2x4.yaml"), dashboard_port=DASHBOARD_PORT).start()
+cluster = SimulatedCluster(load_descriptor("sim-2x4"), dashboard_port=DASHBOARD_PORT).start()
 ray.shutdown()  # the cluster stays; each page joins it as its own driver
 os.environ["RAY_ADDRESS"] = cluster.address
 os.environ["RAY_AUTH_MODE"] = "disabled"  # a simulated cluster asks for no token, whatever ~/.ray holds
@@ -78,8 +75,6 @@ try:
     for page, script in pages:
         folder = workdir / Path(page).stem
         folder.mkdir(parents=True, exist_ok=True)
-        for name in ("clusters", "examples"):
-            (folder / name).symlink_to(repo / name)
         os.chdir(folder)
         began = time.monotonic()
         signal.alarm(PAGE_LIMIT_S)  # a page that hangs fails alone; the others still run
@@ -109,7 +104,7 @@ def run_pages(pages: list[Path], workdir: Path, *, page_limit_s: int = 180, time
     TimeoutError and the next one runs."""
     scripts = [(str(page.relative_to(REPO_ROOT)), page_script(page)) for page in pages]
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
-    return subprocess.run([sys.executable, "-c", SHARED_RUNNER, json.dumps(scripts), str(workdir), str(REPO_ROOT),
+    return subprocess.run([sys.executable, "-c", SHARED_RUNNER, json.dumps(scripts), str(workdir),
                            str(page_limit_s), json.dumps(dashboard_port)],
                           cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout_s)

@@ -255,7 +255,6 @@ def _check_new_tokens(max_new_tokens: int) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import dataclasses
     import os
-    from pathlib import Path
 
     import ray
 
@@ -265,9 +264,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from baige_ray.serving import shutdown
 
     _check_new_tokens(args.max_new_tokens)
-    descriptor = Path(__file__).resolve().parents[2] / "clusters" / "sim-2x4.yaml"
     load_before = os.getloadavg()
-    with br.open_cluster(descriptor):
+    with br.open_cluster("sim-2x4"):
         model, job, info = _start(args)
         capacity = saturated_throughput(info.url + "/generate", max_new_tokens=args.max_new_tokens)
         trough = args.trough or args.peak_replicas * capacity / PEAK_RATIO

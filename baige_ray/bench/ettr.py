@@ -32,9 +32,10 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-FAILURES_PATH = ROOT / "examples" / "models" / "published-failures.yaml"
-MODEL_PATH = ROOT / "examples" / "models" / "gpt-175b.yaml"
+from baige_ray.catalog import PUBLISHED_PACKAGE, shipped_file
+
+FAILURES_PATH = shipped_file(PUBLISHED_PACKAGE, "published-failures.yaml")
+MODEL_PATH = shipped_file(PUBLISHED_PACKAGE, "gpt-175b.yaml")
 SIZES = (1024, 16384, 100000)
 DEVICES_PER_NODE = 8  # an HGX H100 node of the descriptor
 GB = 1e9

@@ -11,10 +11,10 @@ time (to 1e-9) and configuration.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+from baige_ray.catalog import cluster_descriptor
+
 SIZES = (16_384, 100_000, 1_024)
 
 
@@ -47,7 +47,7 @@ def _time_plan(devices: int) -> dict[str, Any]:
     from baige_ray.planner.model_spec import load_model_spec
     from baige_ray.planner.plan import plan
 
-    model = load_model_spec(ROOT / "examples" / "models" / "gpt-175b.yaml")
+    model = load_model_spec("gpt-175b")
     start = time.perf_counter()
     graph = h100_graph(devices)
     graph_s = time.perf_counter() - start
@@ -67,7 +67,7 @@ def h100_graph(devices: int, nodes_per_leaf: int | None = None):
     from baige_ray.topology.descriptor import descriptor_from_dict
     from baige_ray.topology.graph import ResourceGraph
 
-    raw = yaml.safe_load((ROOT / "clusters" / "h100-rail-2048.yaml").read_text())
+    raw = yaml.safe_load(cluster_descriptor("h100-rail-2048").read_text())
     raw["nodes"][0]["count"] = -(-devices // 8)
     if nodes_per_leaf is not None:
         raw["network"].update(nodes_per_leaf=nodes_per_leaf, leaves_per_pod=2)
@@ -81,7 +81,7 @@ def _small_grids() -> list[tuple[str, Any, Any]]:
     from baige_ray.topology.graph import ResourceGraph
 
     def load(name: str) -> ResourceGraph:
-        return ResourceGraph.from_descriptor(load_descriptor(ROOT / "clusters" / f"{name}.yaml"))
+        return ResourceGraph.from_descriptor(load_descriptor(name))
 
     dense = ModelSpec(name="gpt-1b", num_layers=8, hidden=2048, ffn_hidden=8192, num_heads=16, seq_len=1024,
                       vocab_size=32000, global_batch=32)

@@ -28,7 +28,6 @@ import numpy as np
 
 from baige_ray.bench.measure import report_stage
 
-ROOT = Path(__file__).resolve().parents[2]
 GLOBAL_BATCH = 16
 GPT_SHAPE = {"num_layers": 4, "hidden": 256, "num_heads": 8, "seq_len": 128, "vocab_size": 256}
 LLAMA_SHAPE = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 8,
@@ -57,7 +56,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     steps, warmup = (6, 2) if args.quick else (args.steps, args.warmup)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-planner-"))
-    with open_cluster(ROOT / "clusters" / "sim-2x4.yaml", log_to_driver=False):
+    with open_cluster("sim-2x4", log_to_driver=False):
         from baige_ray.runtime.auto_plan import first_devices, live_graph
 
         graph = first_devices(live_graph(), 8)

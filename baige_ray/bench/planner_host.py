@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         graph = live_graph()
         if graph.num_devices == 0:
             raise ValueError("this cluster's resource graph has no accelerators: run `bench planner-host` where a "
-                             "GPU is, or try it with --cluster clusters/sim-2x4.yaml --tiny")
+                             "GPU is, or try it with --cluster sim-2x4 --tiny")
         graph = first_devices(graph, 1)
         model, data, spec = _model(args, work)
         # Measured before calibrating, so no probe worker shares the device with the steps.

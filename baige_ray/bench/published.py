@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from baige_ray.catalog import PUBLISHED_PACKAGE, cluster_descriptor, shipped_file
 from baige_ray.planner.evaluate import Evaluation, Layout
 from baige_ray.planner.explain import breakdown
 from baige_ray.planner.mapping import MAPPINGS
@@ -34,9 +35,8 @@ from baige_ray.planner.search import Candidate, Hardware
 from baige_ray.topology.descriptor import descriptor_from_dict
 from baige_ray.topology.graph import ResourceGraph
 
-ROOT = Path(__file__).resolve().parents[2]
-RUNS_PATH = ROOT / "examples" / "models" / "published-runs.yaml"
-DESCRIPTOR_PATH = ROOT / "clusters" / "dgx-a100-superpod.yaml"
+RUNS_PATH = shipped_file(PUBLISHED_PACKAGE, "published-runs.yaml")
+DESCRIPTOR_PATH = cluster_descriptor("dgx-a100-superpod")
 DEVICES_PER_NODE = 8
 FLOPS_FORMULAS = ("megatron_eq3", "korthikanti_eq7")
 

@@ -41,7 +41,6 @@ from typing import Any
 from baige_ray.bench.measure import report_stage
 from baige_ray.bench.rl_refit import large_refit, tiny_refit
 
-ROOT = Path(__file__).resolve().parents[2]
 SEQ_LEN = 32
 
 
@@ -93,7 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-rl-"))
     model_dir = _make_policy(work, policy_shape(args.hidden_size, args.num_layers))
     prompts = arithmetic_prompts()
-    with open_cluster(ROOT / "clusters" / "sim-2x4.yaml", log_to_driver=False):
+    with open_cluster("sim-2x4", log_to_driver=False):
         report_stage(args, "baige-ray GRPO", 0, 5)
         clean = _grpo(args, model_dir, prompts, iterations, work, "bench-rl")
         report_stage(args, "with a trainer worker and a rollout replica killed", 1, 5)

@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-LARGE_CONFIG = ROOT / "examples" / "models" / "qwen2.5-0.5b.json"
+from baige_ray.catalog import published_model
+
+LARGE_CONFIG = published_model("qwen2.5-0.5b")
 STEADY_ROUNDS = 3
 
 

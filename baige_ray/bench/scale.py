@@ -49,12 +49,13 @@ from baige_ray.api.configs import HOST_ALLOCATORS
 from baige_ray.bench.measure import report_stage, steady_median
 from baige_ray.bench.scale_faults import measure_elastic
 from baige_ray.bench.scale_serve import measure_vllm
+from baige_ray.catalog import published_model
 from baige_ray.engines.host_allocator import allocator_env_vars
 
 if TYPE_CHECKING:
     from baige_ray.topology.graph import ResourceGraph
 
-CONFIG = Path(__file__).resolve().parents[2] / "examples" / "models" / "qwen2.5-0.5b.json"
+CONFIG = published_model("qwen2.5-0.5b")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

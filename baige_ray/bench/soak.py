@@ -48,7 +48,6 @@ from baige_ray.bench.soak_faults import FaultInjector, checkpoint_volume, persis
 from baige_ray.bench.soak_memory import memory_growth
 from baige_ray.bench.soak_schedule import FAULT_KINDS, ScheduledFault, fault_schedule, spiky_rates
 
-ROOT = Path(__file__).resolve().parents[2]
 NUM_WORKERS, NUM_REPLICAS = 4, 2
 JOB_EVENT_WAIT_S = 90.0  # a fault no event answers within this is counted undetected
 RUN_NAME = "soak"
@@ -89,7 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     schedule = fault_schedule(duration_s, args.seed)
     seen_pids: set[int] = set()
     with checkpoint_volume(work / "checkpoints") as own_volume, \
-            open_cluster(ROOT / "clusters" / "sim-2x4.yaml", log_to_driver=False):
+            open_cluster("sim-2x4", log_to_driver=False):
         report_stage(args, "soak: training, serving and faults", 0, 2)
         soak = _soak(args, model, data, work, schedule, duration_s, seen_pids, own_volume)
         report_stage(args, "the fault-free run of the same steps", 1, 2)

@@ -15,13 +15,13 @@ import argparse
 import json
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
+from baige_ray.catalog import cluster_descriptor
 from baige_ray.topology.groups import slowest_link
 
 SIZES = (1_000, 16_384, 100_000)
-DESCRIPTOR = Path(__file__).resolve().parents[2] / "clusters" / "h100-rail-2048.yaml"
+DESCRIPTOR = cluster_descriptor("h100-rail-2048")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

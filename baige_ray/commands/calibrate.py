@@ -14,10 +14,11 @@ import sys
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("calibrate", help="measure compute, links and overlap for the planner")
-    parser.add_argument("--cluster", default=None, help="hardware descriptor YAML (clusters/*.yaml): simulate it "
+    parser.add_argument("--cluster", default=None, help="a hardware descriptor's name (sim-2x4, ...) or YAML path: simulate it "
                                                         "when RAY_ADDRESS is not set; name the hardware when it is")
     parser.add_argument("--model", action="append", default=[],
-                        help="model YAML or Hugging Face config.json whose layer shapes to measure (repeatable)")
+                        help="model whose layer shapes to measure (repeatable): a shipped name (llama-3-8b, ...), a model "
+                             "YAML or a Hugging Face config.json")
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per step, for a config.json")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence, for a config.json")
     parser.add_argument("--refresh", action="store_true", help="measure again even if a calibration is kept")

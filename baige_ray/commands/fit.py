@@ -8,7 +8,8 @@ from pathlib import Path
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("fit", help="train a Hugging Face model (--model DIR --data FILES) or the reference GPT")
-    parser.add_argument("--cluster", type=Path, help="descriptor to simulate when RAY_ADDRESS is unset")
+    parser.add_argument("--cluster", help="the cluster to simulate when RAY_ADDRESS is unset: a descriptor's name "
+                                             "(sim-2x4, ...) or YAML path")
     parser.add_argument("--workers", type=int, default=2, help="number of worker actors")
     parser.add_argument(
         "--layout",

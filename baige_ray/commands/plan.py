@@ -1,7 +1,8 @@
-"""`baige-ray plan MODEL --cluster clusters/X.yaml [--json]`: choose a parallel layout and explain it.
+"""`baige-ray plan MODEL --cluster CLUSTER [--json]`: choose a parallel layout and explain it.
 
-MODEL is a planner YAML (examples/models/*.yaml) or a Hugging Face config.json / model directory
-(examples/models/*.json); a config.json carries no batch or sequence length, so those come from flags."""
+MODEL is the name of a model config that ships (qwen2.5-0.5b, gpt-175b: examples/models/), a planner YAML, or
+a Hugging Face config.json / model directory; a config.json carries no batch or sequence length, so those
+come from flags. CLUSTER is the name of a descriptor that ships (h100-rail-2048: clusters/) or a YAML path."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from baige_ray.planner.model_spec import DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN_CAP
 
     parser = subparsers.add_parser("plan", help="plan DP/TP/PP/EP, ZeRO, micro-batches and rank placement")
-    parser.add_argument("model", help="model YAML (examples/models/*.yaml), or a Hugging Face config.json or "
-                                      "model directory holding one (examples/models/*.json)")
-    parser.add_argument("--cluster", required=True, help="hardware descriptor YAML (clusters/*.yaml)")
+    parser.add_argument("model", help="a shipped model's name (qwen2.5-0.5b, gpt-175b, ...), a model YAML, or a "
+                                      "Hugging Face config.json or model directory holding one")
+    parser.add_argument("--cluster", required=True, help="a hardware descriptor's name (h100-rail-2048, ...) or "
+                                                         "YAML path")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON line")
     parser.add_argument("--top-k", type=int, default=5, help="alternatives to show with why they lost")
     parser.add_argument("--global-batch", type=int, default=None,

@@ -1,7 +1,7 @@
 """`baige-ray plot topology|placement|timeline ... --out FILE.png`: pictures of the cluster, a plan, a run.
 
-  baige-ray plot topology --cluster clusters/sim-2x4.yaml --out topo.png
-  baige-ray plot placement examples/models/gpt-175b.yaml --cluster clusters/h100-rail-2048.yaml --out place.png
+  baige-ray plot topology --cluster sim-2x4 --out topo.png
+  baige-ray plot placement gpt-175b --cluster h100-rail-2048 --out place.png
   baige-ray plot timeline runs/demo/events.jsonl --out timeline.png
 """
 
@@ -17,10 +17,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("plot", help="draw PNGs: topology, rank placement, device timeline")
     kinds = parser.add_subparsers(dest="plot", required=True)
     topology = kinds.add_parser("topology", help="nodes by leaf and pod, devices, islands, rails, link tiers")
-    topology.add_argument("--cluster", required=True, help="hardware descriptor YAML (clusters/*.yaml)")
+    topology.add_argument("--cluster", required=True, help="a hardware descriptor's name (sim-2x4, ...) or YAML path")
     placement = kinds.add_parser("placement", help="the planner's ranks on devices, coloured by parallel group")
-    placement.add_argument("model", help="model YAML (examples/models/*.yaml)")
-    placement.add_argument("--cluster", required=True, help="hardware descriptor YAML (clusters/*.yaml)")
+    placement.add_argument("model", help="a shipped model's name (gpt-175b, ...) or a model YAML / config.json")
+    placement.add_argument("--cluster", required=True, help="a hardware descriptor's name or YAML path")
     placement.add_argument("--max-nodes", type=int, default=16, help="nodes drawn at most (a sample when more)")
     timeline = kinds.add_parser("timeline", help="devices held by training and inference over a run, failures marked")
     timeline.add_argument("events", help="a run's event log (events.jsonl)")

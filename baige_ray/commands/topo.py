@@ -1,4 +1,4 @@
-"""`baige-ray topo [--cluster FILE] [--json] [--png FILE]`: show the cluster's resource graph.
+"""`baige-ray topo [--cluster NAME|FILE] [--json] [--png FILE]`: show the cluster's resource graph.
 
 With --cluster, the graph comes straight from the descriptor (no Ray). Without
 it, baige-ray connects to RAY_ADDRESS (or a local Ray), runs the live topology.s
@@ -15,7 +15,8 @@ from baige_ray.topology.graph import ResourceGraph
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("topo", help="show the cluster topology: nodes, islands, rails, link tiers")
-    parser.add_argument("--cluster", help="hardware descriptor YAML (clusters/*.yaml); default: probe the live cluster")
+    parser.add_argument("--cluster", help="a hardware descriptor's name (h100-rail-2048, ...) or YAML path; default: probe the "
+                                           "live cluster")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     parser.add_argument("--png", help="also draw the hierarchy into this PNG file")
     parser.set_defaults(func=run)

@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 import yaml
 
 from baige_ray.api.validation import require_choice, require_int
+from baige_ray.catalog import published_model
 
 DTYPE_BYTES = (1, 2, 4)
 DEFAULT_GLOBAL_BATCH = 1024  # sequences, for Hugging Face configs that carry no batch
@@ -347,12 +348,14 @@ def model_spec_from_dict(data: Any, *, default_name: str = "model") -> ModelSpec
         raise ValueError(f"model spec is incomplete: {error}") from None
 
 
-def load_model_spec(path: str | Path, *, global_batch: int | None = None, seq_len: int | None = None) -> ModelSpec:
-    """A planner YAML, or a Hugging Face config.json (a file, or a model directory holding one).
+def load_model_spec(reference: str | Path, *, global_batch: int | None = None,
+                    seq_len: int | None = None) -> ModelSpec:
+    """A planner YAML, or a Hugging Face config.json (a file, or a model directory holding one), by path or
+    by the name of one that ships with baige-ray (`"qwen2.5-0.5b"`: catalog.model_names()).
 
     `global_batch` (sequences, default DEFAULT_GLOBAL_BATCH) and `seq_len` (default: max_position_embeddings
     capped at DEFAULT_SEQ_LEN_CAP) apply to config.json only; a YAML carries its own."""
-    path = Path(path)
+    path = published_model(reference)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model path={str(path)!r} is invalid: a directory must hold a Hugging Face "

@@ -1,4 +1,5 @@
-"""Hardware descriptors: YAML files in clusters/ that describe a cluster when no hardware can be probed.
+"""Hardware descriptors: YAML files (those in clusters/ ship by name) that describe a cluster when no hardware
+can be probed.
 
 A descriptor names node types (devices per node, chip, intra-node fabric, NICs
 and the rail each serves) and how many nodes of each type exist, plus the
@@ -15,6 +16,7 @@ import yaml
 
 from baige_ray.accelerator import AcceleratorKind
 from baige_ray.api.validation import require_choice, require_int, require_number
+from baige_ray.catalog import cluster_descriptor, cluster_names
 
 FABRICS = ("nvswitch", "nvlink", "pcie", "none")
 
@@ -255,9 +257,11 @@ def descriptor_from_dict(data: Any) -> ClusterDescriptor:
     )
 
 
-def load_descriptor(path: str | Path) -> ClusterDescriptor:
-    path = Path(path)
+def load_descriptor(reference: str | Path) -> ClusterDescriptor:
+    """A descriptor by name (`"sim-2x4"`, one that ships with baige-ray: catalog.cluster_names()) or by path."""
+    path = cluster_descriptor(reference)
     if not path.is_file():
-        raise ValueError(f"cluster descriptor path={str(path)!r} is invalid: expected an existing YAML file")
+        raise ValueError(f"cluster descriptor path={str(path)!r} is invalid: expected an existing YAML file, "
+                         f"or the name of one that ships ({', '.join(cluster_names())})")
     with path.open() as handle:
         return descriptor_from_dict(yaml.safe_load(handle))

@@ -1,6 +1,6 @@
 """A conformance matrix over the architectures the README claims: one published config.json per architecture.
 
-`examples/models/` holds each checkpoint's config.json exactly as published (citations in
+`examples/models/` (shipped as `baige_ray.published`) holds each checkpoint's config.json exactly as published (citations in
 examples/models/SOURCES.md). `shrink_config` turns one into a model of a few hundred thousand parameters
 that keeps every flag (tied embeddings, rope kind, biases, Q/K norms, sliding windows, head_dim set apart,
 shared experts, top-k renormalisation, dense layers between sparse ones) and changes sizes only, so a tiny
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
-MODELS_DIR = Path(__file__).resolve().parents[3] / "examples" / "models"
+from baige_ray.catalog import PUBLISHED_PACKAGE, shipped_folder
+
+MODELS_DIR = shipped_folder(PUBLISHED_PACKAGE)
 
 # One published checkpoint per supported architecture; together they cover every flag `flags_of` reports.
 PUBLISHED_CONFIGS: dict[str, str] = {
@@ -44,7 +45,7 @@ SIZE_KEYS = frozenset({*TINY, *TINY_MOE, *EXPERT_COUNT_KEYS, *TOKEN_ID_KEYS, "vo
 
 
 def load_published(name: str) -> dict:
-    """A published config.json from examples/models/, by file name or architecture name."""
+    """A published config.json from examples/models/ (package data), by file name or architecture name."""
     return json.loads((MODELS_DIR / PUBLISHED_CONFIGS.get(name, name)).read_text())
 
 
