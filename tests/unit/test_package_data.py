@@ -105,3 +105,16 @@ def test_a_path_still_works_and_an_unknown_name_is_refused_with_the_names_there_
         load_descriptor("clusters/nope.yaml")
     with pytest.raises(ValueError, match=r"model='llama-9' is not a known model config.*qwen2.5-0.5b"):
         load_model_spec("llama-9")
+
+
+def test_the_version_is_one_number_from_the_package_the_metadata_and_the_command(capsys):
+    from importlib import metadata
+
+    import baige_ray
+    from baige_ray.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed == f"baige-ray {baige_ray.__version__}" == f"baige-ray {metadata.version('baige-ray')}"
