@@ -29,6 +29,7 @@ from baige_ray.accelerator import AcceleratorSpec, DeviceProbe, detect_accelerat
 from baige_ray.api.device import DeviceInfo
 from baige_ray.checkpoint.sharded import write_rank_part
 from baige_ray.elastic.faults import Fault, carry_out
+from baige_ray.elastic.part_clock import PartClock
 from baige_ray.elastic.shelf import (
     ShelfReader,
     ShelfRef,
@@ -294,16 +295,21 @@ class ElasticWorkerActor(WorkerActor):
         """
         if fault is not None:
             carry_out(fault, lambda speed: None)
+        clock = PartClock()
         self.join_group(membership)
+        clock.mark("join")
         report = self.build_engine(job, layout, emulated_speed)
+        clock.mark("build_engine")
         if state_parts:
             parts = [self._fetch_part(part) for part in state_parts]
+            clock.mark("fetch_state")
             whole = len(parts) == 1 and not isinstance(parts[0], ShardedPart)
             self.import_state(parts[0] if whole else assemble_lazily(parts))
             del parts
             gc.collect()  # unmap the shelves read, so a dead worker's is freed once it is removed
             return_freed_memory()
-        return report
+            clock.mark("load_state")
+        return {**report, "parts_s": clock.parts}
 
     def _fetch_part(self, part):
         """An ObjectRef's value, or a shelf's snapshot: mapped in place when the shelf is on this node."""

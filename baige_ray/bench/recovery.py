@@ -95,7 +95,8 @@ def _run_baige(args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     recovery = result.recoveries[0]
     times = [m.step_time_s for m in result.metrics if m.step != args.crash_step]
     return {"recovery_s": round(recovery["recovery_s"], 3), "lost_steps": recovery["lost_steps"],
-            "per_step_s": round(steady_median(times, 5), 4), "phases_s": recovery.get("phases_s", {})}
+            "per_step_s": round(steady_median(times, 5), 4), "phases_s": recovery.get("phases_s", {}),
+            "regroup_parts_s": recovery.get("regroup_parts_s", {})}
 
 
 def _ray_train_loop(config: dict) -> None:

@@ -12,6 +12,7 @@ from baige_ray.elastic.accounts import StepAccounts
 from baige_ray.elastic.device_holds import ReleasedDevices
 from baige_ray.elastic.faults import FaultPlan
 from baige_ray.elastic.job_record import JobRecord
+from baige_ray.elastic.part_clock import slowest_parts
 from baige_ray.elastic.planning import ElasticPlanner
 from baige_ray.elastic.sizing import layout_for
 from baige_ray.elastic.state_sources import CALL_TIMEOUT_S
@@ -37,6 +38,7 @@ class Crew:
         self.spares: list[Worker] = []
         self.generation = -1
         self.failed_regroups = 0  # in a row, since the last group formed
+        self.last_regroup_parts: dict[str, float] = {}  # the slowest member's seconds per part of the last regroup
 
     def layout_for(self, num_workers: int) -> ParallelLayout:
         return layout_for(self.requested_layout, num_workers, self.job)
@@ -107,6 +109,7 @@ class Crew:
         self.generation += 1
         reports = self.pool.regroup(members, self.generation, self.job, layout, state_parts or [], CALL_TIMEOUT_S,
                                      faults=self.faults.arm_regroup(step))
+        self.last_regroup_parts = slowest_parts(reports)
         if arrangement is not None:
             self.planner.commit(arrangement)
             self.spares.extend(arrangement.unused)

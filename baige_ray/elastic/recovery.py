@@ -114,8 +114,9 @@ class Recovery:
             self.crew.regroup(regrouped, state, self.accounts.next_step)
         except Exception as error:  # a member died while regrouping: recover again without it
             return self.lost_during_regroup(regrouped, error)
-        self.state_sources.release_shelves(state, regrouped)
         marks["regrouped"] = time.monotonic()
+        self.state_sources.release_shelves(state, regrouped)
+        marks["shelves_released"] = time.monotonic()
         self._marks = marks
         self._resume(step, survivors)
         kind = "resize" if len(regrouped) != len(members) else "recovered"
@@ -274,8 +275,10 @@ class Recovery:
         if self.started is None or self.loss is not None:
             return
         seconds = time.monotonic() - self.started
+        phases = {name: round(at - self.started, 3) for name, at in self._marks.items()}
         record = {"recovery_s": seconds, "resumed_step": step, "lost_steps": self._redo_steps,
-                  "phases_s": {name: round(at - self.started, 3) for name, at in self._marks.items()}}
+                  "phases_s": {**phases, "first_step_done": round(seconds, 3)},
+                  "regroup_parts_s": dict(self.crew.last_regroup_parts)}
         self.history.append(record)
         self.started, self._failed_step = None, None
         self.accounts.metrics.recovery(seconds)
