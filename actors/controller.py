@@ -50,10 +50,12 @@ GATE_WAIT_S = 0.5  # a loop held by steps_allowed looks at growth this often whe
 logger = logging.getLogger(__name__)
 
 
-def ray_worker_pool(scaling: ScalingConfig, run_name: str, worker_cls: type, snapshot_slots: int) -> WorkerPool:
+def ray_worker_pool(scaling: ScalingConfig, run_name: str, worker_cls: type, snapshot_slots: int,
+                    preload: tuple) -> WorkerPool:
     """Worker actors of `worker_cls` with their concurrency groups, each holding a device of this cluster."""
     resource = choose_device_resource(scaling, ray.cluster_resources())
-    return WorkerPool(scaling, run_name, resource, ray.remote(**ELASTIC_WORKER_THREADS)(worker_cls), snapshot_slots)
+    return WorkerPool(scaling, run_name, resource, ray.remote(**ELASTIC_WORKER_THREADS)(worker_cls), snapshot_slots,
+                      preload=preload)
 
 
 class ElasticController:
@@ -80,7 +82,7 @@ class ElasticController:
         self.faults, self.speeds = faults or FaultPlan(), list(speeds or [1.0] * scaling.num_workers)
         self.machine = StateMachine()
         self.events = EventLog(run.run_dir / "events.jsonl")
-        self.pool = pool or ray_worker_pool(scaling, run.name, worker_cls, elastic.snapshot_slots)
+        self.pool = pool or ray_worker_pool(scaling, run.name, worker_cls, elastic.snapshot_slots, (job, layout))
         self.was_restarted = was_restarted or restarted_by_ray
         min_workers, max_workers = elastic.bounds(scaling.num_workers)
         # The planner may use any number of the devices it is given (idle ones stay as spares).

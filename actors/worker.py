@@ -42,6 +42,7 @@ from baige_ray.elastic.snapshot import HostSnapshotter
 from baige_ray.engines.base import Engine
 from baige_ray.engines.factory import build_engine
 from baige_ray.engines.host_allocator import return_freed_memory
+from baige_ray.engines.preload import preload
 from baige_ray.engines.train_job import TrainJob
 from baige_ray.failpoints import disarm_fail_points
 from baige_ray.parallel.distributed import (
@@ -271,6 +272,15 @@ class ElasticWorkerActor(WorkerActor):
         super()._drop_engine()
         gc.collect()  # modules hold reference cycles: free the old engine before a new one is built
         return_freed_memory()
+
+    def preload(self, job: TrainJob, layout: ParallelLayout) -> float:
+        """Import what building `job`'s engine imports (engines/preload.py), then freeze what the imports
+        made: the full collections that free an old engine before a new one is built then skip the
+        libraries' 300,000-odd objects (0.14 s each on an idle core, three per regroup). Returns seconds."""
+        seconds = preload(job, layout)
+        gc.collect()  # the meta-device model goes first: what is frozen is never collected
+        gc.freeze()
+        return seconds
 
     def build_engine(self, job: TrainJob, layout: ParallelLayout, emulated_speed: float = 1.0) -> dict:
         report = super().build_engine(job, layout, emulated_speed)

@@ -72,8 +72,10 @@ class WorkerPool:
     regroup_silence_s = 5.0
 
     def __init__(self, scaling: ScalingConfig, run_name: str, resource: str, remote_cls: Any,
-                 snapshot_slots: int = 2):
-        """`remote_cls`: the worker actor class under `ray.remote`, with its concurrency groups."""
+                 snapshot_slots: int = 2, preload: tuple | None = None):
+        """`remote_cls`: the worker actor class under `ray.remote`, with its concurrency groups. `preload`:
+        (job, layout) whose engine each worker imports as soon as it starts, so that a spare joins warm."""
+        self.preload = preload
         self.scaling = scaling
         self.snapshot_slots = snapshot_slots
         self.run_name = run_name
@@ -105,6 +107,8 @@ class WorkerPool:
             ).remote(cpu_niceness=self.scaling.cpu_niceness, snapshot_slots=self.snapshot_slots)
             worker = Worker(actor=actor, name=name, speed=(speeds or [1.0] * count)[index], share=share)
             worker.ready_ref = actor.device_info.remote()
+            if self.preload is not None:  # queued before anything else asked of it: a regroup waits for it
+                actor.preload.remote(*self.preload)
             started.append(worker)
         return started
 
