@@ -54,6 +54,7 @@ def format_status(status: dict[str, Any], *, num_events: int = 10) -> str:
     lines = [_headline(status), _plan_line(status), _rate_line(status)]
     if status.get("recoveries"):
         lines.append(_recovery_line(status["recoveries"]))
+        lines += _recovery_phase_lines(status["recoveries"][-1])
     if status.get("expert_load"):
         lines.append(_expert_line(status["expert_load"]))
     lines.append("workers per node:")
@@ -113,6 +114,25 @@ def _recovery_line(recoveries: list[dict[str, Any]]) -> str:
     if last.get("lost_steps"):
         text += f", {last['lost_steps']} step{'s' if last['lost_steps'] != 1 else ''} redone"
     return text
+
+
+# The recovery's milestones, in order, as the controller records them (seconds since the failed step began).
+RECOVERY_MILESTONES = (("detected", "detected"), ("decided", "decided"), ("regrouped", "regrouped"),
+                       ("first_step_done", "next step done"))
+
+
+def _recovery_phase_lines(last: dict[str, Any]) -> list[str]:
+    """Where the last recovery's time went: its milestones, and the slowest member's seconds per part of
+    the regroup (join, build_engine, fetch_state, load_state)."""
+    phases, parts = last.get("phases_s") or {}, last.get("regroup_parts_s") or {}
+    lines = []
+    milestones = [f"{label} {phases[key]:.2f}s" for key, label in RECOVERY_MILESTONES if key in phases]
+    if milestones:
+        lines.append("  last recovery: " + ", ".join(milestones))
+    if parts:
+        lines.append("  its regroup, slowest member: " + ", ".join(f"{part} {seconds:.2f}s"
+                                                                     for part, seconds in parts.items()))
+    return lines
 
 
 def _node_rows(workers: list[dict[str, Any]]) -> list[str]:

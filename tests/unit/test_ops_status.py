@@ -73,6 +73,17 @@ def test_recoveries_are_summarized_when_the_controller_reports_them():
     assert "recover" not in format_status(_status(recoveries=[])).splitlines()[3]
 
 
+def test_the_last_recoverys_phases_and_its_slowest_regroup_parts_are_shown():
+    last = {"recovery_s": 0.37, "resumed_step": 25, "lost_steps": 1,
+            "phases_s": {"detected": 0.103, "confirmed": 0.112, "decided": 0.181, "regrouped": 0.265,
+                         "first_step_done": 0.365},
+            "regroup_parts_s": {"join": 0.0155, "build_engine": 0.0265, "fetch_state": 0.0317, "load_state": 0.0059}}
+    lines = format_status(_status(recoveries=[last])).splitlines()
+    assert lines[4] == "  last recovery: detected 0.10s, decided 0.18s, regrouped 0.27s, next step done 0.36s"
+    assert lines[5] == ("  its regroup, slowest member: join 0.02s, build_engine 0.03s, fetch_state 0.03s, "
+                        "load_state 0.01s")
+
+
 def test_event_line_carries_the_local_clock_time():
     event = {"time": time.mktime((2026, 1, 2, 13, 4, 5, 0, 0, -1)), "kind": "eviction", "reason": "slow"}
     assert format_event(event).startswith("13:04:05  eviction")

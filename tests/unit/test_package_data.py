@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import fnmatch
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,8 @@ from baige_ray import catalog
 from baige_ray.planner.model_spec import load_model_spec
 from baige_ray.topology.descriptor import load_descriptor
 from tests.doc_snippets import REPO_ROOT
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
 PACKAGE_DIRS = PYPROJECT["tool"]["setuptools"]["package-dir"]
@@ -56,7 +57,8 @@ def _escapes(source: Path, root: Path) -> list[str]:
 
 
 def test_no_module_reaches_outside_its_package_by_a_path_from_its_own_file():
-    escapes = [line for root in SOURCE_ROOTS for source in sorted(root.rglob("*.py")) for line in _escapes(source, root)]
+    escapes = [line for root in SOURCE_ROOTS for source in sorted(root.rglob("*.py"))
+               for line in _escapes(source, root)]
     assert escapes == []
 
 
