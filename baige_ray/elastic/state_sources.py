@@ -114,16 +114,18 @@ class StateSources:
         self.replica_copies.start(holders, replica_sources(members, stages, layout.snapshots_are_sharded,
                                                           turn=step // every))
 
-    def await_replicas(self, next_step: int, generation_start: int, wait_s: float) -> None:
+    def await_replicas(self, next_step: int, generation_start: int, wait_s: float,
+                       in_flight: list | None = None) -> None:
         """Before `next_step` is dispatched, let replicas that trail by more than a copy catch up.
 
         `generation_start` is the first step of the current process-group generation. While this waits,
-        the step in flight is not watched: the caller caps `wait_s` at the heartbeat timeout, so a hang is
-        seen no later than heartbeats alone would see it; a copy later than that is let be."""
+        a failure of the step `in_flight` ends the wait at once (its recovery is due); a hang is not
+        watched here: the caller caps `wait_s` at the heartbeat timeout, so it is seen no later than
+        heartbeats alone would see it. A copy later than that is let be."""
         if not self.elastic.replicate_every or not self.replica_copies.holders:
             return
         floor = replica_floor(next_step, generation_start, self.elastic.snapshot_every, self.elastic.replicate_every)
-        behind = floor is not None and not self.replica_copies.wait_for(floor, wait_s)
+        behind = floor is not None and not self.replica_copies.wait_for(floor, wait_s, in_flight)
         if behind and not self._replica_behind:  # once, not every step until it catches up
             self.events.record("checkpoint", f"a replica is behind step {floor}: a lost node may redo more steps",
                                step=next_step)

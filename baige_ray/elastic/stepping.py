@@ -47,7 +47,7 @@ class StepRunner:
         """Run step `step` (already queued, or dispatched now), queueing `step + 1` behind it if
         `run_ahead`; the phase to go to if it failed or a straggler is evicted, else None."""
         refs = self._inflight or self._dispatch(step)
-        self._inflight = self._dispatch(step + 1) if run_ahead else None
+        self._inflight = self._dispatch(step + 1, in_flight=refs) if run_ahead else None
         failed = self._complete(step, refs)
         if failed is not None:
             return failed
@@ -66,9 +66,11 @@ class StepRunner:
         refs, self._inflight = self._inflight, None
         return self._complete(step, refs)
 
-    def _dispatch(self, step: int) -> list[ray.ObjectRef]:
+    def _dispatch(self, step: int, in_flight: list | None = None) -> list[ray.ObjectRef]:
+        """Queue step `step` on every member, once the replicas have caught up (or the step `in_flight`,
+        the one before it, failed: then the failure is seen at once, and `step` is refused by the workers)."""
         self.state_sources.await_replicas(step, self.accounts.next_step - self.accounts.generation_steps,
-                                          min(self.accounts.deadline_s(), self.elastic.heartbeat_timeout_s))
+                                          min(self.accounts.deadline_s(), self.elastic.heartbeat_timeout_s), in_flight)
         due = self.faults.arm(step)
         timeout = self.accounts.deadline_s() if self.accounts.warm else None
         persist_to = self.state_sources.persist_target(step, self.crew.layout)
