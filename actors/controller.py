@@ -26,6 +26,7 @@ from baige_ray.elastic.ending import RunEnd
 from baige_ray.elastic.faults import FaultKind, FaultPlan
 from baige_ray.elastic.harvest import check_harvest, harvest_members, whole_members
 from baige_ray.elastic.job_record import JobRecord
+from baige_ray.elastic.liveness import LivenessListener
 from baige_ray.elastic.machine import Phase, StateMachine
 from baige_ray.elastic.planning import ElasticPlanner
 from baige_ray.elastic.recovery import MAX_REGROUP_RETRIES, Bounds, Recovery
@@ -52,10 +53,11 @@ logger = logging.getLogger(__name__)
 
 def ray_worker_pool(scaling: ScalingConfig, run_name: str, worker_cls: type, snapshot_slots: int,
                     preload: tuple) -> WorkerPool:
-    """Worker actors of `worker_cls` with their concurrency groups, each holding a device of this cluster."""
+    """Worker actors of `worker_cls` with their concurrency groups, each holding a device of this cluster and
+    a connection to this controller's liveness listener (on this node's address, which every node reaches)."""
     resource = choose_device_resource(scaling, ray.cluster_resources())
     return WorkerPool(scaling, run_name, resource, ray.remote(**ELASTIC_WORKER_THREADS)(worker_cls), snapshot_slots,
-                      preload=preload)
+                      preload=preload, liveness=LivenessListener(ray.util.get_node_ip_address()))
 
 
 class ElasticController:

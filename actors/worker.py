@@ -29,6 +29,7 @@ from baige_ray.accelerator import AcceleratorSpec, DeviceProbe, detect_accelerat
 from baige_ray.api.device import DeviceInfo
 from baige_ray.checkpoint.sharded import write_rank_part
 from baige_ray.elastic.faults import Fault, carry_out
+from baige_ray.elastic.liveness import LivenessConnection
 from baige_ray.elastic.part_clock import PartClock
 from baige_ray.elastic.shelf import (
     ShelfReader,
@@ -246,6 +247,13 @@ class ElasticWorkerActor(WorkerActor):
         # A restarted controller reads the steps finished while it was down from here.
         self._recent_metrics: collections.deque[dict] = collections.deque(maxlen=16)
         self._persisting: dict[int, concurrent.futures.Future] = {}  # step -> this rank's checkpoint files
+        self._liveness = LivenessConnection()
+
+    @ray.method(concurrency_group="control")
+    def connect_liveness(self, address: tuple[str, int], name: str) -> bool:
+        """Hold a connection to the controller at `address`, which the kernel closes when this process
+        ends: the controller sees a SIGKILL at once (elastic/liveness.py)."""
+        return self._liveness.connect(address, name)
 
     @ray.method(concurrency_group="control")
     def heartbeat(self) -> dict:

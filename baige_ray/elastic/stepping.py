@@ -87,7 +87,7 @@ class StepRunner:
         began = time.monotonic() if self._last_completion is None else max(self._last_completion, self._dispatched_at)
         times = WatchTimes(self.accounts.deadline_s(), self.elastic.heartbeat_interval_s,
                            self.elastic.heartbeat_timeout_s)
-        outcome = watch_step(self.crew.members, refs, times)
+        outcome = watch_step(self.crew.members, refs, times, exited=self.crew.pool.exited)
         if not outcome.ok:
             self._inflight, self._last_completion = None, None  # queued behind a failed step; workers refuse it
             self.recovery.step_failed(outcome, step, began)

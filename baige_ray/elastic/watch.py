@@ -1,7 +1,8 @@
 """Waiting for one step on every worker while watching for dead, frozen and hung ranks.
 
-A rank is lost when its actor died (Ray reports it within milliseconds of the
-process exit), when it stops answering heartbeats (a frozen process), or when its
+A rank is lost when its process exited (its connection to the controller closed: liveness.py), when
+its actor died (Ray's notice, which can take seconds to fail a call in flight), when it stops
+answering heartbeats (a frozen process), or when its
 step is still running well past the deadline after which every collective has
 timed out (a hang nothing else explains). Survivors whose collectives failed
 because of a lost peer raise and come back on their own.
@@ -10,6 +11,7 @@ because of a lost peer raise and come back on their own.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
@@ -40,9 +42,17 @@ class WatchTimes:
     deadline_s: float  # the step (and every collective in it) should be over by then
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
+    poll_s: float = 0.05  # how often exited processes are looked for while no answer comes
 
 
-def watch_step(workers: list[Worker], refs: list[ray.ObjectRef], times: WatchTimes) -> StepOutcome:
+def nothing_exited(workers: list[Worker]) -> set[str]:
+    return set()
+
+
+def watch_step(workers: list[Worker], refs: list[ray.ObjectRef], times: WatchTimes,
+               exited: Callable[[list[Worker]], set[str]] = nothing_exited) -> StepOutcome:
+    """Every rank's answer to its step, or why there is none. `exited(workers)`: the names of those whose
+    process has exited (WorkerPool.exited)."""
     outcome = StepOutcome(metrics=[None] * len(refs))
     started = beaten = time.monotonic()
     heartbeats = Heartbeats(times.heartbeat_timeout_s)
@@ -50,10 +60,14 @@ def watch_step(workers: list[Worker], refs: list[ray.ObjectRef], times: WatchTim
     while pending:
         # Back as soon as any rank answers: a dead rank's call fails within milliseconds of its exit,
         # and waiting for all of them (or the heartbeat interval) delayed every recovery by up to 0.25 s.
-        calls.wait([refs[r] for r in pending], num_returns=1, timeout=times.heartbeat_interval_s)
+        calls.wait([refs[r] for r in pending], num_returns=1, timeout=min(times.poll_s, times.heartbeat_interval_s))
         for rank in list(pending):
             if _collect(rank, refs[rank], outcome):
                 pending.discard(rank)
+        gone = exited([workers[rank] for rank in pending])
+        for rank in [rank for rank in pending if workers[rank].name in gone]:
+            outcome.lost[rank] = "process exited (its connection to the controller closed)"
+            pending.discard(rank)
         now = time.monotonic()
         if outcome.first_failure_at is None and (outcome.lost or outcome.failed):
             outcome.first_failure_at = now

@@ -21,6 +21,7 @@ from baige_ray.api.configs import ScalingConfig
 from baige_ray.api.device import DeviceInfo
 from baige_ray.elastic import calls
 from baige_ray.elastic.heartbeats import SILENT, Heartbeats
+from baige_ray.elastic.liveness import LivenessListener
 from baige_ray.engines.host_allocator import worker_runtime_env
 from baige_ray.parallel.distributed import GroupMembership
 from baige_ray.runtime.resources import worker_bundle
@@ -67,15 +68,18 @@ HEARTBEAT_POLL_S = 0.25  # how often a regroup looks at its members' answers and
 
 
 class WorkerPool:
+    # Where workers connect so that their process's exit is seen at once (liveness.py); None: heartbeats only.
+    liveness: LivenessListener | None = None
     # A member silent this long while regrouping is taken for frozen (building an engine and loading
     # state keep the control thread answering, as a step does; a stopped process answers nothing).
     regroup_silence_s = 5.0
 
     def __init__(self, scaling: ScalingConfig, run_name: str, resource: str, remote_cls: Any,
-                 snapshot_slots: int = 2, preload: tuple | None = None):
+                 snapshot_slots: int = 2, preload: tuple | None = None, liveness: LivenessListener | None = None):
         """`remote_cls`: the worker actor class under `ray.remote`, with its concurrency groups. `preload`:
-        (job, layout) whose engine each worker imports as soon as it starts, so that a spare joins warm."""
-        self.preload = preload
+        (job, layout) whose engine each worker imports as soon as it starts, so that a spare joins warm.
+        `liveness`: the listener each worker connects to as it starts."""
+        self.preload, self.liveness = preload, liveness
         self.scaling = scaling
         self.snapshot_slots = snapshot_slots
         self.run_name = run_name
@@ -107,10 +111,21 @@ class WorkerPool:
             ).remote(cpu_niceness=self.scaling.cpu_niceness, snapshot_slots=self.snapshot_slots)
             worker = Worker(actor=actor, name=name, speed=(speeds or [1.0] * count)[index], share=share)
             worker.ready_ref = actor.device_info.remote()
+            self._watch_liveness(worker)
             if self.preload is not None:  # queued before anything else asked of it: a regroup waits for it
                 actor.preload.remote(*self.preload)
             started.append(worker)
         return started
+
+    def _watch_liveness(self, worker: Worker) -> None:
+        if self.liveness is not None and worker.actor is not None:
+            worker.actor.connect_liveness.remote(self.liveness.address, worker.name)
+
+    def exited(self, workers: list[Worker]) -> set[str]:
+        """Names of those of `workers` whose process has exited, as their closed connection says."""
+        if self.liveness is None:
+            return set()
+        return set(self.liveness.exited([w.name for w in workers]))
 
     def start_and_wait(self, count: int, share: float, timeout_s: float) -> list[Worker]:
         """Start `count` workers holding `share` of a device each and wait up to `timeout_s` for them;
@@ -176,15 +191,17 @@ class WorkerPool:
         earlier controller started, which one Ray restarted does not know. Returns how many."""
         return kill_named_actors((f"baige-worker:{self.run_name}:",), keep=known)
 
-    @staticmethod
-    def find(name: str, speed: float, share: float = 1.0) -> Worker:
-        """The live worker named `name` (after a controller restart); without actor and info if it is gone."""
+    def find(self, name: str, speed: float, share: float = 1.0) -> Worker:
+        """The live worker named `name` (after a controller restart, connected to this one's liveness
+        listener); without actor and info if it is gone."""
         try:
             actor = ray.get_actor(name, namespace=NAMESPACE)
             info = ray.get(actor.device_info.remote(), timeout=10)
-            return Worker(actor=actor, name=name, speed=speed, share=share, info=info)
         except Exception:
             return Worker(actor=None, name=name, speed=speed, share=share)
+        worker = Worker(actor=actor, name=name, speed=speed, share=share, info=info)
+        self._watch_liveness(worker)
+        return worker
 
     @staticmethod
     def put(value) -> ray.ObjectRef:

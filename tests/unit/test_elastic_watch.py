@@ -55,3 +55,19 @@ def test_a_dead_rank_whose_step_call_stays_pending_is_lost_at_its_first_failed_h
     assert time.monotonic() - began < 5.0
     assert list(outcome.lost) == [1] and outcome.lost[1].startswith("actor died")
     assert list(outcome.failed) == [0] and not outcome.wedged  # let go at once, not at the deadline
+
+
+def test_a_rank_whose_process_exited_is_lost_at_once_though_ray_and_its_heartbeats_say_nothing_yet():
+    """The liveness connection closed (the kernel closes it with the process): that is enough, before Ray's
+    death notice fails the call in flight or a heartbeat, and the survivors are let go."""
+    dead = StepActor(step=never, heartbeat=lambda: Later(lambda: None))
+    survivor = StepActor(step=until_aborted, heartbeat=lambda: Answered({"step": 6}))
+    workers = [Worker(actor=actor, name=f"w{rank}") for rank, actor in enumerate((survivor, dead))]
+    refs = [actor.elastic_step.remote(6) for actor in (survivor, dead)]
+    began = time.monotonic()
+    outcome = watch_step(workers, refs, WatchTimes(deadline_s=60.0, heartbeat_interval_s=1.0,
+                                                   heartbeat_timeout_s=30.0),
+                         exited=lambda asked: {w.name for w in asked if w.name == "w1"})
+    assert time.monotonic() - began < 0.5
+    assert outcome.lost == {1: "process exited (its connection to the controller closed)"}
+    assert list(outcome.failed) == [0] and survivor.aborted
