@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from baige_ray.parallel.boxes import is_dtensor
-from baige_ray.parallel.distributed import all_reduce_abortable
+from baige_ray.parallel.distributed import abortable_mean_hook, all_reduce_abortable
 from baige_ray.parallel.subgroups import device_mesh, flattened, subgroup
 
 
@@ -56,6 +56,14 @@ def apply_fsdp(stage: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
             module.set_custom_reduce_scatter(reduce_scatter)
 
 
+def _abortable(model: DistributedDataParallel, dp_group: dist.ProcessGroup,
+               on_accelerator: bool) -> DistributedDataParallel:
+    """On gloo, buckets a lost peer's abort releases (parallel/distributed.py: abortable_mean_hook)."""
+    if not on_accelerator:
+        model.register_comm_hook(dp_group, abortable_mean_hook)
+    return model
+
+
 def apply_ddp(stage: nn.Module, dp_group: dist.ProcessGroup, on_accelerator: bool,
               zero_loss: Callable[[nn.Module], torch.Tensor] | None = None) -> nn.Module:
     """Wrap `stage` in DDP; `zero_loss(module)` (a loss times zero on one tiny batch) settles its buckets.
@@ -71,8 +79,9 @@ def apply_ddp(stage: nn.Module, dp_group: dist.ProcessGroup, on_accelerator: boo
     options = dict(process_group=dp_group, device_ids=[0] if on_accelerator else None,
                    broadcast_buffers=_forward_changes_buffers(stage))
     if zero_loss is None or not _every_parameter_gets_a_gradient(stage, zero_loss):
-        return DistributedDataParallel(stage, find_unused_parameters=True, **options)
-    model = DistributedDataParallel(stage, **options)
+        return _abortable(DistributedDataParallel(stage, find_unused_parameters=True, **options), dp_group,
+                          on_accelerator)
+    model = _abortable(DistributedDataParallel(stage, **options), dp_group, on_accelerator)
     zero_loss(model).backward()
     stage.zero_grad(set_to_none=True)
     return model

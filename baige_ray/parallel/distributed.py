@@ -193,12 +193,64 @@ STEP_ABORT = threading.Event()
 _waiting: threading.Event | None = None  # what the training thread sleeps on right now
 
 
+_pending_hooks: set[torch.futures.Future] = set()  # DDP buckets in flight (abortable_mean_hook)
+_hooks_lock = threading.Lock()
+
+
 def abort_step() -> None:
-    """Called on the control thread: make a collective waiting in `all_reduce_abortable` give up."""
+    """Called on the control thread: make a collective waiting in `all_reduce_abortable` give up, and fail
+    the DDP buckets in flight (`abortable_mean_hook`), which releases a backward waiting for them."""
     STEP_ABORT.set()
     waiting = _waiting
     if waiting is not None:
         waiting.set()
+    with _hooks_lock:
+        pending = list(_pending_hooks)
+    for future in pending:
+        _settle(future, error=CollectiveAborted("step abandoned: a peer of this collective was lost"))
+
+
+# No annotations on `bucket` and the return: DDP checks them against its own types, which the postponed
+# annotations of this module are not (strings).
+def abortable_mean_hook(group: dist.ProcessGroup | None, bucket):
+    """DDP's own reduction (each rank's gradients divided by the group size, then summed), as a
+    communication hook whose future `abort_step()` can fail. DDP's backward waits for its buckets where
+    nothing interrupts it: a survivor whose peer died mid-step sat there for the whole collective timeout
+    (3 s for 0.3 s steps). The abandoned all-reduce ends on gloo's thread by that timeout, harming nothing.
+    For gloo only: a CUDA future carries stream semantics this plain future does not."""
+    tensor = bucket.buffer()
+    tensor.div_(dist.get_world_size(group))
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    result = torch.futures.Future()
+    with _hooks_lock:
+        _pending_hooks.add(result)
+
+    def finish(done: torch.futures.Future) -> None:
+        with _hooks_lock:
+            _pending_hooks.discard(result)
+        try:
+            done.wait()
+        except Exception as error:  # a peer's socket closed: the step fails with gloo's own error
+            _settle(result, error=error)
+            return
+        _settle(result, value=tensor)
+
+    work.get_future().add_done_callback(finish)
+    if STEP_ABORT.is_set():
+        _settle(result, error=CollectiveAborted("step abandoned: a peer of this collective was lost"))
+    return result
+
+
+def _settle(future: torch.futures.Future, *, value: torch.Tensor | None = None,
+            error: BaseException | None = None) -> None:
+    """Complete `future` once: the abort and gloo's own completion race, and the first one wins."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+    except RuntimeError:  # already completed
+        pass
 
 
 def all_reduce_abortable(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
