@@ -29,9 +29,10 @@ from baige_ray.elastic.job_record import JobRecord
 from baige_ray.elastic.liveness import LivenessListener
 from baige_ray.elastic.machine import Phase, StateMachine
 from baige_ray.elastic.planning import ElasticPlanner
-from baige_ray.elastic.recovery import MAX_REGROUP_RETRIES, Bounds, Recovery
+from baige_ray.elastic.recovery import Bounds, Recovery
 from baige_ray.elastic.resizing import Resizer
 from baige_ray.elastic.sizing import valid_sizes
+from baige_ray.elastic.startup import Startup
 from baige_ray.elastic.state_sources import StateSources
 from baige_ray.elastic.stepping import StepRunner
 from baige_ray.elastic.workers import Worker, WorkerPool, restarted_by_ray
@@ -43,10 +44,6 @@ from baige_ray.runtime.resources import choose_device_resource
 
 CONTROLLER_THREADS = {"max_concurrency": 1, "concurrency_groups": {"loop": 1, "control": 4}}
 HARVEST_START_TIMEOUT_S = 60.0  # a harvest rank not up by then found no device share free
-# Ray restarts a dead controller without limit (a job of weeks meets many head-node faults); one that keeps
-# dying soon after its restart is broken, not faulted: more than this many restarts within the window fail it.
-CRASH_LOOP_RESTARTS = 5
-CRASH_LOOP_WINDOW_S = 600.0
 GATE_WAIT_S = 0.5  # a loop held by steps_allowed looks at growth this often when no command comes
 logger = logging.getLogger(__name__)
 
@@ -61,23 +58,11 @@ def ray_worker_pool(scaling: ScalingConfig, run_name: str, worker_cls: type, sna
 
 
 class ElasticController:
-    def __init__(
-        self,
-        job: TrainJob,
-        scaling: ScalingConfig,
-        run: RunConfig,
-        elastic: ElasticConfig,
-        layout: ParallelLayout,
-        *,
-        speeds: list[float] | None = None,
-        faults: FaultPlan | None = None,
-        worker_cls: type = ElasticWorkerActor,
-        planner: ElasticPlanner | None = None,
-        pool: WorkerPool | None = None,
-        record: JobRecord | None = None,
-        was_restarted: Callable[[], bool] | None = None,
-        steps_allowed: int | None = None,
-    ):
+    def __init__(self, job: TrainJob, scaling: ScalingConfig, run: RunConfig, elastic: ElasticConfig,
+                 layout: ParallelLayout, *, speeds: list[float] | None = None, faults: FaultPlan | None = None,
+                 worker_cls: type = ElasticWorkerActor, planner: ElasticPlanner | None = None,
+                 pool: WorkerPool | None = None, record: JobRecord | None = None,
+                 was_restarted: Callable[[], bool] | None = None, steps_allowed: int | None = None):
         """`pool`, `record` and `was_restarted` default to Ray's (unit tests pass their own).
         `steps_allowed`: only steps below it run until `allow_steps` raises it (None: all of them)."""
         self.job, self.scaling, self.run_config, self.elastic = job, scaling, run, elastic
@@ -85,7 +70,6 @@ class ElasticController:
         self.machine = StateMachine()
         self.events = EventLog(run.run_dir / "events.jsonl")
         self.pool = pool or ray_worker_pool(scaling, run.name, worker_cls, elastic.snapshot_slots, (job, layout))
-        self.was_restarted = was_restarted or restarted_by_ray
         min_workers, max_workers = elastic.bounds(scaling.num_workers)
         # The planner may use any number of the devices it is given (idle ones stay as spares).
         self.sizes = (tuple(range(min_workers, max_workers + 1)) if planner is not None
@@ -104,6 +88,9 @@ class ElasticController:
         self.steps = StepRunner(self.crew, self.state_sources, self.accounts, self.recovery, self.events, self.faults,
                                 elastic, bounds)
         self.ending = RunEnd(self.crew, self.pool, job, run.name, run.run_dir, record)
+        self.startup = Startup(self.crew, self.pool, self.accounts, self.recovery, self.resizer, self.events, run=run,
+                               scaling=scaling, elastic=elastic, speeds=self.speeds, sizes=self.sizes,
+                               was_restarted=was_restarted or restarted_by_ray)
 
     @property
     def step(self) -> int:
@@ -114,8 +101,8 @@ class ElasticController:
     @ray.method(concurrency_group="loop")
     def run(self) -> dict:
         handlers = {
-            Phase.PLANNING: self._plan,
-            Phase.STARTING: self._start,
+            Phase.PLANNING: self.startup.plan,
+            Phase.STARTING: self.startup.start,
             Phase.RUNNING: self._run_step,
             Phase.RECOVERING: self.recovery.recover,
             Phase.RESIZING: self.resizer.resize,
@@ -139,54 +126,6 @@ class ElasticController:
         except Exception as error:
             logger.exception("the controller failed in phase %s", self.machine.phase.value)
             return Phase.FAILED, f"the controller failed while {self.machine.phase.value}: {error!r}"
-
-    def _plan(self) -> tuple[Phase, str]:
-        restarted = self.was_restarted()
-        self.accounts.open(self.run_config.run_dir / "steps.jsonl", resume=restarted)
-        if restarted:
-            restarts = self.crew.record.note_restart(time.time(), CRASH_LOOP_WINDOW_S)
-            if restarts > CRASH_LOOP_RESTARTS:
-                self.pool.stop_strays(set())  # the workers its predecessors led: no controller will lead them
-                return Phase.FAILED, (f"the controller restarted {restarts} times within {CRASH_LOOP_WINDOW_S:g} s: "
-                                      "a crash loop, not a fault recovery can mend (its log says why it died)")
-            return self.recovery.resume_after_restart()
-        if self.crew.planner is not None:
-            self.events.record("plan", "the planner lays out the devices the workers get", valid_sizes=list(self.sizes))
-            return Phase.STARTING, "layout planned once the workers are up"
-        self.events.record("plan", f"layout {self.crew.layout.describe()}", valid_sizes=list(self.sizes))
-        return Phase.STARTING, f"layout {self.crew.layout.describe()}"
-
-    def _start(self) -> tuple[Phase, str]:
-        wanted = self.resizer.target_workers
-        room = self.pool.free_devices() - wanted
-        started = self.pool.start(wanted, self.speeds)
-        if self.elastic.num_spares and room > 0:  # alongside the members: warm before the first failure
-            self.crew.add_spares(self.pool.start(min(self.elastic.num_spares, room)))
-        members = self.pool.ready(started, self.scaling.placement_timeout_s)
-        if len(members) < wanted:
-            self.pool.stop(started + self.crew.spares)
-            return Phase.FAILED, f"only {len(members)} of {wanted} workers started"
-        try:
-            self.crew.regroup(self.pool.by_locality(members), None, self.step)
-        except Exception as error:  # a member died or fell silent before the first group formed
-            return self._start_over(started, error)
-        if self.crew.planner is not None:  # grow back to what the planner chose on full capacity
-            self.resizer.target_workers = len(self.crew.members)
-        self.events.record("start", f"{len(members)} workers", train_devices=len(members))
-        return Phase.RUNNING, "workers up"
-
-    def _start_over(self, started: list[Worker], error: Exception) -> tuple[Phase, str]:
-        """Nothing was trained yet: stop the workers and spares started for the first group and start
-        afresh, a few times (a busy host can hold a joining worker silent; a dead one is not coming)."""
-        self.pool.abandon(started, self.crew.generation)
-        spares = list(self.crew.spares)
-        self.pool.stop(started + spares)
-        self.crew.take_spares(spares)
-        failures = self.crew.regroup_failed()
-        if failures > MAX_REGROUP_RETRIES:
-            return Phase.FAILED, f"the first group failed to form {failures} times; the last time: {error}"
-        self.events.record("start", f"the first group did not form ({error}); starting it again", train_devices=0)
-        return Phase.STARTING, f"starting again: {error}"
 
     def _run_step(self) -> tuple[Phase, str]:
         self.resizer.keep_spares()
@@ -226,34 +165,19 @@ class ElasticController:
 
     @ray.method(concurrency_group="control")
     def status(self) -> dict:
-        members = self.crew.members
         return {
             "name": self.run_config.name,
             "state": self.machine.phase.value,
             "step": self.step,
             "num_steps": self.job.train.num_steps,
             "steps_allowed": self.resizer.steps_allowed,
-            "layout": self.crew.layout.describe(),
-            "pipeline_stages": self.crew.layout.pp,
-            "num_workers": len(members),
-            "num_harvest": len(harvest_members(members)),
-            "num_spares": len(self.crew.spares),
             "sizes": list(self.sizes),  # the worker counts a resize may ask for
-            "workers": [worker.describe(rank) for rank, worker in enumerate(members)],
-            "spares": [spare.describe(None) for spare in self.crew.spares],  # warm, idle: rank None
+            **self.crew.report(),
             "events": self.events.recent(20),
-            "steps_per_s": self.accounts.steps_per_s(),
-            "loss": self.accounts.records[-1]["loss"] if self.accounts.records else None,
-            "tokens_per_s": self.accounts.tokens_per_s(),
-            "mfu": self.accounts.mfu(len(members)),
-            "goodput": self.accounts.goodput(),
-            "started_at": self.accounts.started_at,
-            "elapsed_s": time.time() - self.accounts.started_at,
+            **self.accounts.report(len(self.crew.members)),
             "recoveries": list(self.recovery.history),
             "faults_fired": {kind.value: self.faults.count(kind) for kind in FaultKind},
-            "persisted_step": self.state_sources.last_persisted_step,
-            "replica_wait_s": round(self.state_sources.replica_copies.waited_s, 3),  # training stalled for slow replica copies
-            "expert_load": self.accounts.expert_load,  # the last step's slots per expert of each MoE layer
+            **self.state_sources.report(),
         }
 
     @ray.method(concurrency_group="control")
@@ -309,13 +233,6 @@ class ElasticController:
     def latest_model_state(self) -> tuple[int, ray.ObjectRef]:
         """(step, ref to the canonical model weights) from the newest in-memory snapshot: a `PackedTensors`
         (a mapping of names to tensors whose bytes Ray moves without pickling them)."""
-        for _ in range(10):  # stages can be a step apart for a moment while training runs
-            step, state = StateSources.gather_state(list(enumerate(self.crew.members)), self.crew.layout,
-                                                    weights_only=True)
-            if state is not None:
-                break
-            time.sleep(0.05)
-        if state is None:
-            raise RuntimeError("no snapshot yet: training has not completed a step")
-        return step, self.pool.put(pack_tensors(state["model"]))
+        step, weights = StateSources.newest_weights(list(enumerate(self.crew.members)), self.crew.layout)
+        return step, self.pool.put(pack_tensors(weights))
 

@@ -181,6 +181,19 @@ class StepAccounts:
         elapsed = time.time() - self.started_at
         return self.productive_s / elapsed if elapsed > 0 else 0.0
 
+    def report(self, num_workers: int) -> dict:
+        """The job status's part about progress: rates, loss, MFU, goodput, time, the MoE experts' load."""
+        return {
+            "steps_per_s": self.steps_per_s(),
+            "loss": self.records[-1]["loss"] if self.records else None,
+            "tokens_per_s": self.tokens_per_s(),
+            "mfu": self.mfu(num_workers),
+            "goodput": self.goodput(),
+            "started_at": self.started_at,
+            "elapsed_s": time.time() - self.started_at,
+            "expert_load": self.expert_load,  # the last step's slots per expert of each MoE layer
+        }
+
     def close(self) -> None:
         if self.log is not None:
             self.log.close()

@@ -139,5 +139,17 @@ class Crew:
         self.failed_regroups += 1
         return self.failed_regroups
 
+    def report(self) -> dict:
+        """The job status's part about who trains: the layout, the members by rank, the spares."""
+        return {
+            "layout": self.layout.describe(),
+            "pipeline_stages": self.layout.pp,
+            "num_workers": len(self.members),
+            "num_harvest": sum(1 for w in self.members if w.share < 1),  # ranks beside a Serve replica
+            "num_spares": len(self.spares),
+            "workers": [worker.describe(rank) for rank, worker in enumerate(self.members)],
+            "spares": [spare.describe(None) for spare in self.spares],  # warm, idle: rank None
+        }
+
     def everyone(self) -> list[Worker]:
         return [w for w in self.members + self.spares if w.actor is not None]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 from typing import Any, Callable
 
 import ray
@@ -54,6 +55,12 @@ class StateSources:
         steps = [step for step in (self._committed_sharded_step,
                                    self._persister.last_persisted_step if self._persister else None) if step is not None]
         return max(steps, default=None)
+
+    def report(self) -> dict:
+        """The job status's part about state kept elsewhere: the newest persisted step, and how long
+        training stalled for slow replica copies."""
+        return {"persisted_step": self.last_persisted_step,
+                "replica_wait_s": round(self.replica_copies.waited_s, 3)}
 
     def newest_snapshot(self, holders: list[tuple[int, Worker]], layout: ParallelLayout,
                         replicas: list[Worker] = (), members: list[tuple[int, Worker]] | None = None,
@@ -130,6 +137,16 @@ class StateSources:
             self.events.record("checkpoint", f"a replica is behind step {floor}: a lost node may redo more steps",
                                step=next_step)
         self._replica_behind = behind
+
+    @staticmethod
+    def newest_weights(holders: list[tuple[int, Worker]], layout: ParallelLayout) -> tuple[int, dict]:
+        """(step, the model's canonical weights) from the newest in-memory snapshot of `holders`."""
+        for _ in range(10):  # stages can be a step apart for a moment while training runs
+            step, state = StateSources.gather_state(holders, layout, weights_only=True)
+            if state is not None:
+                return step, state["model"]
+            time.sleep(0.05)
+        raise RuntimeError("no snapshot yet: training has not completed a step")
 
     @staticmethod
     def gather_state(holders: list[tuple[int, Worker]], layout: ParallelLayout, *, weights_only: bool = False):

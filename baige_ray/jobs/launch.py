@@ -33,7 +33,7 @@ from baige_ray.topology.head import on_head_node
 from baige_ray.topology.simulated import SimulatedCluster
 
 # Without limit: the 30-minute soak's fourth controller SIGKILL found a bound of 3 and ended the job. A
-# controller that keeps dying fails the job itself (actors/controller.py: CRASH_LOOP_RESTARTS).
+# controller that keeps dying fails the job itself (elastic/startup.py: CRASH_LOOP_RESTARTS).
 CONTROLLER_RESTARTS = -1
 logger = logging.getLogger(__name__)
 

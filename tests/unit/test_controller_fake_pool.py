@@ -531,7 +531,7 @@ def test_a_second_failure_during_recovery_keeps_the_first_failed_step(tmp_path):
 def test_a_controller_restarts_as_often_as_it_is_killed_but_a_crash_loop_fails_the_job(tmp_path):
     """The 30-minute soak's fourth controller SIGKILL ended its job (Ray's restarts were bounded at 3): a
     controller now comes back as often as faults kill it, unless it keeps dying within minutes."""
-    from actors.controller import CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_S
+    from baige_ray.elastic.startup import CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_S
 
     def restarted_after(earlier_restarts: list[float], name: str) -> tuple[ElasticController, dict, FakeCluster]:
         cluster, store = FakeCluster({"n0": 3}), MemoryKeyValueStore()
