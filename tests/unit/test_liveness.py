@@ -1,5 +1,5 @@
 """A worker's death as its closed connection tells it (elastic/liveness.py): a process SIGKILLed is seen
-exited within a fraction of a second, a live one is not, and only the named workers are reported."""
+exited at once, a live one is not, and only the named workers are reported."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def test_a_sigkilled_worker_is_seen_exited_at_once_and_a_live_one_is_not():
         assert listener.exited(["w0", "w1"]) == {}
         os.kill(holders["w1"].pid, signal.SIGKILL)
         seen_after = _wait_until(lambda: "w1" in listener.exited(["w0", "w1"]))
-        assert seen_after < 0.5 and list(listener.exited(["w0", "w1"])) == ["w1"]
+        # Milliseconds when idle; the bound leaves room for a unit tier that keeps both cores busy.
+        assert seen_after < 2.0 and list(listener.exited(["w0", "w1"])) == ["w1"]
         assert listener.exited(["w0"]) == {}
     finally:
         for holder in holders.values():
