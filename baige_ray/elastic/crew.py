@@ -11,6 +11,7 @@ import ray
 from baige_ray.elastic.accounts import StepAccounts
 from baige_ray.elastic.device_holds import ReleasedDevices
 from baige_ray.elastic.faults import FaultPlan
+from baige_ray.elastic.harvest import harvest_members
 from baige_ray.elastic.job_record import JobRecord
 from baige_ray.elastic.part_clock import slowest_parts
 from baige_ray.elastic.planning import ElasticPlanner
@@ -145,7 +146,7 @@ class Crew:
             "layout": self.layout.describe(),
             "pipeline_stages": self.layout.pp,
             "num_workers": len(self.members),
-            "num_harvest": sum(1 for w in self.members if w.share < 1),  # ranks beside a Serve replica
+            "num_harvest": len(harvest_members(self.members)),  # ranks beside a Serve replica
             "num_spares": len(self.spares),
             "workers": [worker.describe(rank) for rank, worker in enumerate(self.members)],
             "spares": [spare.describe(None) for spare in self.spares],  # warm, idle: rank None

@@ -13,7 +13,7 @@ class PartClock:
     def mark(self, part: str) -> None:
         """The part named `part` ends now; the next one begins."""
         now = time.perf_counter()
-        self.parts[part] = round(self.parts.get(part, 0.0) + now - self._last, 4)
+        self.parts[part] = round(now - self._last, 4)
         self._last = now
 
 

@@ -58,12 +58,15 @@ def watch_step(workers: list[Worker], refs: list[ray.ObjectRef], times: WatchTim
     heartbeats = Heartbeats(times.heartbeat_timeout_s)
     pending = set(range(len(refs)))
     while pending:
-        # Back as soon as any rank answers: a dead rank's call fails within milliseconds of its exit,
-        # and waiting for all of them (or the heartbeat interval) delayed every recovery by up to 0.25 s.
-        calls.wait([refs[r] for r in pending], num_returns=1, timeout=min(times.poll_s, times.heartbeat_interval_s))
-        for rank in list(pending):
-            if _collect(rank, refs[rank], outcome):
-                pending.discard(rank)
+        # Back at least every poll_s: a failure or an exited process is seen that soon (waiting for every
+        # answer or the heartbeat interval delayed each recovery by up to 0.25 s). Only the answers that
+        # came in are fetched: a job of a thousand ranks polls often.
+        rank_of = {refs[rank]: rank for rank in pending}
+        ready, _ = calls.wait(list(rank_of), num_returns=len(rank_of),
+                              timeout=min(times.poll_s, times.heartbeat_interval_s))
+        for ref in ready:
+            if _collect(rank_of[ref], ref, outcome):
+                pending.discard(rank_of[ref])
         gone = exited([workers[rank] for rank in pending])
         for rank in [rank for rank in pending if workers[rank].name in gone]:
             outcome.lost[rank] = "process exited (its connection to the controller closed)"
