@@ -69,7 +69,6 @@ signal.signal(signal.SIGALRM, too_long)
 cluster = SimulatedCluster(load_descriptor("sim-2x4"), dashboard_port=DASHBOARD_PORT).start()
 ray.shutdown()  # the cluster stays; each page joins it as its own driver
 os.environ["RAY_ADDRESS"] = cluster.address
-os.environ["RAY_AUTH_MODE"] = "disabled"  # a simulated cluster asks for no token, whatever ~/.ray holds
 failed = []
 try:
     for page, script in pages:
@@ -103,7 +102,10 @@ def run_pages(pages: list[Path], workdir: Path, *, page_limit_s: int = 180, time
     `=== PAGE: FAILED` with the traceback, page by page. A page running past `page_limit_s` fails with a
     TimeoutError and the next one runs."""
     scripts = [(str(page.relative_to(REPO_ROOT)), page_script(page)) for page in pages]
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    # The simulated cluster asks for no token, whatever ~/.ray holds: a Ray session this process opened
+    # earlier may have set RAY_AUTH_MODE=token here, which would start the cluster with token auth.
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS" and not key.startswith("RAY_AUTH")}
+    env["RAY_AUTH_MODE"] = "disabled"
     return subprocess.run([sys.executable, "-c", SHARED_RUNNER, json.dumps(scripts), str(workdir),
                            str(page_limit_s), json.dumps(dashboard_port)],
                           cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -6,7 +6,8 @@ so far (None to prefill), and returns the last position's logits per row (float3
 makes a seed give the same tokens on any device) and the cache grown by `new` columns. A `TextCodec`
 turns text into token ids and back. Each plug-in implements them for its family (models/gpt_decoding.py,
 models/hf/decoding.py); the serving engine (serving/engine.py) knows only these protocols. A token is
-drawn from the top-k of the logits with a generator of the row's own (`sample_token`).
+drawn from the logits (the top-k of them where a request asks) with a generator of the row's own
+(`sample_token`).
 """
 
 from __future__ import annotations
@@ -109,9 +110,6 @@ class VLLMSource:
     max_context: int
 
 
-TOP_K = 40
-
-
 def seeded_generator(seed: int | None) -> torch.Generator:
     generator = torch.Generator()
     if seed is None:
@@ -127,8 +125,9 @@ def token_log_prob(logits: torch.Tensor, token: int) -> float:
 
 
 def sample_token(logits: torch.Tensor, temperature: float, generator: torch.Generator,
-                 top_k: int | None = TOP_K) -> int:
-    """Argmax at temperature 0; otherwise a draw from the top-k of softmax(logits / temperature).
+                 top_k: int | None = None) -> int:
+    """Argmax at temperature 0; otherwise a draw from softmax(logits / temperature), over the top-k
+    logits only when `top_k` is set (None: the whole vocabulary, as vLLM samples by default).
 
     The draw inverts the distribution's cumulative sum (in fp64) at one uniform number from `generator`:
     torch.multinomial took 2.4 ms for one draw from a 151,936-token vocabulary on one core, this 0.4 ms,
@@ -146,7 +145,7 @@ def sample_token(logits: torch.Tensor, temperature: float, generator: torch.Gene
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, generators: list[torch.Generator],
-                  top_k: int | None = TOP_K) -> list[int]:
+                  top_k: int | None = None) -> list[int]:
     """`sample_token` for every row of `logits` ([rows, vocab]) at once, row i drawing from generators[i]:
     the same tokens, one softmax, cumulative sum and search for the whole batch instead of one per row
     (a decode step of a tiny model spent a fifth of its time sampling row by row)."""

@@ -48,8 +48,8 @@ from baige_ray.serving.expert_parallel import ExpertParallelServing
 from baige_ray.serving.kv_blocks import KVCacheConfig
 from baige_ray.serving.openai_api import CompletionLimits
 from baige_ray.serving.prefix_router import INGRESS_DEPLOYMENT, PrefixRoutingIngress, router_config
-from baige_ray.serving.request_routing import request_router_config
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, get_or_create_registry, registry_name
+from baige_ray.serving.request_routing import request_router_config
 from baige_ray.serving.requests import RequestLimits
 from baige_ray.serving.vllm_engine import vllm_available
 from baige_ray.topology.head import HEAD_NODE_RESOURCE

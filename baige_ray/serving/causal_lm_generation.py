@@ -20,7 +20,6 @@ holding a prompt that does not is refused with a ValueError, never cut (serving/
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,39 +27,16 @@ from typing import Any, Literal
 
 import torch
 
-from baige_ray.api.validation import require_int, require_number
+from baige_ray.api.validation import require_int
 from baige_ray.models.generation import sample_token, seeded_generator
 from baige_ray.models.hf.decoding import forward_options
 from baige_ray.serving.context_length import require_fit
+from baige_ray.serving.sampling_params import SamplingParams, stops_at
+
+# SamplingParams lives in sampling_params.py; callers import it from here too.
+__all__ = ["FinishReason", "Generation", "SamplingParams", "generate_batch"]
 
 FinishReason = Literal["stop", "length"]
-
-
-@dataclass(kw_only=True, frozen=True)
-class SamplingParams:
-    """How one request samples: temperature 0 is greedy; otherwise top-k then multinomial.
-
-    `log_probs`: report each sampled token's log-probability under the model's own distribution
-    (log-softmax of the raw logits: before temperature and top-k, as vLLM's raw log-probs), which is
-    what a policy-gradient loss compares its policy with."""
-
-    max_new_tokens: int
-    temperature: float
-    top_k: int | None = 40
-    seed: int | None = None
-    log_probs: bool = False
-
-    def __post_init__(self) -> None:
-        require_int("SamplingParams", "max_new_tokens", self.max_new_tokens, minimum=1)
-        require_number("SamplingParams", "temperature", self.temperature, minimum=0)
-        if not math.isfinite(self.temperature):
-            raise ValueError(f"SamplingParams.temperature={self.temperature!r} is invalid: expected a finite number")
-        if self.top_k is not None:
-            require_int("SamplingParams", "top_k", self.top_k, minimum=1)
-        if self.seed is not None:
-            require_int("SamplingParams", "seed", self.seed, minimum=0)
-        if not isinstance(self.log_probs, bool):
-            raise ValueError(f"SamplingParams.log_probs={self.log_probs!r} is invalid: expected a bool")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -92,7 +68,7 @@ class _Row:
 def _advance(row: _Row, logits: torch.Tensor, eos_token_id: int | None) -> None:
     token = sample_token(logits, row.params.temperature, row.generator, row.params.top_k)
     row.last_token = token
-    if token == eos_token_id:
+    if stops_at(row.params, token, eos_token_id):
         row.finish_reason = "stop"
         return
     row.tokens.append(token)

@@ -1,27 +1,29 @@
-"""Whether a prompt and its new tokens fit the model's context, decided as OpenAI and vLLM decide it.
+"""Whether a prompt and its new tokens fit the model's context, and how many new tokens a request gets.
 
 A prompt whose tokens plus the tokens asked for exceed the model's context is refused (HTTP 400),
 never cut: a silently shortened prompt answers a question the client did not ask. A client that
 prefers the prompt's end to an error says so with vLLM's `truncate_prompt_tokens=k`: the prompt
-keeps its last k tokens, and must then fit like any other. The engines refuse what does not fit
-(`require_fit`, a ValueError) rather than cut it, so this replica-side check is the only place a
-prompt is ever shortened. Plain integers: no Ray, no torch.
+keeps its last k tokens (k=-1: as many as fit), and must then fit like any other. The engines refuse
+what does not fit (`require_fit`, a ValueError) rather than cut it, so this replica-side check is the
+only place a prompt is ever shortened. A request that sets no budget (a chat without max_tokens) may
+generate up to the rest of the context, as vLLM allows. Plain integers: no Ray, no torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from baige_ray.serving.requests import RequestError
+from baige_ray.serving.requests import bad_request
 
 
 def overflow_reason(prompt_tokens: int, max_tokens: int, max_context: int, *, field: str = "max_tokens") -> str | None:
     """Why `prompt_tokens` plus `max_tokens` new ones do not fit `max_context`, or None when they do."""
     if prompt_tokens + max_tokens <= max_context:
         return None
-    return (f"the model's context holds {max_context} tokens, but this request needs {prompt_tokens + max_tokens}: "
-            f"{prompt_tokens} in the prompt and {field}={max_tokens} to generate. Shorten the prompt, lower "
-            f"{field}, or send truncate_prompt_tokens to keep only the prompt's last tokens")
+    return (f"This model's maximum context length is {max_context} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens: {prompt_tokens} in the prompt and {field}={max_tokens} to "
+            f"generate. Shorten the prompt, lower {field}, or send truncate_prompt_tokens to keep only the "
+            "prompt's last tokens")
 
 
 def require_fit(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
@@ -31,17 +33,34 @@ def require_fit(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
         raise ValueError(reason)
 
 
-def fit_context(prompt: Sequence[int], *, max_tokens: int, max_context: int, truncate_prompt_tokens: int | None = None,
-                field: str = "max_tokens") -> list[int]:
+def _truncated(prompt: Sequence[int], truncate_prompt_tokens: int, max_tokens: int | None,
+               max_context: int) -> Sequence[int]:
+    keep = max_context - (1 if max_tokens is None else max_tokens) if truncate_prompt_tokens == -1 \
+        else truncate_prompt_tokens
+    if truncate_prompt_tokens > max_context or keep < 1:
+        raise bad_request("truncate_prompt_tokens",
+                          f"'truncate_prompt_tokens'={truncate_prompt_tokens} leaves no prompt within the model's "
+                          f"context of {max_context} tokens" + (f" and max_tokens={max_tokens}" if keep < 1 else ""))
+    return prompt[-keep:]
+
+
+def fit_context(prompt: Sequence[int], *, max_tokens: int | None, max_context: int,
+                truncate_prompt_tokens: int | None = None, field: str = "max_tokens") -> list[int]:
     """The prompt a replica submits: its last `truncate_prompt_tokens` tokens when that is set, else all
-    of it. A RequestError when the truncation exceeds the context (422) or the prompt and `max_tokens`
-    (the request's `field`) do not fit it (400)."""
+    of it. A 400 when the truncation exceeds the context, or the prompt and `max_tokens` (the request's
+    `field`; None: at least one new token) do not fit it."""
     if truncate_prompt_tokens is not None:
-        if truncate_prompt_tokens > max_context:
-            raise RequestError(422, f"'truncate_prompt_tokens'={truncate_prompt_tokens} is more than the model's "
-                                    f"context of {max_context} tokens")
-        prompt = prompt[-truncate_prompt_tokens:]
-    reason = overflow_reason(len(prompt), max_tokens, max_context, field=field)
+        prompt = _truncated(prompt, truncate_prompt_tokens, max_tokens, max_context)
+    if max_tokens is None and len(prompt) >= max_context:
+        raise bad_request("prompt", f"This model's maximum context length is {max_context} tokens. However, your "
+                                    f"prompt contains {len(prompt)} input tokens, which leaves no room to generate. "
+                                    "Shorten the prompt, or send truncate_prompt_tokens")
+    reason = overflow_reason(len(prompt), 0 if max_tokens is None else max_tokens, max_context, field=field)
     if reason is not None:
-        raise RequestError(400, reason)
+        raise bad_request(field, reason)
     return list(prompt)
+
+
+def new_token_budget(prompt_tokens: int, max_tokens: int | None, max_context: int) -> int:
+    """How many tokens a fitted prompt may generate: `max_tokens`, or the rest of the context when it is None."""
+    return max_context - prompt_tokens if max_tokens is None else max_tokens

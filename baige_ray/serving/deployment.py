@@ -4,9 +4,13 @@ Routes (under the application's route prefix):
   POST generate             {"prompt": str, "max_new_tokens": int, "temperature": float, "seed": int,
                              "truncate_prompt_tokens": int}
                             -> {"text": str, "tokens": int, "latency_s": float, "step": int}
-  POST v1/completions       OpenAI's completions shapes (serving/openai_api.py), "stream": true for SSE
+  POST v1/completions       OpenAI's completions shapes as vLLM serves them (serving/openai_api.py, routes in
+                            serving/openai_routes.py), "stream": true for SSE
   POST v1/chat/completions  OpenAI's chat shapes (serving/openai_chat.py), "stream": true for SSE
-  GET  v1/models            the one model served (the application's name)
+  POST tokenize, detokenize vLLM's: {"prompt": str} or {"messages": [...]} -> {"tokens", "count", "max_model_len"};
+                            {"tokens": [...]} -> {"prompt": str} (serving/openai_tokenize.py)
+  GET  v1/models            the one model served (the application's name), with its root and max_model_len
+  GET  v1/models/{id}       that model, or 404
   GET  health               -> {"status": "ok", "step": int, "replica": str, "node_id": str, "devices": [int]}
                             (+ "experts": placement and rows per expert rank, with expert parallelism;
                             503 with "status": "failed" and the "error" once the replica's engine failed)
@@ -41,7 +45,6 @@ import dataclasses
 import logging
 import os
 import time
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -65,17 +68,9 @@ from baige_ray.serving.expert_ranks import ExpertRanks
 from baige_ray.serving.generators import TextOutput, text_generator
 from baige_ray.serving.kv_blocks import BlockHandover, KVCacheConfig, PrefixBlockStore
 from baige_ray.serving.ledger import EngineLoad
-from baige_ray.serving.openai_api import (
-    CompletionLimits,
-    completion_chunk,
-    completion_response,
-    error_body,
-    models_response,
-    parse_completion_request,
-    server_sent_event,
-    usage_chunk,
-)
-from baige_ray.serving.openai_chat import chat_chunk, chat_response, parse_chat_request
+from baige_ray.serving.openai_api import CompletionLimits
+from baige_ray.serving.openai_responses import error_body
+from baige_ray.serving.openai_routes import MODEL_ROUTE, OpenAIRoutes, ReplicaCalls
 from baige_ray.serving.prefix_router import ResponseHead, RoutedRequest
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, registry_name
 from baige_ray.serving.replica_reports import ReplicaSide, report_forever
@@ -96,7 +91,7 @@ RETRY_AFTER_S = 1
 # about three periods after it failed (Serve's default period is 10 s).
 HEALTH_CHECK_PERIOD_S = 1.0
 ROUTES = {"generate": "POST", "v1/completions": "POST", "v1/chat/completions": "POST", "v1/models": "GET",
-          "health": "GET"}
+          MODEL_ROUTE: "GET", "tokenize": "POST", "detokenize": "POST", "health": "GET"}
 
 logger = logging.getLogger(__name__)
 
@@ -117,10 +112,13 @@ class ModelServer:
         torch.set_num_threads(1)  # replicas share few cores with training workers
         self._limits = RequestLimits(**limits)
         self._engine_limits = EngineLimits(**engine_limits)
-        self._completion_limits = CompletionLimits(**(completion_limits or {}))
         self._kv_cache = KVCacheConfig(**kv_cache) if kv_cache else None
         self._app_name = app_name
-        self._created = int(time.time())
+        calls = ReplicaCalls(require_runner=self._require_runner, complete=self._complete, text=self._text,
+                             account=self._account, account_failure=self._account_failure,
+                             count_ongoing=self._count_ongoing)
+        self._openai = OpenAIRoutes(calls, app_name=app_name, engine_name=engine,
+                                    limits=CompletionLimits(**(completion_limits or {})))
         self._registry = ray.get_actor(registry_name(app_name), namespace=REGISTRY_NAMESPACE)
         context = serve.get_replica_context()
         self._replica = context.replica_id.unique_id
@@ -185,6 +183,7 @@ class ModelServer:
             if previous is not None:
                 previous.retire()  # requests already in it finish on the weights they started with
         self._version, self._step, self._model_config = version, step, model_config
+        self._openai.learn_model(model_config, self._runner.engine.max_context)
 
     def _build_runner(self, model_config, state: dict, *, first: bool, version: int) -> EngineRunner:
         plugin = plugin_for(model_config)
@@ -273,24 +272,29 @@ class ModelServer:
     async def __call__(self, request: Request) -> Response:
         self._ensure_reporter()
         route = self._route(request)
-        if route not in ROUTES:
+        key = MODEL_ROUTE if route.startswith("v1/models/") else route
+        openai = key not in ("generate", "health")
+        if key not in ROUTES:
             expected = ", ".join(f"{method} {path}" for path, method in ROUTES.items())
             return _error(404, f"no route {route!r}: expected one of {expected}", openai=route.startswith("v1/"))
-        if request.method != ROUTES[route]:
-            return _error(405, f"{request.method} is not allowed on {route}: use {ROUTES[route]}",
-                          openai=route.startswith("v1/"))
-        if route == "health":
+        if request.method != ROUTES[key]:
+            return _error(405, f"{request.method} is not allowed on {route}: use {ROUTES[key]}", openai=openai)
+        if key == "health":
             return self._health()
-        if route == "v1/models":
-            return JSONResponse(models_response(self._app_name, self._created))
-        handler = {"generate": self._handle_generate, "v1/completions": self._handle_completion,
-                   "v1/chat/completions": self._handle_chat}[route]
-        started, openai = time.perf_counter(), route != "generate"
+        if key in ("v1/models", MODEL_ROUTE):
+            try:
+                return self._openai.models(route)
+            except RequestError as error:
+                return _error(error.status, error.reason, openai=True, param=error.param)
+        handler = {"generate": self._handle_generate, "v1/completions": self._openai.completion,
+                   "v1/chat/completions": self._openai.chat, "tokenize": self._openai.tokenize,
+                   "detokenize": self._openai.detokenize}[key]
+        started = time.perf_counter()
         try:
             return await handler(request, started)
         except RequestError as error:
             self._account_failure(started)
-            return _error(error.status, error.reason, openai=openai)
+            return _error(error.status, error.reason, openai=openai, param=error.param)
         except EngineFull as error:
             self._account_failure(started)
             return _error(503, f"the replica is overloaded ({error}); retry after {RETRY_AFTER_S} s",
@@ -352,81 +356,14 @@ class ModelServer:
                              truncate_prompt_tokens=parsed.truncate_prompt_tokens, field="max_new_tokens")
         params = SamplingParams(max_new_tokens=parsed.max_new_tokens, temperature=parsed.temperature,
                                 seed=parsed.seed)
-        output = await self._complete(runner, prompt, params, ())
+        output = await self._complete(runner, prompt, params)
         return JSONResponse({"text": output.text, "tokens": output.completion_tokens,
                              "latency_s": self._account(started), "step": step})
 
-    async def _handle_completion(self, request: Request, started: float) -> Response:
-        body = await read_body(request, self._completion_limits.max_body_bytes)
-        parsed = parse_completion_request(body, self._completion_limits, model_name=self._app_name)
-        runner = self._require_runner()
-        prompt = runner.codec.encode(parsed.prompt)
-        return await self._respond(runner, prompt, parsed, started, chat=False)
-
-    async def _handle_chat(self, request: Request, started: float) -> Response:
-        body = await read_body(request, self._completion_limits.max_body_bytes)
-        parsed = parse_chat_request(body, self._completion_limits, model_name=self._app_name)
-        runner = self._require_runner()
-        prompt = runner.codec.chat_tokens(parsed.messages)
-        return await self._respond(runner, prompt, parsed, started, chat=True)
-
-    async def _respond(self, runner: EngineRunner, prompt: list[int], parsed, started: float, *, chat: bool) -> Response:
-        # Checked before anything is submitted or streamed: a prompt that does not fit is a 400, not an SSE.
-        prompt = fit_context(prompt, max_tokens=parsed.max_tokens, max_context=runner.engine.max_context,
-                             truncate_prompt_tokens=parsed.truncate_prompt_tokens)
-        params = SamplingParams(max_new_tokens=parsed.max_tokens, temperature=parsed.temperature, seed=parsed.seed)
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        shape = dict(request_id=request_id, model_name=self._app_name, created=int(time.time()))
-        if not parsed.stream:
-            output = await self._complete(runner, prompt, params, parsed.stop)
-            self._account(started)
-            respond = chat_response if chat else completion_response
-            return JSONResponse(respond(**shape, text=output.text, finish_reason=output.finish_reason,
-                                        prompt_tokens=output.prompt_tokens, completion_tokens=output.completion_tokens))
-        pieces = self._text(runner, prompt, params, parsed.stop)
-        first = await anext(pieces)  # submits the request: a full engine raises EngineFull here, before any byte is sent
-        events = self._stream_events(first, pieces, shape, chat, parsed.include_usage, started)
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    async def _stream_events(self, first: str | TextOutput, pieces: AsyncIterator[str | TextOutput], shape: dict,
-                             chat: bool, include_usage: bool, started: float) -> AsyncIterator[bytes]:
+    async def _complete(self, runner: EngineRunner, prompt: list[int], params: SamplingParams) -> TextOutput:
         self._ongoing += 1
         try:
-            async for event in self._stream_chunks(first, pieces, shape, chat, include_usage):
-                yield event
-            self._account(started)
-        except EngineFailed as error:  # the status line went out with the first chunk: the stream ends with an error
-            self._account_failure(started)
-            yield server_sent_event(error_body(500, str(error)))
-            yield server_sent_event("[DONE]")
-        finally:
-            self._ongoing -= 1
-            await pieces.aclose()  # a client gone mid-stream: its request leaves the batch
-
-    @staticmethod
-    async def _stream_chunks(first: str | TextOutput, pieces: AsyncIterator[str | TextOutput], shape: dict,
-                             chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
-        if chat:
-            yield server_sent_event(chat_chunk(**shape, delta={"role": "assistant", "content": ""},
-                                               finish_reason=None))
-        piece = first
-        while not isinstance(piece, TextOutput):
-            yield server_sent_event(chat_chunk(**shape, delta={"content": piece}, finish_reason=None) if chat
-                                    else completion_chunk(**shape, text=piece, finish_reason=None))
-            piece = await anext(pieces)
-        yield server_sent_event(chat_chunk(**shape, delta={}, finish_reason=piece.finish_reason) if chat
-                                else completion_chunk(**shape, text="", finish_reason=piece.finish_reason))
-        if include_usage:
-            yield server_sent_event(usage_chunk(
-                **shape, object_name="chat.completion.chunk" if chat else "text_completion",
-                prompt_tokens=piece.prompt_tokens, completion_tokens=piece.completion_tokens))
-        yield server_sent_event("[DONE]")
-
-    async def _complete(self, runner: EngineRunner, prompt: list[int], params: SamplingParams,
-                        stop: tuple[str, ...]) -> TextOutput:
-        self._ongoing += 1
-        try:
-            async with contextlib.aclosing(self._text(runner, prompt, params, stop)) as pieces:  # closing cancels it
+            async with contextlib.aclosing(self._text(runner, prompt, params)) as pieces:  # closing cancels it
                 async for piece in pieces:
                     if isinstance(piece, TextOutput):
                         return piece
@@ -434,9 +371,9 @@ class ModelServer:
         finally:
             self._ongoing -= 1
 
-    def _text(self, runner: EngineRunner, prompt: list[int], params: SamplingParams,
-              stop: tuple[str, ...]) -> AsyncIterator[str | TextOutput]:
-        return runner.text(prompt, params, stop, events=self._events(runner, prompt, params))
+    def _text(self, runner: EngineRunner, prompt: list[int], params: SamplingParams) -> AsyncIterator[str | TextOutput]:
+        """Text deltas, cut at the request's stop strings; last, the whole TextOutput."""
+        return runner.text(prompt, params, events=self._events(runner, prompt, params))
 
     def _events(self, runner: EngineRunner, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
         """The request's token events (a decode replica overrides where they come from); closing it cancels it."""
@@ -491,6 +428,9 @@ class ModelServer:
         finally:
             everything.cancel()
             self._ongoing -= len(requests)
+
+    def _count_ongoing(self, change: int) -> None:
+        self._ongoing += change
 
     def _require_runner(self) -> EngineRunner:
         if self._runner is None:
@@ -563,6 +503,7 @@ def _engine_cannot_run(model: str, engine: str):
                            f"{type(error).__name__}: {error}") from error
 
 
-def _error(status: int, reason: str, *, openai: bool, headers: dict | None = None) -> JSONResponse:
-    body = error_body(status, reason) if openai else {"error": reason}
+def _error(status: int, reason: str, *, openai: bool, headers: dict | None = None,
+           param: str | None = None) -> JSONResponse:
+    body = error_body(status, reason, param) if openai else {"error": reason}
     return JSONResponse(body, status_code=status, headers=headers)

@@ -53,6 +53,7 @@ from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.device_memory import ModelOffload
 from baige_ray.serving.kv_batch import PagedKVBatch
 from baige_ray.serving.kv_blocks import PrefixBlockStore
+from baige_ray.serving.sampling_params import require_implemented, stops_at
 
 
 @dataclass(frozen=True)
@@ -232,10 +233,12 @@ class ContinuousBatchingEngine:
     # -- any thread ---------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: SamplingParams, on_event: EventSink) -> int:
         """Queue a request; returns its id. Raises EngineFull when `max_waiting` are already queued, and
-        ValueError when the prompt and its new tokens do not fit the context (it is never cut)."""
+        ValueError when the prompt and its new tokens do not fit the context (it is never cut) or it asks for
+        sampling this engine does not implement (sampling_params.py)."""
         if not prompt:
             raise ValueError("the prompt is empty: a request needs at least one token")
         require_fit(len(prompt), params.max_new_tokens, self.decoder.max_context)
+        require_implemented(params, "builtin")
         request = _Request(
             id=self._queue.next_id(), prompt=list(prompt), params=params, on_event=on_event,
             budget=params.max_new_tokens, generator=seeded_generator(params.seed),
@@ -434,7 +437,7 @@ class ContinuousBatchingEngine:
         """Record and report the request's sampled token; returns why it finished, if it did."""
         request.last_token = token
         request.sampled.append(token)
-        if token == self.eos_token_id:
+        if stops_at(request.params, token, self.eos_token_id):
             request.on_event(TokenEvent(None, "stop", log_prob))
             return "stop"
         request.generated += 1

@@ -33,7 +33,7 @@ from baige_ray.models.generation import TextCodec
 from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.engine import EventSink, PrefilledRequest, TokenEvent
 from baige_ray.serving.generators import TextOutput
-from baige_ray.serving.openai_api import StopScanner
+from baige_ray.serving.stop_strings import StopScanner
 
 IDLE_WAIT_S = 0.05
 
@@ -245,12 +245,14 @@ class EngineRunner:
             if request_id is not None and not finished:
                 self.engine.cancel(request_id)
 
-    async def text(self, prompt: list[int], params: SamplingParams, stop: tuple[str, ...] = (),
+    async def text(self, prompt: list[int], params: SamplingParams,
                    events: AsyncIterator[TokenEvent] | None = None) -> AsyncIterator[str | TextOutput]:
-        """Text deltas as they are decoded, cut at the first stop string; last, the whole TextOutput.
+        """Text deltas as they are decoded, cut at the request's first stop string (`params.stop`, kept with
+        `include_stop_str_in_output`); last, the whole TextOutput.
 
         The tokens are the request's own on this engine, or `events` (a disaggregated request's)."""
-        decoder, scanner = self.codec.decoder(), StopScanner(stop)
+        decoder = self.codec.decoder()
+        scanner = StopScanner(params.stop, include=params.include_stop_str_in_output)
         generated, finish_reason = 0, "length"
         events = self.tokens(prompt, params) if events is None else events
         async with contextlib.aclosing(events) as events:  # closing cancels the request

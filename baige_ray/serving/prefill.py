@@ -37,6 +37,7 @@ from baige_ray.serving.engine import (
     RequestQueue,
 )
 from baige_ray.serving.kv_blocks import PrefixBlockStore
+from baige_ray.serving.sampling_params import require_implemented, stops_at
 
 PrefillSink = Callable[[PrefilledRequest], None]
 
@@ -72,13 +73,15 @@ class PrefillEngine:
                known_tokens: int = 0) -> int:
         """Queue a prompt; returns its id. `known_tokens` leading tokens' keys and values are not sent (the
         receiver holds them). Raises EngineFull when `max_waiting` are already queued, and ValueError when
-        the prompt and its new tokens do not fit the context (it is never cut)."""
+        the prompt and its new tokens do not fit the context (it is never cut) or it asks for sampling this
+        engine does not implement."""
         if not prompt:
             raise ValueError("the prompt is empty: a request needs at least one token")
         if not 0 <= known_tokens < len(prompt):
             raise ValueError(f"known_tokens={known_tokens} is invalid: expected 0 to {len(prompt) - 1} (the prompt's "
                              "last token is always run here)")
         require_fit(len(prompt), params.max_new_tokens, self.decoder.max_context)
+        require_implemented(params, "builtin")
         request = _Prompt(id=self._queue.next_id(), tokens=list(prompt), params=params, on_prefilled=on_prefilled,
                           budget=params.max_new_tokens, known_tokens=known_tokens)
         self._queue.put(request)
@@ -149,7 +152,7 @@ class PrefillEngine:
         generator = seeded_generator(request.params.seed)
         token = sample_token(logits, request.params.temperature, generator, request.params.top_k)
         log_prob = token_log_prob(logits, token) if request.params.log_probs else None
-        finish: FinishReason | None = "stop" if token == self.eos_token_id else None
+        finish: FinishReason | None = "stop" if stops_at(request.params, token, self.eos_token_id) else None
         if finish is None and request.budget <= 1:
             finish = "length"
         start = request.known_tokens

@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from baige_ray.api.validation import require_int
 from baige_ray.policies.prefix_routing import RoutingObservation, choose_heir, choose_replicas
 from baige_ray.serving.kv_blocks import BlockHandover
-from baige_ray.serving.openai_api import error_body
+from baige_ray.serving.openai_responses import error_body
 from baige_ray.serving.prefix_index import DEFAULT_BLOCK_CHARS, DEFAULT_BLOCKS_PER_REPLICA, PrefixIndex, text_block_ids
 from baige_ray.serving.requests import RequestError, decode_json_object, read_body
 
@@ -175,8 +175,8 @@ class PrefixRoutingIngress:
             body = await read_body(request, self._max_body_bytes)
         except RequestError as error:  # in the shape the replica would answer in on that route
             openai = "/v1/" in request.url.path
-            return JSONResponse(error_body(error.status, error.reason) if openai else {"error": error.reason},
-                                status_code=error.status)
+            shaped = error_body(error.status, error.reason, error.param) if openai else {"error": error.reason}
+            return JSONResponse(shaped, status_code=error.status)
         scope = {key: request.scope[key] for key in _SCOPE_KEYS if key in request.scope}
         answer = self._servers.remote(RoutedRequest(scope=scope, body=body, prompt=routing_text(body)))
         try:

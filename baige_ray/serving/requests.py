@@ -1,12 +1,17 @@
 """The generate route's request schema: parse and validate a JSON body without Ray or torch.
 
-Every way a body can be wrong maps to a `RequestError` carrying the HTTP status and a reason
-the client can act on; the server turns it into a 4xx JSON response instead of a crash.
+Every way a body can be wrong maps to a `RequestError` carrying the HTTP status (400 for a value the
+server refuses, as vLLM answers; 413 for a body too large) and a reason the client can act on; the
+server turns it into a 4xx JSON response instead of a crash. Fields a route does not know are
+ignored, as OpenAI's and vLLM's servers ignore them (logged once per name, at debug level), and a
+JSON null means the field's default.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,14 +19,31 @@ from baige_ray.api.validation import require_int
 
 _FIELDS = ("prompt", "max_new_tokens", "temperature", "seed", "truncate_prompt_tokens")
 
+logger = logging.getLogger(__name__)
+_LOGGED_IGNORED: set[str] = set()  # field names already logged as ignored: one line per name, not per request
+
 
 class RequestError(ValueError):
-    """A request the server refuses; `status` is the 4xx code to answer with."""
+    """A request the server refuses; `status` is the 4xx code to answer with, `param` the request field at
+    fault where one is (OpenAI's error `param`)."""
 
-    def __init__(self, status: int, reason: str):
+    def __init__(self, status: int, reason: str, param: str | None = None):
         super().__init__(reason)
         self.status = status
         self.reason = reason
+        self.param = param
+
+
+def bad_request(field: str, reason: str) -> RequestError:
+    """A 400 about the request field `field`."""
+    return RequestError(400, reason, param=field)
+
+
+def ignore_unknown_fields(payload: dict, known: Collection[str], route: str) -> None:
+    """Log, once per field name, the fields of `payload` that `route` does not know (they are ignored)."""
+    for name in sorted(set(payload) - set(known) - _LOGGED_IGNORED):
+        _LOGGED_IGNORED.add(name)
+        logger.debug("%s: ignoring the field %r, which this server does not read (logged once)", route, name)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -101,66 +123,71 @@ async def read_body(request, max_body_bytes: int) -> bytes:
 
 
 def _prompt(payload: dict, limits: RequestLimits) -> str:
-    if "prompt" not in payload:
-        raise RequestError(422, "'prompt' is required: a non-empty string")
+    if payload.get("prompt") is None:
+        raise bad_request("prompt", "'prompt' is required: a non-empty string")
     return check_prompt(payload["prompt"], limits.max_prompt_chars)
 
 
-def check_prompt(prompt: Any, max_chars: int) -> str:
-    """A non-empty string of at most `max_chars` characters, or a 422 saying what it is instead."""
+def check_prompt(prompt: Any, max_chars: int, field: str = "prompt") -> str:
+    """A non-empty string of at most `max_chars` characters, or a 400 saying what it is instead."""
     if not isinstance(prompt, str):
-        raise RequestError(422, f"'prompt' must be a string, got {type(prompt).__name__}")
+        raise bad_request(field, f"'{field}' must be a string, got {type(prompt).__name__}")
     if not prompt:
-        raise RequestError(422, "'prompt' must not be empty")
+        raise bad_request(field, f"'{field}' must not be empty")
     if len(prompt) > max_chars:
-        raise RequestError(422, f"'prompt' holds {len(prompt)} characters, more than {max_chars}")
+        raise bad_request(field, f"'{field}' holds {len(prompt)} characters, more than {max_chars}")
     return prompt
 
 
-def check_token_count(name: str, value: Any, maximum: int) -> int:
-    """An integer in [1, maximum] (how many tokens to generate), or a 422 naming the field."""
+def check_token_count(name: str, value: Any, maximum: int | None) -> int:
+    """An integer in [1, maximum] (how many tokens to generate; no upper bound when `maximum` is None),
+    or a 400 naming the field."""
     if not is_int(value):
-        raise RequestError(422, f"'{name}' must be an integer, got {value!r}")
-    if not 1 <= value <= maximum:
-        raise RequestError(422, f"'{name}'={value} is out of range: expected 1 to {maximum}")
+        raise bad_request(name, f"'{name}' must be an integer, got {value!r}")
+    if value < 1 or (maximum is not None and value > maximum):
+        expected = "at least 1" if maximum is None else f"1 to {maximum}"
+        raise bad_request(name, f"'{name}'={value} is out of range: expected {expected}")
     return value
 
 
 def seed_of(payload: dict) -> int | None:
     value = payload.get("seed")
     if value is not None and (not is_int(value) or not 0 <= value < 2**63):
-        raise RequestError(422, f"'seed' must be an integer in [0, 2**63), got {value!r}")
+        raise bad_request("seed", f"'seed' must be an integer in [0, 2**63), got {value!r}")
     return value
 
 
 def truncate_prompt_tokens_of(payload: dict) -> int | None:
-    """vLLM's `truncate_prompt_tokens`: how many of the prompt's last tokens to keep (None: all of them)."""
+    """vLLM's `truncate_prompt_tokens`: how many of the prompt's last tokens to keep (None: all of them; -1:
+    as many as fit the context)."""
     value = payload.get("truncate_prompt_tokens")
-    if value is not None and (not is_int(value) or value < 1):
-        raise RequestError(422, f"'truncate_prompt_tokens' must be a positive integer, got {value!r}")
+    if value is not None and (not is_int(value) or (value < 1 and value != -1)):
+        raise bad_request("truncate_prompt_tokens",
+                          f"'truncate_prompt_tokens' must be a positive integer or -1, got {value!r}")
     return value
 
 
 def _max_new_tokens(payload: dict, limits: RequestLimits) -> int:
-    return check_token_count("max_new_tokens", payload.get("max_new_tokens", limits.default_new_tokens),
+    value = payload.get("max_new_tokens")
+    return check_token_count("max_new_tokens", limits.default_new_tokens if value is None else value,
                              limits.max_new_tokens)
 
 
 def _temperature(payload: dict, limits: RequestLimits) -> float:
-    value = payload.get("temperature", limits.default_temperature)
+    value = payload.get("temperature")
+    value = limits.default_temperature if value is None else value
     if not is_number(value) or value != value:  # value != value: NaN
-        raise RequestError(422, f"'temperature' must be a number, got {value!r}")
+        raise bad_request("temperature", f"'temperature' must be a number, got {value!r}")
     if not 0 <= value <= limits.max_temperature:
-        raise RequestError(422, f"'temperature'={value} is out of range: expected 0 to {limits.max_temperature}")
+        raise bad_request("temperature",
+                          f"'temperature'={value} is out of range: expected 0 to {limits.max_temperature}")
     return float(value)
 
 
 def parse_generate_request(body: bytes, limits: RequestLimits) -> GenerateRequest:
     """The validated request in `body`, or a RequestError naming what is wrong."""
     payload = decode_json_object(body, limits.max_body_bytes)
-    unknown = sorted(set(payload) - set(_FIELDS))
-    if unknown:
-        raise RequestError(422, f"unknown fields {unknown}: expected only {list(_FIELDS)}")
+    ignore_unknown_fields(payload, _FIELDS, "generate")
     return GenerateRequest(
         prompt=_prompt(payload, limits),
         max_new_tokens=_max_new_tokens(payload, limits),

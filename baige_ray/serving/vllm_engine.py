@@ -30,6 +30,7 @@ from baige_ray.models.generation import TextCodec
 from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.engine import EngineFull, EngineLimits, EventSink, TokenEvent
+from baige_ray.serving.sampling_params import stops_at
 
 WeightAdapter = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -68,9 +69,9 @@ class VLLMEngine:
             self.load_weights(weights)
         self._lock = threading.Condition()
         self._interrupted = False
-        self._pending: list[tuple[str, list[int], SamplingParams, EventSink]] = []
+        self._pending: list[tuple[str, list[int], tuple[SamplingParams, Any], EventSink]] = []
         self._cancelled: set[str] = set()
-        self._sinks: dict[str, EventSink] = {}
+        self._sinks: dict[str, tuple[EventSink, SamplingParams]] = {}
         self._ids = itertools.count()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -90,11 +91,13 @@ class VLLMEngine:
         if not prompt:
             raise ValueError("the prompt is empty: a request needs at least one token")
         require_fit(len(prompt), params.max_new_tokens, self.max_context)  # refused, never cut
+        # Built here, on the caller's thread: vLLM's own checks raise to the caller, not in the engine's step.
+        served = vllm_sampling_params(params)
         with self._lock:
             if len(self._pending) + len(self._sinks) >= self.limits.max_waiting + self.limits.max_batch_size:
                 raise EngineFull(f"{len(self._pending) + len(self._sinks)} requests are already in the engine")
             request_id = str(next(self._ids))
-            self._pending.append((request_id, list(prompt), params, on_event))
+            self._pending.append((request_id, list(prompt), (params, served), on_event))
             self._lock.notify()
         return request_id
 
@@ -141,42 +144,55 @@ class VLLMEngine:
         with self._lock:
             pending, self._pending = self._pending, []
             cancelled, self._cancelled = self._cancelled, set()
-        for request_id, prompt, params, on_event in pending:
+        for request_id, prompt, (params, served), on_event in pending:
             if request_id in cancelled:
                 continue
-            self._sinks[request_id] = on_event
-            self._engine.add_request(request_id, {"prompt_token_ids": prompt}, self._vllm_params(params))
+            self._sinks[request_id] = (on_event, params)
+            self._engine.add_request(request_id, {"prompt_token_ids": prompt}, served)
         aborted = [request_id for request_id in cancelled if self._sinks.pop(request_id, None) is not None]
         if aborted:
             self._engine.abort_request(aborted)
 
-    def _vllm_params(self, params: SamplingParams):
-        from vllm import SamplingParams as VLLMSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        return VLLMSamplingParams(
-            max_tokens=params.max_new_tokens,
-            temperature=params.temperature, top_k=params.top_k if params.top_k is not None else 0,
-            seed=params.seed, output_kind=RequestOutputKind.DELTA,
-            logprobs=0 if params.log_probs else None,  # the sampled token's alone, from the raw logits
-        )
-
     def _deliver(self, output: Any) -> None:
-        sink = self._sinks.get(output.request_id)
-        if sink is None:
+        entry = self._sinks.get(output.request_id)
+        if entry is None:
             return
+        sink, params = entry
         completion = output.outputs[0]
         log_probs = _sampled_log_probs(completion)
-        eos_log_prob = None
+        stop_log_prob = None
         for token, log_prob in zip(completion.token_ids, log_probs):
-            if token != self.eos_token_id:
+            if not stops_at(params, token, self.eos_token_id):
                 sink(TokenEvent(token, log_prob=log_prob))
-            else:
-                eos_log_prob = log_prob
+            else:  # as the built-in engine: a token that ends the request is not part of the answer
+                stop_log_prob = log_prob
         if output.finished:
             del self._sinks[output.request_id]
             stopped = completion.finish_reason == "stop"
-            sink(TokenEvent(None, "stop" if stopped else "length", eos_log_prob if stopped else None))
+            sink(TokenEvent(None, "stop" if stopped else "length", stop_log_prob if stopped else None))
+
+
+def vllm_sampling_params(params: SamplingParams):
+    """vLLM's SamplingParams for ours; a ValueError where vLLM refuses a value (its VLLMValidationError is
+    no ValueError). Stop strings are not passed: the replica cuts the text at them, for either engine
+    (engine_runner.py)."""
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import RequestOutputKind
+
+    fields = dict(
+        max_tokens=params.max_new_tokens, min_tokens=params.min_tokens,
+        temperature=params.temperature, top_k=params.top_k if params.top_k is not None else 0,
+        top_p=params.top_p, min_p=params.min_p, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
+        logit_bias=dict(params.logit_bias) or None, ignore_eos=params.ignore_eos,
+        stop_token_ids=list(params.stop_token_ids), seed=params.seed, output_kind=RequestOutputKind.DELTA,
+        logprobs=0 if params.log_probs else None,  # the sampled token's alone, from the raw logits
+    )
+    try:
+        return VLLMSamplingParams(**fields)
+    except VLLMValidationError as error:
+        raise ValueError(f"vLLM refuses these sampling parameters: {error}") from error
 
 
 def _sampled_log_probs(completion: Any) -> list[float | None]:

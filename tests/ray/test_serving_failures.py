@@ -85,7 +85,7 @@ def test_an_engine_failing_mid_request_answers_500_and_serve_replaces_the_replic
                                                        "max_tokens": 40, "temperature": 0})
     failed_in = time.monotonic() - started
     message = reply["error"]["message"]
-    assert status == 500 and reply["error"]["type"] == "server_error"
+    assert status == 500 and reply["error"]["type"] == "InternalServerError"  # vLLM's type for a 500
     assert message.startswith("the replica's engine failed: FaultInjected") and FAULT_MESSAGE in message
     assert failed_in < FAILS_WITHIN_S
     # Until Serve replaces it (three failed health checks a second apart), the replica answers 503 at once.

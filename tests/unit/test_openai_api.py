@@ -1,71 +1,113 @@
-"""OpenAI `/v1/completions` shapes: every malformed or unsupported body maps to a 4xx with a reason."""
+"""OpenAI `/v1/completions` parsing as vLLM's server reads a request: unknown fields ignored, null as the
+default, every prompt shape, the sampling fields carried, and every refusal a 4xx naming the field."""
 
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
-from baige_ray.serving.openai_api import (
-    CompletionLimits,
-    CompletionRequest,
-    apply_stop,
-    completion_response,
-    error_body,
-    parse_completion_request,
-)
+from baige_ray.serving import requests as requests_module
+from baige_ray.serving.openai_api import CompletionLimits, CompletionRequest, apply_stop, parse_completion_request
+from baige_ray.serving.openai_prompts import Prompt
+from baige_ray.serving.openai_responses import completion_chunk, completion_response, error_body
 from baige_ray.serving.requests import RequestError
+from baige_ray.serving.sampling_params import SamplingParams
 
-LIMITS = CompletionLimits(max_body_bytes=1024, max_prompt_chars=100, max_tokens=64, max_temperature=2.0)
+LIMITS = CompletionLimits(max_body_bytes=1024, max_prompt_chars=100, max_temperature=2.0, max_context=64,
+                          vocab_size=50)
 MODEL = "tiny-llama"
 
 
-def parse(payload) -> CompletionRequest:
+def parse(payload, limits: CompletionLimits = LIMITS) -> CompletionRequest:
     body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-    return parse_completion_request(body, LIMITS, model_name=MODEL)
+    return parse_completion_request(body, limits, model_name=MODEL)
 
 
 def test_full_request_is_parsed():
-    request = parse(
-        {"model": MODEL, "prompt": "def ", "max_tokens": 8, "temperature": 0.5, "seed": 3, "stop": ["\n", "#"]}
-    )
-    assert request == CompletionRequest(prompt="def ", max_tokens=8, temperature=0.5, seed=3, stop=("\n", "#"))
+    request = parse({"model": MODEL, "prompt": "def ", "max_tokens": 8, "temperature": 0.5, "seed": 3,
+                     "stop": ["\n", "#"]})
+    assert request == CompletionRequest(
+        prompts=(Prompt(text="def "),), max_tokens=8,
+        sampling=SamplingParams(max_new_tokens=8, temperature=0.5, seed=3, stop=("\n", "#")))
 
 
 def test_defaults_fill_missing_optional_fields():
-    assert parse({"prompt": "x"}) == CompletionRequest(prompt="x", max_tokens=16, temperature=1.0, seed=None, stop=())
+    request = parse({"prompt": "x"})
+    assert request.max_tokens == 16 and request.sampling == SamplingParams(max_new_tokens=16, temperature=1.0)
+    assert request.sampling.top_k is None  # no hidden top-k: the whole vocabulary, as vLLM samples
 
 
-def test_default_max_tokens_respects_a_lower_limit():
-    limits = CompletionLimits(max_tokens=4)
-    assert parse_completion_request(b'{"prompt": "x"}', limits, model_name=MODEL).max_tokens == 4
+def test_vllm_bench_serve_request_is_accepted():
+    """What `vllm bench serve --backend openai --ignore-eos` sends for every request."""
+    request = parse({"model": MODEL, "prompt": "hello", "repetition_penalty": 1.0, "max_tokens": 8, "logprobs": None,
+                     "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                     "ignore_eos": True})
+    assert (request.stream, request.include_usage, request.sampling.ignore_eos) == (True, True, True)
 
 
-def test_the_fields_openai_clients_send_at_their_defaults_are_accepted():
-    request = parse(
-        {
-            "model": MODEL,
-            "prompt": ["hello"],
-            "max_tokens": 4,
-            "temperature": 0,
-            "top_p": 1,
-            "n": 1,
-            "stream": False,
-            "stop": "\n",
-            "seed": None,
-            "user": "alice",
-            "echo": False,
-            "logprobs": None,
-            "presence_penalty": 0,
-            "frequency_penalty": 0.0,
-        }
-    )
-    assert request == CompletionRequest(prompt="hello", max_tokens=4, temperature=0.0, seed=None, stop=("\n",))
+def test_unknown_fields_are_ignored_and_logged_once_per_name(caplog, monkeypatch):
+    monkeypatch.setattr(requests_module, "_LOGGED_IGNORED", set())
+    with caplog.at_level(logging.DEBUG, logger="baige_ray.serving.requests"):
+        for _ in range(3):
+            assert parse({"prompt": "x", "best_of": 2, "max_new_tokens": 3}) == parse({"prompt": "x"})
+    logged = [record.getMessage() for record in caplog.records]
+    assert sum("'best_of'" in line for line in logged) == 1 and sum("'max_new_tokens'" in line for line in logged) == 1
 
 
 def test_null_means_the_default():
-    nulls = dict.fromkeys(["model", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", "user"])
-    assert parse({"prompt": "x", **nulls}) == parse({"prompt": "x"})
+    fields = ["model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream", "stream_options",
+              "stop", "stop_token_ids", "seed", "user", "echo", "logprobs", "presence_penalty", "frequency_penalty",
+              "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos", "include_stop_str_in_output",
+              "truncate_prompt_tokens", "suffix", "use_beam_search", "response_format"]
+    assert parse({"prompt": "x", **dict.fromkeys(fields)}) == parse({"prompt": "x"})
+
+
+@pytest.mark.parametrize(("prompt", "expected"), [
+    ("hello", (Prompt(text="hello"),)),
+    (["a", "b"], (Prompt(text="a"), Prompt(text="b"))),
+    ([1, 2, 49], (Prompt(token_ids=(1, 2, 49)),)),
+    ([[1, 2], [0]], (Prompt(token_ids=(1, 2)), Prompt(token_ids=(0,)))),
+])
+def test_every_prompt_shape_vllm_takes(prompt, expected):
+    assert parse({"prompt": prompt}).prompts == expected
+
+
+def test_token_ids_are_not_bounded_when_the_vocabulary_is_unknown():
+    assert parse({"prompt": [10_000]}, CompletionLimits()).prompts == (Prompt(token_ids=(10_000,)),)
+
+
+def test_the_sampling_fields_are_carried():
+    request = parse({"prompt": "x", "max_tokens": 10, "top_k": 5, "top_p": 0.9, "min_p": 0.05, "presence_penalty": 0.5,
+                     "frequency_penalty": -0.5, "repetition_penalty": 1.2, "logit_bias": {"7": 3, "2": -500},
+                     "min_tokens": 2, "ignore_eos": True, "stop": ["a", "b", "c", "d", "e", "a"],
+                     "stop_token_ids": [4, 4, 9], "include_stop_str_in_output": True, "n": 2, "logprobs": 3,
+                     "echo": True, "seed": 11})
+    assert request.sampling == SamplingParams(
+        max_new_tokens=10, temperature=1.0, top_k=5, top_p=0.9, min_p=0.05, presence_penalty=0.5,
+        frequency_penalty=-0.5, repetition_penalty=1.2, logit_bias=((2, -100.0), (7, 3.0)), min_tokens=2,
+        ignore_eos=True, stop=("a", "b", "c", "d", "e"), stop_token_ids=(4, 9), include_stop_str_in_output=True,
+        n=2, num_logprobs=3, echo=True, seed=11)
+
+
+@pytest.mark.parametrize(("top_k", "expected"), [(-1, None), (0, None), (1, 1), (40, 40)])
+def test_top_k_minus_one_or_zero_is_off_as_in_vllm(top_k, expected):
+    assert parse({"prompt": "x", "top_k": top_k}).sampling.top_k == expected
+
+
+@pytest.mark.parametrize(("logprobs", "expected"), [(False, None), (True, 1), (0, 0), (5, 5), (-1, -1)])
+def test_logprobs_is_how_many_per_position(logprobs, expected):
+    assert parse({"prompt": "x", "logprobs": logprobs}).sampling.num_logprobs == expected
+
+
+def test_max_tokens_is_bounded_by_the_context_not_a_fixed_cap():
+    assert parse({"prompt": "x", "max_tokens": 64}).max_tokens == 64
+    assert parse({"prompt": "x", "max_tokens": 5000}, CompletionLimits()).max_tokens == 5000  # context unknown yet
+    with pytest.raises(RequestError) as caught:
+        parse({"prompt": "x", "max_tokens": 65})
+    assert caught.value.param == "max_tokens"
+    assert "max_tokens=65 cannot be greater than max_model_len=64" in caught.value.reason
 
 
 @pytest.mark.parametrize(
@@ -87,60 +129,89 @@ def test_malformed_bodies(body, status, words):
 
 
 @pytest.mark.parametrize(
-    ("payload", "status", "words"),
+    ("payload", "param", "words"),
     [
-        ({"prompt": "x", "max_new_tokens": 3}, 422, "unknown fields ['max_new_tokens']"),
-        ({"prompt": "x", "best_of": 2}, 422, "supports only"),
-        ({"prompt": "x", "model": "gpt-4"}, 404, "The model 'gpt-4' does not exist"),
-        ({}, 422, "'prompt' is required"),
-        ({"prompt": None}, 422, "'prompt' is required"),
-        ({"prompt": 5}, 422, "must be a string"),
-        ({"prompt": ""}, 422, "must not be empty"),
-        ({"prompt": [""]}, 422, "must not be empty"),
-        ({"prompt": ["a", "b"]}, 422, "exactly one string"),
-        ({"prompt": []}, 422, "exactly one string"),
-        ({"prompt": [1, 2, 3]}, 422, "exactly one string"),
-        ({"prompt": "x" * 101}, 422, "101 characters"),
-        ({"prompt": "x", "max_tokens": 0}, 422, "out of range"),
-        ({"prompt": "x", "max_tokens": 65}, 422, "out of range"),
-        ({"prompt": "x", "max_tokens": 2.5}, 422, "must be an integer"),
-        ({"prompt": "x", "max_tokens": True}, 422, "must be an integer"),
-        ({"prompt": "x", "temperature": -0.1}, 422, "out of range"),
-        ({"prompt": "x", "temperature": 2.5}, 422, "out of range"),
-        ({"prompt": "x", "temperature": "hot"}, 422, "finite number"),
-        ({"prompt": "x", "top_p": 0.9}, 422, "top_p is not supported"),
-        ({"prompt": "x", "n": 2}, 422, "one choice"),
-        ({"prompt": "x", "stream": 1}, 422, "must be true or false"),
-        ({"prompt": "x", "stream_options": {"include_usage": True}}, 422, "only allowed with stream=true"),
-        ({"prompt": "x", "stream": True, "stream_options": {"x": 1}}, 422, "only 'include_usage'"),
-        ({"prompt": "x", "seed": -1}, 422, "'seed'"),
-        ({"prompt": "x", "seed": 2**63}, 422, "'seed'"),
-        ({"prompt": "x", "seed": "7"}, 422, "'seed'"),
-        ({"prompt": "x", "stop": 3}, 422, "'stop' must be"),
-        ({"prompt": "x", "stop": ["a", 3]}, 422, "'stop' must be"),
-        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 422, "more than 4"),
-        ({"prompt": "x", "stop": ""}, 422, "must not be empty"),
-        ({"prompt": "x", "echo": True}, 422, "echo is not supported"),
-        ({"prompt": "x", "logprobs": 1}, 422, "logprobs are not supported"),
-        ({"prompt": "x", "logprobs": 0}, 422, "logprobs are not supported"),
-        ({"prompt": "x", "logprobs": True}, 422, "logprobs are not supported"),
-        ({"prompt": "x", "user": 7}, 422, "'user' must be a string"),
-        ({"prompt": "x", "presence_penalty": 0.5}, 422, "presence_penalty is not supported"),
-        ({"prompt": "x", "frequency_penalty": -1}, 422, "frequency_penalty is not supported"),
+        ({}, "prompt", "'prompt' is required"),
+        ({"prompt": None}, "prompt", "'prompt' is required"),
+        ({"prompt": 5}, "prompt", "must be a string, a list of strings"),
+        ({"prompt": ""}, "prompt", "must not be empty"),
+        ({"prompt": [""]}, "prompt[0]", "must not be empty"),
+        ({"prompt": []}, "prompt", "not empty"),
+        ({"prompt": ["a", 1]}, "prompt", "not a mixture"),
+        ({"prompt": [[1], []]}, "prompt[1]", "must not be empty"),
+        ({"prompt": [[1], [1.5]]}, "prompt[1]", "token ids (integers)"),
+        ({"prompt": [1, True]}, "prompt", "not a mixture"),
+        ({"prompt": [3, 50]}, "prompt", "Token id 50 in 'prompt' is out of vocabulary"),
+        ({"prompt": [[-1]]}, "prompt[0]", "Token id -1"),
+        ({"prompt": "x" * 101}, "prompt", "101 characters"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "out of range"),
+        ({"prompt": "x", "max_tokens": 2.5}, "max_tokens", "must be an integer"),
+        ({"prompt": "x", "max_tokens": True}, "max_tokens", "must be an integer"),
+        ({"prompt": "x", "temperature": -0.1}, "temperature", "out of range"),
+        ({"prompt": "x", "temperature": 2.5}, "temperature", "out of range"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature", "must be a number"),
+        ({"prompt": "x", "temperature": 10**400}, "temperature", "too large"),
+        ({"prompt": "x", "logit_bias": {"1": 10**400}}, "logit_bias", "too large"),
+        ({"prompt": "x", "top_p": 0}, "top_p", "(0, 1]"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p", "(0, 1]"),
+        ({"prompt": "x", "top_k": -2}, "top_k", "at least 1"),
+        ({"prompt": "x", "top_k": 1.5}, "top_k", "must be an integer"),
+        ({"prompt": "x", "min_p": 1.5}, "min_p", "[0, 1]"),
+        ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
+        ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty", "[-2, 2]"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
+        ({"prompt": "x", "logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids"),
+        ({"prompt": "x", "logit_bias": {"99": 1}}, "logit_bias", "out of vocabulary"),
+        ({"prompt": "x", "logit_bias": [1]}, "logit_bias", "must map token ids"),
+        ({"prompt": "x", "min_tokens": -1}, "min_tokens", ">= 0"),
+        ({"prompt": "x", "min_tokens": 17}, "min_tokens", "at most max_new_tokens=16"),
+        ({"prompt": "x", "ignore_eos": 1}, "ignore_eos", "true or false"),
+        ({"prompt": "x", "stop_token_ids": [60]}, "stop_token_ids", "out of vocabulary"),
+        ({"prompt": "x", "stop_token_ids": 3}, "stop_token_ids", "list of token ids"),
+        ({"prompt": "x", "n": 0}, "n", ">= 1"),
+        ({"prompt": "x", "logprobs": -2}, "logprobs", "-1"),
+        ({"prompt": "x", "logprobs": "3"}, "logprobs", "must be an integer"),
+        ({"prompt": "x", "echo": "yes"}, "echo", "true or false"),
+        ({"prompt": "x", "stream": 1}, "stream", "true or false"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only be defined when"),
+        ({"prompt": "x", "stream": True, "stream_options": [1]}, "stream_options", "must be an object"),
+        ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options", "true or false"),
+        ({"prompt": "x", "seed": -1}, "seed", "'seed'"),
+        ({"prompt": "x", "seed": 2**63}, "seed", "'seed'"),
+        ({"prompt": "x", "seed": "7"}, "seed", "'seed'"),
+        ({"prompt": "x", "stop": 3}, "stop", "'stop' must be"),
+        ({"prompt": "x", "stop": ["a", 3]}, "stop", "'stop' must be"),
+        ({"prompt": "x", "stop": ""}, "stop", "must not be empty"),
+        ({"prompt": "x", "user": 7}, "user", "'user' must be a string"),
+        ({"prompt": "x", "suffix": "end"}, "suffix", "not yet implemented"),
+        ({"prompt": "x", "use_beam_search": True}, "use_beam_search", "not yet implemented"),
+        ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format", "not yet implemented"),
     ],
 )
-def test_invalid_fields(payload, status, words):
+def test_invalid_fields_are_a_400_naming_the_field(payload, param, words):
     with pytest.raises(RequestError) as caught:
         parse(payload)
-    assert caught.value.status == status
+    assert (caught.value.status, caught.value.param) == (400, param)
     assert words in caught.value.reason
 
 
-@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
-def test_non_finite_temperature_is_refused(value):
+def test_another_model_is_a_404():
     with pytest.raises(RequestError) as caught:
-        parse(b'{"prompt": "x", "temperature": ' + value.encode() + b"}")
-    assert caught.value.status == 422
+        parse({"prompt": "x", "model": "gpt-4"})
+    assert (caught.value.status, caught.value.param) == (404, "model")
+    assert caught.value.reason == "The model `gpt-4` does not exist."
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "repetition_penalty"])
+def test_non_finite_numbers_are_refused(field, value):
+    with pytest.raises(RequestError) as caught:
+        parse(b'{"prompt": "x", "' + field.encode() + b'": ' + value.encode() + b"}")
+    assert (caught.value.status, caught.value.param) == (400, field)
+
+
+def test_a_text_response_format_is_the_default():
+    assert parse({"prompt": "x", "response_format": {"type": "text"}}) == parse({"prompt": "x"})
 
 
 @pytest.mark.parametrize(
@@ -148,10 +219,11 @@ def test_non_finite_temperature_is_refused(value):
     [
         ("max_body_bytes", 0),
         ("max_prompt_chars", 1.5),
-        ("max_tokens", True),
         ("max_temperature", -1.0),
         ("max_temperature", float("inf")),
         ("max_temperature", "2"),
+        ("max_context", 0),
+        ("vocab_size", True),
     ],
 )
 def test_invalid_limits_name_the_field(field, value):
@@ -159,68 +231,57 @@ def test_invalid_limits_name_the_field(field, value):
         CompletionLimits(**{field: value})
 
 
-def test_default_limits():
+def test_default_limits_know_no_model_until_a_replica_fills_them_in():
     limits = CompletionLimits()
-    assert (limits.max_body_bytes, limits.max_prompt_chars, limits.max_tokens, limits.max_temperature) == (
-        65536,
-        16384,
-        512,
-        10.0,
-    )
+    assert (limits.max_body_bytes, limits.max_prompt_chars, limits.max_temperature) == (65536, 16384, 10.0)
+    assert (limits.max_context, limits.vocab_size) == (None, None)
 
 
 @pytest.mark.parametrize(
-    ("text", "stop", "expected"),
+    ("text", "stop", "include", "expected"),
     [
-        ("hello\nworld", ("\n",), ("hello", True)),
-        ("a#b\nc", ("\n", "#"), ("a", True)),
-        ("abc", ("x",), ("abc", False)),
-        ("abc", (), ("abc", False)),
-        ("stop", ("stop",), ("", True)),
-        ("xxENDyyEND", ("END",), ("xx", True)),
+        ("hello\nworld", ("\n",), False, ("hello", True)),
+        ("hello\nworld", ("\n",), True, ("hello\n", True)),
+        ("a#b\nc", ("\n", "#"), False, ("a", True)),
+        ("abc", ("x",), False, ("abc", False)),
+        ("abc", (), True, ("abc", False)),
+        ("stop", ("stop",), False, ("", True)),
+        ("xxENDyyEND", ("END",), True, ("xxEND", True)),
     ],
 )
-def test_apply_stop_cuts_at_the_earliest_stop(text, stop, expected):
-    assert apply_stop(text, stop) == expected
+def test_apply_stop_cuts_at_the_earliest_stop(text, stop, include, expected):
+    assert apply_stop(text, stop, include=include) == expected
 
 
-def test_completion_response_has_openai_shape():
-    body = completion_response(
-        request_id="cmpl-1",
-        model_name=MODEL,
-        created=1700000000,
-        text=" world",
-        finish_reason="length",
-        prompt_tokens=3,
-        completion_tokens=2,
-    )
+def test_completion_response_has_one_choice_per_prompt_with_its_index():
+    body = completion_response(request_id="cmpl-1", model_name=MODEL, created=1700000000,
+                               choices=[(" world", "length"), ("!", "stop")], prompt_tokens=5, completion_tokens=3)
     assert body == {
         "id": "cmpl-1",
         "object": "text_completion",
         "created": 1700000000,
         "model": MODEL,
-        "choices": [{"index": 0, "text": " world", "finish_reason": "length", "logprobs": None}],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        "choices": [{"index": 0, "text": " world", "finish_reason": "length", "logprobs": None},
+                    {"index": 1, "text": "!", "finish_reason": "stop", "logprobs": None}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
     }
     assert json.loads(json.dumps(body)) == body
+    chunk = completion_chunk(request_id="c", model_name=MODEL, created=0, text="a", finish_reason=None, index=1)
+    assert chunk["choices"] == [{"index": 1, "text": "a", "finish_reason": None, "logprobs": None}]
 
 
 def test_completion_response_refuses_unknown_finish_reasons():
     with pytest.raises(ValueError, match="finish_reason"):
-        completion_response(
-            request_id="x",
-            model_name=MODEL,
-            created=0,
-            text="",
-            finish_reason="eos",
-            prompt_tokens=1,
-            completion_tokens=0,
-        )
+        completion_response(request_id="x", model_name=MODEL, created=0, choices=[("", "eos")], prompt_tokens=1,
+                            completion_tokens=0)
 
 
-def test_error_body_has_openai_shape():
-    assert error_body(422, "top_p is not supported") == {
-        "error": {"message": "top_p is not supported", "type": "invalid_request_error", "code": 422}
+def test_error_body_has_vllms_shape():
+    assert error_body(400, "top_p is out of range", "top_p") == {
+        "error": {"message": "top_p is out of range", "type": "BadRequestError", "param": "top_p", "code": 400}
     }
-    assert error_body(404, "no model")["error"]["type"] == "invalid_request_error"
-    assert error_body(500, "boom")["error"]["type"] == "server_error"
+    assert error_body(400, "bad")["error"]["param"] is None
+    assert error_body(404, "no model")["error"]["type"] == "NotFoundError"
+    assert error_body(500, "boom")["error"]["type"] == "InternalServerError"
+    assert error_body(503, "busy")["error"]["type"] == "ServiceUnavailableError"
+    assert error_body(413, "big")["error"]["type"] == "Request Entity Too Large"

@@ -1,0 +1,181 @@
+"""How one request samples, validated as vLLM validates its `SamplingParams`, and which engine honours what.
+
+Every field has a neutral value (the default) at which it changes nothing. The built-in engine
+implements temperature, top-k, seeds, end-of-text and stop tokens (`ignore_eos`, `stop_token_ids`) and
+stop strings; vLLM also nucleus and min-p sampling, the penalties, logit biases and `min_tokens`.
+`unsupported_field` names what an engine does not implement at a non-neutral value, so a request asking
+for it is refused rather than silently sampled another way. Plain Python: no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+ENGINES = ("builtin", "vllm")
+MAX_LOGIT_BIAS = 100.0  # vLLM clamps a bias to [-100, 100]
+MAX_VLLM_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more
+
+
+class SamplingParamError(ValueError):
+    """A SamplingParams field out of its range; `field` names it, `value` and `allowed` say why."""
+
+    def __init__(self, field: str, value: Any, allowed: str):
+        super().__init__(f"SamplingParams.{field}={value!r} is invalid: expected {allowed}")
+        self.field, self.value, self.allowed = field, value, allowed
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise SamplingParamError(field, value, allowed)
+
+
+def _require_int(field: str, value: Any, minimum: int) -> None:
+    _require(_is_int(value) and value >= minimum, field, value, f"an integer >= {minimum}")
+
+
+def _require_range(field: str, value: Any, low: float, high: float, allowed: str) -> None:
+    # Written so that NaN fails: every comparison with NaN is false.
+    _require(_is_number(value) and low <= value <= high, field, value, allowed)
+
+
+@dataclass(kw_only=True, frozen=True)
+class SamplingParams:
+    """How one request samples: temperature 0 is greedy; otherwise a draw from softmax(logits / temperature)
+    over the whole vocabulary, narrowed only by what the request sets (`top_k`, `top_p`, `min_p`).
+
+    `log_probs`: report each sampled token's log-probability under the model's own distribution
+    (log-softmax of the raw logits: before temperature and top-k, as vLLM's raw log-probs), which is
+    what a policy-gradient loss compares its policy with. `num_logprobs` is OpenAI's `logprobs` /
+    `top_logprobs`: the most likely tokens' log-probabilities at each position, for the response."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int | None = None  # None: the whole vocabulary
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    num_logprobs: int | None = None
+    echo: bool = False
+    seed: int | None = None
+    log_probs: bool = False
+
+    def __post_init__(self) -> None:
+        self._check_budget()
+        self._check_distribution()
+        self._check_penalties()
+        self._check_stops()
+        self._check_output()
+
+    def _check_budget(self) -> None:
+        _require_int("max_new_tokens", self.max_new_tokens, 1)
+        _require_int("min_tokens", self.min_tokens, 0)
+        _require(self.min_tokens <= self.max_new_tokens, "min_tokens", self.min_tokens,
+                 f"at most max_new_tokens={self.max_new_tokens}")
+        if self.seed is not None:
+            _require(_is_int(self.seed) and 0 <= self.seed < 2**63, "seed", self.seed, "an integer in [0, 2**63)")
+
+    def _check_distribution(self) -> None:
+        _require(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+                 "temperature", self.temperature, "a finite number >= 0")
+        if self.top_k is not None:
+            _require_int("top_k", self.top_k, 1)
+        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
+        _require_range("min_p", self.min_p, 0.0, 1.0, "a number in [0, 1]")
+
+    def _check_penalties(self) -> None:
+        _require_range("presence_penalty", self.presence_penalty, -2.0, 2.0, "a number in [-2, 2]")
+        _require_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "a number in [-2, 2]")
+        _require(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
+                 "repetition_penalty", self.repetition_penalty, "a finite number > 0")
+        for token, bias in self.logit_bias:
+            _require(_is_int(token) and token >= 0, "logit_bias", token, "token ids >= 0")
+            _require_range("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, "biases in [-100, 100]")
+
+    def _check_stops(self) -> None:
+        _require(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
+                 "stop", self.stop, "a tuple of non-empty strings")
+        _require(isinstance(self.stop_token_ids, tuple) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                 "stop_token_ids", self.stop_token_ids, "a tuple of token ids >= 0")
+        for name in ("ignore_eos", "include_stop_str_in_output", "echo", "log_probs"):
+            _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
+
+    def _check_output(self) -> None:
+        _require_int("n", self.n, 1)
+        if self.num_logprobs is not None:
+            _require(_is_int(self.num_logprobs) and self.num_logprobs >= -1, "num_logprobs", self.num_logprobs,
+                     "an integer >= 0, or -1 for the whole vocabulary")
+
+
+def stops_at(params: SamplingParams, token: int, eos_token_id: int | None) -> bool:
+    """Whether sampling `token` ends the request (it is then not part of the answer's text)."""
+    return (token == eos_token_id and not params.ignore_eos) or token in params.stop_token_ids
+
+
+# (field, its neutral value, the request's name for it, the neutral value as JSON): the fields only some
+# engines implement.
+_OPTIONAL = (
+    ("top_p", 1.0, "top_p", "1"),
+    ("min_p", 0.0, "min_p", "0"),
+    ("presence_penalty", 0.0, "presence_penalty", "0"),
+    ("frequency_penalty", 0.0, "frequency_penalty", "0"),
+    ("repetition_penalty", 1.0, "repetition_penalty", "1"),
+    ("logit_bias", (), "logit_bias", "null"),
+    ("min_tokens", 0, "min_tokens", "0"),
+    ("n", 1, "n", "1"),
+    ("num_logprobs", None, "logprobs", "null"),
+    ("echo", False, "echo", "false"),
+)
+_IMPLEMENTED = {
+    "builtin": frozenset(),
+    "vllm": frozenset({"top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                       "logit_bias", "min_tokens"}),
+}
+_IGNORED_WHEN_GREEDY = frozenset({"top_p", "min_p"})  # vLLM resets them at temperature 0
+_ENGINE_NAMES = {"builtin": "built-in engine", "vllm": "vLLM engine of this server"}
+
+
+def unsupported_field(params: SamplingParams, engine: str) -> tuple[str, str] | None:
+    """(request field, why) for the first field `engine` does not implement at the value asked, or None."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r} is invalid: expected one of {list(ENGINES)}")
+    if engine == "vllm" and params.temperature > MAX_VLLM_TEMPERATURE:
+        return "temperature", (f"temperature must be in [0, {MAX_VLLM_TEMPERATURE:g}] with vLLM, "
+                               f"got {params.temperature}")
+    for name, neutral, request_field, shown_neutral in _OPTIONAL:
+        value = getattr(params, name)
+        if value == neutral or name in _IMPLEMENTED[engine]:
+            continue
+        if params.temperature == 0 and name in _IGNORED_WHEN_GREEDY:
+            continue
+        shown = dict(value) if name == "logit_bias" else value
+        return request_field, (f"'{request_field}'={shown!r} is not yet implemented by the {_ENGINE_NAMES[engine]}: "
+                               f"omit it or send {shown_neutral}")
+    return None
+
+
+
+def require_implemented(params: SamplingParams, engine: str) -> None:
+    """A ValueError naming the first field `engine` does not implement at the value asked (an engine's submit:
+    never sample another way than asked)."""
+    refused = unsupported_field(params, engine)
+    if refused is not None:
+        raise ValueError(refused[1])
