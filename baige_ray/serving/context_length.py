@@ -1,7 +1,9 @@
 """Whether a prompt and its new tokens fit the model's context, and how many new tokens a request gets.
 
-A prompt whose tokens plus the tokens asked for exceed the model's context is refused (HTTP 400),
-never cut: a silently shortened prompt answers a question the client did not ask. A client that
+`/generate` refuses a prompt whose tokens plus the tokens asked for exceed the model's context (HTTP 400).
+The OpenAI routes follow vLLM's server (`openai_budget`): the prompt must leave room for one new token,
+and a `max_tokens` beyond the rest of the context generates up to its end ("length"). A prompt is
+never cut silently: a shortened prompt answers a question the client did not ask. A client that
 prefers the prompt's end to an error says so with vLLM's `truncate_prompt_tokens=k`: the prompt
 keeps its last k tokens (k=-1: as many as fit), and must then fit like any other. The engines refuse
 what does not fit (`require_fit`, a ValueError) rather than cut it, so this replica-side check is the
@@ -62,5 +64,17 @@ def fit_context(prompt: Sequence[int], *, max_tokens: int | None, max_context: i
 
 
 def new_token_budget(prompt_tokens: int, max_tokens: int | None, max_context: int) -> int:
-    """How many tokens a fitted prompt may generate: `max_tokens`, or the rest of the context when it is None."""
-    return max_context - prompt_tokens if max_tokens is None else max_tokens
+    """How many tokens a fitted prompt may generate: `max_tokens` or the rest of the context, whichever is less."""
+    rest = max_context - prompt_tokens
+    return rest if max_tokens is None else min(max_tokens, rest)
+
+
+def openai_budget(prompt: Sequence[int], *, max_tokens: int | None, max_context: int,
+                  truncate_prompt_tokens: int | None = None) -> tuple[list[int], int]:
+    """(the prompt to submit, how many tokens it may generate) as vLLM's OpenAI server decides them: the
+    prompt (its last `truncate_prompt_tokens`; -1: as many as leave room for `max_tokens`) must leave the
+    context room for one new token, else a 400; it then generates up to `max_tokens` or the end of the context."""
+    room_for = max_tokens if truncate_prompt_tokens == -1 else None
+    fitted = fit_context(prompt, max_tokens=room_for, max_context=max_context,
+                         truncate_prompt_tokens=truncate_prompt_tokens)
+    return fitted, new_token_budget(len(fitted), max_tokens, max_context)

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from baige_ray.models.plugin import plugin_for
 from baige_ray.serving.async_streams import first_items, gather_cancelling, merged
-from baige_ray.serving.context_length import fit_context, new_token_budget
+from baige_ray.serving.context_length import openai_budget
 from baige_ray.serving.engine_runner import EngineFailed, EngineRunner
 from baige_ray.serving.generators import TextOutput
 from baige_ray.serving.openai_api import CompletionLimits, parse_completion_request
@@ -62,13 +62,12 @@ def require_supported(sampling: SamplingParams, engine: str) -> None:
 def fitted_requests(prompts: Sequence[list[int]], parsed: Any,
                     max_context: int) -> list[tuple[list[int], SamplingParams]]:
     """(prompt, sampling) to submit for each prompt: cut to `truncate_prompt_tokens` where asked, with the
-    budget asked for or, without one, the rest of the context; a 400 when one does not fit."""
+    budget asked for, cut to the rest of the context as vLLM cuts it; a 400 when a prompt leaves no room."""
     field = getattr(parsed, "max_tokens_field", "max_tokens")
     requests = []
     for prompt in prompts:
-        fitted = fit_context(prompt, max_tokens=parsed.max_tokens, max_context=max_context,
-                             truncate_prompt_tokens=parsed.truncate_prompt_tokens, field=field)
-        budget = new_token_budget(len(fitted), parsed.max_tokens, max_context)
+        fitted, budget = openai_budget(prompt, max_tokens=parsed.max_tokens, max_context=max_context,
+                                       truncate_prompt_tokens=parsed.truncate_prompt_tokens)
         requests.append((fitted, with_budget(parsed.sampling, budget, field)))
     return requests
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from baige_ray.serving.context_length import fit_context, new_token_budget, require_fit
+from baige_ray.serving.context_length import fit_context, new_token_budget, openai_budget, require_fit
 from baige_ray.serving.openai_api import CompletionLimits, parse_completion_request
 from baige_ray.serving.openai_chat import parse_chat_request
 from baige_ray.serving.requests import RequestError, RequestLimits, parse_generate_request
@@ -112,3 +112,13 @@ def test_invalid_truncate_prompt_tokens_is_a_400_naming_the_field(route, value):
     with pytest.raises(RequestError) as raised:
         parse(route, payload(route, truncate_prompt_tokens=value))
     assert (raised.value.status, raised.value.param) == (400, "truncate_prompt_tokens")
+
+
+def test_the_openai_routes_cut_max_tokens_to_the_rest_of_the_context_as_vllm_does():
+    assert openai_budget(PROMPT, max_tokens=25, max_context=CONTEXT) == (PROMPT, 10)
+    assert openai_budget(PROMPT, max_tokens=3, max_context=CONTEXT) == (PROMPT, 3)
+    assert openai_budget(PROMPT, max_tokens=None, max_context=CONTEXT) == (PROMPT, 10)
+    assert openai_budget(PROMPT, max_tokens=15, max_context=CONTEXT, truncate_prompt_tokens=-1) == (PROMPT[-25:], 15)
+    with pytest.raises(RequestError) as refused:  # no room for one new token
+        openai_budget(PROMPT + PROMPT[:10], max_tokens=4, max_context=CONTEXT)
+    assert refused.value.status == 400 and refused.value.param == "prompt"

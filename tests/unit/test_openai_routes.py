@@ -151,14 +151,20 @@ def test_refusals_have_vllms_error_shape(server):
     assert status == 400 and body == {"error": {"message": "Token id 999 in 'prompt' is out of vocabulary (the "
                                                            "vocabulary holds 256 tokens)", "type": "BadRequestError",
                                                 "param": "prompt", "code": 400}}
-    status, body = call(server, "v1/completions", {"prompt": "x" * 60, "max_tokens": 10})
-    assert status == 400 and body["error"]["param"] == "max_tokens"
+    status, body = call(server, "v1/completions", {"prompt": "x" * 64, "max_tokens": 10})
+    assert status == 400 and body["error"]["param"] == "prompt"
     assert body["error"]["message"].startswith("This model's maximum context length is 64 tokens.")
     status, body = call(server, "v1/completions", {"prompt": "x", "max_tokens": 65})
     assert status == 400 and "cannot be greater than max_model_len=64" in body["error"]["message"]
     status, body = call(server, "v1/completions", {"prompt": "x", "model": "other"})
     assert (status, body["error"]["type"], body["error"]["param"]) == (404, "NotFoundError", "model")
     assert call(server, "generate", {"prompt": ""}) == (400, {"error": "'prompt' must not be empty"})
+
+
+def test_max_tokens_beyond_the_rest_of_the_context_generates_to_its_end_as_vllm_does(server):
+    status, body = call(server, "v1/completions", {"prompt": "x" * 60, "max_tokens": 10, "temperature": 0})
+    assert status == 200 and body["usage"] == {"prompt_tokens": 60, "completion_tokens": 4, "total_tokens": 64}
+    assert body["choices"][0]["finish_reason"] == "length"
 
 
 def test_tokenize_and_detokenize(server):
