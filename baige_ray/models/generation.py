@@ -3,7 +3,8 @@
 `KVDecoder.forward(input_ids, position_ids, attention_mask, past)` takes `[rows, new]` tokens and their
 positions, a `[rows, past_columns + new]` mask (0 for left padding) and the per-layer cache of the rows
 so far (None to prefill), and returns the last position's logits per row (float32, CPU: sampling there
-makes a seed give the same tokens on any device) and the cache grown by `new` columns. A `TextCodec`
+makes a seed give the same tokens on any device), or with `all_positions` every new position's
+(`[rows, new, vocab]`: a prompt's log-probabilities), and the cache grown by `new` columns. A `TextCodec`
 turns text into token ids and back. Each plug-in implements them for its family (models/gpt_decoding.py,
 models/hf/decoding.py); the serving engine (serving/engine.py) knows only these protocols. A token is
 drawn from the logits (the top-k of them where a request asks) with a generator of the row's own
@@ -29,7 +30,7 @@ class KVDecoder(Protocol):
         """Where the model, and so the cache it returns, lives."""
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                past: KV | None) -> tuple[torch.Tensor, KV]: ...
+                past: KV | None, *, all_positions: bool = False) -> tuple[torch.Tensor, KV]: ...
 
 
 class TextCodec(Protocol):
@@ -41,6 +42,9 @@ class TextCodec(Protocol):
 
     def chat_tokens(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
         """The prompt for (role, content) messages, ready for the assistant's answer."""
+
+    def token_text(self, token: int) -> str:
+        """One token decoded alone, special tokens included (how vLLM names a token in log-probabilities)."""
 
 
 class IncrementalDecoder(Protocol):
@@ -69,6 +73,9 @@ class TokenizerCodec:
 
     def decoder(self) -> IncrementalDecoder:
         return _TokenizerDecoder(self.tokenizer)
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token]) or ""
 
     def chat_tokens(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):  # e.g. a base model's tokenizer
@@ -155,6 +162,12 @@ def sample_tokens(logits: torch.Tensor, temperature: float, generators: list[tor
     if top_k is not None and top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    return draw_tokens(scaled, generators)
+
+
+def draw_tokens(scaled: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
+    """A draw from softmax(scaled) for every row of `scaled` ([rows, vocab], already divided by the temperature
+    and narrowed), row i inverting its cumulative sum (fp64) at one uniform number from generators[i]."""
     cumulative = torch.cumsum(F.softmax(scaled.double(), dim=-1), dim=-1)
     draws = torch.stack([torch.rand((), generator=generator, dtype=torch.float64) for generator in generators])
     thresholds = draws * cumulative[:, -1]

@@ -33,7 +33,7 @@ class GPTDecoder:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                past: KV | None) -> tuple[torch.Tensor, KV]:
+                past: KV | None, *, all_positions: bool = False) -> tuple[torch.Tensor, KV]:
         model = self.model
         device = self.device
         input_ids, position_ids, attention_mask = input_ids.to(device), position_ids.to(device), attention_mask.to(device)
@@ -55,7 +55,7 @@ class GPTDecoder:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
             x = x + attention.o_proj(y.transpose(1, 2).reshape(rows, new, -1))
             x = x + block.mlp(block.mlp_norm(x))
-        return model.lm_head(model.final_norm(x[:, -1])).float().cpu(), layers
+        return model.lm_head(model.final_norm(x if all_positions else x[:, -1])).float().cpu(), layers
 
 
 class ByteCodec:
@@ -71,6 +71,9 @@ class ByteCodec:
 
     def chat_tokens(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
         return self.encode(plain_chat_prompt(messages))
+
+    def token_text(self, token: int) -> str:
+        return bytes([token]).decode("utf-8", errors="replace")
 
 
 class _ByteDecoder:

@@ -28,9 +28,10 @@ from typing import Any, Literal
 import torch
 
 from baige_ray.api.validation import require_int
-from baige_ray.models.generation import sample_token, seeded_generator
+from baige_ray.models.generation import seeded_generator
 from baige_ray.models.hf.decoding import forward_options
 from baige_ray.serving.context_length import require_fit
+from baige_ray.serving.row_sampling import sample_rows
 from baige_ray.serving.sampling_params import SamplingParams, stops_at
 
 # SamplingParams lives in sampling_params.py; callers import it from here too.
@@ -60,13 +61,19 @@ def _last_logits(model: Any, input_ids: torch.Tensor, past: Any, options: dict[s
 class _Row:
     params: SamplingParams
     generator: torch.Generator
+    prompt: list[int]
     tokens: list[int]
     finish_reason: FinishReason | None = None
     last_token: int = 0
 
+    @property
+    def sampled(self) -> list[int]:  # the output so far, for penalties and min_tokens (row_sampling.py)
+        return self.tokens
+
 
 def _advance(row: _Row, logits: torch.Tensor, eos_token_id: int | None) -> None:
-    token = sample_token(logits, row.params.temperature, row.generator, row.params.top_k)
+    (sampled,) = sample_rows(logits[None], [row], eos_token_id)
+    token = sampled.token
     row.last_token = token
     if stops_at(row.params, token, eos_token_id):
         row.finish_reason = "stop"
@@ -120,7 +127,8 @@ def generate_batch(
     _check_inputs(prompts, requests, max_context)
     model.eval()
     options = forward_options(model, use_cache)
-    rows = [_Row(params=params, generator=seeded_generator(params.seed), tokens=[]) for params in requests]
+    rows = [_Row(params=params, generator=seeded_generator(params.seed), prompt=list(prompt), tokens=[])
+            for prompt, params in zip(prompts, requests)]
     groups: dict[int, list[int]] = defaultdict(list)
     for index, prompt in enumerate(prompts):
         groups[len(prompt)].append(index)

@@ -65,7 +65,7 @@ from baige_ray.serving.engine import ContinuousBatchingEngine, EngineFull, Engin
 from baige_ray.serving.engine_runner import EngineFailed, EngineRunner
 from baige_ray.serving.expert_parallel import ExpertParallelServing
 from baige_ray.serving.expert_ranks import ExpertRanks
-from baige_ray.serving.generators import TextOutput, text_generator
+from baige_ray.serving.generators import TextDelta, TextOutput, text_generator
 from baige_ray.serving.kv_blocks import BlockHandover, KVCacheConfig, PrefixBlockStore
 from baige_ray.serving.ledger import EngineLoad
 from baige_ray.serving.openai_api import CompletionLimits
@@ -371,7 +371,8 @@ class ModelServer:
         finally:
             self._ongoing -= 1
 
-    def _text(self, runner: EngineRunner, prompt: list[int], params: SamplingParams) -> AsyncIterator[str | TextOutput]:
+    def _text(self, runner: EngineRunner, prompt: list[int],
+              params: SamplingParams) -> AsyncIterator[TextDelta | TextOutput]:
         """Text deltas, cut at the request's stop strings; last, the whole TextOutput."""
         return runner.text(prompt, params, events=self._events(runner, prompt, params))
 

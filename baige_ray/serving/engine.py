@@ -7,8 +7,9 @@ blocks of a pool, gathered for each forward). Then one decode forward runs over 
 newest token and each row samples its next one. A row that samples end-of-text, reaches its token
 budget or is cancelled leaves at once, freeing its slot for the next waiting request.
 
-Each row samples with its own seeded generator (models/generation.py), so a request's tokens do not
-depend on what it shares the batch with, up to floating-point summation order. Tokens go to the
+Each row samples with its own seeded generator and its request's sampling fields (serving/row_sampling.py:
+penalties, biases, nucleus and min-p sampling in vLLM's order, the whole batch at once), so a request's
+tokens do not depend on what it shares the batch with, up to floating-point summation order. Tokens go to the
 request's `on_event` callback as they are sampled (the server streams them); it runs on the
 engine's thread and must not block.
 
@@ -16,7 +17,8 @@ With a prefix store (serving/kv_blocks.py), a prompt whose leading full blocks a
 prefilled from the first token after them, on top of their keys and values; the blocks of every
 prompt, and of every finished request's prompt and answer, are stored for the requests after it.
 The tokens a request gets do not depend on whether its prefix was cached, up to floating-point
-summation order.
+summation order. A request asking for its prompt's log-probabilities reads no cached block (it needs
+the logits of every prompt position, as vLLM skips its prefix cache for it); its blocks are stored.
 
 A request prefilled by another engine (serving/prefill.py: prefill/decode disaggregation) joins
 with `submit_prefilled`: its cache goes straight into the batch and its generator resumes from the
@@ -39,32 +41,30 @@ import torch
 
 from baige_ray.api.validation import require_int
 from baige_ray.failpoints import SAMPLING, fail_point
-from baige_ray.models.generation import (
-    KV,
-    KVDecoder,
-    sample_token,
-    sample_tokens,
-    seeded_generator,
-    tokens_log_probs,
-)
+from baige_ray.models.generation import KV, KVDecoder, seeded_generator
 from baige_ray.models.weights_in_place import copy_weights_in_place
 from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams
 from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.device_memory import ModelOffload
 from baige_ray.serving.kv_batch import PagedKVBatch
 from baige_ray.serving.kv_blocks import PrefixBlockStore
+from baige_ray.serving.row_sampling import SampledToken, sample_rows
 from baige_ray.serving.sampling_params import require_implemented, stops_at
+from baige_ray.serving.token_logprobs import PromptLogprobs, TokenLogprobs, prompt_logprobs
 
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """A sampled token (`finish_reason` None), or the end of a request (`token` None). `log_prob`, when
-    the request asked for it: the sampled token's, on the end event the end-of-text token's (when it
-    was sampled)."""
+    """A sampled token (`finish_reason` None), or the end of a request (`token` None). `log_prob` and
+    `logprobs` (serving/token_logprobs.py), when the request asked for them: the sampled token's, on the
+    end event the stopping token's (when one was sampled). A request's first event carries its
+    `prompt_logprobs` when it asked for them."""
 
     token: int | None
     finish_reason: FinishReason | None = None
     log_prob: float | None = None
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 EventSink = Callable[[TokenEvent], None]
@@ -84,12 +84,15 @@ class PrefilledRequest:
     prompt: tuple[int, ...] = ()  # its tokens: the decode side keeps its blocks and those of the answer
     kv_from: int = 0  # the first position `kv` holds: the decode side had the blocks before it in its prefix cache
     first_log_prob: float | None = None  # the first token's, when the request asked for log-probabilities
+    first_logprobs: TokenLogprobs | None = None  # the first token's likeliest, when the request asked for them
+    prompt_logprobs: PromptLogprobs | None = None  # when the request asked for them
 
     def first_events(self) -> list[TokenEvent]:
         """What the client sees of the prefill: the first token, and the end if that token brought it."""
+        figures = dict(log_prob=self.first_log_prob, logprobs=self.first_logprobs, prompt_logprobs=self.prompt_logprobs)
         if self.finish_reason == "stop":  # an end-of-text token is not reported as text
-            return [TokenEvent(None, "stop", self.first_log_prob)]
-        events = [TokenEvent(self.first_token, log_prob=self.first_log_prob)]
+            return [TokenEvent(None, "stop", **figures)]
+        events = [TokenEvent(self.first_token, **figures)]
         if self.finish_reason == "length":
             events.append(TokenEvent(None, "length"))
         return events
@@ -112,6 +115,7 @@ class _Request:
     sampled: list[int] = field(default_factory=list)  # every token sampled, end-of-text included
     prefilled: KV | None = None  # the prompt's cache when another engine prefilled it (from position kv_from)
     kv_from: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # computed by its prefill; sent with its first event
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -327,7 +331,8 @@ class ContinuousBatchingEngine:
                 self._running.append(request)
                 self._cache.add(cache, cache[0][0].shape[2])
                 request.prefilled = None
-        uncached = {prompt for prompt in same_prompt if self._holds_no_prefix(prompt)}
+        uncached = {prompt for prompt, requests in same_prompt.items()
+                    if self._holds_no_prefix(prompt) and not _scores_prompt(requests)}
         if len(uncached) > 1:
             self._prefill_together([same_prompt.pop(prompt) for prompt in list(same_prompt) if prompt in uncached])
         for requests in same_prompt.values():
@@ -357,13 +362,23 @@ class ContinuousBatchingEngine:
     def _prefill(self, requests: list[_Request]) -> None:
         """Requests of one prompt (an RL group, several samplings of a question) in one forward: each draws
         its first token from the same logits with its own generator and starts from the same keys and values.
-        One forward per request cost a group of 16 two thirds of its rollout on a small model."""
+        One forward per request cost a group of 16 two thirds of its rollout on a small model.
+
+        A group asking for its prompt's log-probabilities needs the logits of every prompt position: it reads
+        no cached prefix (as vLLM skips its prefix cache then) and keeps every position's logits."""
         prompt = requests[0].prompt
         length = len(prompt)
-        past, cached = self._cached_prefix(prompt)
+        scored = _scores_prompt(requests)
+        past, cached = (None, 0) if scored else self._cached_prefix(prompt)
         tokens = torch.tensor([prompt[cached:]], dtype=torch.long)
         logits, cache = self.decoder.forward(tokens, torch.arange(cached, length)[None, :],
-                                             torch.ones(1, length, dtype=torch.long), past)
+                                             torch.ones(1, length, dtype=torch.long), past,
+                                             **({"all_positions": True} if scored else {}))
+        if scored:
+            for request in requests:
+                if request.params.prompt_logprobs is not None:
+                    request.prompt_logprobs = prompt_logprobs(logits[0], prompt, request.params.prompt_logprobs)
+            logits = logits[:, -1]
         self._start_rows(requests, logits[0], cache)
 
     def _prefill_together(self, groups: list[list[_Request]]) -> None:
@@ -387,9 +402,8 @@ class ContinuousBatchingEngine:
         """Requests of one prompt, prefilled (`logits`: its last position's; `cache`: batch 1, its every
         token): each samples its first token, and those still going join the batch."""
         # The first tokens go out before the blocks are stored.
-        tokens, log_probs = _sample_rows(requests, logits.expand(len(requests), -1))
-        decoding = [request for request, token, log_prob in zip(requests, tokens, log_probs)
-                    if self._report(request, token, log_prob) is None]
+        sampled = sample_rows(logits.expand(len(requests), -1), requests, self.eos_token_id)
+        decoding = [request for request, first in zip(requests, sampled) if self._report(request, first) is None]
         self._store_blocks(requests[0].prompt, cache)
         if self.prefixes is not None:
             self.prefixes.settle()
@@ -409,9 +423,8 @@ class ContinuousBatchingEngine:
         logits, cache = self.decoder.forward(tokens, self._cache.next_positions(), self._cache.attention_mask(1),
                                              self._cache.layers)
         self._cache.grow(cache)
-        tokens, log_probs = _sample_rows(self._running, logits)
-        finished = [self._report(request, token, log_prob) is not None
-                    for request, token, log_prob in zip(self._running, tokens, log_probs)]
+        sampled = sample_rows(logits, self._running, self.eos_token_id)
+        finished = [self._report(request, token) is not None for request, token in zip(self._running, sampled)]
         if any(finished):
             for row in (row for row, done in enumerate(finished) if done):
                 self._store_answer(row)
@@ -433,15 +446,18 @@ class ContinuousBatchingEngine:
         self._running = [self._running[row] for row in rows]
         self._cache.keep(rows)
 
-    def _report(self, request: _Request, token: int, log_prob: float | None) -> FinishReason | None:
+    def _report(self, request: _Request, sampled: SampledToken) -> FinishReason | None:
         """Record and report the request's sampled token; returns why it finished, if it did."""
+        token = sampled.token
         request.last_token = token
         request.sampled.append(token)
+        figures = dict(log_prob=sampled.log_prob, logprobs=sampled.logprobs, prompt_logprobs=request.prompt_logprobs)
+        request.prompt_logprobs = None  # the first event only
         if stops_at(request.params, token, self.eos_token_id):
-            request.on_event(TokenEvent(None, "stop", log_prob))
+            request.on_event(TokenEvent(None, "stop", **figures))
             return "stop"
         request.generated += 1
-        request.on_event(TokenEvent(token, log_prob=log_prob))
+        request.on_event(TokenEvent(token, **figures))
         if request.generated >= request.budget:
             request.on_event(TokenEvent(None, "length"))
             return "length"
@@ -482,15 +498,6 @@ def generate_all(engine: ContinuousBatchingEngine, prompts: Sequence[Sequence[in
     return collector.generations()
 
 
-def _sample_rows(requests: list[_Request], logits: torch.Tensor) -> tuple[list[int], list[float | None]]:
-    """Each request's next token from its row of `logits` and, where it asked, that token's log-probability:
-    the whole batch at once when its requests sample alike (the same tokens as row by row)."""
-    first = requests[0].params
-    if any((r.params.temperature, r.params.top_k) != (first.temperature, first.top_k) for r in requests):
-        tokens = [sample_token(logits[row], r.params.temperature, r.generator, r.params.top_k)
-                  for row, r in enumerate(requests)]
-    else:
-        tokens = sample_tokens(logits, first.temperature, [r.generator for r in requests], first.top_k)
-    wanted = [r.params.log_probs for r in requests]
-    log_probs = tokens_log_probs(logits, tokens) if any(wanted) else [None] * len(requests)
-    return tokens, [log_prob if want else None for log_prob, want in zip(log_probs, wanted)]
+def _scores_prompt(requests: list[_Request]) -> bool:
+    """Whether a request of one prompt's group asks for the prompt's log-probabilities."""
+    return any(request.params.prompt_logprobs is not None for request in requests)

@@ -32,8 +32,9 @@ from typing import Any, Protocol
 from baige_ray.models.generation import TextCodec
 from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.engine import EventSink, PrefilledRequest, TokenEvent
-from baige_ray.serving.generators import TextOutput
+from baige_ray.serving.generators import TextDelta, TextOutput
 from baige_ray.serving.stop_strings import StopScanner
+from baige_ray.serving.token_logprobs import TokenLogprobs
 
 IDLE_WAIT_S = 0.05
 
@@ -246,27 +247,56 @@ class EngineRunner:
                 self.engine.cancel(request_id)
 
     async def text(self, prompt: list[int], params: SamplingParams,
-                   events: AsyncIterator[TokenEvent] | None = None) -> AsyncIterator[str | TextOutput]:
+                   events: AsyncIterator[TokenEvent] | None = None) -> AsyncIterator[TextDelta | TextOutput]:
         """Text deltas as they are decoded, cut at the request's first stop string (`params.stop`, kept with
-        `include_stop_str_in_output`); last, the whole TextOutput.
+        `include_stop_str_in_output`; none ends within the first `min_tokens` tokens, as in vLLM); last, the
+        whole TextOutput. A request asking for log-probabilities gets a delta per token, with its figures.
 
         The tokens are the request's own on this engine, or `events` (a disaggregated request's)."""
         decoder = self.codec.decoder()
         scanner = StopScanner(params.stop, include=params.include_stop_str_in_output)
+        figures = _Figures()
         generated, finish_reason = 0, "length"
         events = self.tokens(prompt, params) if events is None else events
         async with contextlib.aclosing(events) as events:  # closing cancels the request
             async for event in events:
+                figures.take(event)
                 if event.token is None:
                     finish_reason = event.finish_reason or "length"
                     break
                 generated += 1
-                if delta := scanner.push(decoder.push(event.token)):
-                    yield delta
+                delta = scanner.push(decoder.push(event.token), search=generated > params.min_tokens)
+                if delta or figures.pending:
+                    yield figures.delta(delta)
                 if scanner.stopped:
                     break
-        if tail := scanner.push(decoder.flush()) + scanner.flush():
-            yield tail
+        if tail := scanner.push(decoder.flush(), search=generated > params.min_tokens) + scanner.flush():
+            yield TextDelta(tail)
         if scanner.stopped:
             finish_reason = "stop"
-        yield TextOutput(scanner.text[:scanner.sent], len(prompt), generated, finish_reason)
+        yield TextOutput(scanner.text[:scanner.sent], len(prompt), generated, finish_reason,
+                         logprobs=tuple(figures.every) if params.num_logprobs is not None else None,
+                         prompt_logprobs=figures.prompt)
+
+
+class _Figures:
+    """A request's log-probabilities as its events bring them: every token's, those not yet sent with a
+    delta (the stopping token's go only with the whole output), and the prompt's."""
+
+    def __init__(self) -> None:
+        self.every: list[TokenLogprobs] = []
+        self.pending: list[TokenLogprobs] = []
+        self.prompt = self._prompt_unsent = None
+
+    def take(self, event: TokenEvent) -> None:
+        if event.prompt_logprobs is not None:
+            self.prompt = self._prompt_unsent = event.prompt_logprobs
+        if event.logprobs is not None:
+            self.every.append(event.logprobs)
+            if event.token is not None:
+                self.pending.append(event.logprobs)
+
+    def delta(self, text: str) -> TextDelta:
+        sent = TextDelta(text, tuple(self.pending), self._prompt_unsent)
+        self.pending, self._prompt_unsent = [], None
+        return sent

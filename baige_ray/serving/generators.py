@@ -16,6 +16,18 @@ import torch
 from baige_ray.models.generation import KVDecoder, TextCodec
 from baige_ray.serving.context_length import fit_context
 from baige_ray.serving.requests import GenerateRequest
+from baige_ray.serving.token_logprobs import PromptLogprobs, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """Text as it streams, and the log-probabilities of the tokens that brought it (when the request asked
+    for them: then one per token, whose text may be empty while a stop string or a character is
+    incomplete); the first carries the prompt's when they were asked for."""
+
+    text: str
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -24,6 +36,9 @@ class TextOutput:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str  # "stop" (end of text or a stop string) or "length" (the token budget ran out)
+    # When asked for: every token's that the request sampled (a stopping token's last), and the prompt's.
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,12 @@
 torch. Chat is in openai_chat.py, the response shapes in openai_responses.py.
 
 Fields the server does not know are ignored, as vLLM ignores them, and a JSON null means the field's
-default. Every field vLLM's server knows is parsed into the request, at any value vLLM accepts; what
-an engine does not implement at the value asked for is refused by the replica with a 400 naming the
-field (sampling_params.py), never silently sampled another way. A few fields vLLM knows and this
-server does not implement at all (`suffix`, beam search, structured output, prompt embeddings) are
-refused here when set. Every refusal is a `RequestError` carrying the HTTP status (400, as vLLM; 404
+default. Every field vLLM's server knows is parsed into the request, at any value vLLM accepts (and
+`logprobs` up to the server's `max_logprobs`, 20 as on vLLM; `max_tokens: 0` with `echo`); what an engine
+refuses at the value asked for is answered by the replica with a 400 naming the field
+(sampling_params.py), never silently sampled another way. A few fields vLLM knows and this server does
+not implement at all (`suffix`, beam search, structured output, prompt embeddings) are refused here when
+set. Every refusal is a `RequestError` carrying the HTTP status (400, as vLLM; 404
 for another model; 413 for a body too large) and the field at fault.
 """
 
@@ -23,6 +24,7 @@ from baige_ray.serving.requests import (
     check_token_count,
     decode_json_object,
     ignore_unknown_fields,
+    is_int,
     truncate_prompt_tokens_of,
 )
 from baige_ray.serving.sampling_params import SamplingParams
@@ -48,8 +50,8 @@ _UNIMPLEMENTED = (
 
 @dataclass(kw_only=True, frozen=True)
 class CompletionRequest:
-    prompts: tuple[Prompt, ...]  # one choice each, in order
-    max_tokens: int
+    prompts: tuple[Prompt, ...]  # n choices each, in order
+    max_tokens: int  # 0 with echo: the prompt alone is answered (one token is generated, as vLLM does)
     sampling: SamplingParams  # max_new_tokens = max_tokens
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the token counts
@@ -112,9 +114,11 @@ def parse_completion_request(body: bytes, limits: CompletionLimits, *, model_nam
     check_user(payload)
     prompts = parse_prompts(payload.get("prompt"), max_prompt_chars=limits.max_prompt_chars,
                             vocab_size=limits.vocab_size)
-    max_tokens = parse_max_tokens(payload, limits, "max_tokens", DEFAULT_MAX_TOKENS)
+    echo = optional(payload, "echo", "bool", False)
+    echo_only = echo and payload.get("max_tokens") == 0 and is_int(payload["max_tokens"])
+    max_tokens = 0 if echo_only else parse_max_tokens(payload, limits, "max_tokens", DEFAULT_MAX_TOKENS)
     sampling = parse_sampling(payload, limits, max_new_tokens=max_tokens, num_logprobs=completion_logprobs(payload),
-                              echo=optional(payload, "echo", "bool", False))
+                              echo=echo)
     stream, include_usage = parse_stream(payload)
     return CompletionRequest(prompts=prompts, max_tokens=max_tokens, sampling=sampling, stream=stream,
                              include_usage=include_usage, truncate_prompt_tokens=truncate_prompt_tokens_of(payload))

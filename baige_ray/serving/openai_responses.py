@@ -1,6 +1,6 @@
-"""The JSON bodies OpenAI's API answers with, as vLLM's server shapes them: completions (one choice per
-prompt, each with its `index`), chat completions, streamed chunks, the model list and errors. Plain
-Python: no Ray, no torch."""
+"""The JSON bodies OpenAI's API answers with, as vLLM's server shapes them: completions (n choices per
+prompt, choice `index` = prompt index * n + sample), chat completions (n choices), streamed chunks, the
+model list and errors. A choice's `logprobs` comes from openai_logprobs.py. Plain Python: no Ray, no torch."""
 
 from __future__ import annotations
 
@@ -24,43 +24,49 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_response(*, request_id: str, model_name: str, created: int, choices: Sequence[tuple[str, str]],
-                        prompt_tokens: int, completion_tokens: int) -> dict:
-    """`/v1/completions`' body: `choices` are (text, finish_reason) in prompt order; the token counts are
-    every choice's together."""
-    for _, finish_reason in choices:
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    if finish_reason is not None:
         _check_finish_reason(finish_reason)
+    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
+def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None = None) -> dict:
+    _check_finish_reason(finish_reason)
+    return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+            "logprobs": logprobs}
+
+
+def completion_response(*, request_id: str, model_name: str, created: int, choices: Sequence[dict],
+                        prompt_tokens: int, completion_tokens: int) -> dict:
+    """`/v1/completions`' body: `choices` (completion_choice) in index order; the prompt tokens counted once
+    per prompt, the completion tokens of every choice."""
     return {
         "id": request_id, "object": "text_completion", "created": created, "model": model_name,
-        "choices": [{"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
-                    for index, (text, finish_reason) in enumerate(choices)],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "choices": list(choices), "usage": usage(prompt_tokens, completion_tokens),
     }
 
 
 def completion_chunk(*, request_id: str, model_name: str, created: int, text: str, finish_reason: str | None,
-                     index: int = 0) -> dict:
+                     index: int = 0, logprobs: dict | None = None) -> dict:
     """One server-sent event of a streamed completion, for the choice `index`."""
     return {"id": request_id, "object": "text_completion", "created": created, "model": model_name,
-            "choices": [{"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+            "choices": [completion_choice(index, text, finish_reason, logprobs)]}
 
 
-def chat_response(*, request_id: str, model_name: str, created: int, text: str, finish_reason: str,
+def chat_response(*, request_id: str, model_name: str, created: int, choices: Sequence[dict],
                   prompt_tokens: int, completion_tokens: int) -> dict:
-    _check_finish_reason(finish_reason)
+    """`/v1/chat/completions`' body: `choices` (chat_choice) in index order."""
     return {
         "id": request_id, "object": "chat.completion", "created": created, "model": model_name,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
-                     "logprobs": None}],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "choices": list(choices), "usage": usage(prompt_tokens, completion_tokens),
     }
 
 
 def chat_chunk(*, request_id: str, model_name: str, created: int, delta: dict, finish_reason: str | None,
-               index: int = 0) -> dict:
-    """One server-sent event of a streamed chat completion (the first carries the role)."""
+               index: int = 0, logprobs: dict | None = None) -> dict:
+    """One server-sent event of a streamed chat completion (the first of each choice carries the role)."""
     return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model_name,
-            "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
 
 
 def usage_chunk(*, request_id: str, model_name: str, created: int, object_name: str, prompt_tokens: int,

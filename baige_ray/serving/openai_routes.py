@@ -1,11 +1,12 @@
 """The OpenAI routes of a serving replica (`ModelServer` holds one): completions, chat, vLLM's
 tokenize and detokenize, and the model list.
 
-A completions request with several prompts runs them as separate requests of the engine, together,
-and answers one choice per prompt (OpenAI's `index`); streamed, their chunks interleave as they come.
-Everything a request asks for is checked before anything is submitted or streamed: a prompt that does
-not fit the context, or a sampling field the replica's engine does not implement at the value asked
-(sampling_params.py), is a 400, never a 500 or a half-sent stream.
+A completions request with several prompts, or any request with `n` > 1, runs each choice as a separate
+request of the engine, together, and answers every choice (OpenAI's `index`; openai_choices.py: echo,
+log-probabilities, usage); streamed, their chunks interleave as they come. Everything a request asks
+for is checked before anything is submitted or streamed: a prompt that does not fit the context, or a
+sampling field the replica's engine does not take at the value asked (sampling_params.py), is a 400,
+never a 500 or a half-sent stream.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from baige_ray.models.plugin import plugin_for
 from baige_ray.serving.async_streams import first_items, gather_cancelling, merged
 from baige_ray.serving.context_length import openai_budget
 from baige_ray.serving.engine_runner import EngineFailed, EngineRunner
-from baige_ray.serving.generators import TextOutput
+from baige_ray.serving.generators import TextDelta, TextOutput
 from baige_ray.serving.openai_api import CompletionLimits, parse_completion_request
 from baige_ray.serving.openai_chat import parse_chat_request
-from baige_ray.serving.openai_prompts import prompt_tokens
+from baige_ray.serving.openai_choices import AnswerShaper, fan_out, usage_counts
+from baige_ray.serving.openai_prompts import Prompt, prompt_tokens
 from baige_ray.serving.openai_responses import (
     chat_chunk,
     chat_response,
@@ -64,9 +66,10 @@ def fitted_requests(prompts: Sequence[list[int]], parsed: Any,
     """(prompt, sampling) to submit for each prompt: cut to `truncate_prompt_tokens` where asked, with the
     budget asked for, cut to the rest of the context as vLLM cuts it; a 400 when a prompt leaves no room."""
     field = getattr(parsed, "max_tokens_field", "max_tokens")
+    max_tokens = 1 if parsed.max_tokens == 0 else parsed.max_tokens  # echo's max_tokens=0 generates one, unshown
     requests = []
     for prompt in prompts:
-        fitted, budget = openai_budget(prompt, max_tokens=parsed.max_tokens, max_context=max_context,
+        fitted, budget = openai_budget(prompt, max_tokens=max_tokens, max_context=max_context,
                                        truncate_prompt_tokens=parsed.truncate_prompt_tokens)
         requests.append((fitted, with_budget(parsed.sampling, budget, field)))
     return requests
@@ -80,7 +83,7 @@ class ReplicaCalls:
 
     require_runner: Callable[[], EngineRunner]
     complete: Callable[[EngineRunner, list[int], SamplingParams], Awaitable[TextOutput]]
-    text: Callable[[EngineRunner, list[int], SamplingParams], AsyncIterator[str | TextOutput]]
+    text: Callable[[EngineRunner, list[int], SamplingParams], AsyncIterator[TextDelta | TextOutput]]
     account: Callable[[float], float]
     account_failure: Callable[[float], None]
     count_ongoing: Callable[[int], None]
@@ -125,36 +128,43 @@ class OpenAIRoutes:
         require_supported(parsed.sampling, self.engine_name)
         runner = self.calls.require_runner()
         prompts = [prompt_tokens(prompt, runner.codec.encode) for prompt in parsed.prompts]
-        return await self._respond(runner, prompts, parsed, started, chat=False)
+        requests = fitted_requests(prompts, parsed, runner.engine.max_context)  # before anything is submitted
+        echo_texts = [echo_text(prompt, tokens, fitted, runner.codec)
+                      for prompt, tokens, (fitted, _) in zip(parsed.prompts, prompts, requests)] \
+            if parsed.sampling.echo else []
+        choices = fan_out(requests, echo_texts)
+        shaper = AnswerShaper(choices, chat=False, token_text=runner.codec.token_text, echo=parsed.sampling.echo,
+                              echo_only=parsed.max_tokens == 0)
+        return await self._respond(runner, shaper, parsed, started)
 
     async def chat(self, request: Request, started: float) -> Response:
         body = await read_body(request, self.limits.max_body_bytes)
         parsed = parse_chat_request(body, self.limits, model_name=self.app_name)
         require_supported(parsed.sampling, self.engine_name)
         runner = self.calls.require_runner()
-        return await self._respond(runner, [chat_prompt_tokens(runner.codec, parsed.messages)], parsed, started,
-                                   chat=True)
+        prompts = [chat_prompt_tokens(runner.codec, parsed.messages)]
+        choices = fan_out(fitted_requests(prompts, parsed, runner.engine.max_context))
+        return await self._respond(runner, AnswerShaper(choices, chat=True, token_text=runner.codec.token_text),
+                                   parsed, started)
 
-    async def _respond(self, runner: EngineRunner, prompts: list[list[int]], parsed: Any, started: float, *,
-                       chat: bool) -> Response:
-        requests = fitted_requests(prompts, parsed, runner.engine.max_context)  # before anything is submitted
-        shape = dict(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model_name=self.app_name,
-                     created=int(time.time()))
+    async def _respond(self, runner: EngineRunner, shaper: AnswerShaper, parsed: Any, started: float) -> Response:
+        choices = shaper.choices
+        shape = dict(request_id=f"{'chatcmpl' if shaper.chat else 'cmpl'}-{uuid.uuid4().hex}",
+                     model_name=self.app_name, created=int(time.time()))
         if not parsed.stream:
-            outputs = await gather_cancelling([self.calls.complete(runner, prompt, params)
-                                               for prompt, params in requests])
+            outputs = await gather_cancelling([self.calls.complete(runner, c.prompt, c.params) for c in choices])
             self.calls.account(started)
-            return JSONResponse(_whole(shape, outputs, chat))
-        streams = [self.calls.text(runner, prompt, params) for prompt, params in requests]
+            return JSONResponse(_whole(shape, shaper, outputs))
+        streams = [self.calls.text(runner, choice.prompt, choice.params) for choice in choices]
         firsts = await first_items(streams)  # submits the requests: a full engine raises EngineFull before any byte
-        events = self._stream_events(firsts, streams, shape, chat, parsed.include_usage, started)
+        events = self._stream_events(firsts, streams, shape, shaper, parsed.include_usage, started)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _stream_events(self, firsts: list, streams: list[AsyncIterator[str | TextOutput]], shape: dict,
-                             chat: bool, include_usage: bool, started: float) -> AsyncIterator[bytes]:
+    async def _stream_events(self, firsts: list, streams: list[AsyncIterator[TextDelta | TextOutput]], shape: dict,
+                             shaper: AnswerShaper, include_usage: bool, started: float) -> AsyncIterator[bytes]:
         self.calls.count_ongoing(+1)
         pieces = merged(firsts, streams)
-        chunks = _stream_chunks(pieces, shape, chat, include_usage)
+        chunks = _stream_chunks(pieces, shape, shaper, include_usage)
         try:
             async for event in chunks:
                 yield event
@@ -173,31 +183,37 @@ class OpenAIRoutes:
                 await stream.aclose()
 
 
-def _whole(shape: dict, outputs: list[TextOutput], chat: bool) -> dict:
-    counts = dict(prompt_tokens=sum(o.prompt_tokens for o in outputs),
-                  completion_tokens=sum(o.completion_tokens for o in outputs))
-    if chat:
-        (output,) = outputs
-        return chat_response(**shape, text=output.text, finish_reason=output.finish_reason, **counts)
-    return completion_response(**shape, choices=[(o.text, o.finish_reason) for o in outputs], **counts)
+def echo_text(prompt: Prompt, tokens: list[int], fitted: list[int], codec: Any) -> str:
+    """The text an echo puts first: the prompt's own, or its (fitted) tokens decoded."""
+    if prompt.text is not None and len(fitted) == len(tokens):
+        return prompt.text
+    decoder = codec.decoder()
+    return "".join(decoder.push(token) for token in fitted) + decoder.flush()
 
 
-async def _stream_chunks(pieces: AsyncIterator[tuple[int, str | TextOutput]], shape: dict, chat: bool,
-                         include_usage: bool) -> AsyncIterator[bytes]:
-    if chat:
-        yield server_sent_event(chat_chunk(**shape, delta={"role": "assistant", "content": ""}, finish_reason=None))
-    prompt_tokens_total = completion_tokens_total = 0
+def _whole(shape: dict, shaper: AnswerShaper, outputs: list[TextOutput]) -> dict:
+    choices = [shaper.whole(index, output) for index, output in enumerate(outputs)]
+    respond = chat_response if shaper.chat else completion_response
+    return respond(**shape, choices=choices, **usage_counts(shaper.choices, outputs))
+
+
+async def _stream_chunks(pieces: AsyncIterator[tuple[int, TextDelta | TextOutput]], shape: dict,
+                         shaper: AnswerShaper, include_usage: bool) -> AsyncIterator[bytes]:
+    if shaper.chat:
+        for index in range(len(shaper.choices)):
+            yield server_sent_event(chat_chunk(**shape, delta={"role": "assistant", "content": ""},
+                                               finish_reason=None, index=index))
+    outputs: dict[int, TextOutput] = {}
     async for index, piece in pieces:
         if isinstance(piece, TextOutput):
-            prompt_tokens_total += piece.prompt_tokens
-            completion_tokens_total += piece.completion_tokens
-            text, delta, finish_reason = "", {}, piece.finish_reason
-        else:
-            text, delta, finish_reason = piece, {"content": piece}, None
-        yield server_sent_event(chat_chunk(**shape, delta=delta, finish_reason=finish_reason, index=index) if chat
-                                else completion_chunk(**shape, text=text, finish_reason=finish_reason, index=index))
+            outputs[index] = piece
+        fields = shaper.chunk(index, piece)
+        if fields is not None:
+            chunk = chat_chunk if shaper.chat else completion_chunk
+            yield server_sent_event(chunk(**shape, **fields))
     if include_usage:
-        yield server_sent_event(usage_chunk(**shape, object_name="chat.completion.chunk" if chat else "text_completion",
-                                            prompt_tokens=prompt_tokens_total,
-                                            completion_tokens=completion_tokens_total))
+        ended = [outputs[index] for index in sorted(outputs)]
+        counts = usage_counts([shaper.choices[index] for index in sorted(outputs)], ended)
+        yield server_sent_event(usage_chunk(**shape, object_name="chat.completion.chunk" if shaper.chat
+                                            else "text_completion", **counts))
     yield server_sent_event("[DONE]")

@@ -133,10 +133,23 @@ def parse_sampling(payload: dict, limits: CompletionLimits, *, max_new_tokens: i
         stop_token_ids=_stop_token_ids(payload, limits.vocab_size),
         include_stop_str_in_output=optional(payload, "include_stop_str_in_output", "bool", False),
         n=optional(payload, "n", "int", 1), seed=seed_of(payload), num_logprobs=num_logprobs, echo=echo,
+        prompt_logprobs=num_logprobs if echo else None,  # vLLM's: the echoed prompt's, as many per position
     )
     budget = max_new_tokens if max_new_tokens is not None else max(1, min_tokens) if is_int(min_tokens) else 1
-    with _as_bad_request({"num_logprobs": logprobs_field}):
-        return SamplingParams(max_new_tokens=budget, **fields)
+    with _as_bad_request({"num_logprobs": logprobs_field, "prompt_logprobs": logprobs_field}):
+        sampling = SamplingParams(max_new_tokens=max(budget, 1), **fields)  # echo's max_tokens=0: one, unshown
+    _check_logprobs_limit(sampling.num_logprobs, limits, logprobs_field)
+    return sampling
+
+
+def _check_logprobs_limit(num_logprobs: int | None, limits: CompletionLimits, field: str) -> None:
+    """vLLM's bound on log-probabilities per position (-1 asks for the whole vocabulary, where its size is known)."""
+    if num_logprobs is None or limits.max_logprobs == -1:
+        return
+    wanted = limits.vocab_size if num_logprobs == -1 else num_logprobs
+    if wanted is not None and wanted > limits.max_logprobs:
+        raise bad_request(field, f"Requested sample logprobs of {wanted}, which is greater than max allowed: "
+                                 f"{limits.max_logprobs}")
 
 
 def with_budget(sampling: SamplingParams, max_new_tokens: int, field: str = "max_tokens") -> SamplingParams:

@@ -2,7 +2,8 @@
 
 A `PrefillEngine` only runs prompts. Each step takes up to `max_batch_size` waiting requests and runs
 one forward per distinct prompt length over every prompt of that length (equal lengths need no
-padding, so rows change each other's numbers at most by summation order, as in the decode batch).
+padding, so rows change each other's numbers at most by summation order, as in the decode batch); a
+prompt whose log-probabilities were asked for runs alone and whole, every position's logits kept.
 It samples each request's first token with the request's own seeded generator and hands the request
 on as a `PrefilledRequest`: that token, the prompt's cache, and the generator's state after it. A
 decode engine (`ContinuousBatchingEngine.submit_prefilled`) puts the cache straight into its running
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from baige_ray.models.generation import KVDecoder, sample_token, seeded_generator, token_log_prob
+from baige_ray.models.generation import KVDecoder, seeded_generator
 from baige_ray.models.weights_in_place import copy_weights_in_place
 from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams
 from baige_ray.serving.context_length import require_fit
@@ -37,7 +38,9 @@ from baige_ray.serving.engine import (
     RequestQueue,
 )
 from baige_ray.serving.kv_blocks import PrefixBlockStore
+from baige_ray.serving.row_sampling import sample_rows
 from baige_ray.serving.sampling_params import require_implemented, stops_at
+from baige_ray.serving.token_logprobs import PromptLogprobs, prompt_logprobs
 
 PrefillSink = Callable[[PrefilledRequest], None]
 
@@ -50,6 +53,15 @@ class _Prompt:
     budget: int
     on_prefilled: PrefillSink
     known_tokens: int = 0  # leading tokens the receiving engine's prefix cache holds: not sent
+    generator: torch.Generator | None = None  # set when its first token is sampled
+
+    @property
+    def prompt(self) -> list[int]:  # a row to sample (models/logits_processing.py)
+        return self.tokens
+
+    @property
+    def sampled(self) -> list[int]:
+        return []
 
 
 class PrefillEngine:
@@ -117,6 +129,10 @@ class PrefillEngine:
             batch.append(request)
         self._num_prefilling = len(batch)
         try:
+            scored = [request for request in batch if request.params.prompt_logprobs is not None]
+            for request in scored:  # every position's logits: no cached prefix, no group
+                self._prefill_scored(request)
+            batch = [request for request in batch if request.params.prompt_logprobs is None]
             if self.prefixes is not None:  # each from where its cached prefix ends
                 for request in batch:
                     self._prefill_cached(request)
@@ -148,10 +164,23 @@ class PrefillEngine:
         self.prefixes.keep_tokens(request.tokens, cache)
         self.prefixes.settle()
 
-    def _hand_off(self, request: _Prompt, logits: torch.Tensor, cache, row: int) -> None:
-        generator = seeded_generator(request.params.seed)
-        token = sample_token(logits, request.params.temperature, generator, request.params.top_k)
-        log_prob = token_log_prob(logits, token) if request.params.log_probs else None
+    def _prefill_scored(self, request: _Prompt) -> None:
+        """A prompt whose log-probabilities were asked for: run whole, every position's logits kept."""
+        length = len(request.tokens)
+        logits, cache = self.decoder.forward(torch.tensor([request.tokens], dtype=torch.long),
+                                             torch.arange(length)[None, :], torch.ones(1, length, dtype=torch.long),
+                                             None, all_positions=True)
+        scores = prompt_logprobs(logits[0], request.tokens, request.params.prompt_logprobs)
+        self._hand_off(request, logits[0, -1], cache, 0, scores)
+        if self.prefixes is not None:
+            self.prefixes.keep_tokens(request.tokens, cache)
+            self.prefixes.settle()
+
+    def _hand_off(self, request: _Prompt, logits: torch.Tensor, cache, row: int,
+                  scores: PromptLogprobs | None = None) -> None:
+        request.generator = seeded_generator(request.params.seed)
+        (first,) = sample_rows(logits[None], [request], self.eos_token_id)
+        token, generator = first.token, request.generator
         finish: FinishReason | None = "stop" if stops_at(request.params, token, self.eos_token_id) else None
         if finish is None and request.budget <= 1:
             finish = "length"
@@ -161,7 +190,8 @@ class PrefillEngine:
         request.on_prefilled(PrefilledRequest(
             params=request.params, prompt_length=len(request.tokens), budget=request.budget, first_token=token,
             finish_reason=finish, kv=kv, generator_state=generator.get_state(), prompt=tuple(request.tokens),
-            kv_from=0 if finish else start, first_log_prob=log_prob,
+            kv_from=0 if finish else start, first_log_prob=first.log_prob, first_logprobs=first.logprobs,
+            prompt_logprobs=scores,
         ))
 
 

@@ -1,10 +1,11 @@
 """How one request samples, validated as vLLM validates its `SamplingParams`, and which engine honours what.
 
-Every field has a neutral value (the default) at which it changes nothing. The built-in engine
-implements temperature, top-k, seeds, end-of-text and stop tokens (`ignore_eos`, `stop_token_ids`) and
-stop strings; vLLM also nucleus and min-p sampling, the penalties, logit biases and `min_tokens`.
-`unsupported_field` names what an engine does not implement at a non-neutral value, so a request asking
-for it is refused rather than silently sampled another way. Plain Python: no Ray, no torch.
+Every field has a neutral value (the default) at which it changes nothing. Both engines implement
+every field here: the built-in engine in models/logits_processing.py (vLLM's order and semantics) and
+serving/row_sampling.py, vLLM itself through serving/vllm_engine.py; `n` and `echo` are the routes'
+(each of the n samples a request of its own, as vLLM fans them out). `unsupported_field` names what an
+engine refuses at the value asked (vLLM's temperature bound), so a request asking for it is refused
+rather than silently sampled another way. Plain Python: no Ray, no torch.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 ENGINES = ("builtin", "vllm")
 MAX_LOGIT_BIAS = 100.0  # vLLM clamps a bias to [-100, 100]
 MAX_VLLM_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature under it is greedy, and refuses n > 1
 
 
 class SamplingParamError(ValueError):
@@ -56,7 +58,8 @@ class SamplingParams:
     `log_probs`: report each sampled token's log-probability under the model's own distribution
     (log-softmax of the raw logits: before temperature and top-k, as vLLM's raw log-probs), which is
     what a policy-gradient loss compares its policy with. `num_logprobs` is OpenAI's `logprobs` /
-    `top_logprobs`: the most likely tokens' log-probabilities at each position, for the response."""
+    `top_logprobs`: the most likely tokens' log-probabilities at each position, for the response;
+    `prompt_logprobs` (vLLM's) the same for every prompt token (completions' `echo` with `logprobs`)."""
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -74,6 +77,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     n: int = 1
     num_logprobs: int | None = None
+    prompt_logprobs: int | None = None
     echo: bool = False
     seed: int | None = None
     log_probs: bool = False
@@ -120,9 +124,12 @@ class SamplingParams:
 
     def _check_output(self) -> None:
         _require_int("n", self.n, 1)
-        if self.num_logprobs is not None:
-            _require(_is_int(self.num_logprobs) and self.num_logprobs >= -1, "num_logprobs", self.num_logprobs,
-                     "an integer >= 0, or -1 for the whole vocabulary")
+        _require(self.n == 1 or self.temperature >= GREEDY_BELOW, "n", self.n,
+                 "1 when using greedy sampling (temperature 0), as vLLM")
+        for name in ("num_logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _require(_is_int(value) and value >= -1, name, value, "an integer >= 0, or -1 for the whole vocabulary")
 
 
 def stops_at(params: SamplingParams, token: int, eos_token_id: int | None) -> bool:
@@ -130,47 +137,15 @@ def stops_at(params: SamplingParams, token: int, eos_token_id: int | None) -> bo
     return (token == eos_token_id and not params.ignore_eos) or token in params.stop_token_ids
 
 
-# (field, its neutral value, the request's name for it, the neutral value as JSON): the fields only some
-# engines implement.
-_OPTIONAL = (
-    ("top_p", 1.0, "top_p", "1"),
-    ("min_p", 0.0, "min_p", "0"),
-    ("presence_penalty", 0.0, "presence_penalty", "0"),
-    ("frequency_penalty", 0.0, "frequency_penalty", "0"),
-    ("repetition_penalty", 1.0, "repetition_penalty", "1"),
-    ("logit_bias", (), "logit_bias", "null"),
-    ("min_tokens", 0, "min_tokens", "0"),
-    ("n", 1, "n", "1"),
-    ("num_logprobs", None, "logprobs", "null"),
-    ("echo", False, "echo", "false"),
-)
-_IMPLEMENTED = {
-    "builtin": frozenset(),
-    "vllm": frozenset({"top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                       "logit_bias", "min_tokens"}),
-}
-_IGNORED_WHEN_GREEDY = frozenset({"top_p", "min_p"})  # vLLM resets them at temperature 0
-_ENGINE_NAMES = {"builtin": "built-in engine", "vllm": "vLLM engine of this server"}
-
-
 def unsupported_field(params: SamplingParams, engine: str) -> tuple[str, str] | None:
-    """(request field, why) for the first field `engine` does not implement at the value asked, or None."""
+    """(request field, why) for the first field `engine` does not take at the value asked, or None. Both
+    engines implement every field; vLLM bounds the temperature."""
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r} is invalid: expected one of {list(ENGINES)}")
     if engine == "vllm" and params.temperature > MAX_VLLM_TEMPERATURE:
         return "temperature", (f"temperature must be in [0, {MAX_VLLM_TEMPERATURE:g}] with vLLM, "
                                f"got {params.temperature}")
-    for name, neutral, request_field, shown_neutral in _OPTIONAL:
-        value = getattr(params, name)
-        if value == neutral or name in _IMPLEMENTED[engine]:
-            continue
-        if params.temperature == 0 and name in _IGNORED_WHEN_GREEDY:
-            continue
-        shown = dict(value) if name == "logit_bias" else value
-        return request_field, (f"'{request_field}'={shown!r} is not yet implemented by the {_ENGINE_NAMES[engine]}: "
-                               f"omit it or send {shown_neutral}")
     return None
-
 
 
 def require_implemented(params: SamplingParams, engine: str) -> None:

@@ -27,14 +27,15 @@ class StopScanner:
         self.stop, self.include, self.text, self.sent, self.stopped = stop, include, "", 0, False
         self._hold = max((len(s) for s in stop), default=1) - 1
 
-    def push(self, delta: str) -> str:
-        """The text now safe to send; after a stop string appeared (`stopped`), nothing more."""
+    def push(self, delta: str, *, search: bool = True) -> str:
+        """The text now safe to send; after a stop string appeared (`stopped`), nothing more. With `search`
+        false (vLLM's `min_tokens` not reached yet) no stop string ends in `delta`."""
         if self.stopped:
             return ""
         # Only the new text, and the tail before it a stop string could have begun in, is searched again.
         start = max(0, len(self.text) - self._hold)
         self.text += delta
-        found = find_stop(self.text, self.stop, start)
+        found = find_stop(self.text, self.stop, start) if search else None
         if found is not None:
             self.stopped = True
             end = found[0] + (found[1] if self.include else 0)

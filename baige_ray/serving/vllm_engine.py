@@ -31,6 +31,7 @@ from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.engine import EngineFull, EngineLimits, EventSink, TokenEvent
 from baige_ray.serving.sampling_params import stops_at
+from baige_ray.serving.token_logprobs import PromptLogprobs, TokenLogprobs
 
 WeightAdapter = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -159,17 +160,21 @@ class VLLMEngine:
             return
         sink, params = entry
         completion = output.outputs[0]
-        log_probs = _sampled_log_probs(completion)
-        stop_log_prob = None
-        for token, log_prob in zip(completion.token_ids, log_probs):
+        # vLLM sends the prompt's log-probabilities once, with the request's first output: so do its events.
+        figures = dict(prompt_logprobs=_prompt_logprobs(output.prompt_logprobs))
+        stop_figures: dict = {}
+        for token, log_prob, logprobs in zip(completion.token_ids, _sampled_log_probs(completion, params),
+                                             _ranked_log_probs(completion, params)):
+            figures.update(log_prob=log_prob, logprobs=logprobs)
             if not stops_at(params, token, self.eos_token_id):
-                sink(TokenEvent(token, log_prob=log_prob))
+                sink(TokenEvent(token, **figures))
+                figures = {}
             else:  # as the built-in engine: a token that ends the request is not part of the answer
-                stop_log_prob = log_prob
+                stop_figures, figures = figures, {}
         if output.finished:
             del self._sinks[output.request_id]
             stopped = completion.finish_reason == "stop"
-            sink(TokenEvent(None, "stop" if stopped else "length", stop_log_prob if stopped else None))
+            sink(TokenEvent(None, "stop" if stopped else "length", **(stop_figures if stopped else {}), **figures))
 
 
 def vllm_sampling_params(params: SamplingParams):
@@ -187,7 +192,9 @@ def vllm_sampling_params(params: SamplingParams):
         frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
         logit_bias=dict(params.logit_bias) or None, ignore_eos=params.ignore_eos,
         stop_token_ids=list(params.stop_token_ids), seed=params.seed, output_kind=RequestOutputKind.DELTA,
-        logprobs=0 if params.log_probs else None,  # the sampled token's alone, from the raw logits
+        # The sampled token's and the likeliest `num_logprobs`, from the raw logits (vLLM's default mode).
+        logprobs=params.num_logprobs if params.num_logprobs is not None else 0 if params.log_probs else None,
+        prompt_logprobs=params.prompt_logprobs,
     )
     try:
         return VLLMSamplingParams(**fields)
@@ -195,12 +202,28 @@ def vllm_sampling_params(params: SamplingParams):
         raise ValueError(f"vLLM refuses these sampling parameters: {error}") from error
 
 
-def _sampled_log_probs(completion: Any) -> list[float | None]:
+def _sampled_log_probs(completion: Any, params: SamplingParams) -> list[float | None]:
     """Each new token's log-probability where the request asked for them (vLLM's per-position dicts of
     token id to Logprob), else None for each."""
-    if not completion.logprobs:
+    if not params.log_probs or not completion.logprobs:
         return [None] * len(completion.token_ids)
     return [float(ranked[token].logprob) for token, ranked in zip(completion.token_ids, completion.logprobs)]
+
+
+def _ranked_log_probs(completion: Any, params: SamplingParams) -> list[TokenLogprobs | None]:
+    """Each new token's (token, log-probability) pairs, the sampled one first, where the request asked for the
+    likeliest: vLLM's per-position dicts are in that order."""
+    if params.num_logprobs is None or not completion.logprobs:
+        return [None] * len(completion.token_ids)
+    return [_pairs(ranked) for ranked in completion.logprobs]
+
+
+def _prompt_logprobs(positions: Any) -> PromptLogprobs | None:
+    return None if not positions else tuple(None if ranked is None else _pairs(ranked) for ranked in positions)
+
+
+def _pairs(ranked: Any) -> TokenLogprobs:
+    return tuple((int(token), float(logprob.logprob)) for token, logprob in ranked.items())
 
 
 def repack_tied_head(worker: Any) -> bool:

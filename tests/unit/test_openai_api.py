@@ -11,7 +11,7 @@ import pytest
 from baige_ray.serving import requests as requests_module
 from baige_ray.serving.openai_api import CompletionLimits, CompletionRequest, apply_stop, parse_completion_request
 from baige_ray.serving.openai_prompts import Prompt
-from baige_ray.serving.openai_responses import completion_chunk, completion_response, error_body
+from baige_ray.serving.openai_responses import completion_choice, completion_chunk, completion_response, error_body
 from baige_ray.serving.requests import RequestError
 from baige_ray.serving.sampling_params import SamplingParams
 
@@ -88,7 +88,7 @@ def test_the_sampling_fields_are_carried():
         max_new_tokens=10, temperature=1.0, top_k=5, top_p=0.9, min_p=0.05, presence_penalty=0.5,
         frequency_penalty=-0.5, repetition_penalty=1.2, logit_bias=((2, -100.0), (7, 3.0)), min_tokens=2,
         ignore_eos=True, stop=("a", "b", "c", "d", "e"), stop_token_ids=(4, 9), include_stop_str_in_output=True,
-        n=2, num_logprobs=3, echo=True, seed=11)
+        n=2, num_logprobs=3, prompt_logprobs=3, echo=True, seed=11)  # echo's prompt log-probabilities, as vLLM's
 
 
 @pytest.mark.parametrize(("top_k", "expected"), [(-1, None), (0, None), (1, 1), (40, 40)])
@@ -96,9 +96,33 @@ def test_top_k_minus_one_or_zero_is_off_as_in_vllm(top_k, expected):
     assert parse({"prompt": "x", "top_k": top_k}).sampling.top_k == expected
 
 
-@pytest.mark.parametrize(("logprobs", "expected"), [(False, None), (True, 1), (0, 0), (5, 5), (-1, -1)])
+@pytest.mark.parametrize(("logprobs", "expected"), [(False, None), (True, 1), (0, 0), (5, 5), (20, 20)])
 def test_logprobs_is_how_many_per_position(logprobs, expected):
     assert parse({"prompt": "x", "logprobs": logprobs}).sampling.num_logprobs == expected
+
+
+def test_logprobs_beyond_the_servers_max_logprobs_are_refused_as_vllm_refuses_them():
+    for logprobs, wanted in ((21, 21), (-1, 50)):  # -1: the whole vocabulary of 50
+        with pytest.raises(RequestError) as refused:
+            parse({"prompt": "x", "logprobs": logprobs})
+        assert refused.value.param == "logprobs"
+        assert refused.value.reason == f"Requested sample logprobs of {wanted}, which is greater than max allowed: 20"
+    wide = CompletionLimits(vocab_size=50, max_logprobs=-1)
+    assert parse({"prompt": "x", "logprobs": -1}, wide).sampling.num_logprobs == -1
+
+
+def test_echo_takes_max_tokens_zero_and_asks_for_the_prompts_log_probabilities():
+    request = parse({"prompt": "x", "echo": True, "max_tokens": 0, "logprobs": 2})
+    assert request.max_tokens == 0 and request.sampling.max_new_tokens == 1  # one generated, not shown (vLLM)
+    assert (request.sampling.echo, request.sampling.prompt_logprobs) == (True, 2)
+    assert parse({"prompt": "x", "echo": True}).sampling.prompt_logprobs is None  # the prompt's text only
+
+
+def test_n_above_one_is_refused_for_greedy_sampling_as_vllm_refuses_it():
+    with pytest.raises(RequestError) as refused:
+        parse({"prompt": "x", "n": 2, "temperature": 0})
+    assert refused.value.param == "n" and "greedy" in refused.value.reason
+    assert parse({"prompt": "x", "n": 3, "temperature": 0.5}).sampling.n == 3
 
 
 def test_max_tokens_is_bounded_by_the_context_not_a_fixed_cap():
@@ -255,7 +279,8 @@ def test_apply_stop_cuts_at_the_earliest_stop(text, stop, include, expected):
 
 def test_completion_response_has_one_choice_per_prompt_with_its_index():
     body = completion_response(request_id="cmpl-1", model_name=MODEL, created=1700000000,
-                               choices=[(" world", "length"), ("!", "stop")], prompt_tokens=5, completion_tokens=3)
+                               choices=[completion_choice(0, " world", "length"), completion_choice(1, "!", "stop")],
+                               prompt_tokens=5, completion_tokens=3)
     assert body == {
         "id": "cmpl-1",
         "object": "text_completion",
@@ -272,8 +297,7 @@ def test_completion_response_has_one_choice_per_prompt_with_its_index():
 
 def test_completion_response_refuses_unknown_finish_reasons():
     with pytest.raises(ValueError, match="finish_reason"):
-        completion_response(request_id="x", model_name=MODEL, created=0, choices=[("", "eos")], prompt_tokens=1,
-                            completion_tokens=0)
+        completion_choice(0, "", "eos")
 
 
 def test_error_body_has_vllms_shape():

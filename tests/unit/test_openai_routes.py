@@ -1,87 +1,22 @@
 """The OpenAI routes end to end without Ray: a `ModelServer` built around a real engine runner (the
 built-in engine on a tiny reference GPT, byte tokens) answers Starlette requests as Serve would hand
 them. Several prompts, token-id prompts, streams, chat budgets, tokenize, the model list and the
-error bodies, as vLLM's server answers them."""
+error bodies, as vLLM's server answers them. (n, echo and log-probabilities: test_openai_choices.py.)"""
 
 from __future__ import annotations
 
-import asyncio
-import json
-
 import pytest
-import torch
-from starlette.requests import Request
-from starlette.responses import StreamingResponse
 
-from baige_ray.models.gpt import GPT, GPTConfig
-from baige_ray.models.gpt_decoding import ByteCodec, GPTDecoder
-from baige_ray.serving.deployment import ModelServer
-from baige_ray.serving.engine import ContinuousBatchingEngine, EngineLimits
-from baige_ray.serving.engine_runner import EngineRunner
-from baige_ray.serving.openai_api import CompletionLimits
-from baige_ray.serving.openai_routes import OpenAIRoutes, ReplicaCalls, served_root
-from baige_ray.serving.requests import RequestLimits
-
-CONFIG = GPTConfig(seq_len=64, num_layers=1, num_heads=2, hidden=32)
-
-
-class _NoMetrics:
-    def request(self, **_) -> None:
-        pass
-
-
-class _Replica(ModelServer):
-    def __del__(self) -> None:  # Serve awaits ModelServer's (a prefix-block hand-over); nothing to hand over here
-        pass
-
-
-def make_server(engine: str = "builtin") -> ModelServer:
-    """A replica without Serve: the attributes its constructor would set, a runner on a tiny GPT."""
-    torch.manual_seed(0)
-    decoder = GPTDecoder(GPT(CONFIG).eval())
-    runner = EngineRunner(ContinuousBatchingEngine(decoder, eos_token_id=None,
-                                                   limits=EngineLimits(max_batch_size=4, max_waiting=8)), ByteCodec())
-    server = object.__new__(_Replica)
-    server.__dict__.update(
-        _limits=RequestLimits(), _app_name="m", _engine_name=engine, _model_config=CONFIG, _ongoing=0,
-        _runner=runner, _pending_latencies=[], _metrics=_NoMetrics(), _step=0, _replica="r", _node="n",
-        _ensure_reporter=lambda: None,
-    )
-    calls = ReplicaCalls(require_runner=server._require_runner, complete=server._complete, text=server._text,
-                         account=server._account, account_failure=server._account_failure,
-                         count_ongoing=server._count_ongoing)
-    server._openai = OpenAIRoutes(calls, app_name="m", engine_name=engine, limits=CompletionLimits())
-    server._openai.learn_model(CONFIG, decoder.max_context)
-    return server
+from baige_ray.models.gpt_decoding import ByteCodec
+from baige_ray.serving.openai_routes import served_root
+from tests.unit.fixtures.openai_server import CONFIG, call, make_server, stop_server
 
 
 @pytest.fixture(scope="module")
 def server():
     made = make_server()
     yield made
-    made._runner.stop()
-    made._runner.join()
-
-
-def call(server: ModelServer, path: str, body: dict | None = None, method: str | None = None) -> tuple[int, object]:
-    """(status, JSON body, or the list of server-sent event payloads of a stream)."""
-    return asyncio.run(_call(server, path, body, method or ("GET" if body is None else "POST")))
-
-
-async def _call(server, path, body, method):
-    raw = b"" if body is None else json.dumps(body).encode()
-    scope = {"type": "http", "method": method, "path": f"/{path}", "root_path": "", "headers": [],
-             "query_string": b""}
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": raw, "more_body": False}
-
-    response = await server(Request(scope, receive))
-    if not isinstance(response, StreamingResponse):
-        return response.status_code, json.loads(response.body)
-    chunks = [chunk if isinstance(chunk, bytes) else chunk.encode() async for chunk in response.body_iterator]
-    events = [line.removeprefix("data: ") for line in b"".join(chunks).decode().split("\n\n") if line]
-    return response.status_code, [event if event == "[DONE]" else json.loads(event) for event in events]
+    stop_server(made)
 
 
 def complete(server, prompt, **fields) -> dict:
@@ -136,14 +71,30 @@ def test_neutral_sampling_fields_are_accepted_and_stop_tokens_honoured(server):
     assert kept["choices"][0]["text"] == plain[:4]
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"top_p": 0.9}, "top_p"), ({"presence_penalty": 0.5}, "presence_penalty"), ({"n": 2}, "n"),
-    ({"logprobs": 1}, "logprobs"), ({"echo": True}, "echo"), ({"repetition_penalty": 1.1}, "repetition_penalty"),
+@pytest.mark.parametrize(("fields", "changed"), [
+    ({"logit_bias": {str(ord("Q")): 100}}, True), ({"repetition_penalty": 2.0}, True), ({"top_p": 0.9}, False),
+    ({"min_p": 0.5}, False), ({"presence_penalty": -2, "frequency_penalty": 0.5}, True), ({"min_tokens": 3}, False),
 ])
-def test_the_builtin_engine_answers_400_naming_what_it_does_not_implement(server, fields, param):
+def test_the_builtin_engine_samples_with_every_field(server, fields, changed):
+    plain = complete(server, "def ")["choices"][0]["text"]
+    text = complete(server, "def ", **fields)["choices"][0]["text"]
+    assert (text != plain) == changed  # top-p, min-p mean nothing greedily; min_tokens nothing without an end
+    if "logit_bias" in fields:
+        assert text == "Q" * 6
+
+
+@pytest.mark.parametrize(("fields", "param", "message"), [
+    ({"suffix": "x"}, "suffix", "not yet implemented"), ({"use_beam_search": True}, "use_beam_search", "not yet"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "not yet implemented"),
+    ({"n": 2, "temperature": 0}, "n", "greedy"), ({"logprobs": 21}, "logprobs", "max allowed: 20"),
+])
+def test_what_is_still_missing_or_out_of_range_is_a_400_naming_the_field(server, fields, param, message):
     status, body = call(server, "v1/completions", {"prompt": "x", "temperature": 0.5, **fields})
     assert status == 400 and body["error"]["param"] == param and body["error"]["type"] == "BadRequestError"
-    assert "not yet implemented by the built-in engine" in body["error"]["message"]
+    assert message in body["error"]["message"]
+    status, body = call(server, "v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                        "tools": [{"type": "function"}], "tool_choice": "auto"})
+    assert status == 400 and body["error"]["param"] == "tools"
 
 
 def test_refusals_have_vllms_error_shape(server):
@@ -189,15 +140,15 @@ def test_the_model_list_and_one_model(server):
     assert status == 404 and missing["error"]["message"] == "The model `other` does not exist."
 
 
-def test_the_vllm_engine_is_refused_only_what_is_not_wired():
+def test_the_vllm_engine_is_refused_only_a_temperature_above_its_bound():
     server = make_server("vllm")
     try:
-        status, body = call(server, "v1/completions", {"prompt": "x", "n": 2})
-        assert status == 400 and "not yet implemented by the vLLM engine" in body["error"]["message"]
         assert call(server, "v1/completions", {"prompt": "x", "temperature": 2.5})[1]["error"]["param"] == "temperature"
+        status, body = call(server, "v1/completions", {"prompt": "x", "n": 2, "logprobs": 2, "echo": True,
+                                                       "max_tokens": 2})
+        assert status == 200 and len(body["choices"]) == 2
     finally:
-        server._runner.stop()
-        server._runner.join()
+        stop_server(server)
 
 
 def test_the_served_root_is_the_model_directory_when_there_is_one(tmp_path):
@@ -205,3 +156,11 @@ def test_the_served_root_is_the_model_directory_when_there_is_one(tmp_path):
         path = tmp_path
 
     assert served_root(Directory(), "app") == str(tmp_path) and served_root(CONFIG, "app") == "app"
+
+
+def test_no_stop_string_ends_within_the_first_min_tokens_tokens_as_in_vllm(server):
+    plain = complete(server, "import", max_tokens=12)["choices"][0]["text"]
+    assert plain.startswith("\x1a\x1a\x1a^")  # one byte a token: a character a token here
+    for min_tokens, expected in ((0, ""), (2, "\x1a\x1a"), (3, plain)):  # no fourth "\x1a" follows
+        held = complete(server, "import", max_tokens=12, stop=["\x1a"], min_tokens=min_tokens)["choices"][0]
+        assert held["text"] == expected

@@ -54,6 +54,8 @@ def test_the_defaults_are_neutral_and_sample_the_whole_vocabulary():
     (dict(ignore_eos=1), "ignore_eos"),
     (dict(n=0), "n"),
     (dict(num_logprobs=-2), "num_logprobs"),
+    (dict(prompt_logprobs=-2), "prompt_logprobs"),
+    (dict(n=2, temperature=0.0), "n"),  # vLLM: n must be 1 when using greedy sampling
     (dict(seed=-1), "seed"),
     (dict(seed=2**63), "seed"),
     (dict(log_probs=None), "log_probs"),
@@ -65,41 +67,21 @@ def test_invalid_values_name_the_field(fields, field):
     assert isinstance(raised.value, ValueError)
 
 
-@pytest.mark.parametrize("neutral", [
-    dict(repetition_penalty=1.0), dict(presence_penalty=0), dict(frequency_penalty=0.0), dict(top_p=1), dict(min_p=0.0),
-    dict(n=1), dict(ignore_eos=False), dict(top_k=5), dict(stop=("x",)), dict(stop_token_ids=(3,)),
+@pytest.mark.parametrize("fields", [
+    dict(repetition_penalty=1.1), dict(presence_penalty=0.5), dict(frequency_penalty=-1.0), dict(top_p=0.9),
+    dict(min_p=0.1), dict(logit_bias=((2, 1.0),)), dict(min_tokens=1), dict(n=2), dict(num_logprobs=0),
+    dict(echo=True, num_logprobs=3, prompt_logprobs=3), dict(top_k=5), dict(stop=("x",)), dict(stop_token_ids=(3,)),
     dict(ignore_eos=True), dict(include_stop_str_in_output=True), dict(seed=4),
 ])
-def test_the_builtin_engine_takes_neutral_values_and_what_it_implements(neutral):
-    assert unsupported_field(params(**neutral), "builtin") is None
+def test_both_engines_take_every_field(fields):
+    assert unsupported_field(params(**fields), "builtin") is None
+    assert unsupported_field(params(**fields), "vllm") is None
 
 
-@pytest.mark.parametrize(("fields", "request_field"), [
-    (dict(top_p=0.9), "top_p"), (dict(min_p=0.1), "min_p"), (dict(presence_penalty=0.5), "presence_penalty"),
-    (dict(frequency_penalty=-1.0), "frequency_penalty"), (dict(repetition_penalty=1.1), "repetition_penalty"),
-    (dict(logit_bias=((2, 1.0),)), "logit_bias"), (dict(min_tokens=1), "min_tokens"), (dict(n=2), "n"),
-    (dict(num_logprobs=0), "logprobs"), (dict(echo=True), "echo"),
-])
-def test_the_builtin_engine_refuses_what_it_does_not_implement_naming_the_field(fields, request_field):
-    field, reason = unsupported_field(params(**fields), "builtin")
-    assert field == request_field and f"'{request_field}'=" in reason
-    assert "not yet implemented by the built-in engine" in reason
-
-
-def test_nucleus_and_min_p_mean_nothing_to_greedy_sampling_as_in_vllm():
-    assert unsupported_field(params(temperature=0.0, top_p=0.5, min_p=0.2), "builtin") is None
-    assert unsupported_field(params(temperature=0.0, presence_penalty=0.5), "builtin")[0] == "presence_penalty"
-
-
-def test_vllm_takes_what_maps_onto_its_sampling_params_and_refuses_the_rest():
-    mapped = params(top_p=0.9, min_p=0.1, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
-                    logit_bias=((2, 1.0),), min_tokens=2, ignore_eos=True, stop_token_ids=(3,), top_k=4)
-    assert unsupported_field(mapped, "vllm") is None
-    assert unsupported_field(params(n=3), "vllm")[0] == "n"
-    assert unsupported_field(params(num_logprobs=2), "vllm")[0] == "logprobs"
-    assert unsupported_field(params(echo=True), "vllm")[0] == "echo"
+def test_vllm_refuses_a_temperature_above_two():
     field, reason = unsupported_field(params(temperature=2.5), "vllm")
     assert field == "temperature" and "[0, 2]" in reason
+    assert unsupported_field(params(temperature=2.5), "builtin") is None
     with pytest.raises(ValueError, match="engine='other'"):
         unsupported_field(params(), "other")
 
@@ -173,14 +155,42 @@ def test_vllm_gets_every_field_it_implements(monkeypatch):
     assert served.fields == dict(max_tokens=8, min_tokens=2, temperature=0.7, top_k=0, top_p=0.9, min_p=0.1,
                                  presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
                                  logit_bias={3: 2.0}, ignore_eos=True, stop_token_ids=[5], seed=3, output_kind="delta",
-                                 logprobs=None)  # stop strings: cut by the replica, for either engine
+                                 logprobs=None, prompt_logprobs=None)  # stop strings: cut by the replica
+    scored = vllm_sampling_params(params(num_logprobs=4, prompt_logprobs=4, echo=True, log_probs=True))
+    assert (scored.fields["logprobs"], scored.fields["prompt_logprobs"]) == (4, 4)
+    assert vllm_sampling_params(params(log_probs=True)).fields["logprobs"] == 0  # the sampled token's alone
     with pytest.raises(ValueError, match="vLLM refuses these sampling parameters: temperature"):
         vllm_sampling_params(params(temperature=3.0))
 
 
-def test_the_builtin_engines_refuse_sampling_they_do_not_implement_rather_than_ignore_it(gpt):
+def test_the_builtin_engines_refuse_only_what_does_not_fit(gpt):
     engine = ContinuousBatchingEngine(GPTDecoder(gpt), eos_token_id=None)
-    with pytest.raises(ValueError, match="'top_p'=0.5 is not yet implemented by the built-in engine"):
-        engine.submit([1, 2], params(top_p=0.5), lambda event: None)
-    with pytest.raises(ValueError, match="'presence_penalty'"):
-        PrefillEngine(GPTDecoder(gpt), eos_token_id=None).submit([1, 2], params(presence_penalty=1.0), print)
+    engine.submit([1, 2], params(top_p=0.5, presence_penalty=1.0), lambda event: None)
+    PrefillEngine(GPTDecoder(gpt), eos_token_id=None).submit([1, 2], params(presence_penalty=1.0), print)
+    with pytest.raises(ValueError, match="maximum context length"):
+        engine.submit([1] * 60, params(max_new_tokens=8), lambda event: None)
+
+
+def test_vllm_outputs_become_the_events_the_builtin_engine_sends():
+    """vLLM's per-position dicts (sampled token first, then the likeliest) as (token, log-probability) pairs; the
+    prompt's with the first event; the stopping token's with the end."""
+    from baige_ray.serving.engine import TokenEvent
+    from baige_ray.serving.vllm_engine import VLLMEngine
+
+    def ranked(*pairs):
+        return {token: types.SimpleNamespace(logprob=value) for token, value in pairs}
+
+    def output(tokens, logprobs, finished, prompt_logprobs=None):
+        completion = types.SimpleNamespace(token_ids=tokens, logprobs=logprobs,
+                                           finish_reason="stop" if finished else None)
+        return types.SimpleNamespace(request_id="0", finished=finished, prompt_logprobs=prompt_logprobs,
+                                     outputs=[completion])
+
+    engine = object.__new__(VLLMEngine)
+    engine.eos_token_id, events = 9, []
+    engine._sinks = {"0": (events.append, params(num_logprobs=1, prompt_logprobs=1, echo=True))}
+    engine._deliver(output([3], [ranked((3, -0.2), (1, -0.1))], False, [None, ranked((4, -1.0), (2, -0.5))]))
+    engine._deliver(output([5, 9], [ranked((5, -0.4)), ranked((9, -0.3))], True, []))
+    assert events == [TokenEvent(3, logprobs=((3, -0.2), (1, -0.1)), prompt_logprobs=(None, ((4, -1.0), (2, -0.5)))),
+                      TokenEvent(5, logprobs=((5, -0.4),)), TokenEvent(None, "stop", logprobs=((9, -0.3),))]
+    assert "0" not in engine._sinks

@@ -31,14 +31,17 @@ class HFDecoder:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                past: KV | None) -> tuple[torch.Tensor, KV]:
+                past: KV | None, *, all_positions: bool = False) -> tuple[torch.Tensor, KV]:
         from transformers import DynamicCache
 
         device = self.model.device
+        options = {**self._options, "logits_to_keep": 0} if all_positions and "logits_to_keep" in self._options \
+            else self._options
         outputs = self.model(
             input_ids=input_ids.to(device), position_ids=position_ids.to(device),
             attention_mask=attention_mask.to(device),
-            past_key_values=DynamicCache(past) if past is not None else DynamicCache(), **self._options,
+            past_key_values=DynamicCache(past) if past is not None else DynamicCache(), **options,
         )
         cache = outputs.past_key_values
-        return outputs.logits[:, -1, :].float().cpu(), [(layer.keys, layer.values) for layer in cache.layers]
+        logits = outputs.logits if all_positions else outputs.logits[:, -1, :]
+        return logits.float().cpu(), [(layer.keys, layer.values) for layer in cache.layers]
