@@ -6,12 +6,22 @@ from collections.abc import Collection
 from typing import Any
 
 
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (JSON's true is not 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """An int or a float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _fail(owner: str, field: str, value: Any, allowed: str) -> None:
     raise ValueError(f"{owner}.{field}={value!r} is invalid: expected {allowed}")
 
 
 def require_int(owner: str, field: str, value: Any, *, minimum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         _fail(owner, field, value, "an integer" + (f" >= {minimum}" if minimum is not None else ""))
     if minimum is not None and value < minimum:
         _fail(owner, field, value, f"an integer >= {minimum}")
@@ -31,7 +41,7 @@ def require_number(
         allowed += f" {'>' if exclusive_minimum else '>='} {minimum}"
     if maximum is not None:
         allowed += f" <= {maximum}"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         _fail(owner, field, value, allowed)
     if minimum is not None and (value < minimum or (exclusive_minimum and value == minimum)):
         _fail(owner, field, value, allowed)

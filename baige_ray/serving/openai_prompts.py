@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from baige_ray.serving.requests import bad_request, check_prompt, is_int
+from baige_ray.api.validation import is_int
+from baige_ray.serving.requests import bad_request, check_prompt
 
 PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
 

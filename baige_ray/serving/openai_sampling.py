@@ -11,8 +11,9 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
+from baige_ray.api.validation import is_int, is_number
 from baige_ray.serving.openai_prompts import check_token_ids
-from baige_ray.serving.requests import bad_request, is_int, is_number, seed_of
+from baige_ray.serving.requests import bad_request, seed_of
 from baige_ray.serving.sampling_params import MAX_LOGIT_BIAS, SamplingParamError, SamplingParams
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from baige_ray.api.validation import require_int
+from baige_ray.api.validation import is_int, is_number, require_int
 
 _FIELDS = ("prompt", "max_new_tokens", "temperature", "seed", "truncate_prompt_tokens")
 
@@ -79,14 +79,6 @@ class GenerateRequest:
     temperature: float
     seed: int | None = None
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM's extension)
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def decode_json_object(body: bytes, max_body_bytes: int) -> dict:

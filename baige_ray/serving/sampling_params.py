@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from baige_ray.api.validation import is_int, is_number
+
 ENGINES = ("builtin", "vllm")
 MAX_LOGIT_BIAS = 100.0  # vLLM clamps a bias to [-100, 100]
 MAX_VLLM_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more
@@ -28,26 +30,18 @@ class SamplingParamError(ValueError):
         self.field, self.value, self.allowed = field, value, allowed
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
     if not ok:
         raise SamplingParamError(field, value, allowed)
 
 
 def _require_int(field: str, value: Any, minimum: int) -> None:
-    _require(_is_int(value) and value >= minimum, field, value, f"an integer >= {minimum}")
+    _require(is_int(value) and value >= minimum, field, value, f"an integer >= {minimum}")
 
 
 def _require_range(field: str, value: Any, low: float, high: float, allowed: str) -> None:
     # Written so that NaN fails: every comparison with NaN is false.
-    _require(_is_number(value) and low <= value <= high, field, value, allowed)
+    _require(is_number(value) and low <= value <= high, field, value, allowed)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -95,29 +89,29 @@ class SamplingParams:
         _require(self.min_tokens <= self.max_new_tokens, "min_tokens", self.min_tokens,
                  f"at most max_new_tokens={self.max_new_tokens}")
         if self.seed is not None:
-            _require(_is_int(self.seed) and 0 <= self.seed < 2**63, "seed", self.seed, "an integer in [0, 2**63)")
+            _require(is_int(self.seed) and 0 <= self.seed < 2**63, "seed", self.seed, "an integer in [0, 2**63)")
 
     def _check_distribution(self) -> None:
-        _require(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+        _require(is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
                  "temperature", self.temperature, "a finite number >= 0")
         if self.top_k is not None:
             _require_int("top_k", self.top_k, 1)
-        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
+        _require(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
         _require_range("min_p", self.min_p, 0.0, 1.0, "a number in [0, 1]")
 
     def _check_penalties(self) -> None:
         _require_range("presence_penalty", self.presence_penalty, -2.0, 2.0, "a number in [-2, 2]")
         _require_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "a number in [-2, 2]")
-        _require(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
+        _require(is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
                  "repetition_penalty", self.repetition_penalty, "a finite number > 0")
         for token, bias in self.logit_bias:
-            _require(_is_int(token) and token >= 0, "logit_bias", token, "token ids >= 0")
+            _require(is_int(token) and token >= 0, "logit_bias", token, "token ids >= 0")
             _require_range("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, "biases in [-100, 100]")
 
     def _check_stops(self) -> None:
         _require(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
                  "stop", self.stop, "a tuple of non-empty strings")
-        _require(isinstance(self.stop_token_ids, tuple) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+        _require(isinstance(self.stop_token_ids, tuple) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids", self.stop_token_ids, "a tuple of token ids >= 0")
         for name in ("ignore_eos", "include_stop_str_in_output", "echo", "log_probs"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
@@ -129,7 +123,7 @@ class SamplingParams:
         for name in ("num_logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _require(_is_int(value) and value >= -1, name, value, "an integer >= 0, or -1 for the whole vocabulary")
+                _require(is_int(value) and value >= -1, name, value, "an integer >= 0, or -1 for the whole vocabulary")
 
 
 def stops_at(params: SamplingParams, token: int, eos_token_id: int | None) -> bool:
