@@ -28,6 +28,7 @@ from baige_ray.models.aux_loss import auxiliary_losses, mark_forward
 from baige_ray.parallel.boxes import is_dtensor
 from baige_ray.parallel.distributed import all_reduce_abortable
 from baige_ray.parallel.layout import ParallelLayout
+from baige_ray.parallel.sequence_parallel import split_sequence_across
 from baige_ray.parallel.shards import LocalSources, ShardCopy, ShardedPart
 from baige_ray.parallel.state import CanonicalState, export_module_state, full_tensor, import_module_state
 
@@ -88,9 +89,13 @@ class TorchEngine(Engine):
     def _build_stages(self) -> list[nn.Module]:
         stages = self.build_stages()
         if self.layout.tp > 1:
-            plan = self.plugin.tensor_parallel_plan(self.layout.tp)
+            sequence_plan = self.plugin.sequence_parallel_plan(self.layout.tp) if self.layout.sequence_parallel else None
+            plan = sequence_plan or self.plugin.tensor_parallel_plan(self.layout.tp)
             for stage in stages:
-                parallelize.apply_tensor_parallel(self.plugin.stage_blocks(stage), self.meshes["tp"], plan)
+                blocks = self.plugin.stage_blocks(stage)
+                parallelize.apply_tensor_parallel(blocks, self.meshes["tp"], plan)
+                if sequence_plan is not None:
+                    split_sequence_across(blocks, self.meshes["tp"])
                 self.plugin.shard_vocabulary(stage, self.meshes["tp"])
         if self.layout.ep > 1:
             for stage in stages:

@@ -78,6 +78,17 @@ class GPTPlugin(ModelPlugin):
             plan.update({"mlp.up": column(), "mlp.down": row()})
         return plan
 
+    def sequence_parallel_plan(self, tp: int) -> dict[str, Any] | None:
+        """An MoE model's MLPs take the whole sequence on every rank: no sequence parallelism there."""
+        from baige_ray.parallel.sequence_parallel import row_parallel_to_sequence_slices, sequence_parallel_styles
+
+        if self.config.moe is not None:
+            return None
+        plan = self.tensor_parallel_plan(tp)
+        plan.update({"attn.o_proj": row_parallel_to_sequence_slices(), "mlp.down": row_parallel_to_sequence_slices()})
+        plan.update(sequence_parallel_styles(norms=("attn_norm", "mlp_norm"), positional_inputs=("attn", "mlp")))
+        return plan
+
     def layer_costs(self) -> tuple[float, ...]:
         """Forward FLOPs per token of each block: attention (projections and scores), then the dense
         MLP or the router plus top-k routed and shared experts."""

@@ -167,8 +167,15 @@ class ModelPlugin(ABC):
             self.layers_per_stage(layout)
         if layout.tp > 1:
             self.tensor_parallel_plan(layout.tp)
+            self._check_sequence_split(layout)
         if layout.ep > 1:
             self.check_expert_parallel(layout.ep)
+
+    def _check_sequence_split(self, layout: ParallelLayout) -> None:
+        if layout.sequence_parallel and self.seq_len % layout.tp and self.sequence_parallel_plan(layout.tp) is not None:
+            raise ValueError(f"ParallelLayout.sequence_parallel=True is invalid with tp={layout.tp} for sequences of "
+                             f"{self.seq_len} tokens: each TP rank holds an equal slice of the sequence; expected a "
+                             f"seq_len divisible by {layout.tp}, or sequence_parallel=False")
 
     @property
     def max_pipeline_stages(self) -> int | None:
@@ -184,6 +191,12 @@ class ModelPlugin(ABC):
     def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
         """DTensor parallel styles keyed by module name relative to one block; raises ValueError when
         the model cannot be split `tp` ways (heads, KV heads or FFN width not divisible)."""
+
+    def sequence_parallel_plan(self, tp: int) -> dict[str, Any] | None:
+        """The block plan of tensor parallelism with sequence parallelism (parallel/sequence_parallel.py):
+        norms on each rank's slice of the sequence, row-parallel outputs reduce-scattered over it. None
+        where the model has none; the engine then runs `tensor_parallel_plan`, the sequence whole."""
+        return None
 
     def shard_vocabulary(self, stage: nn.Module, tp_mesh) -> None:
         """Split the token embedding and the output head `stage` holds by vocabulary rows over the

@@ -50,6 +50,10 @@ class ParallelLayout:
     # sequences and each replica trains its share in one pass. Losses are weighted so a step's
     # gradient is the mean over the whole global batch, whatever the split.
     dp_microbatches: tuple[int, ...] | None = None
+    # With tp > 1: each TP rank holds 1/tp of the sequence between the tensor-parallel regions (norms,
+    # residual stream), Megatron-LM's sequence parallelism, where the model's plug-in offers it (dense
+    # models; an MoE model's whole MLPs keep the sequence whole). False: plain column/row splits.
+    sequence_parallel: bool = True
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "ep"):
@@ -59,6 +63,8 @@ class ParallelLayout:
         if self.num_microbatches is not None:
             require_int("ParallelLayout", "num_microbatches", self.num_microbatches, minimum=1)
         require_int("ParallelLayout", "pipeline_run_ahead", self.pipeline_run_ahead, minimum=0)
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"ParallelLayout.sequence_parallel={self.sequence_parallel!r} is invalid: expected True or False")
         if self.data_parallel.startswith("zero") and (self.tp > 1 or self.pp > 1):
             raise ValueError(
                 f"ParallelLayout.data_parallel={self.data_parallel!r} is invalid with tp={self.tp}, pp={self.pp}: "
@@ -178,7 +184,8 @@ class ParallelLayout:
     def describe(self) -> str:
         parts = [f"{name.upper()}{getattr(self, name)}" for name in ("dp", "ep", "tp", "pp")
                  if getattr(self, name) > 1]
-        return "x".join(parts or ["single"]) + f" ({self.data_parallel})"
+        no_sp = ", no SP" if self.tp > 1 and not self.sequence_parallel else ""
+        return "x".join(parts or ["single"]) + f" ({self.data_parallel}{no_sp})"
 
 
 def balanced_stage_layers(layer_costs: tuple[float, ...], num_stages: int) -> tuple[int, ...]:
@@ -208,12 +215,13 @@ def balanced_stage_layers(layer_costs: tuple[float, ...], num_stages: int) -> tu
     return tuple(reversed(sizes))
 
 
-_LAYOUT_KEYS = {"dp": int, "tp": int, "pp": int, "ep": int, "engine": str, "micro": int, "schedule": str, "ahead": int}
+_LAYOUT_KEYS = {"dp": int, "tp": int, "pp": int, "ep": int, "engine": str, "micro": int, "schedule": str, "ahead": int,
+                "sp": int}
 
 
 def parse_layout(text: str) -> ParallelLayout | str:
     """'ddp', 'auto', or degrees such as 'dp=2,tp=2,pp=2,engine=fsdp2,micro=4,schedule=interleaved-1f1b,ahead=1'
-    (and ep=2 for expert parallelism)."""
+    (and ep=2 for expert parallelism, sp=0 for tensor parallelism without sequence parallelism)."""
     if text in ("ddp", "auto"):
         return text
     fields = {}
@@ -226,5 +234,9 @@ def parse_layout(text: str) -> ParallelLayout | str:
         except ValueError:
             raise ValueError(f"layout item {item!r} is invalid: {key} takes an integer") from None
     renamed = {"engine": "data_parallel", "micro": "num_microbatches", "schedule": "pipeline_schedule",
-               "ahead": "pipeline_run_ahead"}
+               "ahead": "pipeline_run_ahead", "sp": "sequence_parallel"}
+    if "sp" in fields:
+        if fields["sp"] not in (0, 1):
+            raise ValueError(f"layout item 'sp={fields['sp']}' is invalid: expected sp=0 or sp=1")
+        fields["sp"] = bool(fields["sp"])
     return ParallelLayout(**{renamed.get(key, key): value for key, value in fields.items()})

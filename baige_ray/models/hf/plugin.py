@@ -26,6 +26,9 @@ from baige_ray.models.hf.moe import (
 from baige_ray.models.hf.stage import DecoderStage
 from baige_ray.models.plugin import ModelPlugin, register_model
 
+# Decoder layers of the form h + attn(norm(h)), then h + mlp(norm(h)), attention entered by keyword.
+SEQUENCE_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
 
 def _parallel_style(kind: str):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -209,6 +212,20 @@ class HFPlugin(ModelPlugin):
             raise ValueError(f"{self.describe()}'s tensor-parallel plan uses {unknown}: expected colwise, rowwise "
                              "or replicated_with_grad_allreduce")
         return {name: _parallel_style(kind) for name, kind in plan.items() if kind in ("colwise", "rowwise")}
+
+    def sequence_parallel_plan(self, tp: int) -> dict[str, Any] | None:
+        """For the dense decoder layers whose residual stream passes only through their two norms (the
+        Llama layer: Llama, Mistral, Qwen2, Qwen3); None for others and for MoE models."""
+        from baige_ray.parallel.sequence_parallel import row_parallel_to_sequence_slices, sequence_parallel_styles
+
+        if self._experts is not None or self.config.architecture not in SEQUENCE_PARALLEL_ARCHITECTURES:
+            return None
+        plan = self.tensor_parallel_plan(tp)
+        plan.update({name: row_parallel_to_sequence_slices() for name, kind in self._block_plan().items()
+                     if kind == "rowwise"})
+        plan.update(sequence_parallel_styles(norms=("input_layernorm", "post_attention_layernorm"),
+                                             keyword_inputs={"self_attn": "hidden_states"}, positional_inputs=("mlp",)))
+        return plan
 
     def shard_vocabulary(self, stage: DecoderStage, tp_mesh) -> None:
         stage.shard_vocabulary(tp_mesh)
