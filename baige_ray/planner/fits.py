@@ -94,6 +94,7 @@ class LayoutShape:
     stage_layers: tuple[int, ...]
     experts_sharded: bool = True  # over their data-parallel group when zero_stage shards anything
     compute_dtype_bytes: int = 2
+    sequence_parallel: bool = True  # with tp > 1, where the model offers it (ParallelLayout.sequence_parallel)
     deepspeed: bool = False  # ZeRO by DeepSpeed rather than FSDP2
     # fp32 gradients of the stage held beside the usual one (TrainConfig.world_size_invariant: one per
     # local micro-batch instead of the one they accumulate into, and the int64 sum, the size of two).
@@ -162,7 +163,7 @@ def layout_shape(layout: ParallelLayout, train: TrainConfig, stage_layers: Seque
                        zero_stage=ZERO_STAGE_OF[layout.data_parallel] if layout.dp > 1 else 0,
                        micro_batch=micro, num_micro_batches=num_micro, stage_layers=per_rank,
                        experts_sharded=layout.data_parallel != "fsdp2", compute_dtype_bytes=compute_dtype_bytes,
-                       deepspeed=layout.data_parallel.startswith("zero"),
+                       sequence_parallel=layout.sequence_parallel, deepspeed=layout.data_parallel.startswith("zero"),
                        extra_gradient_copies=num_micro + 1 if train.world_size_invariant else 0)
 
 
@@ -180,7 +181,8 @@ def device_bytes(model: ModelSpec, shape: LayoutShape) -> tuple[np.ndarray, np.n
         dense, expert = stage_param_counts(model, layers)
         states = states + shape.extra_gradient_copies * model.dtype_bytes * (dense + expert)
     activations = activation_bytes(model, layers, tp=shape.tp, pp=shape.pp, micro_batch=[shape.micro_batch],
-                                   recompute=[0], num_micro_batches=[shape.num_micro_batches])[0]
+                                   recompute=[0], num_micro_batches=[shape.num_micro_batches],
+                                   sequence_parallel=shape.sequence_parallel)[0]
     logits = logit_bytes(model, shape.pp)[0] * shape.micro_batch  # in fp32 for the loss whatever the compute
     return states, (activations - logits) * (shape.compute_dtype_bytes / 2) + logits
 

@@ -9,11 +9,18 @@ Assumptions (stated, each a knob of the formulas below):
   * Expert weights are sharded over expert-parallel ranks; their ZeRO group is the
     `dp / ep` replicas holding the same experts.
   * Activations per layer per micro-batch (Korthikanti et al. 2022, "Reducing Activation
-    Recomputation in Large Transformer Models", sec. 4, eq. 5, with sequence parallelism
-    whenever TP > 1 so every term divides by t): attention 7sbh + 4sb*kv_dim (11sbh for
+    Recomputation in Large Transformer Models", sec. 4): attention 7sbh + 4sb*kv_dim (11sbh for
     MHA), MLP 3sbh + 4sb*ffn (19sbh for ffn = 4h), two layer norms 4sbh, and 5as^2b for
     softmax/dropout of the scores. Selective recomputation drops the 5as^2b term (sec. 5);
     full recomputation keeps only each layer's 2sbh input plus one layer's working set.
+    Under TP, as the engines run it: what lies inside the TP regions (queries, keys, values, the
+    output projection's input, the MLP's inner activations, the scores) divides by t. The norms
+    and the dropout masks on the residual stream (6sbh) divide by t only with sequence
+    parallelism (parallel/sequence_parallel.py, on for dense models; an MoE layer takes the whole
+    sequence). The inputs of the column-parallel projections (2sbh for QKV, 2sbh for the MLP)
+    never do: torch's sequence parallelism gathers them and the matmuls save them whole, where
+    Megatron-LM keeps the slice and gathers again in backward (eq. 5's 34sbh/t). So at t=8 a
+    dense layer keeps 4sbh + 30sbh/t with it (eq. 5: 34sbh/t), 10sbh + 24sbh/t without (eq. 4).
   * 1F1B keeps up to (pp - stage) micro-batches in flight on a stage, at most the number
     of micro-batches (Narayanan et al. 2021, sec. 2.2.1), so stage 0 holds the most.
   * The last stage holds LOGIT_BYTES per logit at the loss: the head's logits, their fp32 copy for
@@ -42,16 +49,25 @@ def optimizer_bytes_per_param(model: ModelSpec) -> int:
     return 8 + (4 if model.dtype_bytes < 4 else 0)
 
 
-def activation_bytes_per_layer(model: ModelSpec, micro_batch, recompute, tp: int) -> np.ndarray:
-    """Stored activation bytes of one layer for one micro-batch (`recompute` is an index into RECOMPUTE)."""
+GATHERED_INPUTS = 4  # x sbh: the QKV and MLP input projections' inputs, whole on every TP rank
+RESIDUAL_STREAM = 6  # x sbh: the two norms' activations and the two dropout masks, outside the TP regions
+
+
+def activation_bytes_per_layer(model: ModelSpec, micro_batch, recompute, tp: int,
+                               sequence_parallel: bool = True) -> np.ndarray:
+    """Stored activation bytes of one layer for one micro-batch (`recompute` is an index into RECOMPUTE)
+    on a TP rank; `sequence_parallel` where the layout asks for it (the model must offer it too)."""
     s, h, b = model.seq_len, model.hidden, np.asarray(micro_batch, dtype=np.float64)
     share = model.moe_layer_share  # MoE layers store their k experts' and the shared experts' activations
     mlp = 3 * h + share * 4 * (model.top_k * model.expert_ffn + model.shared_expert_ffn) \
         + (1 - share) * 4 * model.ffn_hidden
-    linear = s * b * (7 * h + 4 * model.kv_dim + 4 * h + mlp)
-    scores = 5.0 * model.num_heads * s * s * b
-    stored = np.select([recompute == 0, recompute == 1], [linear + scores, linear], 2.0 * s * b * h)
-    return stored / tp
+    per_token = 7 * h + 4 * model.kv_dim + 4 * h + mlp
+    sliced = sequence_parallel and model.splits_sequence_with_tp
+    whole = 0.0 if tp == 1 else GATHERED_INPUTS * h + (0.0 if sliced else RESIDUAL_STREAM * h)
+    linear = s * b * (whole + (per_token - whole) / tp)
+    scores = 5.0 * model.num_heads * s * s * b / tp
+    layer_input = 2.0 * s * b * h / (tp if sliced else 1)
+    return np.select([recompute == 0, recompute == 1], [linear + scores, linear], layer_input)
 
 
 def stage_param_counts(model: ModelSpec, stage_layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -95,15 +111,16 @@ def outside_layer_params(model: ModelSpec, stage_layers: np.ndarray) -> np.ndarr
 
 
 def activation_bytes(model: ModelSpec, stage_layers: np.ndarray, *, tp: int, pp: int, micro_batch, recompute,
-                     num_micro_batches) -> np.ndarray:
+                     num_micro_batches, sequence_parallel: bool = True) -> np.ndarray:
     """Peak activation bytes per device under 1F1B, shape (rows, stages)."""
     layers = np.asarray(stage_layers, dtype=np.float64)[None, :]
     b = np.asarray(micro_batch, dtype=np.float64)[:, None]
     recompute = np.asarray(recompute)[:, None]
     in_flight = np.minimum(pp - np.arange(pp)[None, :], np.asarray(num_micro_batches)[:, None])
-    per_layer = activation_bytes_per_layer(model, b, recompute, tp)
+    per_layer = activation_bytes_per_layer(model, b, recompute, tp, sequence_parallel)
     # Full recomputation re-materializes one layer at a time during backward.
-    working = np.where(recompute == 2, activation_bytes_per_layer(model, b, np.zeros_like(recompute), tp), 0.0)
+    working = np.where(recompute == 2,
+                       activation_bytes_per_layer(model, b, np.zeros_like(recompute), tp, sequence_parallel), 0.0)
     stored = in_flight * layers * per_layer + working
     return stored + logit_bytes(model, pp) * b
 

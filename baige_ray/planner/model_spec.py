@@ -66,6 +66,12 @@ class ModelSpec:
     tied_embeddings: bool = False
     rms_norm: bool = False
 
+    @property
+    def splits_sequence_with_tp(self) -> bool:
+        """Whether tensor parallelism runs with sequence parallelism here (parallel/sequence_parallel.py):
+        for dense models; an MoE layer takes the whole sequence on every TP rank."""
+        return self.num_experts == 0
+
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden", "ffn_hidden", "num_heads", "seq_len", "vocab_size", "global_batch"):
             require_int("ModelSpec", field, getattr(self, field), minimum=1)

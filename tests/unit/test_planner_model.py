@@ -38,9 +38,16 @@ def test_activation_memory_matches_korthikanti():
     model = load_model_spec(GPT3)
     s, h, a, t = model.seq_len, model.hidden, model.num_heads, 8
     none, selective, full = (activation_bytes_per_layer(model, 1, np.array(rc), t) for rc in (0, 1, 2))
-    assert none == pytest.approx(s * h / t * (34 + 5 * a * s / h))  # eq. 5, sequence parallel
-    assert selective == pytest.approx(34 * s * h / t)  # sec. 5
+    # Eq. 5 (34sbh/t with sequence parallelism) but for the column-parallel inputs torch saves whole (4sbh)
+    assert none == pytest.approx(s * h * (4 + 30 / t + 5 * a * s / (h * t)))
+    assert selective == pytest.approx(s * h * (4 + 30 / t))  # sec. 5
     assert full == pytest.approx(2 * s * h / t)
+    # Without sequence parallelism: eq. 4, the residual stream's 6sbh whole too
+    plain_tp = activation_bytes_per_layer(model, 1, np.array(0), t, sequence_parallel=False)
+    assert plain_tp == pytest.approx(s * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert plain_tp / none == pytest.approx((10 + 24 / t + 5 * a * s / (h * t)) / (4 + 30 / t + 5 * a * s / (h * t)))
+    one_rank = activation_bytes_per_layer(model, 1, np.array(0), 1)
+    assert one_rank == pytest.approx(s * h * (34 + 5 * a * s / h))  # eq. 1, whatever sequence_parallel says
 
 
 def test_zero_stages_shard_16_bytes_per_parameter():

@@ -144,3 +144,60 @@ def test_a_sequence_that_does_not_split_over_tp_is_refused_before_any_worker_sta
     assert parse_layout("tp=2,sp=0").describe() == "TP2 (ddp, no SP)"
     with pytest.raises(ValueError, match="sp=0 or sp=1"):
         parse_layout("tp=2,sp=2")
+
+
+MEMORY_SEQ, MEMORY_HIDDEN = 128, 128
+
+
+def _memory_gpt():
+    from baige_ray.models.gpt import GPTConfig
+
+    return GPTConfig(seq_len=MEMORY_SEQ, hidden=MEMORY_HIDDEN, num_heads=4, num_layers=2)
+
+
+def _layer_bytes(layout, rank: int) -> float:
+    """Bytes one block saves for backward on this rank, for one sequence."""
+    from baige_ray.bench.saved_activations import saved_activation_bytes
+    from baige_ray.engines.factory import build_engine
+    from baige_ray.engines.train_job import TrainJob
+
+    engine = build_engine(TrainJob(model=_memory_gpt(), train=_train()), layout, rank)
+    blocks = list(engine.stages[0].blocks.values())
+    hidden = torch.randn(1, MEMORY_SEQ, MEMORY_HIDDEN, requires_grad=True)
+
+    def forward():
+        out = hidden
+        for block in blocks:
+            out = block(out)
+        return out
+
+    return saved_activation_bytes(forward)[0] / len(blocks)
+
+
+def _measure_tp2(rank: int, port: int, results) -> None:
+    from baige_ray.parallel.layout import ParallelLayout
+
+    _init(rank, port, 2)
+    results[rank] = {sp: _layer_bytes(ParallelLayout(tp=2, sequence_parallel=sp), rank) for sp in (True, False)}
+    dist.destroy_process_group()
+
+
+def test_the_planner_prices_the_activations_tp2_keeps_with_and_without_sequence_parallelism():
+    """The bytes a block saves for backward at TP2, against one rank holding it whole: the planner's
+    ratios (planner/memory.py) within 5%. Korthikanti's eq. 5 as Megatron-LM runs it (everything / t)
+    would say 0.5 for both."""
+    import numpy as np
+
+    from baige_ray.parallel.layout import ParallelLayout
+    from baige_ray.planner.memory import activation_bytes_per_layer
+    from baige_ray.planner.model_spec import ModelSpec
+
+    whole = _layer_bytes(ParallelLayout(), 0)
+    results = spawn_ranks(_measure_tp2, 2)
+    spec = ModelSpec.from_gpt_config(_memory_gpt(), global_batch=1, dtype_bytes=4)
+    planned = {sp: float(activation_bytes_per_layer(spec, 1, np.array(0), 2, sp) / activation_bytes_per_layer(
+        spec, 1, np.array(0), 1)) for sp in (True, False)}
+    for sp in (True, False):
+        measured = max(results[rank][sp] for rank in results) / whole
+        assert measured == pytest.approx(planned[sp], rel=0.05), (sp, measured, planned[sp])
+    assert results[0][True] < results[0][False]  # the norms and residual stream hold half the sequence
