@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from baige_ray.models.plugin import plugin_for
 from baige_ray.parallel.packed_tensors import pack_tensors
 from baige_ray.policies.disaggregation import SplitPolicy
 from baige_ray.runtime.checkpoint_io import load_checkpoint
+from baige_ray.serving.api_key import api_key_digest
 from baige_ray.serving.deployment import HEALTH_CHECK_PERIOD_S, ModelServer
 from baige_ray.serving.disaggregation import (
     DECODE_DEPLOYMENT,
@@ -98,6 +99,7 @@ class ServeOptions:
     expert_parallel: ExpertParallelServing | None = None  # each replica's experts over expert ranks
     kv_cache: KVCacheConfig | None = None  # the built-in engine's prefix cache (serving/kv_blocks.py)
     routing: str = "default"  # or "prefix": to the replica holding the prompt's prefix (serving/prefix_router.py)
+    api_key_digest: str | None = field(default=None, repr=False)  # serving/api_key.py; None: no key asked
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -213,6 +215,7 @@ def serve(
     expert_parallel: ExpertParallelServing | None = None,
     kv_cache: KVCacheConfig | None = None,
     routing: str = "default",
+    api_key: str | None = None,
 ) -> ServeHandleInfo:
     """Serve the model in `source` as application `name`; returns once every replica has generated a
     token through its engine and answers. Raises ServingError with the engine's error, and leaves no
@@ -242,14 +245,16 @@ def serve(
     vLLM replicas run vLLM's own prefix caching. With `routing="prefix"` a thin ingress takes HTTP and
     sends each request to the replica that holds the longest prefix of its prompt, or to the least
     loaded when that one is overloaded
-    (serving/prefix_router.py); answers are the same as without it.
+    (serving/prefix_router.py); answers are the same as without it. With `api_key` (or the
+    BAIGE_RAY_API_KEY environment variable) every route but /health answers 401 to a request without
+    `Authorization: Bearer <key>`, as `vllm serve --api-key` does (serving/api_key.py).
     """
     settings = ServeOptions(
         route_prefix=route_prefix, host=host, port=port, num_replicas=num_replicas,
         ray_actor_options=ray_actor_options, device_share=device_share, max_batch_size=max_batch_size,
         max_ongoing_requests=max_ongoing_requests,
         max_queued_requests=max_queued_requests, engine=engine, disaggregation=disaggregation,
-        expert_parallel=expert_parallel, kv_cache=kv_cache, routing=routing,
+        expert_parallel=expert_parallel, kv_cache=kv_cache, routing=routing, api_key_digest=api_key_digest(api_key),
     )
     limits = limits or RequestLimits()
     step, state_ref, config = _resolve_source(source, model_config)
@@ -342,6 +347,7 @@ def _bind(settings: ServeOptions, name: str, limits: RequestLimits,
         completion_limits=dataclasses.asdict(completion_limits),
         engine=settings.engine,
         kv_cache=dataclasses.asdict(settings.kv_cache) if settings.kv_cache is not None else None,
+        api_key_digest=settings.api_key_digest,
     )
     if settings.expert_parallel is not None:  # an expert rank takes what a replica takes: a device each
         server_options.update(expert_parallel=settings.expert_parallel, expert_actor_options=actor_options)

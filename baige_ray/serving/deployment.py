@@ -58,6 +58,7 @@ from baige_ray.api.errors import ServingError
 from baige_ray.models.plugin import plugin_for
 from baige_ray.ops.metrics import ServingMetrics
 from baige_ray.parallel.packed_tensors import state_tensors
+from baige_ray.serving.api_key import UNAUTHORIZED, is_authorized
 from baige_ray.serving.block_handover import BlockHandoverClient
 from baige_ray.serving.causal_lm_generation import Generation, SamplingParams
 from baige_ray.serving.context_length import fit_context
@@ -108,8 +109,9 @@ class ModelServer:
     async def __init__(self, *, app_name: str, limits: dict, engine_limits: dict, completion_limits: dict | None = None,
                        engine: str = "builtin", expert_parallel: ExpertParallelServing | None = None,
                        expert_actor_options: dict | None = None, kv_cache: dict | None = None,
-                       handover_via: str | None = None):
+                       handover_via: str | None = None, api_key_digest: str | None = None):
         torch.set_num_threads(1)  # replicas share few cores with training workers
+        self._api_key_digest = api_key_digest  # serving/api_key.py: None when no key is asked
         self._limits = RequestLimits(**limits)
         self._engine_limits = EngineLimits(**engine_limits)
         self._kv_cache = KVCacheConfig(**kv_cache) if kv_cache else None
@@ -274,6 +276,9 @@ class ModelServer:
         route = self._route(request)
         key = MODEL_ROUTE if route.startswith("v1/models/") else route
         openai = key not in ("generate", "health")
+        if self._api_key_digest is not None and key != "health" and not is_authorized(
+                request.headers.get("authorization"), self._api_key_digest):
+            return JSONResponse(UNAUTHORIZED, status_code=401)
         if key not in ROUTES:
             expected = ", ".join(f"{method} {path}" for path, method in ROUTES.items())
             return _error(404, f"no route {route!r}: expected one of {expected}", openai=route.startswith("v1/"))
