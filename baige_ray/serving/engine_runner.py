@@ -267,11 +267,11 @@ class EngineRunner:
                 generated += 1
                 delta = scanner.push(decoder.push(event.token), search=generated > params.min_tokens)
                 if delta or figures.pending:
-                    yield figures.delta(delta)
+                    yield figures.delta(delta, generated)
                 if scanner.stopped:
                     break
         if tail := scanner.push(decoder.flush(), search=generated > params.min_tokens) + scanner.flush():
-            yield TextDelta(tail)
+            yield TextDelta(tail, completion_tokens=generated)
         if scanner.stopped:
             finish_reason = "stop"
         yield TextOutput(scanner.text[:scanner.sent], len(prompt), generated, finish_reason,
@@ -296,7 +296,7 @@ class _Figures:
             if event.token is not None:
                 self.pending.append(event.logprobs)
 
-    def delta(self, text: str) -> TextDelta:
-        sent = TextDelta(text, tuple(self.pending), self._prompt_unsent)
+    def delta(self, text: str, generated: int) -> TextDelta:
+        sent = TextDelta(text, tuple(self.pending), self._prompt_unsent, completion_tokens=generated)
         self.pending, self._prompt_unsent = [], None
         return sent

@@ -28,6 +28,7 @@ class TextDelta:
     text: str
     logprobs: tuple[TokenLogprobs, ...] = ()
     prompt_logprobs: PromptLogprobs | None = None
+    completion_tokens: int = 0  # generated so far, this delta's included (per-chunk usage)
 
 
 @dataclass(frozen=True)

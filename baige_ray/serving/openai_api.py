@@ -55,6 +55,7 @@ class CompletionRequest:
     sampling: SamplingParams  # max_new_tokens = max_tokens
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the token counts
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats too: every chunk with its choice's
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM's extension)
 
 
@@ -82,21 +83,24 @@ def parse_max_tokens(payload: dict, limits: CompletionLimits, field: str, defaul
     return count
 
 
-def parse_stream(payload: dict) -> tuple[bool, bool]:
-    """(stream, include_usage) from 'stream' and 'stream_options' (whose other keys are ignored)."""
+def parse_stream(payload: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage) from 'stream' and 'stream_options' (whose other keys are
+    ignored). As in vLLM, per-chunk usage (continuous_usage_stats) takes include_usage too."""
     stream = optional(payload, "stream", "bool", False)
     options = payload.get("stream_options")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise bad_request("stream_options", "'stream_options' can only be defined when 'stream' is true")
     if not isinstance(options, dict):
         raise bad_request("stream_options", f"'stream_options' must be an object, got {options!r}")
-    include_usage = options.get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise bad_request("stream_options", f"'stream_options.include_usage' must be true or false, got "
-                                            f"{include_usage!r}")
-    return True, bool(include_usage)
+    flags = {}
+    for key in ("include_usage", "continuous_usage_stats"):
+        value = options.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise bad_request("stream_options", f"'stream_options.{key}' must be true or false, got {value!r}")
+        flags[key] = bool(value)
+    return True, flags["include_usage"], flags["include_usage"] and flags["continuous_usage_stats"]
 
 
 def check_user(payload: dict) -> None:
@@ -119,7 +123,8 @@ def parse_completion_request(body: bytes, limits: CompletionLimits, *, model_nam
     max_tokens = 0 if echo_only else parse_max_tokens(payload, limits, "max_tokens", DEFAULT_MAX_TOKENS)
     sampling = parse_sampling(payload, limits, max_new_tokens=max_tokens, num_logprobs=completion_logprobs(payload),
                               echo=echo)
-    stream, include_usage = parse_stream(payload)
+    stream, include_usage, continuous_usage = parse_stream(payload)
     return CompletionRequest(prompts=prompts, max_tokens=max_tokens, sampling=sampling, stream=stream,
-                             include_usage=include_usage, truncate_prompt_tokens=truncate_prompt_tokens_of(payload))
+                             include_usage=include_usage, continuous_usage=continuous_usage,
+                             truncate_prompt_tokens=truncate_prompt_tokens_of(payload))
 

@@ -39,6 +39,7 @@ from baige_ray.serving.openai_responses import (
     model_card,
     models_response,
     server_sent_event,
+    usage,
     usage_chunk,
 )
 from baige_ray.serving.openai_sampling import with_budget
@@ -157,14 +158,16 @@ class OpenAIRoutes:
             return JSONResponse(_whole(shape, shaper, outputs))
         streams = [self.calls.text(runner, choice.prompt, choice.params) for choice in choices]
         firsts = await first_items(streams)  # submits the requests: a full engine raises EngineFull before any byte
-        events = self._stream_events(firsts, streams, shape, shaper, parsed.include_usage, started)
+        usage_options = UsageOptions(at_end=parsed.include_usage, every_chunk=parsed.continuous_usage)
+        events = self._stream_events(firsts, streams, shape, shaper, usage_options, started)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _stream_events(self, firsts: list, streams: list[AsyncIterator[TextDelta | TextOutput]], shape: dict,
-                             shaper: AnswerShaper, include_usage: bool, started: float) -> AsyncIterator[bytes]:
+                             shaper: AnswerShaper, usage_options: UsageOptions,
+                             started: float) -> AsyncIterator[bytes]:
         self.calls.count_ongoing(+1)
         pieces = merged(firsts, streams)
-        chunks = _stream_chunks(pieces, shape, shaper, include_usage)
+        chunks = _stream_chunks(pieces, shape, shaper, usage_options)
         try:
             async for event in chunks:
                 yield event
@@ -197,12 +200,26 @@ def _whole(shape: dict, shaper: AnswerShaper, outputs: list[TextOutput]) -> dict
     return respond(**shape, choices=choices, **usage_counts(shaper.choices, outputs))
 
 
+@dataclass(frozen=True)
+class UsageOptions:
+    """Where a stream reports token counts (stream_options): a last chunk of them (include_usage), and each
+    chunk its choice's counts so far (continuous_usage_stats), as vLLM does."""
+
+    at_end: bool = False
+    every_chunk: bool = False
+
+
 async def _stream_chunks(pieces: AsyncIterator[tuple[int, TextDelta | TextOutput]], shape: dict,
-                         shaper: AnswerShaper, include_usage: bool) -> AsyncIterator[bytes]:
+                         shaper: AnswerShaper, usage_options: UsageOptions) -> AsyncIterator[bytes]:
+    def counted(event: dict, index: int, completion_tokens: int) -> dict:
+        if usage_options.every_chunk:
+            event["usage"] = usage(len(shaper.choices[index].prompt), completion_tokens)
+        return event
+
     if shaper.chat:
         for index in range(len(shaper.choices)):
-            yield server_sent_event(chat_chunk(**shape, delta={"role": "assistant", "content": ""},
-                                               finish_reason=None, index=index))
+            yield server_sent_event(counted(chat_chunk(**shape, delta={"role": "assistant", "content": ""},
+                                                       finish_reason=None, index=index), index, 0))
     outputs: dict[int, TextOutput] = {}
     async for index, piece in pieces:
         if isinstance(piece, TextOutput):
@@ -210,8 +227,8 @@ async def _stream_chunks(pieces: AsyncIterator[tuple[int, TextDelta | TextOutput
         fields = shaper.chunk(index, piece)
         if fields is not None:
             chunk = chat_chunk if shaper.chat else completion_chunk
-            yield server_sent_event(chunk(**shape, **fields))
-    if include_usage:
+            yield server_sent_event(counted(chunk(**shape, **fields), index, piece.completion_tokens))
+    if usage_options.at_end:
         ended = [outputs[index] for index in sorted(outputs)]
         counts = usage_counts([shaper.choices[index] for index in sorted(outputs)], ended)
         yield server_sent_event(usage_chunk(**shape, object_name="chat.completion.chunk" if shaper.chat

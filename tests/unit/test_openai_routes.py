@@ -51,6 +51,29 @@ def test_a_streamed_multi_prompt_completion_sends_each_choice_its_text(server):
         assert mine[-1]["finish_reason"] == choice["finish_reason"] and mine[-1]["text"] == ""
 
 
+def test_continuous_usage_stats_put_each_choices_counts_so_far_in_every_chunk(server):
+    """stream_options.continuous_usage_stats with include_usage (vLLM needs both): every chunk carries its
+    choice's prompt tokens and the tokens generated so far; alone it adds nothing."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    status, events = call(server, "v1/completions", {"prompt": ["def ", "import"], "max_tokens": 6, "temperature": 0,
+                                                     "stream": True, "stream_options": options})
+    assert status == 200 and events[-2]["usage"]["completion_tokens"] == 12
+    for index, prompt_tokens in enumerate((4, 6)):
+        counts = [event["usage"] for event in events[:-2] if event["choices"][0]["index"] == index]
+        assert {count["prompt_tokens"] for count in counts} == {prompt_tokens}
+        completed = [count["completion_tokens"] for count in counts]
+        assert completed == sorted(completed) and completed[-1] == 6 and completed[0] >= 1
+    status, events = call(server, "v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                          "max_tokens": 3, "stream": True, "stream_options": options})
+    assert events[0]["usage"]["completion_tokens"] == 0 and events[-3]["usage"]["completion_tokens"] == 3
+    status, events = call(server, "v1/completions", {"prompt": "def ", "max_tokens": 2, "stream": True,
+                                                     "stream_options": {"continuous_usage_stats": True}})
+    assert status == 200 and not any("usage" in event for event in events[:-1])
+    status, body = call(server, "v1/completions", {"prompt": "def ", "stream": True,
+                                                   "stream_options": {"continuous_usage_stats": "yes"}})
+    assert status == 400 and "continuous_usage_stats' must be true or false" in body["error"]["message"]
+
+
 def test_a_chat_without_max_tokens_generates_up_to_the_rest_of_the_context(server):
     status, body = call(server, "v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                         "temperature": 0})
