@@ -30,6 +30,7 @@ STEP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 RECOVERY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 STALL_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_GAP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
 def estimate_mfu(tokens_per_s: float, num_parameters: int, num_devices: int, peak_flops_per_device: float) -> float:
@@ -159,6 +160,30 @@ class ServingMetrics:
         _metric("counter", "requests", "Inference requests finished, by status", SERVING_TAGS + ("status",)).inc(
             1, tags={**tags, "status": "ok" if ok else "error"})
 
+    def tokens(self, *, prompt_tokens: int, generated_tokens: int, time_to_first_token_s: float | None,
+               time_per_output_token_s: float | None, replica: str, node: str) -> None:
+        """One request's tokens and their timing, as vLLM's server reports them: prompt and generation token
+        counters, time to first token and the mean time per output token after it."""
+        tags = _tags(pool=self.pool, app=self.app, replica=replica, node=node)
+        _metric("counter", "prompt_tokens", "Prompt tokens of the requests taken", SERVING_TAGS).inc(
+            prompt_tokens, tags=tags)
+        _metric("counter", "generation_tokens", "Tokens generated", SERVING_TAGS).inc(generated_tokens, tags=tags)
+        if time_to_first_token_s is not None:
+            _require_seconds("ServingMetrics.tokens", "time_to_first_token_s", time_to_first_token_s)
+            _metric("histogram", "time_to_first_token_seconds", "Request taken to its first token", SERVING_TAGS,
+                    LATENCY_BUCKETS_S).observe(time_to_first_token_s, tags=tags)
+        if time_per_output_token_s is not None:
+            _require_seconds("ServingMetrics.tokens", "time_per_output_token_s", time_per_output_token_s)
+            _metric("histogram", "time_per_output_token_seconds", "A request's mean time per token after its first",
+                    SERVING_TAGS, TOKEN_GAP_BUCKETS_S).observe(time_per_output_token_s, tags=tags)
+
+    def engine_requests(self, *, running: int, waiting: int, replica: str) -> None:
+        """Requests one replica's engine decodes now, and those waiting for a slot in its batch."""
+        tags = _tags(pool=self.pool, app=self.app, replica=replica)
+        _metric("gauge", "requests_running", "Requests in a replica's decoding batch", QUEUE_TAGS).set(running, tags=tags)
+        _metric("gauge", "requests_waiting", "Requests waiting for a slot in a replica's batch", QUEUE_TAGS).set(
+            waiting, tags=tags)
+
     def queue_depth(self, n: int, *, replica: str) -> None:
         """Requests waiting at one replica."""
         require_number("ServingMetrics.queue_depth", "n", n, minimum=0)
@@ -171,5 +196,6 @@ EXPORTED_NAMES = tuple("ray_" + PREFIX + name for name in (
     "step_time_seconds_bucket", "tokens_per_second", "mfu", "workers", "steps_total",
     "worker_step_time_seconds_bucket", "recovery_seconds_bucket", "recoveries_total",
     "snapshot_stall_seconds_bucket", "devices_held", "request_latency_seconds_bucket", "requests_total",
-    "queue_depth",
+    "queue_depth", "prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_bucket",
+    "time_per_output_token_seconds_bucket", "requests_running", "requests_waiting",
 ))

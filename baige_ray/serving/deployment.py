@@ -75,6 +75,7 @@ from baige_ray.serving.openai_routes import MODEL_ROUTE, OpenAIRoutes, ReplicaCa
 from baige_ray.serving.prefix_router import ResponseHead, RoutedRequest
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, registry_name
 from baige_ray.serving.replica_reports import ReplicaSide, report_forever
+from baige_ray.serving.request_timing import RequestTiming, timed_events
 from baige_ray.serving.requests import (
     GenerateRequest,
     RequestError,
@@ -376,10 +377,21 @@ class ModelServer:
         finally:
             self._ongoing -= 1
 
-    def _text(self, runner: EngineRunner, prompt: list[int],
-              params: SamplingParams) -> AsyncIterator[TextDelta | TextOutput]:
-        """Text deltas, cut at the request's stop strings; last, the whole TextOutput."""
-        return runner.text(prompt, params, events=self._events(runner, prompt, params))
+    async def _text(self, runner: EngineRunner, prompt: list[int],
+                    params: SamplingParams) -> AsyncIterator[TextDelta | TextOutput]:
+        """Text deltas, cut at the request's stop strings; last, the whole TextOutput. Its tokens' timing
+        and counts go to the metrics, however it ends."""
+        timing = RequestTiming(submitted=time.perf_counter(), prompt_tokens=len(prompt))
+        pieces = runner.text(prompt, params, events=timed_events(self._events(runner, prompt, params), timing))
+        try:
+            async for piece in pieces:
+                yield piece
+        finally:
+            await pieces.aclose()
+            self._metrics.tokens(prompt_tokens=timing.prompt_tokens, generated_tokens=timing.tokens,
+                                 time_to_first_token_s=timing.time_to_first_token_s,
+                                 time_per_output_token_s=timing.time_per_output_token_s,
+                                 replica=self._replica, node=self._node)
 
     def _events(self, runner: EngineRunner, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
         """The request's token events (a decode replica overrides where they come from); closing it cancels it."""
@@ -468,6 +480,8 @@ class ModelServer:
         if self._runner is not None:
             busy_s, self._runner.busy_s = self._runner.busy_s, 0.0
         self._metrics.queue_depth(self._ongoing, replica=self._replica)
+        if (load := self._engine_load()) is not None:
+            self._metrics.engine_requests(running=load.num_running, waiting=load.num_waiting, replica=self._replica)
         return dict(latencies=latencies, busy_s=busy_s, ongoing=self._ongoing, loaded_version=self._version,
                     device=(self._node, self._devices[0]) if self._devices else None, engine=self._engine_load(),
                     prefix_cache=self._prefix_cache_report(), asleep=self._asleep)

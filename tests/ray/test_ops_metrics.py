@@ -29,6 +29,9 @@ class MetricsRecorder:
         serving = ServingMetrics(app="gpt", pool="test-pool")
         serving.request(latency_s=0.04, ok=True, replica="replica-0", node="node-0")
         serving.queue_depth(5, replica="replica-0")
+        serving.tokens(prompt_tokens=12, generated_tokens=8, time_to_first_token_s=0.03,
+                       time_per_output_token_s=0.01, replica="replica-0", node="node-0")
+        serving.engine_requests(running=3, waiting=1, replica="replica-0")
 
 
 def test_recorded_metrics_appear_in_prometheus_output(local_ray):

@@ -74,6 +74,19 @@ def test_continuous_usage_stats_put_each_choices_counts_so_far_in_every_chunk(se
     assert status == 400 and "continuous_usage_stats' must be true or false" in body["error"]["message"]
 
 
+def test_each_request_reports_its_tokens_and_their_timing_to_the_metrics(server):
+    """Prompt and generated tokens, time to first token and the mean time per token after it (vLLM's
+    server metrics), for every choice, streamed or not."""
+    records = server._metrics.token_records
+    records.clear()
+    complete(server, ["def ", "import"])
+    call(server, "v1/completions", {"prompt": "x = ", "max_tokens": 1, "stream": True})
+    assert [(r["prompt_tokens"], r["generated_tokens"]) for r in records[:2]] in ([(4, 6), (6, 6)], [(6, 6), (4, 6)])
+    assert (records[2]["prompt_tokens"], records[2]["generated_tokens"]) == (4, 1)
+    assert all(0 < r["time_to_first_token_s"] < 60 and 0 < r["time_per_output_token_s"] < 60 for r in records[:2])
+    assert records[2]["time_per_output_token_s"] is None  # one token: no gap to measure
+
+
 def test_a_chat_without_max_tokens_generates_up_to_the_rest_of_the_context(server):
     status, body = call(server, "v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                         "temperature": 0})

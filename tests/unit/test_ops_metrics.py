@@ -37,6 +37,9 @@ def test_every_recorder_supplies_all_tag_keys_of_its_metrics():
     serving = ServingMetrics(app="gpt")
     serving.request(latency_s=0.05, ok=False, replica="r1", node="node-0")
     serving.queue_depth(4, replica="r1")
+    serving.tokens(prompt_tokens=12, generated_tokens=8, time_to_first_token_s=0.03,
+                   time_per_output_token_s=0.01, replica="r1", node="node-0")
+    serving.engine_requests(running=3, waiting=1, replica="r1")
     created = {name: m.info["tag_keys"] for name, m in metrics.registered_metrics().items()}
     assert created["baige_worker_step_time_seconds"] == ("pool", "job", "node", "worker", "device")
     assert created["baige_request_latency_seconds"] == ("pool", "app", "replica", "node")
