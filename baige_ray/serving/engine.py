@@ -62,6 +62,9 @@ class TokenEvent:
 
     token: int | None
     finish_reason: FinishReason | None = None
+    # On an end event: the sampled token that ended the request (end of text, a stop token id). It is no
+    # part of the answer's text, but vLLM counts it among the completion tokens, and so does usage here.
+    stop_token: int | None = None
     log_prob: float | None = None
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None
@@ -91,7 +94,7 @@ class PrefilledRequest:
         """What the client sees of the prefill: the first token, and the end if that token brought it."""
         figures = dict(log_prob=self.first_log_prob, logprobs=self.first_logprobs, prompt_logprobs=self.prompt_logprobs)
         if self.finish_reason == "stop":  # an end-of-text token is not reported as text
-            return [TokenEvent(None, "stop", **figures)]
+            return [TokenEvent(None, "stop", stop_token=self.first_token, **figures)]
         events = [TokenEvent(self.first_token, **figures)]
         if self.finish_reason == "length":
             events.append(TokenEvent(None, "length"))
@@ -454,7 +457,7 @@ class ContinuousBatchingEngine:
         figures = dict(log_prob=sampled.log_prob, logprobs=sampled.logprobs, prompt_logprobs=request.prompt_logprobs)
         request.prompt_logprobs = None  # the first event only
         if stops_at(request.params, token, self.eos_token_id):
-            request.on_event(TokenEvent(None, "stop", **figures))
+            request.on_event(TokenEvent(None, "stop", stop_token=token, **figures))
             return "stop"
         request.generated += 1
         request.on_event(TokenEvent(token, **figures))

@@ -256,13 +256,14 @@ class EngineRunner:
         decoder = self.codec.decoder()
         scanner = StopScanner(params.stop, include=params.include_stop_str_in_output)
         figures = _Figures()
-        generated, finish_reason = 0, "length"
+        generated, finish_reason, stop_sampled = 0, "length", False
         events = self.tokens(prompt, params) if events is None else events
         async with contextlib.aclosing(events) as events:  # closing cancels the request
             async for event in events:
                 figures.take(event)
                 if event.token is None:
                     finish_reason = event.finish_reason or "length"
+                    stop_sampled = event.stop_token is not None
                     break
                 generated += 1
                 delta = scanner.push(decoder.push(event.token), search=generated > params.min_tokens)
@@ -274,7 +275,8 @@ class EngineRunner:
             yield TextDelta(tail, completion_tokens=generated)
         if scanner.stopped:
             finish_reason = "stop"
-        yield TextOutput(scanner.text[:scanner.sent], len(prompt), generated, finish_reason,
+        # A sampled stopping token (end of text, a stop token id) has no text but counts, as vLLM counts it.
+        yield TextOutput(scanner.text[:scanner.sent], len(prompt), generated + stop_sampled, finish_reason,
                          logprobs=tuple(figures.every) if params.num_logprobs is not None else None,
                          prompt_logprobs=figures.prompt)
 

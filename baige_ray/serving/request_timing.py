@@ -35,7 +35,7 @@ async def timed_events(events: AsyncIterator[TokenEvent], timing: RequestTiming)
     """`events`, noting in `timing` when each token came; closing this closes `events` (cancelling the request)."""
     try:
         async for event in events:
-            if event.token is not None:
+            if event.token is not None or event.stop_token is not None:  # a stopping token counts, as in vLLM
                 now = time.perf_counter()
                 timing.first_token = timing.first_token or now
                 timing.last_token = now

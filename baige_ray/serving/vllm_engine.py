@@ -170,7 +170,7 @@ class VLLMEngine:
                 sink(TokenEvent(token, **figures))
                 figures = {}
             else:  # as the built-in engine: a token that ends the request is not part of the answer
-                stop_figures, figures = figures, {}
+                stop_figures, figures = {**figures, "stop_token": token}, {}
         if output.finished:
             del self._sinks[output.request_id]
             stopped = completion.finish_reason == "stop"

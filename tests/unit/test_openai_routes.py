@@ -87,6 +87,15 @@ def test_each_request_reports_its_tokens_and_their_timing_to_the_metrics(server)
     assert records[2]["time_per_output_token_s"] is None  # one token: no gap to measure
 
 
+def test_a_sampled_stop_token_counts_among_the_completion_tokens_but_not_in_the_text(server):
+    """As in vLLM: the token that ended the request (a stop token id, end of text) is in completion_tokens."""
+    text = complete(server, "def ")["choices"][0]["text"]
+    stop = text.index(text[2])  # byte tokens: the first position of the third character's token
+    body = complete(server, "def ", stop_token_ids=[ord(text[2])])
+    assert body["choices"][0]["text"] == text[:stop] and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == stop + 1
+
+
 def test_a_chat_without_max_tokens_generates_up_to_the_rest_of_the_context(server):
     status, body = call(server, "v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                         "temperature": 0})

@@ -97,7 +97,7 @@ def test_an_end_of_text_first_token_ends_the_request_at_the_prefill(decoders):
     prefill = PrefillEngine(decoder, eos_token_id=first.tokens[0])
     prefill.submit(prompt, greedy, handed.append)
     prefill.step()
-    assert handed[0].first_events() == [TokenEvent(None, "stop")] and handed[0].kv == []
+    assert handed[0].first_events() == [TokenEvent(None, "stop", stop_token=first.tokens[0])] and handed[0].kv == []
     with pytest.raises(ValueError, match="already finished"):
         ContinuousBatchingEngine(decoder, eos_token_id=None).submit_prefilled(handed[0], lambda event: None)
 

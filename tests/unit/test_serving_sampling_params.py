@@ -192,5 +192,5 @@ def test_vllm_outputs_become_the_events_the_builtin_engine_sends():
     engine._deliver(output([3], [ranked((3, -0.2), (1, -0.1))], False, [None, ranked((4, -1.0), (2, -0.5))]))
     engine._deliver(output([5, 9], [ranked((5, -0.4)), ranked((9, -0.3))], True, []))
     assert events == [TokenEvent(3, logprobs=((3, -0.2), (1, -0.1)), prompt_logprobs=(None, ((4, -1.0), (2, -0.5)))),
-                      TokenEvent(5, logprobs=((5, -0.4),)), TokenEvent(None, "stop", logprobs=((9, -0.3),))]
+                      TokenEvent(5, logprobs=((5, -0.4),)), TokenEvent(None, "stop", stop_token=9, logprobs=((9, -0.3),))]
     assert "0" not in engine._sinks
