@@ -24,6 +24,7 @@ SNAPSHOT_TAGS = ("pool", "job", "node", "worker")
 DEVICE_HOLDER_TAGS = ("pool", "job", "holder")
 SERVING_TAGS = ("pool", "app", "replica", "node")
 QUEUE_TAGS = ("pool", "app", "replica")
+KV_TAGS = ("pool", "app", "replica", "tier")
 FLOPS_PER_PARAMETER_TOKEN = 6  # forward 2N + backward 4N per token (Kaplan et al. 2020)
 
 STEP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -184,6 +185,13 @@ class ServingMetrics:
         _metric("gauge", "requests_waiting", "Requests waiting for a slot in a replica's batch", QUEUE_TAGS).set(
             waiting, tags=tags)
 
+    def kv_blocks(self, blocks: dict[str, int], *, replica: str) -> None:
+        """Prefix-cache blocks one replica holds, per tier (device, host, disk: serving/kv_blocks.py)."""
+        gauge = _metric("gauge", "kv_blocks", "Prefix-cache blocks a replica holds, by tier", KV_TAGS)
+        for tier, count in blocks.items():
+            require_number("ServingMetrics.kv_blocks", tier, count, minimum=0)
+            gauge.set(count, tags=_tags(pool=self.pool, app=self.app, replica=replica, tier=tier))
+
     def queue_depth(self, n: int, *, replica: str) -> None:
         """Requests waiting at one replica."""
         require_number("ServingMetrics.queue_depth", "n", n, minimum=0)
@@ -197,5 +205,5 @@ EXPORTED_NAMES = tuple("ray_" + PREFIX + name for name in (
     "worker_step_time_seconds_bucket", "recovery_seconds_bucket", "recoveries_total",
     "snapshot_stall_seconds_bucket", "devices_held", "request_latency_seconds_bucket", "requests_total",
     "queue_depth", "prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_bucket",
-    "time_per_output_token_seconds_bucket", "requests_running", "requests_waiting",
+    "time_per_output_token_seconds_bucket", "requests_running", "requests_waiting", "kv_blocks",
 ))

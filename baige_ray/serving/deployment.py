@@ -480,11 +480,14 @@ class ModelServer:
         if self._runner is not None:
             busy_s, self._runner.busy_s = self._runner.busy_s, 0.0
         self._metrics.queue_depth(self._ongoing, replica=self._replica)
-        if (load := self._engine_load()) is not None:
+        load, prefix_cache = self._engine_load(), self._prefix_cache_report()
+        if load is not None:
             self._metrics.engine_requests(running=load.num_running, waiting=load.num_waiting, replica=self._replica)
+        if prefix_cache is not None:
+            self._metrics.kv_blocks(prefix_cache["blocks"], replica=self._replica)
         return dict(latencies=latencies, busy_s=busy_s, ongoing=self._ongoing, loaded_version=self._version,
-                    device=(self._node, self._devices[0]) if self._devices else None, engine=self._engine_load(),
-                    prefix_cache=self._prefix_cache_report(), asleep=self._asleep)
+                    device=(self._node, self._devices[0]) if self._devices else None, engine=load,
+                    prefix_cache=prefix_cache, asleep=self._asleep)
 
     async def _turn(self, asleep: bool) -> None:
         """Give back the device memory the engine holds between requests, or take it again (serving/

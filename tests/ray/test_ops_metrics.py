@@ -32,6 +32,7 @@ class MetricsRecorder:
         serving.tokens(prompt_tokens=12, generated_tokens=8, time_to_first_token_s=0.03,
                        time_per_output_token_s=0.01, replica="replica-0", node="node-0")
         serving.engine_requests(running=3, waiting=1, replica="replica-0")
+        serving.kv_blocks({"device": 7, "host": 2, "disk": 0}, replica="replica-0")
 
 
 def test_recorded_metrics_appear_in_prometheus_output(local_ray):
