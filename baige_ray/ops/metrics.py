@@ -166,9 +166,11 @@ class ServingMetrics:
         """One request's tokens and their timing, as vLLM's server reports them: prompt and generation token
         counters, time to first token and the mean time per output token after it."""
         tags = _tags(pool=self.pool, app=self.app, replica=replica, node=node)
-        _metric("counter", "prompt_tokens", "Prompt tokens of the requests taken", SERVING_TAGS).inc(
-            prompt_tokens, tags=tags)
-        _metric("counter", "generation_tokens", "Tokens generated", SERVING_TAGS).inc(generated_tokens, tags=tags)
+        for name, description, count in (("prompt_tokens", "Prompt tokens of the requests taken", prompt_tokens),
+                                         ("generation_tokens", "Tokens generated", generated_tokens)):
+            require_number("ServingMetrics.tokens", name, count, minimum=0)
+            if count:  # a Ray counter refuses an increment of 0 (a request that failed before its first token)
+                _metric("counter", name, description, SERVING_TAGS).inc(count, tags=tags)
         if time_to_first_token_s is not None:
             _require_seconds("ServingMetrics.tokens", "time_to_first_token_s", time_to_first_token_s)
             _metric("histogram", "time_to_first_token_seconds", "Request taken to its first token", SERVING_TAGS,

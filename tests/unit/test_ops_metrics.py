@@ -40,6 +40,9 @@ def test_every_recorder_supplies_all_tag_keys_of_its_metrics():
     serving.tokens(prompt_tokens=12, generated_tokens=8, time_to_first_token_s=0.03,
                    time_per_output_token_s=0.01, replica="r1", node="node-0")
     serving.engine_requests(running=3, waiting=1, replica="r1")
+    # A request the engine failed before its first token: nothing to count, and no error from Ray's counter.
+    serving.tokens(prompt_tokens=5, generated_tokens=0, time_to_first_token_s=None, time_per_output_token_s=None,
+                   replica="r1", node="node-0")
     serving.kv_blocks({"device": 7, "host": 2, "disk": 0}, replica="r1")
     created = {name: m.info["tag_keys"] for name, m in metrics.registered_metrics().items()}
     assert created["baige_worker_step_time_seconds"] == ("pool", "job", "node", "worker", "device")
