@@ -19,8 +19,8 @@ Assumptions (stated, each a knob of the formulas below):
     parallelism (parallel/sequence_parallel.py, on for dense models; an MoE layer takes the whole
     sequence). The inputs of the column-parallel projections (2sbh for QKV, 2sbh for the MLP)
     never do: torch's sequence parallelism gathers them and the matmuls save them whole, where
-    Megatron-LM keeps the slice and gathers again in backward (eq. 5's 34sbh/t). So at t=8 a
-    dense layer keeps 4sbh + 30sbh/t with it (eq. 5: 34sbh/t), 10sbh + 24sbh/t without (eq. 4).
+    Megatron-LM keeps the slice and gathers again in backward. So a dense MHA layer (ffn = 4h) keeps
+    4sbh + 30sbh/t with it (eq. 5 says 34sbh/t), 10sbh + 24sbh/t without (eq. 4), scores aside.
   * 1F1B keeps up to (pp - stage) micro-batches in flight on a stage, at most the number
     of micro-batches (Narayanan et al. 2021, sec. 2.2.1), so stage 0 holds the most.
   * The last stage holds LOGIT_BYTES per logit at the loss: the head's logits, their fp32 copy for

@@ -381,14 +381,14 @@ class ModelServer:
                     params: SamplingParams) -> AsyncIterator[TextDelta | TextOutput]:
         """Text deltas, cut at the request's stop strings; last, the whole TextOutput. Its tokens' timing
         and counts go to the metrics, however it ends."""
-        timing = RequestTiming(submitted=time.perf_counter(), prompt_tokens=len(prompt))
+        timing = RequestTiming(submitted=time.perf_counter())
         pieces = runner.text(prompt, params, events=timed_events(self._events(runner, prompt, params), timing))
         try:
             async for piece in pieces:
                 yield piece
         finally:
             await pieces.aclose()
-            self._metrics.tokens(prompt_tokens=timing.prompt_tokens, generated_tokens=timing.tokens,
+            self._metrics.tokens(prompt_tokens=len(prompt), generated_tokens=timing.tokens,
                                  time_to_first_token_s=timing.time_to_first_token_s,
                                  time_per_output_token_s=timing.time_per_output_token_s,
                                  replica=self._replica, node=self._node)

@@ -48,14 +48,22 @@ _UNIMPLEMENTED = (
 )
 
 
+@dataclass(frozen=True)
+class UsageOptions:
+    """Where a stream reports token counts (stream_options): a last chunk of them (include_usage), and each
+    chunk its choice's counts so far (continuous_usage_stats, which vLLM heeds only with include_usage)."""
+
+    at_end: bool = False
+    every_chunk: bool = False
+
+
 @dataclass(kw_only=True, frozen=True)
 class CompletionRequest:
     prompts: tuple[Prompt, ...]  # n choices each, in order
     max_tokens: int  # 0 with echo: the prompt alone is answered (one token is generated, as vLLM does)
     sampling: SamplingParams  # max_new_tokens = max_tokens
     stream: bool = False
-    include_usage: bool = False  # stream_options.include_usage: a last chunk with the token counts
-    continuous_usage: bool = False  # stream_options.continuous_usage_stats too: every chunk with its choice's
+    usage: UsageOptions = UsageOptions()  # stream_options: where token counts are reported
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM's extension)
 
 
@@ -83,13 +91,12 @@ def parse_max_tokens(payload: dict, limits: CompletionLimits, field: str, defaul
     return count
 
 
-def parse_stream(payload: dict) -> tuple[bool, bool, bool]:
-    """(stream, include_usage, continuous_usage) from 'stream' and 'stream_options' (whose other keys are
-    ignored). As in vLLM, per-chunk usage (continuous_usage_stats) takes include_usage too."""
+def parse_stream(payload: dict) -> tuple[bool, UsageOptions]:
+    """(stream, usage options) from 'stream' and 'stream_options' (whose other keys are ignored)."""
     stream = optional(payload, "stream", "bool", False)
     options = payload.get("stream_options")
     if options is None:
-        return stream, False, False
+        return stream, UsageOptions()
     if not stream:
         raise bad_request("stream_options", "'stream_options' can only be defined when 'stream' is true")
     if not isinstance(options, dict):
@@ -100,7 +107,8 @@ def parse_stream(payload: dict) -> tuple[bool, bool, bool]:
         if value is not None and not isinstance(value, bool):
             raise bad_request("stream_options", f"'stream_options.{key}' must be true or false, got {value!r}")
         flags[key] = bool(value)
-    return True, flags["include_usage"], flags["include_usage"] and flags["continuous_usage_stats"]
+    at_end = flags["include_usage"]
+    return True, UsageOptions(at_end=at_end, every_chunk=at_end and flags["continuous_usage_stats"])
 
 
 def check_user(payload: dict) -> None:
@@ -123,8 +131,7 @@ def parse_completion_request(body: bytes, limits: CompletionLimits, *, model_nam
     max_tokens = 0 if echo_only else parse_max_tokens(payload, limits, "max_tokens", DEFAULT_MAX_TOKENS)
     sampling = parse_sampling(payload, limits, max_new_tokens=max_tokens, num_logprobs=completion_logprobs(payload),
                               echo=echo)
-    stream, include_usage, continuous_usage = parse_stream(payload)
-    return CompletionRequest(prompts=prompts, max_tokens=max_tokens, sampling=sampling, stream=stream,
-                             include_usage=include_usage, continuous_usage=continuous_usage,
+    stream, usage = parse_stream(payload)
+    return CompletionRequest(prompts=prompts, max_tokens=max_tokens, sampling=sampling, stream=stream, usage=usage,
                              truncate_prompt_tokens=truncate_prompt_tokens_of(payload))
 

@@ -16,6 +16,7 @@ from typing import Any
 from baige_ray.serving.openai_api import (
     COMMON_FIELDS,
     CompletionLimits,
+    UsageOptions,
     check_model,
     check_user,
     parse_max_tokens,
@@ -38,8 +39,7 @@ class ChatRequest:
     max_tokens_field: str  # which field set it ("max_completion_tokens" or "max_tokens"), for error messages
     sampling: SamplingParams  # its max_new_tokens provisional when max_tokens is None (the replica sets it)
     stream: bool = False
-    include_usage: bool = False
-    continuous_usage: bool = False  # every chunk with its choice's counts so far (openai_api.parse_stream)
+    usage: UsageOptions = UsageOptions()  # stream_options: where token counts are reported
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM's extension)
 
 
@@ -112,7 +112,7 @@ def parse_chat_request(body: bytes, limits: CompletionLimits, *, model_name: str
     max_tokens, field = _max_tokens(payload, limits)
     sampling = parse_sampling(payload, limits, max_new_tokens=max_tokens, num_logprobs=chat_logprobs(payload),
                               logprobs_field="top_logprobs")
-    stream, include_usage, continuous_usage = parse_stream(payload)
+    stream, usage = parse_stream(payload)
     return ChatRequest(messages=messages, max_tokens=max_tokens, max_tokens_field=field, sampling=sampling,
-                       stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
+                       stream=stream, usage=usage,
                        truncate_prompt_tokens=truncate_prompt_tokens_of(payload))

@@ -26,7 +26,7 @@ from baige_ray.serving.async_streams import first_items, gather_cancelling, merg
 from baige_ray.serving.context_length import openai_budget
 from baige_ray.serving.engine_runner import EngineFailed, EngineRunner
 from baige_ray.serving.generators import TextDelta, TextOutput
-from baige_ray.serving.openai_api import CompletionLimits, parse_completion_request
+from baige_ray.serving.openai_api import CompletionLimits, UsageOptions, parse_completion_request
 from baige_ray.serving.openai_chat import parse_chat_request
 from baige_ray.serving.openai_choices import AnswerShaper, fan_out, usage_counts
 from baige_ray.serving.openai_prompts import Prompt, prompt_tokens
@@ -158,8 +158,7 @@ class OpenAIRoutes:
             return JSONResponse(_whole(shape, shaper, outputs))
         streams = [self.calls.text(runner, choice.prompt, choice.params) for choice in choices]
         firsts = await first_items(streams)  # submits the requests: a full engine raises EngineFull before any byte
-        usage_options = UsageOptions(at_end=parsed.include_usage, every_chunk=parsed.continuous_usage)
-        events = self._stream_events(firsts, streams, shape, shaper, usage_options, started)
+        events = self._stream_events(firsts, streams, shape, shaper, parsed.usage, started)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _stream_events(self, firsts: list, streams: list[AsyncIterator[TextDelta | TextOutput]], shape: dict,
@@ -198,15 +197,6 @@ def _whole(shape: dict, shaper: AnswerShaper, outputs: list[TextOutput]) -> dict
     choices = [shaper.whole(index, output) for index, output in enumerate(outputs)]
     respond = chat_response if shaper.chat else completion_response
     return respond(**shape, choices=choices, **usage_counts(shaper.choices, outputs))
-
-
-@dataclass(frozen=True)
-class UsageOptions:
-    """Where a stream reports token counts (stream_options): a last chunk of them (include_usage), and each
-    chunk its choice's counts so far (continuous_usage_stats), as vLLM does."""
-
-    at_end: bool = False
-    every_chunk: bool = False
 
 
 async def _stream_chunks(pieces: AsyncIterator[tuple[int, TextDelta | TextOutput]], shape: dict,

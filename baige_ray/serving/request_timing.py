@@ -13,7 +13,6 @@ from baige_ray.serving.engine import TokenEvent
 @dataclass
 class RequestTiming:
     submitted: float  # perf_counter when the replica took the request
-    prompt_tokens: int
     first_token: float | None = None
     last_token: float | None = None
     tokens: int = 0

@@ -44,7 +44,7 @@ def test_vllm_bench_serve_request_is_accepted():
     request = parse({"model": MODEL, "prompt": "hello", "repetition_penalty": 1.0, "max_tokens": 8, "logprobs": None,
                      "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
                      "ignore_eos": True})
-    assert (request.stream, request.include_usage, request.sampling.ignore_eos) == (True, True, True)
+    assert (request.stream, request.usage.at_end, request.sampling.ignore_eos) == (True, True, True)
 
 
 def test_unknown_fields_are_ignored_and_logged_once_per_name(caplog, monkeypatch):

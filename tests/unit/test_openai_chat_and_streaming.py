@@ -28,7 +28,7 @@ def test_a_chat_request_with_text_parts_and_streaming():
                      "max_completion_tokens": 5, "temperature": 0, "stream": True,
                      "stream_options": {"include_usage": True}})
     assert request.messages == (("system", "Be brief."), ("user", "hi\nthere"))  # parts joined as vLLM joins them
-    assert (request.max_tokens, request.stream, request.include_usage) == (5, True, True)
+    assert (request.max_tokens, request.stream, request.usage.at_end) == (5, True, True)
     assert request.sampling.max_new_tokens == 5 and request.sampling.temperature == 0.0
     assert plain_chat_prompt(request.messages) == "system: Be brief.\nuser: hi\nthere\nassistant:"
 
