@@ -16,6 +16,7 @@ _EXPORTS = {
     "CheckpointError": "baige_ray.api",
     "ClusterError": "baige_ray.api",
     "ClusterSession": "baige_ray.topology.connect",
+    "ConversationDataset": "baige_ray.models.conversation_dataset",
     "CorpusConfig": "baige_ray.models.corpus",
     "DeviceInfo": "baige_ray.api.device",
     "DisaggregationOptions": "baige_ray.serving",

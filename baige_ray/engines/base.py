@@ -122,6 +122,15 @@ def _output_grad_fn(output: object) -> torch.autograd.graph.Node | None:
     return None
 
 
+def step_trained_tokens(data: SampleSource, indices: range, seed: int, job: TrainJob) -> int:
+    """The trained tokens of samples `indices`: the source's own count where it keeps one, else the
+    job's count over their targets."""
+    counted = getattr(data, "trained_tokens", None)
+    if counted is not None:
+        return int(counted(indices, seed))
+    return job.trained_tokens(data.batch(indices, seed)[1])
+
+
 class Engine(ABC):
     """One rank's training: `train_step`, and state in and out in canonical form."""
 
@@ -149,6 +158,7 @@ class Engine(ABC):
         self.emulators: list[SlowChipEmulator] = []
         self.expert_layers: list[nn.Module] = []  # the MoE layers this rank holds (set by engines that run them)
         self._policy_decoder = None  # PolicySamples' decoder over this rank's module, made at its first draw
+        self.tokens_per_sample: float | None = None  # this step's trained tokens per sample (see `loss`)
 
     def train_step(self, step: int) -> dict:
         for emulator in self.emulators:
@@ -156,6 +166,7 @@ class Engine(ABC):
         learning_rate = learning_rate_at(step, self.job.train)
         self.set_learning_rate(learning_rate)
         inputs, targets = self.batch(step)
+        self.tokens_per_sample = self.step_tokens_per_sample(step)
         loss = self.forward_backward(inputs, targets)
         # Forward and backward, each rank's own: the wait for the peers' gradients comes after the backward
         # this measures, and the update's. A throttled worker (stopped in turns) showed it in its forward
@@ -180,6 +191,23 @@ class Engine(ABC):
         if isinstance(self.data, PolicySamples):
             metrics["policy_samples"] = self.data.report(step)
         return metrics
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The job's loss of one micro-batch, normalised by the whole step's trained tokens (every micro-batch
+        of every replica): engines average micro-batch losses, so without it a micro-batch holding few
+        trained tokens (a short reply, a masked prompt) would weigh as much as one holding many, and the
+        step's gradient would change with the micro-batch size and the number of replicas."""
+        return self.job.loss(logits, targets, self.tokens_per_sample)
+
+    def step_tokens_per_sample(self, step: int) -> float | None:
+        """The trained tokens of step `step`'s global batch per sample, which every rank counts alone from
+        the data (any rank reads any sample); None where the loss is not a token mean, or where samples
+        are drawn as the step runs (PolicySamples): each micro-batch then averages its own."""
+        if not self.job.normalises_by_tokens or self.data is None or isinstance(self.data, PolicySamples):
+            return None
+        global_batch = sum(self.replica_batches)
+        samples = range(step * global_batch, (step + 1) * global_batch)
+        return step_trained_tokens(self.data, samples, self.job.train.seed, self.job) / global_batch
 
     def take_expert_traffic(self) -> dict:
         """This step's routed slots per expert of each MoE layer held here (tensor-parallel peers see the

@@ -102,7 +102,7 @@ class DeepSpeedEngine(Engine):
         with auxiliary_losses(weight=1.0 / num_micro) as aux:
             for index in range(num_micro):
                 chunk = slice(index * micro, (index + 1) * micro)
-                loss = self.job.loss(self.engine(inputs[chunk].to(self.device)), targets[chunk].to(self.device))
+                loss = self.loss(self.engine(inputs[chunk].to(self.device)), targets[chunk].to(self.device))
                 fail_point(BACKWARD)
                 self.engine.backward(loss)
                 if index < num_micro - 1:

@@ -146,7 +146,7 @@ class TorchEngine(Engine):
 
         def zero_loss(module: nn.Module) -> torch.Tensor:
             with torch.random.fork_rng(devices=devices, device_type=self.device.type):  # dropout draws none
-                return self.job.loss(module(inputs), targets) * 0.0
+                return self.job.loss(module(inputs), targets, 1.0) * 0.0  # a sum: 0 even where no target is trained
 
         return zero_loss
 
@@ -178,9 +178,9 @@ class TorchEngine(Engine):
             for module, index in zip(self._wrapped, self.layout.stage_indices(self.coords.pp))
         ]
         if self.layout.pipeline_schedule == "interleaved-1f1b":
-            return ScheduleInterleaved1F1B(pipeline_stages, num_micro, loss_fn=self.job.loss)
+            return ScheduleInterleaved1F1B(pipeline_stages, num_micro, loss_fn=self.loss)
         return ScheduleRunAhead1F1B(
-            pipeline_stages[0], num_micro, self.job.loss, run_ahead=self.layout.pipeline_run_ahead
+            pipeline_stages[0], num_micro, self.loss, run_ahead=self.layout.pipeline_run_ahead
         )
 
     @property
@@ -257,7 +257,7 @@ class TorchEngine(Engine):
             for index in range(num_micro):
                 chunk = slice(index * micro, (index + 1) * micro)
                 with self._gradient_sync(model, index == num_micro - 1):
-                    loss = self.job.loss(model(inputs[chunk]), targets[chunk]) / weight_divisor
+                    loss = self.loss(model(inputs[chunk]), targets[chunk]) / weight_divisor
                     fail_point(BACKWARD)
                     loss.backward()
                 if self.exact_sum is not None:

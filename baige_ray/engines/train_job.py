@@ -56,11 +56,27 @@ class TrainJob:
             return self.data
         return self.plugin.open_data(self.data)
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """What every engine minimizes: the objective's loss, or the model's own."""
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor,
+             tokens_per_sample: float | None = None) -> torch.Tensor:
+        """What every engine minimizes: the objective's loss, or the model's own (see ModelPlugin.loss for
+        `tokens_per_sample`; an objective that averages otherwise is given None)."""
         if self.objective is not None:
-            return self.objective.loss(logits, targets)
-        return self.plugin.loss(logits, targets)
+            if not self.normalises_by_tokens:
+                return self.objective.loss(logits, targets)
+            return self.objective.loss(logits, targets, tokens_per_sample)
+        return self.plugin.loss(logits, targets, tokens_per_sample)
+
+    @property
+    def normalises_by_tokens(self) -> bool:
+        """Whether the loss is a mean over the step's trained tokens (then normalised by their global count)."""
+        if self.objective is not None:
+            return bool(getattr(self.objective, "normalises_by_tokens", False))
+        return True
+
+    def trained_tokens(self, targets: torch.Tensor) -> int:
+        """How many tokens of `targets` the loss trains."""
+        owner = self.objective if self.objective is not None else self.plugin
+        return owner.trained_tokens(targets)
 
 
 def learning_rate_at(step: int, config: TrainConfig) -> float:

@@ -123,3 +123,6 @@ class CorpusWindows:
 
     def batch(self, indices: np.ndarray | range, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.corpus.batch(indices, self.seq_len, seed)
+
+    def trained_tokens(self, indices: np.ndarray | range, seed: int) -> int:
+        return len(indices) * self.seq_len

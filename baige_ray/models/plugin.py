@@ -40,6 +40,18 @@ _BUILTIN_PLUGIN_MODULES = ("baige_ray.models.gpt_plugin", "baige_ray.models.mlp"
 _REGISTRY: dict[type, type[ModelPlugin]] = {}
 
 
+IGNORE_INDEX = -100  # a target the loss does not train (a prompt, padding): PyTorch's and transformers' convention
+
+
+def token_divisor(targets: torch.Tensor, tokens_per_sample: float | None, count: Callable[[torch.Tensor], int]) -> float:
+    """What a loss summed over `targets`' trained tokens is divided by: `tokens_per_sample` x the samples
+    (the step's own mean), or else the trained tokens `count` finds in them (at least 1: a batch with
+    none trains nothing and has loss 0)."""
+    if tokens_per_sample is not None:
+        return tokens_per_sample * targets.shape[0] or 1.0  # a step that trains no token: its sum is 0
+    return max(1, count(targets))
+
+
 class SampleSource(Protocol):
     """Training data addressed by global sample index: any rank reads exactly the samples of any step."""
 
@@ -238,9 +250,21 @@ class ModelPlugin(ABC):
 
     # ---- training ------------------------------------------------------------------------
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Next-token cross entropy, the mean over every token of the batch."""
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor,
+             tokens_per_sample: float | None = None) -> torch.Tensor:
+        """Next-token cross entropy over the trained tokens (targets of IGNORE_INDEX are not trained): their
+        sum divided by `tokens_per_sample` x the batch's samples, or their mean when it is None.
+
+        `tokens_per_sample` is the whole step's trained tokens per sample (Engine.loss): the engines' mean
+        over micro-batches is then the mean over every trained token of the step, however unevenly the
+        micro-batches hold them. Without masked targets it is seq_len, and this is the batch mean."""
+        per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                                    ignore_index=IGNORE_INDEX, reduction="sum")
+        return per_token / token_divisor(targets, tokens_per_sample, self.trained_tokens)
+
+    def trained_tokens(self, targets: torch.Tensor) -> int:
+        """How many of `targets` the loss trains."""
+        return int((targets != IGNORE_INDEX).sum())
 
     @abstractmethod
     def open_data(self, data: Any) -> SampleSource | None:

@@ -76,12 +76,15 @@ def kl_k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
 
 def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, config: PolicyLossConfig = PolicyLossConfig(),
-                ref_log_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                ref_log_probs: torch.Tensor | None = None,
+                token_divisor: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped surrogate loss (to minimize) over completion tokens, and its statistics.
 
     `log_probs` (sequences, tokens) carry the gradient; `old_log_probs` are the sampling policy's (the
     same values, detached, on the first update of a batch: the ratio is then 1 and the gradient is
-    advantage times the gradient of log p); `advantages` are per sequence (sequences,)."""
+    advantage times the gradient of log p); `advantages` are per sequence (sequences,). `token_divisor`
+    replaces the batch's own completion-token count in the "token" aggregate (the whole step's share of
+    this batch, so that micro-batches and replicas add up to the step's token mean)."""
     if config.kl_coef > 0 and ref_log_probs is None:
         raise ValueError("policy_loss with kl_coef > 0 needs ref_log_probs (the reference model's)")
     mask = mask.to(log_probs.dtype)
@@ -94,7 +97,7 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     if config.kl_coef > 0:
         kl = kl_k3(log_probs, ref_log_probs.detach())
         per_token = per_token + config.kl_coef * kl
-    loss = _aggregate(per_token, mask, config.aggregate)
+    loss = _aggregate(per_token, mask, config.aggregate, token_divisor)
     tokens = mask.sum().clamp(min=1.0)
     clipping = (clipped < unclipped).to(mask.dtype)  # the clipped term is taken: no gradient through the ratio
     stats = {"clip_fraction": float((clipping * mask).sum() / tokens),
@@ -104,8 +107,9 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     return loss, stats
 
 
-def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, token_divisor: float | None) -> torch.Tensor:
     if how == "token":
-        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        divisor = mask.sum().clamp(min=1.0) if token_divisor is None else (token_divisor or 1.0)
+        return (per_token * mask).sum() / divisor
     per_sequence = (per_token * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
     return per_sequence.mean()

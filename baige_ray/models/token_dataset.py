@@ -170,7 +170,7 @@ class TokenDataset:
         if not isinstance(text_field, str) or not text_field:
             raise ValueError(f"TokenDataset.build.text_field={text_field!r} is invalid: expected a non-empty string")
         paths = expand_files(files)
-        tokenizer, tokenizer_name = _resolve_tokenizer(tokenizer)
+        tokenizer, tokenizer_name = resolve_tokenizer(tokenizer)
         sources = tuple(SourceFile.of(path) for path in paths)
         directory = Path(directory)
         if (directory / METADATA_FILE).exists() and not overwrite:
@@ -224,18 +224,7 @@ class TokenDataset:
 
     def sequence_ids(self, indices: np.ndarray | range | Sequence[int], seed: int) -> np.ndarray:
         """The packed sequence each global sample index reads: epoch i // n visits a permutation of all n."""
-        require_int("TokenDataset.batch", "seed", seed, minimum=0)
-        values = np.asarray(indices)
-        if values.size == 0:
-            return np.empty(0, dtype=np.int64)
-        if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer) or values.min() < 0:
-            raise ValueError(f"TokenDataset.batch.indices={indices!r} is invalid: expected a 1-D list of integers >= 0")
-        epochs, positions = np.divmod(values.astype(np.int64), self.num_sequences)
-        ids = np.empty_like(positions)
-        for epoch in np.unique(epochs):
-            selected = epochs == epoch
-            ids[selected] = _permutation(self.num_sequences, seed, int(epoch))[positions[selected]]
-        return ids
+        return global_sequence_ids(indices, self.num_sequences, seed, owner="TokenDataset")
 
     def batch(self, indices: np.ndarray | range | Sequence[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, int64 of shape (len(indices), seq_len), for global sample indices."""
@@ -243,10 +232,31 @@ class TokenDataset:
         tokens = torch.from_numpy(rows.astype(np.int64))
         return tokens[:, :-1], tokens[:, 1:]
 
+    def trained_tokens(self, indices: np.ndarray | range | Sequence[int], seed: int) -> int:
+        """The tokens samples `indices` train: every target of plain text is trained."""
+        return len(indices) * self.seq_len
+
     def _tokens(self) -> np.memmap:
         metadata = self.metadata
         shape = (metadata.num_sequences, metadata.seq_len + 1)
         return _map_tokens(str(self.directory / TOKENS_FILE), metadata.dtype, shape, metadata.tokens_sha256)
+
+
+def global_sequence_ids(indices: np.ndarray | range | Sequence[int], num_sequences: int, seed: int, *,
+                        owner: str) -> np.ndarray:
+    """The stored sequence each global sample index reads: epoch i // n visits a permutation of all n."""
+    require_int(f"{owner}.batch", "seed", seed, minimum=0)
+    values = np.asarray(indices)
+    if values.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer) or values.min() < 0:
+        raise ValueError(f"{owner}.batch.indices={indices!r} is invalid: expected a 1-D list of integers >= 0")
+    epochs, positions = np.divmod(values.astype(np.int64), num_sequences)
+    ids = np.empty_like(positions)
+    for epoch in np.unique(epochs):
+        selected = epochs == epoch
+        ids[selected] = _permutation(num_sequences, seed, int(epoch))[positions[selected]]
+    return ids
 
 
 # Module-level caches rather than fields: they stay in the process that filled them and are never pickled.
@@ -296,7 +306,7 @@ def _expand_entry(entry: str) -> list[Path]:
     return matches
 
 
-def _resolve_tokenizer(tokenizer: str | Path | PreTrainedTokenizerBase) -> tuple[PreTrainedTokenizerBase, str]:
+def resolve_tokenizer(tokenizer: str | Path | PreTrainedTokenizerBase) -> tuple[PreTrainedTokenizerBase, str]:
     if isinstance(tokenizer, (str, Path)):
         name = str(Path(tokenizer).resolve())
         tokenizer = load_tokenizer(tokenizer)

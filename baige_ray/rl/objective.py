@@ -33,7 +33,16 @@ class PolicyObjective:
             raise ValueError(f"PolicyObjective.loss_config={self.loss_config!r} is invalid: "
                              "expected a PolicyLossConfig")
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    @property
+    def normalises_by_tokens(self) -> bool:
+        """The token mean (DAPO's "token" aggregate) is over the step's completion tokens, however the
+        micro-batches and replicas split them; the sequence mean is a mean over samples already."""
+        return self.loss_config.aggregate == "token"
+
+    def trained_tokens(self, targets: torch.Tensor) -> int:
+        return int(unpack_targets(targets).mask.sum())
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, tokens_per_sample: float | None = None) -> torch.Tensor:
         packed = unpack_targets(targets)
         log_probs = token_log_probs(logits, packed.tokens)
         old = torch.where(torch.isnan(packed.sampled), log_probs.detach(), packed.sampled)
@@ -43,7 +52,9 @@ class PolicyObjective:
                 raise ValueError("the rollouts carry no reference log-probabilities, which a KL penalty (kl_coef "
                                  f"{self.loss_config.kl_coef:g}) needs: pack them with ref_log_probs")
             reference = torch.nan_to_num(packed.reference)  # NaN off the completions, where the mask drops it
-        loss, _ = policy_loss(log_probs, old, packed.advantage, packed.mask, self.loss_config, reference)
+        divisor = None if tokens_per_sample is None else tokens_per_sample * targets.shape[0]
+        loss, _ = policy_loss(log_probs, old, packed.advantage, packed.mask, self.loss_config, reference,
+                              token_divisor=divisor)
         return loss
 
 

@@ -237,11 +237,13 @@ class HFPlugin(ModelPlugin):
     # ---- training ------------------------------------------------------------------------
 
     def open_data(self, data: Any):
+        from baige_ray.models.conversation_dataset import ConversationDataset
         from baige_ray.models.token_dataset import TokenDataset
 
-        if not isinstance(data, TokenDataset):
+        if not isinstance(data, (TokenDataset, ConversationDataset)):
             raise ValueError(f"data={data!r} is invalid for {self.describe()}: expected a TokenDataset "
-                             "(br.TokenDataset.build(files, tokenizer=..., seq_len=..., directory=...))")
+                             "(br.TokenDataset.build(files, tokenizer=..., seq_len=..., directory=...)) or a "
+                             "ConversationDataset (br.ConversationDataset.build(...))")
         if data.seq_len != self.seq_len:
             raise ValueError(f"data.seq_len={data.seq_len} is invalid: expected the model's seq_len={self.seq_len}")
         if data.vocab_size > self.config.vocab_size:
