@@ -172,3 +172,44 @@ def elastic_hf_run(name: str, storage_path, tiny: TinyHF, *, num_workers: int, n
         faults=faults,
         layout=layout,
     )
+
+
+CHAT_TEMPLATES = Path(__file__).parent / "unit" / "fixtures" / "chat_templates"
+_WORDS = "the model reads a list of numbers and returns their sum or product in order".split()
+
+
+def write_conversations(path: Path, count: int, *, seed: int = 0, max_turns: int = 3) -> Path:
+    """`count` conversations in OpenAI's `messages` shape (.jsonl) of one to `max_turns` exchanges, replies
+    of 1 to 12 words: sequences that train unequal numbers of tokens."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        messages = []
+        for _ in range(rng.randint(1, max_turns)):
+            messages.append({"role": "user", "content": " ".join(rng.choices(_WORDS, k=rng.randint(1, 4)))})
+            messages.append({"role": "assistant", "content": " ".join(rng.choices(_WORDS, k=rng.randint(1, 12)))})
+        rows.append({"messages": messages})
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+# The special tokens each published template writes (a chat model's tokenizer holds each as one token).
+CHAT_SPECIAL_TOKENS = {"llama3": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+                       "qwen2.5": ["<|im_start|>", "<|im_end|>"], "mistral": []}
+
+
+def give_chat_template(model_dir: Path, family: str = "llama3") -> str:
+    """Save one of the published templates (unit/fixtures/chat_templates) as the tokenizer's own, with the
+    special tokens it writes, as a chat model's directory holds them (the model needs a vocabulary of
+    VOCAB_SIZE + len(CHAT_SPECIAL_TOKENS[family])); returns the template."""
+    from transformers import AutoTokenizer
+
+    template = (CHAT_TEMPLATES / f"{family}.jinja").read_text()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": CHAT_SPECIAL_TOKENS[family]})
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(model_dir)
+    return template
