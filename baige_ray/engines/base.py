@@ -122,6 +122,11 @@ def _output_grad_fn(output: object) -> torch.autograd.graph.Node | None:
     return None
 
 
+def document_positions(positions: torch.Tensor | None, chunk: slice, device: torch.device) -> dict:
+    """The keyword input a model stage takes for a micro-batch of packed documents (nothing otherwise)."""
+    return {} if positions is None else {"positions": positions[chunk].to(device)}
+
+
 def step_trained_tokens(data: SampleSource, indices: range, seed: int, job: TrainJob) -> int:
     """The trained tokens of samples `indices`: the source's own count where it keeps one, else the
     job's count over their targets."""
@@ -167,7 +172,7 @@ class Engine(ABC):
         self.set_learning_rate(learning_rate)
         inputs, targets = self.batch(step)
         self.tokens_per_sample = self.step_tokens_per_sample(step)
-        loss = self.forward_backward(inputs, targets)
+        loss = self.forward_backward(inputs, targets, self.positions(step))
         # Forward and backward, each rank's own: the wait for the peers' gradients comes after the backward
         # this measures, and the update's. A throttled worker (stopped in turns) showed it in its forward
         # alone in too few steps: a forward is shorter than the turns.
@@ -226,6 +231,14 @@ class Engine(ABC):
         if isinstance(self.data, PolicySamples):
             return self._draw_from_policy(step, indices)
         return self.data.batch(indices, self.job.train.seed)
+
+    def positions(self, step: int) -> torch.Tensor | None:
+        """Each input token's position in its document, for samples that pack several documents per
+        sequence (`SampleSource.positions`); None where every sample is one document from position 0."""
+        positions = getattr(self.data, "positions", None)
+        if positions is None:
+            return None
+        return positions(replica_sample_range(step, self.coords.dp, self.replica_batches), self.job.train.seed)
 
     def _draw_from_policy(self, step: int, indices: range) -> tuple[torch.Tensor, torch.Tensor]:
         """PolicySamples' samples, drawn by this rank's own weights in eval mode (no dropout), which
@@ -294,8 +307,11 @@ class Engine(ABC):
     def set_learning_rate(self, learning_rate: float) -> None: ...
 
     @abstractmethod
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
-        """Accumulate this step's gradients; the batch-mean loss, or None on ranks that never see it."""
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                         positions: torch.Tensor | None = None) -> float | None:
+        """Accumulate this step's gradients; the batch-mean loss, or None on ranks that never see it.
+        `positions`: each input token's position in its document, for packed documents (ModelPlugin.loss
+        and `positions` above); the model then attends within each document only."""
 
     @abstractmethod
     def optimizer_step(self) -> None: ...

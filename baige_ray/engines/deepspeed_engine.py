@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from baige_ray.engines.base import Engine, SlowChipEmulator
+from baige_ray.engines.base import Engine, SlowChipEmulator, document_positions
 from baige_ray.engines.train_job import TrainJob, build_optimizer
 from baige_ray.failpoints import BACKWARD, fail_point
 from baige_ray.models.aux_loss import auxiliary_losses
@@ -94,7 +94,8 @@ class DeepSpeedEngine(Engine):
         for group in self.engine.optimizer.param_groups:
             group["lr"] = learning_rate
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                         positions: torch.Tensor | None = None) -> float:
         micro = self.job.train.micro_batch_size or self.per_replica_batch
         num_micro = self.per_replica_batch // micro
         losses = []
@@ -102,7 +103,8 @@ class DeepSpeedEngine(Engine):
         with auxiliary_losses(weight=1.0 / num_micro) as aux:
             for index in range(num_micro):
                 chunk = slice(index * micro, (index + 1) * micro)
-                loss = self.loss(self.engine(inputs[chunk].to(self.device)), targets[chunk].to(self.device))
+                logits = self.engine(inputs[chunk].to(self.device), **document_positions(positions, chunk, self.device))
+                loss = self.loss(logits, targets[chunk].to(self.device))
                 fail_point(BACKWARD)
                 self.engine.backward(loss)
                 if index < num_micro - 1:

@@ -49,7 +49,7 @@ class MLPEngine(Engine):
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, positions: None = None) -> float:
         outputs = self.model(inputs.to(self.device))
         loss = nn.functional.mse_loss(outputs, targets.to(self.device))
         loss.backward()

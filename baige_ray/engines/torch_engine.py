@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from baige_ray.engines import parallelize
-from baige_ray.engines.base import Engine, SlowChipEmulator
+from baige_ray.engines.base import Engine, SlowChipEmulator, document_positions
 from baige_ray.engines.exact_gradients import ExactGradientSum, check_world_size_invariant
 from baige_ray.engines.train_job import TrainJob, build_optimizer
 from baige_ray.failpoints import BACKWARD, fail_point
@@ -210,19 +210,24 @@ class TorchEngine(Engine):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self._compute_dtype)
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                         positions: torch.Tensor | None = None) -> float | None:
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         with self._autocast():
             if self.schedule is not None:
-                return self._pipeline_forward_backward(inputs, targets)
-            return self._accumulate(inputs, targets)
+                return self._pipeline_forward_backward(inputs, targets, positions)
+            return self._accumulate(inputs, targets, positions)
 
-    def _pipeline_forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+    def _pipeline_forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                                   positions: torch.Tensor | None) -> float | None:
         holds_first = 0 in self.layout.stage_indices(self.coords.pp)
         holds_last = self.layout.num_stages - 1 in self.layout.stage_indices(self.coords.pp)
         losses: list[torch.Tensor] = []
         args = (inputs,) if holds_first else ()
         kwargs = {"target": targets, "losses": losses} if holds_last else {}
+        # torch's schedules give keyword inputs to every stage, each micro-batch its slice: every stage
+        # needs the positions (its own masks and rotary embeddings), not only the first.
+        kwargs.update(document_positions(positions, slice(None), self.device))
         num_micro = self.layout.microbatches(self.per_replica_batch)
         with auxiliary_losses(weight=1.0) as aux:  # the schedule divides all gradients by the micro-batch count
             self.schedule.step(*args, **kwargs)
@@ -243,7 +248,7 @@ class TorchEngine(Engine):
         all_reduce_abortable(total, self.meshes["pp"].get_group())
         return float(total)
 
-    def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None) -> float:
         (model,) = self._wrapped
         micro = self.job.train.micro_batch_size or self.per_replica_batch
         num_micro = self.per_replica_batch // micro
@@ -257,7 +262,8 @@ class TorchEngine(Engine):
             for index in range(num_micro):
                 chunk = slice(index * micro, (index + 1) * micro)
                 with self._gradient_sync(model, index == num_micro - 1):
-                    loss = self.loss(model(inputs[chunk]), targets[chunk]) / weight_divisor
+                    logits = model(inputs[chunk], **document_positions(positions, chunk, self.device))
+                    loss = self.loss(logits, targets[chunk]) / weight_divisor
                     fail_point(BACKWARD)
                     loss.backward()
                 if self.exact_sum is not None:

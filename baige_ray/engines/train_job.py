@@ -40,7 +40,10 @@ class TrainJob:
     objective: Any = None
 
     def __post_init__(self) -> None:
-        plugin_for(self.model)  # an unknown model fails here, on the driver, naming the supported ones
+        plugin = plugin_for(self.model)  # an unknown model fails here, on the driver, naming the supported ones
+        if getattr(self.data, "packs_documents", False) and not plugin.supports_packed_documents:
+            raise ValueError(f"TrainJob.data packs several documents per sequence, which {plugin.describe()} "
+                             "cannot keep apart (its stages take no positions): build the data without packing")
         if self.objective is not None and not callable(getattr(type(self.objective), "loss", None)):
             raise ValueError(f"TrainJob.objective={self.objective!r} is invalid: expected an object with a "
                              "loss(logits, targets) method")

@@ -2,8 +2,10 @@
 
 Each row of a .jsonl, .json or .parquet file (read with Hugging Face `datasets`) is one conversation
 (`messages`) or one prompt and completion; chat_rendering.py renders it and marks the tokens the loss
-trains. A conversation is one stored sequence of seq_len + 1 tokens, right-padded: no token attends to
-another conversation, and positions start at 0 in each. Padding and untrained tokens are targets of
+trains. Conversations are packed into stored sequences of seq_len + 1 tokens by best-fit decreasing
+(packing.py), each sequence right-padded, with every token's position in its own conversation: the
+model attends within each conversation only, positions starting at 0 in each (packing="none": one
+conversation a sequence). Padding and untrained tokens are targets of
 IGNORE_INDEX, and the loss of a step is the mean over its trained tokens (Engine.loss), however
 unevenly the micro-batches and replicas hold them.
 
@@ -35,6 +37,7 @@ from tqdm.auto import tqdm
 from baige_ray.api.validation import require_choice, require_int
 from baige_ray.checkpoint.files import fsync_path, sha256_file, write_json_atomically
 from baige_ray.models.chat_rendering import TRAIN_ON, RenderedConversation, chat_template_of, render_conversation
+from baige_ray.models.packing import best_fit_decreasing, restarting_positions
 from baige_ray.models.plugin import IGNORE_INDEX
 from baige_ray.models.token_dataset import SourceFile, expand_files, global_sequence_ids, resolve_tokenizer
 from baige_ray.models.tokenizer import tokenizer_fingerprint
@@ -47,8 +50,11 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 TOKENS_FILE = "tokens.bin"
 TRAINED_FILE = "trained.bin"  # uint8 per token: 1 where the loss trains it
+POSITIONS_FILE = "positions.bin"  # int32 per token: its position in its conversation (packed sequences only)
+POSITIONS_DTYPE = "int32"
 METADATA_FILE = "conversations.json"
 TOO_LONG = ("truncate", "refuse")
+PACKING = ("bfd", "none")
 ROW_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
@@ -59,6 +65,7 @@ class ConversationSettings:
     seq_len: int
     train_on: str = "assistant"
     too_long: str = "truncate"
+    packing: str = "bfd"
     chat_template_sha256: str = ""  # "" where no template renders (prompt/completion text)
 
     def __post_init__(self) -> None:
@@ -66,6 +73,11 @@ class ConversationSettings:
         require_int(owner, "seq_len", self.seq_len, minimum=1)
         require_choice(owner, "train_on", self.train_on, TRAIN_ON)
         require_choice(owner, "too_long", self.too_long, TOO_LONG)
+        require_choice(owner, "packing", self.packing, PACKING)
+
+    @property
+    def packs_documents(self) -> bool:
+        return self.packing != "none"
 
     def differences(self, other: ConversationSettings) -> list[str]:
         return [f"{field.name} {getattr(self, field.name)!r} != {getattr(other, field.name)!r}"
@@ -92,6 +104,7 @@ class ConversationDatasetMetadata:
     sources: tuple[SourceFile, ...] = dataclasses.field(repr=False)
     tokens_sha256: str
     trained_sha256: str
+    positions_sha256: str = ""  # "" without packing
 
     def __post_init__(self) -> None:
         owner = "ConversationDatasetMetadata"
@@ -133,7 +146,14 @@ class ConversationDataset:
 
     @property
     def fingerprint(self) -> str:
-        return hashlib.sha256((self.metadata.tokens_sha256 + self.metadata.trained_sha256).encode()).hexdigest()[:16]
+        metadata = self.metadata
+        checksums = metadata.tokens_sha256 + metadata.trained_sha256 + metadata.positions_sha256
+        return hashlib.sha256(checksums.encode()).hexdigest()[:16]
+
+    @property
+    def packs_documents(self) -> bool:
+        """Whether a sequence holds several conversations (then `positions` restarts at each)."""
+        return self.metadata.settings.packs_documents
 
     @property
     def padding_fraction(self) -> float:
@@ -145,16 +165,18 @@ class ConversationDataset:
     @classmethod
     def build(cls, files: Sequence[str | Path] | str | Path, *, tokenizer: str | Path | PreTrainedTokenizerBase,
               seq_len: int, directory: str | Path, train_on: str = "assistant", chat_template: str | None = None,
-              too_long: str = "truncate", overwrite: bool = False) -> ConversationDataset:
+              too_long: str = "truncate", packing: str = "bfd", overwrite: bool = False) -> ConversationDataset:
         """Render `files`' conversations into `directory`, or reuse what was built there from them.
 
         `train_on`: "assistant" (every reply), "completion" (the last reply) or "all" (every token).
         `chat_template`: a Jinja template used instead of the tokenizer's own. `too_long`: a conversation
-        of more than seq_len + 1 tokens is cut to its first seq_len + 1 ("truncate") or refused ("refuse")."""
+        of more than seq_len + 1 tokens is cut to its first seq_len + 1 ("truncate") or refused ("refuse").
+        `packing`: "bfd" packs several conversations into a sequence by best-fit decreasing (none attends
+        to another; each one's positions start at 0), "none" gives each a padded sequence of its own."""
         paths = _conversation_files(files)
         tokenizer, tokenizer_name = resolve_tokenizer(tokenizer)
         template = _template_or_none(tokenizer, chat_template)
-        settings = ConversationSettings(seq_len=seq_len, train_on=train_on, too_long=too_long,
+        settings = ConversationSettings(seq_len=seq_len, train_on=train_on, too_long=too_long, packing=packing,
                                         chat_template_sha256=hashlib.sha256(template.encode()).hexdigest()
                                         if template else "")
         sources = tuple(SourceFile.of(path) for path in paths)
@@ -195,6 +217,9 @@ class ConversationDataset:
         metadata = _read_metadata(directory)
         expected_sizes = {TOKENS_FILE: np.dtype(metadata.dtype).itemsize, TRAINED_FILE: 1}
         checksums = {TOKENS_FILE: metadata.tokens_sha256, TRAINED_FILE: metadata.trained_sha256}
+        if metadata.settings.packs_documents:
+            expected_sizes[POSITIONS_FILE] = np.dtype(POSITIONS_DTYPE).itemsize
+            checksums[POSITIONS_FILE] = metadata.positions_sha256
         for name, itemsize in expected_sizes.items():
             path = directory / name
             expected = metadata.num_sequences * (metadata.seq_len + 1) * itemsize
@@ -217,13 +242,21 @@ class ConversationDataset:
         targets = torch.where(trained, tokens[:, 1:], IGNORE_INDEX)
         return tokens[:, :-1], targets
 
+    def positions(self, indices: np.ndarray | range | Sequence[int], seed: int) -> torch.Tensor | None:
+        """Each input token's position in its conversation (int64, like the inputs), restarting at 0 where
+        a packed sequence starts the next; None without packing (every sequence is one, from 0)."""
+        if not self.packs_documents:
+            return None
+        rows = self._array(POSITIONS_FILE)[self.sequence_ids(indices, seed)]
+        return torch.from_numpy(rows[:, :-1].astype(np.int64))
+
     def trained_tokens(self, indices: np.ndarray | range | Sequence[int], seed: int) -> int:
         """The tokens samples `indices` train (the first token of a sequence is never a target)."""
         return int(self._array(TRAINED_FILE)[self.sequence_ids(indices, seed)][:, 1:].sum(dtype=np.int64))
 
     def _array(self, name: str) -> np.memmap:
         metadata = self.metadata
-        dtype = metadata.dtype if name == TOKENS_FILE else "uint8"
+        dtype = {TOKENS_FILE: metadata.dtype, TRAINED_FILE: "uint8", POSITIONS_FILE: POSITIONS_DTYPE}[name]
         return _map(str(self.directory / name), dtype, (metadata.num_sequences, metadata.seq_len + 1),
                     metadata.tokens_sha256)
 
@@ -264,7 +297,9 @@ def _read_metadata(directory: Path) -> ConversationDatasetMetadata:
 
 
 class _Builder:
-    """Renders rows into padded sequences, counting what it truncated, dropped and padded."""
+    """Renders every row, then packs the conversations into sequences (best-fit decreasing, or one each),
+    counting what it truncated, dropped and padded. The rendered conversations are held in memory until
+    they are packed (about 5 bytes a token)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, settings: ConversationSettings, template: str | None):
         self.tokenizer, self.settings, self.template = tokenizer, settings, template
@@ -279,30 +314,67 @@ class _Builder:
         directory.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=".build-", dir=directory))
         try:
-            staged = {name: scratch / name for name in (TOKENS_FILE, TRAINED_FILE)}
-            with staged[TOKENS_FILE].open("wb") as tokens, staged[TRAINED_FILE].open("wb") as trained:
-                self._write(paths, scratch / "hf_cache", tokens, trained)
-            if self.counts["num_sequences"] == 0:
+            conversations = self._render_files(paths, scratch / "hf_cache")
+            if not conversations:
                 raise ValueError("ConversationDataset.build.files hold no conversation with a trained token")
+            staged = self._write_sequences(conversations, scratch)
+            checksums = {name: sha256_file(path) for name, path in staged.items()}
             metadata = ConversationDatasetMetadata(
                 format_version=FORMAT_VERSION, settings=self.settings, **self.counts, dtype=self.dtype,
                 vocab_size=len(self.tokenizer), pad_token_id=self.pad_id, tokenizer=tokenizer_name,
                 tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer), sources=sources,
-                tokens_sha256=sha256_file(staged[TOKENS_FILE]), trained_sha256=sha256_file(staged[TRAINED_FILE]))
+                tokens_sha256=checksums[TOKENS_FILE], trained_sha256=checksums[TRAINED_FILE],
+                positions_sha256=checksums.get(POSITIONS_FILE, ""))
             _publish(directory, staged, metadata)
             return metadata
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
-    def _write(self, paths: list[Path], cache_dir: Path, tokens, trained) -> None:
+    def _render_files(self, paths: list[Path], cache_dir: Path) -> list[RenderedConversation]:
+        conversations = []
         with tqdm(total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True, desc="render",
                   file=sys.stderr, delay=2.0) as progress:
             for path in paths:
                 for number, row in enumerate(_rows(path, cache_dir)):
                     conversation = self._render(row, path, number)
                     if conversation is not None:
-                        self._append(conversation, tokens, trained)
+                        conversations.append(conversation)
                 progress.update(path.stat().st_size)
+        return conversations
+
+    def _write_sequences(self, conversations: list[RenderedConversation], scratch: Path) -> dict[str, Path]:
+        capacity = self.settings.seq_len + 1
+        if self.settings.packing == "bfd":
+            groups = best_fit_decreasing([len(c.ids) for c in conversations], capacity)
+        else:
+            groups = [[index] for index in range(len(conversations))]
+        names = (TOKENS_FILE, TRAINED_FILE, POSITIONS_FILE) if self.settings.packs_documents else (TOKENS_FILE,
+                                                                                                  TRAINED_FILE)
+        staged = {name: scratch / name for name in names}
+        handles = {name: path.open("wb") for name, path in staged.items()}
+        try:
+            for group in groups:
+                self._write_sequence([conversations[index] for index in group], capacity, handles)
+        finally:
+            for handle in handles.values():
+                handle.close()
+        return staged
+
+    def _write_sequence(self, members: list[RenderedConversation], capacity: int, handles: dict) -> None:
+        """One sequence: its conversations in order, then padding (a document of its own: never trained)."""
+        lengths = [len(member.ids) for member in members]
+        padding = capacity - sum(lengths)
+        ids = [token for member in members for token in member.ids] + [self.pad_id] * padding
+        # A document's first token is never a target: nothing of its own comes before it.
+        trained = [flag and at > 0 for member in members for at, flag in enumerate(member.trained)] + [False] * padding
+        handles[TOKENS_FILE].write(np.asarray(ids, dtype=self.dtype).tobytes())
+        handles[TRAINED_FILE].write(np.asarray(trained, dtype=np.uint8).tobytes())
+        if POSITIONS_FILE in handles:
+            positions = restarting_positions(lengths + ([padding] if padding else []))
+            handles[POSITIONS_FILE].write(positions.astype(POSITIONS_DTYPE).tobytes())
+        self.counts["num_sequences"] += 1
+        self.counts["num_trained_tokens"] += sum(trained)
+        self.counts["num_padding_tokens"] += padding
 
     def _render(self, row: dict, path: Path, number: int) -> RenderedConversation | None:
         try:
@@ -327,14 +399,6 @@ class _Builder:
             return None
         raise ValueError(f"{path}, row {number}: no token of the conversation is trained with train_on="
                          f"{self.settings.train_on!r}")
-
-    def _append(self, conversation: RenderedConversation, tokens, trained) -> None:
-        padding = self.settings.seq_len + 1 - len(conversation.ids)
-        tokens.write(np.asarray(conversation.ids + [self.pad_id] * padding, dtype=self.dtype).tobytes())
-        trained.write(np.asarray(conversation.trained + [False] * padding, dtype=np.uint8).tobytes())
-        self.counts["num_sequences"] += 1
-        self.counts["num_trained_tokens"] += sum(conversation.trained[1:])
-        self.counts["num_padding_tokens"] += padding
 
 
 def _rows(path: Path, cache_dir: Path) -> Iterator[dict]:

@@ -195,6 +195,12 @@ class ModelPlugin(ABC):
         return None
 
     @property
+    def supports_packed_documents(self) -> bool:
+        """Whether its stages take `positions` (each token's position in its document, restarting where a
+        packed sequence starts the next) and keep attention inside each document."""
+        return False
+
+    @property
     def supports_uneven_data_parallel(self) -> bool:
         """Whether data-parallel replicas may hold shares of the global batch that differ by a sequence."""
         return True

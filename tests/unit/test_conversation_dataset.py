@@ -28,7 +28,8 @@ def test_targets_are_the_replies_and_nothing_else(chat_model, tmp_path):
     from transformers import AutoTokenizer
 
     tiny, rows = chat_model
-    dataset = ConversationDataset.build(rows, tokenizer=tiny.model_dir, seq_len=SEQ_LEN, directory=tmp_path / "d")
+    dataset = ConversationDataset.build(rows, tokenizer=tiny.model_dir, seq_len=SEQ_LEN, directory=tmp_path / "d",
+                                        packing="none")
     tokenizer = AutoTokenizer.from_pretrained(tiny.model_dir)
     conversations = [json.loads(line)["messages"] for line in rows.read_text().splitlines()]
     metadata = dataset.metadata
@@ -97,3 +98,19 @@ def test_files_without_rows_or_templates_are_refused(chat_model, tmp_path):
     with pytest.raises(ValueError, match="train_on='everything' is invalid"):
         ConversationDataset.build(rows, tokenizer=tiny.model_dir, seq_len=SEQ_LEN, directory=tmp_path / "c",
                                   train_on="everything")
+
+
+def test_packing_holds_the_same_trained_tokens_in_fewer_sequences(chat_model, tmp_path):
+    tiny, rows = chat_model
+    build = dict(tokenizer=tiny.model_dir, seq_len=2 * SEQ_LEN)
+    alone = ConversationDataset.build(rows, **build, directory=tmp_path / "alone", packing="none")
+    packed = ConversationDataset.build(rows, **build, directory=tmp_path / "packed")
+    assert packed.packs_documents and alone.positions(range(2), 0) is None
+    assert packed.metadata.num_trained_tokens == alone.metadata.num_trained_tokens
+    assert packed.num_sequences < alone.num_sequences and packed.padding_fraction < alone.padding_fraction
+    everything = range(packed.num_sequences)
+    inputs, targets = packed.batch(everything, 0)
+    positions = packed.positions(everything, 0)
+    assert positions.shape == inputs.shape and int((positions == 0).sum()) >= packed.metadata.num_conversations
+    starts = torch.nonzero(positions[:, 1:] == 0)  # a document starting at t + 1 is not t's target
+    assert bool((targets[starts[:, 0], starts[:, 1]] == IGNORE_INDEX).all())

@@ -1,8 +1,10 @@
 """The loss of a step is the mean over all its trained tokens, in every layout.
 
-Conversations train unequal numbers of tokens, so micro-batches and replicas hold unequal counts: the
+Conversations, packed several to a sequence, train unequal numbers of tokens, so micro-batches and
+replicas hold unequal counts: the
 step-0 gradients at accumulation 1 and 4, on two data-parallel ranks and on two pipeline stages must all
-be the gradient of (summed token losses) / (the step's trained tokens) computed by transformers alone;
+be the gradient of (summed token losses) / (the step's trained tokens) computed by transformers alone
+(given the same per-conversation positions, from which it masks attention to each conversation);
 the mean of micro-batch means, which the engines used to take, is not.
 """
 
@@ -12,7 +14,7 @@ import torch.distributed as dist
 
 from tests.helpers import spawn_ranks
 
-SEQ_LEN = 64
+SEQ_LEN = 128
 GLOBAL_BATCH = 8
 
 
@@ -41,7 +43,7 @@ def _job(model_dir, dataset, micro_batch_size):
 def step_zero_gradients(engine) -> dict[str, torch.Tensor]:
     """The gradients of the first step's forward and backward, by canonical name (before the update)."""
     engine.tokens_per_sample = engine.step_tokens_per_sample(0)
-    engine.forward_backward(*engine.batch(0))
+    engine.forward_backward(*engine.batch(0), engine.positions(0))
     return {name.split(".", 1)[1]: param.grad.detach().clone() for name, param in engine.module.named_parameters()}
 
 
@@ -68,7 +70,9 @@ def transformers_gradients(model_dir, dataset, micro_means: int = 0) -> dict[str
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     inputs, targets = dataset.batch(range(GLOBAL_BATCH), seed=3)
-    logits = model(input_ids=inputs).logits
+    positions = dataset.positions(range(GLOBAL_BATCH), seed=3)
+    # Without a cache (as in training): with one, transformers builds a plain causal mask whatever the positions.
+    logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits
     losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # 0 if ignored
     trained = (targets != -100).float()
     if micro_means:
@@ -87,6 +91,8 @@ def test_step_gradients_are_the_mean_over_the_steps_trained_tokens_in_every_layo
     model_dir, dataset = chat_data
     counts = [int((t != -100).sum()) for t in dataset.batch(range(GLOBAL_BATCH), seed=3)[1].chunk(4)]
     assert len(set(counts)) > 1, f"the micro-batches must train unequal token counts: {counts}"
+    documents = (dataset.positions(range(GLOBAL_BATCH), seed=3) == 0).sum(dim=1)
+    assert documents.max() > 2, "sequences pack several conversations (and padding)"
     reference = transformers_gradients(model_dir, dataset)
     mean_of_means = transformers_gradients(model_dir, dataset, micro_means=4)
     assert not torch.allclose(mean_of_means["lm_head.weight"], reference["lm_head.weight"], rtol=1e-2)

@@ -236,6 +236,10 @@ class HFPlugin(ModelPlugin):
 
     # ---- training ------------------------------------------------------------------------
 
+    @property
+    def supports_packed_documents(self) -> bool:
+        return True  # DecoderStage: rotary embeddings and transformers' masks follow the positions
+
     def open_data(self, data: Any):
         from baige_ray.models.conversation_dataset import ConversationDataset
         from baige_ray.models.token_dataset import TokenDataset

@@ -126,10 +126,14 @@ class DecoderStage(nn.Module):
             raise ValueError(f"{type(causal_lm).__name__} has modules a pipeline stage does not hold: {left[:5]}")
         return causal_lm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (first stage) or hidden states in; `positions`, each token's position in its document
+        where a sequence packs several (restarting at 0 at each): rotary embeddings follow them and
+        transformers' masks then keep attention inside each document."""
         _, embedding, _, norm, head = self._names
         hidden = getattr(self.base, embedding)(x) if self.is_first else x
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        if positions is None:
+            positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         position_embeddings = self.base.rotary_emb(hidden, positions)
         masks = self._masks(hidden, positions)
         for index, layer in self.layers.items():
