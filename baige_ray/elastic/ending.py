@@ -33,7 +33,7 @@ class RunEnd:
         self.release(incoming)
         weights = merge_weights(parts)
         del parts
-        path = self.job.plugin.save_final(self.run_dir / "final", weights, step=step)
+        path = self.job.save_final(self.run_dir / "final", weights, step=step)
         return {"checkpoint_path": path, "final_state": self.pool.put({"model": weights, "optimizer": {}})}
 
     def release(self, incoming: list[Worker]) -> None:

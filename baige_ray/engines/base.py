@@ -12,6 +12,7 @@ from torch import nn
 
 from baige_ray.engines.host_allocator import give_back_under_pressure
 from baige_ray.engines.train_job import TrainJob, learning_rate_at, replica_sample_range
+from baige_ray.models.adapters import add_lora
 from baige_ray.models.plugin import PolicySamples, SampleSource, stage_ranges
 from baige_ray.parallel.layout import ParallelLayout, RankCoords
 from baige_ray.parallel.state import CanonicalState
@@ -263,7 +264,10 @@ class Engine(ABC):
         """The pipeline stages this rank holds (the whole model without pipelining), canonical names kept."""
         layers = self.plugin.layers_per_stage(self.layout)
         ranges = stage_ranges(layers, self.layout.stage_indices(self.coords.pp))
-        return self.plugin.build_stages(ranges, self.device, self.job.train.seed)
+        stages = self.plugin.build_stages(ranges, self.device, self.job.train.seed)
+        if self.job.adapter is not None:
+            add_lora(stages, self.job.adapter, self.job.train.seed)
+        return stages
 
     def set_emulated_speed(self, speed: float) -> None:
         """Change how fast this rank's chip appears, e.g. to inject a straggler."""

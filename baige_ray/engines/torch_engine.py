@@ -30,7 +30,13 @@ from baige_ray.parallel.distributed import all_reduce_abortable
 from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.parallel.sequence_parallel import split_sequence_across
 from baige_ray.parallel.shards import LocalSources, ShardCopy, ShardedPart
-from baige_ray.parallel.state import CanonicalState, export_module_state, full_tensor, import_module_state
+from baige_ray.parallel.state import (
+    CanonicalState,
+    export_module_state,
+    full_tensor,
+    import_module_state,
+    trainable_parameters,
+)
 
 
 class TorchEngine(Engine):
@@ -321,7 +327,7 @@ class TorchEngine(Engine):
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         weights = {}
-        for name, param in self.module.named_parameters():
+        for name, param in trainable_parameters(self.module):
             full = full_tensor(param)  # collective for a sharded parameter: every rank takes part
             if self.owns_state:
                 weights[name] = full

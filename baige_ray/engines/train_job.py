@@ -14,12 +14,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from baige_ray.api.configs import TrainConfig
+from baige_ray.models.adapters import check_adapter, save_adapter
 from baige_ray.models.plugin import ModelPlugin, PolicySamples, ProvidedSamples, SampleSource, plugin_for
 
 
@@ -32,15 +34,22 @@ class TrainJob:
     that bring their own source (`ProvidedSamples`: the rollouts a policy trainer publishes; `PolicySamples`:
     rollouts each rank draws from its own weights);
     `objective` replaces the model's next-token loss: anything with `loss(logits, targets)` that is
-    small and picklable (rl.PolicyObjective)."""
+    small and picklable (rl.PolicyObjective); `adapter` a `peft.LoraConfig`: only its LoRA matrices
+    train, the model's own weights stay frozen (models/adapters.py)."""
 
     model: Any
     train: TrainConfig
     data: Any = None
     objective: Any = None
+    adapter: Any = None
 
     def __post_init__(self) -> None:
         plugin = plugin_for(self.model)  # an unknown model fails here, on the driver, naming the supported ones
+        if self.adapter is not None:
+            check_adapter(self.adapter)
+            if not plugin.supports_adapters:
+                raise ValueError(f"adapter= is invalid for {plugin.describe()}: adapters train Hugging Face models "
+                                 "(HFModel)")
         if getattr(self.data, "packs_documents", False) and not plugin.supports_packed_documents:
             raise ValueError(f"TrainJob.data packs several documents per sequence, which {plugin.describe()} "
                              "cannot keep apart (its stages take no positions): build the data without packing")
@@ -75,6 +84,13 @@ class TrainJob:
         if self.objective is not None:
             return bool(getattr(self.objective, "normalises_by_tokens", False))
         return True
+
+    def save_final(self, directory: Path, weights: dict[str, torch.Tensor], *, step: int) -> Path:
+        """The final checkpoint of `weights` (the trained parameters by canonical name): the model's own
+        directory, or with an adapter a PEFT adapter directory over the model's."""
+        if self.adapter is not None:
+            return save_adapter(directory, weights, self.adapter, base_model=str(self.model.path))
+        return self.plugin.save_final(directory, weights, step=step)
 
     def trained_tokens(self, targets: torch.Tensor) -> int:
         """How many tokens of `targets` the loss trains."""

@@ -25,6 +25,7 @@ from baige_ray.engines.exact_gradients import check_world_size_invariant
 from baige_ray.engines.host_allocator import return_freed_memory
 from baige_ray.engines.train_job import TrainJob
 from baige_ray.jobs.worker_group import WorkerGroup
+from baige_ray.models.adapters import check_adapter_layout
 from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.parallel.state import CanonicalState, merge_weights
 from baige_ray.runtime.memory_check import check_layout_memory
@@ -52,7 +53,7 @@ def _save_final(job: TrainJob, weights: dict, run: RunConfig):
     total = sum(tensor.numel() * tensor.element_size() for tensor in weights.values())
     with StageProgress("final checkpoint", enabled=run.show_progress, unit="B", unit_scale=True) as progress:
         progress(f"writing {run.run_dir / 'final'}", 0, total)
-        checkpoint = job.plugin.save_final(run.run_dir / "final", weights, step=job.train.num_steps)
+        checkpoint = job.save_final(run.run_dir / "final", weights, step=job.train.num_steps)
         progress(f"writing {run.run_dir / 'final'}", total, total)
     return checkpoint
 
@@ -115,6 +116,7 @@ def fit(
     layout: ParallelLayout | str = "ddp",
     emulated_speeds: list[float] | None = None,
     cluster: ClusterDescriptor | None = None,
+    adapter: Any = None,
 ) -> Result:
     """Train `model` and return its metrics and final checkpoint.
 
@@ -125,9 +127,10 @@ def fit(
     degrees, engines and placement on the cluster's resource graph, `cluster`
     being its descriptor when not simulated by `open_cluster`), or an explicit
     `ParallelLayout`. `emulated_speeds` (one per rank) makes workers emulate slower
-    chips. Connects to RAY_ADDRESS, or starts a local Ray, when no session is open.
+    chips. `adapter` (a `peft.LoraConfig`) trains a LoRA adapter on the frozen model; the final checkpoint is
+    then a PEFT adapter directory. Connects to RAY_ADDRESS, or starts a local Ray, when no session is open.
     """
-    job = TrainJob(model=model, train=train, data=data)
+    job = TrainJob(model=model, train=train, data=data, adapter=adapter)
     scaling = scaling or ScalingConfig()
     run = run or RunConfig()
     if not ray.is_initialized():
@@ -208,6 +211,8 @@ def check_execution(
     layout.replica_batches(job.train)
     check_world_size_invariant(job.train, layout, job.plugin.engine)
     job.plugin.check_layout(layout)
+    if job.adapter is not None:
+        check_adapter_layout(layout)
     job.open_data()  # a missing or corrupt dataset fails before any actor starts
     if check_memory:
         check_layout_memory(job, scaling, layout, cluster=cluster, elastic=elastic)

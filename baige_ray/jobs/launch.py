@@ -139,6 +139,7 @@ def launch(
     cluster: ClusterDescriptor | None = None,
     objective: Any = None,
     steps_allowed: int | None = None,
+    adapter: Any = None,
 ) -> TrainingJob:
     """Start training `model` (a registered model config, as for `fit`) in the background;
     `job.wait()` returns the `Result`.
@@ -148,10 +149,11 @@ def launch(
     after every failure and resize (`cluster` is the descriptor when not simulated).
     `objective` replaces the model's loss (TrainJob.objective); with `steps_allowed` only the steps
     below it run until `job.allow_steps(n)` raises the bound (a trainer that feeds each step's data).
+    `adapter` (a `peft.LoraConfig`) trains a LoRA adapter on the frozen model, as for `fit`.
     """
     if steps_allowed is not None and (not isinstance(steps_allowed, int) or steps_allowed < 0):
         raise ValueError(f"launch steps_allowed={steps_allowed!r} is invalid: expected None or a step count >= 0")
-    job = TrainJob(model=model, train=train, data=data, objective=objective)
+    job = TrainJob(model=model, train=train, data=data, objective=objective, adapter=adapter)
     scaling = scaling or ScalingConfig()
     run = run or RunConfig()
     elastic = elastic or ElasticConfig()

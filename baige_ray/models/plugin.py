@@ -195,6 +195,11 @@ class ModelPlugin(ABC):
         return None
 
     @property
+    def supports_adapters(self) -> bool:
+        """Whether LoRA adapters (TrainJob.adapter) can train on it: peft wraps its Linear modules."""
+        return False
+
+    @property
     def supports_packed_documents(self) -> bool:
         """Whether its stages take `positions` (each token's position in its document, restarting where a
         packed sequence starts the next) and keep attention inside each document."""

@@ -29,13 +29,19 @@ def full_tensor(tensor: torch.Tensor, into: torch.Tensor | None = None) -> torch
     return full.detach().cpu().clone()
 
 
+def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters training changes, by name: all of them, but a frozen base under an adapter, which
+    every worker reads from the model's directory and no state needs to carry."""
+    return [(name, param) for name, param in module.named_parameters() if param.requires_grad]
+
+
 def export_module_state(
     module: nn.Module, optimizer: torch.optim.Optimizer, into: CanonicalState | None = None
 ) -> CanonicalState:
     """Full copies of the weights and Adam state; `into`, an earlier export of the same names, is reused."""
     old_model, old_adam = (into or {}).get("model", {}), (into or {}).get("optimizer", {})
     model, adam = {}, {}
-    for name, param in module.named_parameters():
+    for name, param in trainable_parameters(module):
         model[name] = full_tensor(param, old_model.get(name))
         state = optimizer.state.get(param)
         if state:
@@ -52,12 +58,12 @@ def import_module_state(
     keeps (a sharded snapshot's pieces are never assembled whole). `canonical` maps the module's names
     to the state's."""
     model, adam = state["model"], state["optimizer"]
-    names = {name: canonical(name) for name, _ in module.named_parameters()}
+    names = {name: canonical(name) for name, _ in trainable_parameters(module)}
     missing = [key for key in names.values() if key not in model]
     if missing:
         raise KeyError(f"canonical state lacks parameters {missing[:5]}")
     with torch.no_grad():
-        for name, param in module.named_parameters():
+        for name, param in trainable_parameters(module):
             box = box_of(param)
             _local(param).copy_(piece_of(model, names[name], box).reshape(box.size))
             if names[name] in adam:

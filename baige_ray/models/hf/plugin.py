@@ -237,6 +237,10 @@ class HFPlugin(ModelPlugin):
     # ---- training ------------------------------------------------------------------------
 
     @property
+    def supports_adapters(self) -> bool:
+        return self.config.path is not None  # an adapter trains over the directory's weights, which it names
+
+    @property
     def supports_packed_documents(self) -> bool:
         return True  # DecoderStage: rotary embeddings and transformers' masks follow the positions
 
