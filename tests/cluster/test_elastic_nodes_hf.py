@@ -180,3 +180,41 @@ def test_a_hf_job_whose_hosts_lose_every_worker_and_their_memory_resumes_from_it
     # That the persisted state resumes bitwise is the unit tier's (test_checkpoint_resume.py); here, that it
     # was this run's latest checkpoint that resumed it and that nothing was trained twice or skipped.
     assert_agrees_with_one_process(final, tiny, num_steps=num_steps)
+
+
+def test_a_lora_job_on_conversations_loses_a_worker_mid_step_and_its_adapter_agrees_with_one_process(tmp_path):
+    """Supervised fine-tuning with an adapter is elastic as pre-training is: a worker SIGKILLed-like crash in
+    its backward costs at most that step, the spare reads the base weights from the model's directory and
+    the adapter and its Adam state from a survivor, and the final adapter is one process's."""
+    from peft import LoraConfig
+
+    from baige_ray.api.configs import RunConfig, ScalingConfig
+    from baige_ray.engines.train_job import TrainJob
+    from baige_ray.jobs.launch import launch
+    from baige_ray.models.conversation_dataset import ConversationDataset
+    from baige_ray.models.hf import HFModel
+    from tests.hf_helpers import CHAT_SPECIAL_TOKENS, VOCAB_SIZE, give_chat_template, write_conversations
+
+    chat = build_tiny_hf(tmp_path / "chat", vocab_size=VOCAB_SIZE + len(CHAT_SPECIAL_TOKENS["llama3"]))
+    give_chat_template(chat.model_dir)
+    rows = write_conversations(tmp_path / "conversations.jsonl", 48, max_turns=2)
+    data = ConversationDataset.build(rows, tokenizer=chat.model_dir, seq_len=128, directory=tmp_path / "data")
+    adapter = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    train = TrainConfig(num_steps=8, global_batch_size=4, warmup_steps=0, learning_rate=1e-2,
+                        min_learning_rate=1e-2)
+    model = HFModel(chat.model_dir, seq_len=128)
+    result = launch(model, data=data, train=train, adapter=adapter,
+                    scaling=ScalingConfig(num_workers=2, placement_timeout_s=240),
+                    run=RunConfig(name="elastic-hf-lora", storage_path=tmp_path, show_progress=False),
+                    elastic=ElasticConfig(num_spares=1), faults=FaultPlan().crash(rank=1, step=4, at="backward")).wait()
+    assert [m.step for m in result.metrics] == list(range(8))
+    assert len(result.recoveries) == 1 and result.recoveries[0]["lost_steps"] <= 1, result.recoveries
+    final = final_weights(result)
+    assert final and all(".lora_" in name for name in final)
+    one_process = build_engine(TrainJob(model=model, train=train, data=data, adapter=adapter), ParallelLayout())
+    for step in range(8):
+        one_process.train_step(step)
+    expected = one_process.export_weights()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(final[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+    assert (result.checkpoint_path / "adapter_config.json").is_file()

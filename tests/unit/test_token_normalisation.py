@@ -1,11 +1,11 @@
 """The loss of a step is the mean over all its trained tokens, in every layout.
 
 Conversations, packed several to a sequence, train unequal numbers of tokens, so micro-batches and
-replicas hold unequal counts: the
-step-0 gradients at accumulation 1 and 4, on two data-parallel ranks and on two pipeline stages must all
-be the gradient of (summed token losses) / (the step's trained tokens) computed by transformers alone
-(given the same per-conversation positions, from which it masks attention to each conversation);
-the mean of micro-batch means, which the engines used to take, is not.
+replicas hold unequal counts. The step-0 gradients at accumulation 1 and 4, on two data-parallel ranks
+and on two pipeline stages must all be the gradient of (summed token losses) / (the step's trained
+tokens) computed by transformers alone, given the same per-conversation positions (from which it masks
+attention to each conversation); two tensor-parallel ranks must give one process's losses. The mean of
+micro-batch means, which the engines used to take, is not that gradient.
 """
 
 import pytest
@@ -60,6 +60,9 @@ def _two_rank_gradients(rank: int, port: int, results, model_dir, dataset) -> No
     for name, layout in layouts.items():
         engine = build_engine(_job(model_dir, dataset, GLOBAL_BATCH // 4), layout, rank)
         results[(name, rank)] = step_zero_gradients(engine)
+    # Tensor parallelism's gradients are sharded: its losses over two steps against one process's instead.
+    engine = build_engine(_job(model_dir, dataset, GLOBAL_BATCH // 4), ParallelLayout(tp=2), rank)
+    results[("tp2", rank)] = [engine.train_step(step)["loss"] for step in range(2)]
     dist.destroy_process_group()
 
 
@@ -102,6 +105,8 @@ def test_step_gradients_are_the_mean_over_the_steps_trained_tokens_in_every_layo
     ranks = spawn_ranks(_two_rank_gradients, 2, model_dir, dataset)
     runs["dp2 (rank 1)"] = ranks[("dp2", 1)]
     runs["pp2"] = {**ranks[("pp2", 0)], **ranks[("pp2", 1)]}
+    one_process = build_engine(_job(model_dir, dataset, GLOBAL_BATCH // 4), ParallelLayout())
+    assert ranks[("tp2", 0)] == pytest.approx([one_process.train_step(step)["loss"] for step in range(2)], rel=1e-5)
     for run, gradients in runs.items():
         assert gradients.keys() == reference.keys(), run
         for name, gradient in gradients.items():
