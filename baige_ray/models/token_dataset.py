@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from baige_ray.api.validation import require_choice, require_int
 from baige_ray.checkpoint.files import fsync_path, sha256_file, write_json_atomically
+from baige_ray.models.plugin import IGNORE_INDEX
 from baige_ray.models.tokenizer import SUPPORTED_EXTENSIONS, load_tokenizer, tokenize_file, tokenizer_fingerprint
 
 if TYPE_CHECKING:
@@ -126,10 +127,16 @@ class TokenDatasetMetadata:
 
 @dataclass(kw_only=True, frozen=True)
 class TokenDataset:
-    """A finished dataset directory: small and picklable; each process maps tokens.bin on first read."""
+    """A finished dataset directory: small and picklable; each process maps tokens.bin on first read.
+
+    `document_masking`: a token attends only to its own document, and positions restart at each (Llama 3's
+    pre-training): documents end with eos, so each sequence's documents are found where eos falls, and the
+    token after an eos (the next document's first) is no target. It is how the tokens are read, not what
+    is stored: the same directory serves both."""
 
     directory: Path
     metadata: TokenDatasetMetadata
+    document_masking: bool = False
 
     @property
     def seq_len(self) -> int:
@@ -149,7 +156,11 @@ class TokenDataset:
 
     @property
     def fingerprint(self) -> str:
-        return self.metadata.tokens_sha256[:16]
+        return self.metadata.tokens_sha256[:16] + ("-documents" if self.document_masking else "")
+
+    @property
+    def packs_documents(self) -> bool:
+        return self.document_masking
 
     def __len__(self) -> int:
         return self.num_sequences
@@ -164,8 +175,10 @@ class TokenDataset:
         directory: str | Path,
         text_field: str = "text",
         overwrite: bool = False,
+        document_masking: bool = False,
     ) -> TokenDataset:
-        """Tokenize and pack `files` into `directory`, or reuse the dataset already built there from them."""
+        """Tokenize and pack `files` into `directory`, or reuse the dataset already built there from them
+        (`document_masking`: see the class)."""
         require_int("TokenDataset.build", "seq_len", seq_len, minimum=1)
         if not isinstance(text_field, str) or not text_field:
             raise ValueError(f"TokenDataset.build.text_field={text_field!r} is invalid: expected a non-empty string")
@@ -176,9 +189,9 @@ class TokenDataset:
         if (directory / METADATA_FILE).exists() and not overwrite:
             reused = cls._reuse(directory, sources, tokenizer_fingerprint(tokenizer), seq_len, text_field)
             if reused is not None:
-                return reused
+                return dataclasses.replace(reused, document_masking=document_masking)
         metadata = _build_directory(directory, paths, sources, tokenizer, tokenizer_name, seq_len, text_field)
-        return cls(directory=directory.resolve(), metadata=metadata)
+        return cls(directory=directory.resolve(), metadata=metadata, document_masking=document_masking)
 
     @classmethod
     def _reuse(
@@ -201,7 +214,7 @@ class TokenDataset:
             return None
 
     @classmethod
-    def open(cls, directory: str | Path, *, verify: bool = True) -> TokenDataset:
+    def open(cls, directory: str | Path, *, verify: bool = True, document_masking: bool = False) -> TokenDataset:
         """A finished dataset; `verify` re-hashes tokens.bin (seconds per GB) to catch silent corruption."""
         directory = Path(directory)
         if not directory.is_dir():
@@ -220,7 +233,7 @@ class TokenDataset:
             raise ValueError(
                 f"{tokens} fails its SHA-256 check: the dataset is corrupted; rebuild it with TokenDataset.build"
             )
-        return cls(directory=directory.resolve(), metadata=metadata)
+        return cls(directory=directory.resolve(), metadata=metadata, document_masking=document_masking)
 
     def sequence_ids(self, indices: np.ndarray | range | Sequence[int], seed: int) -> np.ndarray:
         """The packed sequence each global sample index reads: epoch i // n visits a permutation of all n."""
@@ -230,11 +243,32 @@ class TokenDataset:
         """Inputs and next-token targets, int64 of shape (len(indices), seq_len), for global sample indices."""
         rows = self._tokens()[self.sequence_ids(indices, seed)]
         tokens = torch.from_numpy(rows.astype(np.int64))
-        return tokens[:, :-1], tokens[:, 1:]
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        if self.document_masking:  # after an eos comes another document, which nothing before it predicts
+            targets = targets.masked_fill(inputs == self.metadata.eos_token_id, IGNORE_INDEX)
+        return inputs, targets
+
+    def positions(self, indices: np.ndarray | range | Sequence[int], seed: int) -> torch.Tensor | None:
+        """With document masking, each input token's position in its document (0 after every eos and at
+        a sequence's start); None otherwise."""
+        if not self.document_masking:
+            return None
+        inputs = self._tokens()[self.sequence_ids(indices, seed)][:, :-1]
+        starts = np.zeros(inputs.shape, dtype=bool)
+        starts[:, 0] = True
+        starts[:, 1:] = inputs[:, :-1] == self.metadata.eos_token_id
+        index = np.broadcast_to(np.arange(inputs.shape[1]), inputs.shape)
+        last_start = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+        return torch.from_numpy((index - last_start).astype(np.int64))
 
     def trained_tokens(self, indices: np.ndarray | range | Sequence[int], seed: int) -> int:
-        """The tokens samples `indices` train: every target of plain text is trained."""
-        return len(indices) * self.seq_len
+        """The tokens samples `indices` train: every target of plain text, but with document masking the
+        first token of each document after an eos."""
+        total = len(indices) * self.seq_len
+        if not self.document_masking:
+            return total
+        inputs = self._tokens()[self.sequence_ids(indices, seed)][:, :-1]
+        return total - int((inputs == self.metadata.eos_token_id).sum())
 
     def _tokens(self) -> np.memmap:
         metadata = self.metadata

@@ -48,3 +48,34 @@ def test_a_document_packed_after_another_scores_as_it_does_alone(tmp_path, famil
         unmasked = stage(torch.cat([before, probe], dim=1))[:, 21:]
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
     assert (unmasked - alone).abs().max() > 1e-2, "without positions the probe sees the document before it"
+
+
+def test_pretraining_text_with_document_masking_restarts_positions_after_each_eos(tmp_path):
+    from baige_ray.models.plugin import IGNORE_INDEX
+    from baige_ray.models.token_dataset import TokenDataset
+    from baige_ray.models.tokenizer import load_tokenizer, train_bpe_tokenizer
+    from tests.hf_helpers import text_files
+
+    tokenizer_dir = train_bpe_tokenizer(text_files(tmp_path / "corpus"), tmp_path / "tokenizer", vocab_size=384)
+    eos = load_tokenizer(tokenizer_dir).eos_token_id
+    documents = []
+    for index, words in enumerate((3, 40, 5, 9, 60, 2, 7)):
+        documents.append(tmp_path / f"doc{index}.txt")
+        documents[-1].write_text(" ".join(["token"] * words))
+    build = dict(tokenizer=tokenizer_dir, seq_len=24, directory=tmp_path / "data")
+    plain = TokenDataset.build(documents, **build)
+    masked = TokenDataset.build(documents, **build, document_masking=True)
+    assert masked.packs_documents and not plain.packs_documents and masked.fingerprint != plain.fingerprint
+    everything = range(masked.num_sequences)
+    inputs, targets = masked.batch(everything, 0)
+    positions = masked.positions(everything, 0)
+    assert torch.equal(inputs, plain.batch(everything, 0)[0]) and plain.positions(everything, 0) is None
+    for row, row_positions, row_targets in zip(inputs, positions, targets):
+        expected, position = [], 0
+        for at, token in enumerate(row.tolist()):
+            expected.append(position)
+            position = 0 if token == eos else position + 1
+            assert (row_targets[at] == IGNORE_INDEX) == (token == eos)
+        assert row_positions.tolist() == expected
+    assert masked.trained_tokens(everything, 0) == int((targets != IGNORE_INDEX).sum()) < plain.trained_tokens(
+        everything, 0)

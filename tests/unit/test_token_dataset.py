@@ -144,7 +144,7 @@ def test_pickle_holds_metadata_not_the_memory_map(txt_dataset):
     assert len(payload) < 4096 and b"memmap" not in payload
     copy = pickle.loads(payload)
     assert copy == txt_dataset and copy.fingerprint == txt_dataset.fingerprint
-    assert vars(copy).keys() == {"directory", "metadata"}
+    assert vars(copy).keys() == {"directory", "metadata", "document_masking"}
 
 
 def test_rebuilding_the_same_inputs_reuses_the_directory(tmp_path, tokenizer_dir, txt_dataset):
