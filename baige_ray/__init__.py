@@ -52,6 +52,7 @@ _EXPORTS = {
     "load_descriptor": "baige_ray.topology.descriptor",
     "load_model": "baige_ray.runtime.checkpoint_io",
     "load_tokenizer": "baige_ray.models.tokenizer",
+    "merge_adapter": "baige_ray.models.adapters",
     "open_cluster": "baige_ray.topology.connect",
     "parse_layout": "baige_ray.parallel.layout",
     "register_model": "baige_ray.models.plugin",

@@ -113,3 +113,21 @@ def save_adapter(directory: Path, weights: dict[str, torch.Tensor], adapter: Lor
     config.base_model_name_or_path = base_model
     config.save_pretrained(str(directory))
     return directory
+
+
+def merge_adapter(adapter_directory: str | Path, directory: str | Path) -> Path:
+    """The adapter's base model with the adapter merged into its weights, saved as a Hugging Face directory
+    (weights, config and the base's tokenizer) that transformers, vLLM and `br.HFModel` load. peft merges
+    (`merge_and_unload`); the base is the directory the adapter names. Returns the directory."""
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter_directory, directory = Path(adapter_directory), Path(directory)
+    if not (adapter_directory / "adapter_config.json").is_file():
+        raise ValueError(f"{adapter_directory} holds no adapter_config.json: expected a PEFT adapter directory")
+    base_path = PeftConfig.from_pretrained(str(adapter_directory)).base_model_name_or_path
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype="auto", trust_remote_code=False)
+    merged = PeftModel.from_pretrained(base, str(adapter_directory)).merge_and_unload()
+    merged.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(base_path).save_pretrained(directory)
+    return directory

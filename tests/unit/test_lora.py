@@ -1,6 +1,7 @@
 """LoRA adapters through peft: only the adapter trains (and is snapshotted and exported), every layout
 adapters run in trains as one process does, and the export is a PEFT adapter directory that
-`peft.PeftModel.from_pretrained` loads and that scores, in transformers, the loss training reported."""
+`peft.PeftModel.from_pretrained` loads and that scores, in transformers, the loss training reported (and
+merged into the base, the logits peft gives)."""
 
 import pytest
 import torch
@@ -61,6 +62,7 @@ def test_only_the_adapter_trains_and_its_export_scores_the_reported_loss_in_peft
     from transformers import AutoModelForCausalLM
 
     from baige_ray.engines.factory import build_engine
+    from baige_ray.models.adapters import merge_adapter
     from baige_ray.parallel.layout import ParallelLayout
 
     model_dir, dataset = chat_data
@@ -84,6 +86,11 @@ def test_only_the_adapter_trains_and_its_export_scores_the_reported_loss_in_peft
         logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits
     scored = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100)
     assert float(scored) == pytest.approx(reported, rel=1e-5)
+
+    merged = AutoModelForCausalLM.from_pretrained(merge_adapter(directory, tmp_path / "merged"), dtype=torch.float32)
+    with torch.no_grad():
+        merged_logits = merged(input_ids=inputs, position_ids=positions, use_cache=False).logits
+    torch.testing.assert_close(merged_logits, logits, rtol=1e-4, atol=1e-5)
 
 
 def test_adapters_train_as_one_process_with_accumulation_data_and_pipeline_parallelism(chat_data):
