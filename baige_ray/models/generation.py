@@ -52,7 +52,8 @@ class IncrementalDecoder(Protocol):
         """The text this token completes (empty while a character is still partial)."""
 
     def flush(self) -> str:
-        """Whatever is left once the request ended (partial characters as U+FFFD)."""
+        """Whatever is left once the request ended; a character still partial then is dropped, as vLLM
+        drops it (its last bytes were never generated)."""
 
 
 def plain_chat_prompt(messages: tuple[tuple[str, str], ...]) -> str:
@@ -102,7 +103,7 @@ class _TokenizerDecoder:
         return delta
 
     def flush(self) -> str:
-        text = self._tokenizer.decode(self._tokens, skip_special_tokens=True)
+        text = self._tokenizer.decode(self._tokens, skip_special_tokens=True).rstrip("\ufffd")  # partial: dropped
         delta = text[len(self._sent):] if text.startswith(self._sent) else ""
         self._sent = text
         return delta

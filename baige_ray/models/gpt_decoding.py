@@ -84,7 +84,10 @@ class _ByteDecoder:
         return self._utf8.decode(bytes([token]))
 
     def flush(self) -> str:
-        return self._utf8.decode(b"", final=True)
+        """Nothing for bytes that end mid-character: the character was never finished (vLLM drops it too)."""
+        partial, _ = self._utf8.getstate()
+        self._utf8.reset()
+        return "" if partial else self._utf8.decode(b"", final=True)
 
 
 def encode_prompt(prompt: str, seq_len: int) -> list[int]:

@@ -122,7 +122,9 @@ def test_bytes_decode_incrementally_without_splitting_characters():
     pieces = [decoder.push(byte) for byte in "añ€".encode()]
     assert pieces == ["a", "", "ñ", "", "", "€"] and decoder.flush() == ""
     broken = ByteCodec().decoder()
-    assert broken.push(0xE2) == "" and broken.flush() == "\ufffd"
+    assert broken.push(0xE2) == "" and broken.flush() == ""  # never finished: dropped, as vLLM drops it
+    invalid = ByteCodec().decoder()
+    assert invalid.push(0xFF) == "\ufffd" and invalid.push(0x41) == "A" and invalid.flush() == ""
 
 
 def test_tokenizer_text_is_streamed_as_it_becomes_whole(tmp_path):
@@ -137,6 +139,10 @@ def test_tokenizer_text_is_streamed_as_it_becomes_whole(tmp_path):
     streamed = "".join(decoder.push(token) for token in ids) + decoder.flush()
     assert streamed == codec.tokenizer.decode(ids, skip_special_tokens=True)
     assert codec.chat_tokens((("user", "hi"),)) == codec.encode("user: hi\nassistant:")
+    cut = codec.encode("text 漢")[:-1]  # ends inside the three bytes of a character the tokenizer never saw
+    assert codec.tokenizer.decode(cut).endswith("\ufffd")
+    decoder = codec.decoder()
+    assert "".join(decoder.push(token) for token in cut) + decoder.flush() == "text "  # as vLLM: dropped
 
 
 def test_server_sent_events_are_data_lines():
