@@ -25,6 +25,7 @@ BENCHMARK_MODULES: dict[str, str] = {
     "prefix": "baige_ray.bench.prefix",
     "ettr": "baige_ray.bench.ettr",
     "rl": "baige_ray.bench.rl",
+    "sft": "baige_ray.bench.sft",
     "soak": "baige_ray.bench.soak",
 }
 
