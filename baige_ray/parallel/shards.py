@@ -194,7 +194,7 @@ class LocalSources:
 
     @classmethod
     def of(cls, module: nn.Module, optimizer: torch.optim.Optimizer) -> LocalSources:
-        params = dict(module.named_parameters())
+        params = {name: param for name, param in module.named_parameters() if param.requires_grad}  # not a frozen base
         adam = {name: {key: state[key] for key in ("step", *ADAM_KEYS)}
                 for name, param in params.items() if (state := optimizer.state.get(param))}
         return cls(params, adam)

@@ -51,7 +51,9 @@ def _two_ranks(rank: int, port: int, results, model_dir, dataset) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    for name, layout in {"dp2": ParallelLayout(dp=2), "pp2": ParallelLayout(pp=2, num_microbatches=2)}.items():
+    layouts = {"dp2": ParallelLayout(dp=2), "fsdp2": ParallelLayout(dp=2, data_parallel="fsdp2"),
+               "pp2": ParallelLayout(pp=2, num_microbatches=2)}
+    for name, layout in layouts.items():
         engine = build_engine(job(model_dir, dataset), layout, rank)
         results[(name, rank)] = [engine.train_step(step)["loss"] for step in range(NUM_STEPS)]
     dist.destroy_process_group()
@@ -93,7 +95,7 @@ def test_only_the_adapter_trains_and_its_export_scores_the_reported_loss_in_peft
     torch.testing.assert_close(merged_logits, logits, rtol=1e-4, atol=1e-5)
 
 
-def test_adapters_train_as_one_process_with_accumulation_data_and_pipeline_parallelism(chat_data):
+def test_adapters_train_as_one_process_with_accumulation_ddp_fsdp2_and_pipeline_parallelism(chat_data):
     from baige_ray.engines.factory import build_engine
     from baige_ray.parallel.layout import ParallelLayout
 
@@ -103,7 +105,8 @@ def test_adapters_train_as_one_process_with_accumulation_data_and_pipeline_paral
     accumulated = build_engine(job(model_dir, dataset, micro_batch_size=1), ParallelLayout())
     runs = {"accumulation 4": [accumulated.train_step(step)["loss"] for step in range(NUM_STEPS)]}
     ranks = spawn_ranks(_two_ranks, 2, model_dir, dataset)
-    runs["dp2"] = [sum(pair) / 2 for pair in zip(ranks[("dp2", 0)], ranks[("dp2", 1)])]
+    for data_parallel in ("dp2", "fsdp2"):
+        runs[data_parallel] = [sum(pair) / 2 for pair in zip(ranks[(data_parallel, 0)], ranks[(data_parallel, 1)])]
     runs["pp2"] = ranks[("pp2", 1)]
     for name, losses in runs.items():
         assert losses == pytest.approx(reference, rel=1e-5), name
@@ -119,8 +122,8 @@ def test_layouts_and_configs_adapters_cannot_train_are_refused(chat_data):
     model_dir, dataset = chat_data
     with pytest.raises(ValueError, match="TP2.*expected tp=1 and ep=1"):
         check_adapter_layout(ParallelLayout(tp=2))
-    with pytest.raises(ValueError, match="data_parallel='fsdp2' is invalid with adapter="):
-        check_adapter_layout(ParallelLayout(dp=2, data_parallel="fsdp2"))
+    with pytest.raises(ValueError, match="data_parallel='zero2' is invalid with adapter="):
+        check_adapter_layout(ParallelLayout(dp=2, data_parallel="zero2"))
     with pytest.raises(ValueError, match="expected a peft.LoraConfig"):
         TrainJob(model=job(model_dir, dataset).model, train=job(model_dir, dataset).train, adapter={"r": 4})
     with pytest.raises(ValueError, match="LoraConfig.bias='all' is invalid"):
