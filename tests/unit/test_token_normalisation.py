@@ -4,7 +4,8 @@ Conversations, packed several to a sequence, train unequal numbers of tokens, so
 replicas hold unequal counts. The step-0 gradients at accumulation 1 and 4, on two data-parallel ranks
 and on two pipeline stages must all be the gradient of (summed token losses) / (the step's trained
 tokens) computed by transformers alone, given the same per-conversation positions (from which it masks
-attention to each conversation); two tensor-parallel ranks must give one process's losses. The mean of
+attention to each conversation); two tensor-parallel ranks and ZeRO-2 over two must give one process's
+losses. The mean of
 micro-batch means, which the engines used to take, is not that gradient.
 """
 
@@ -60,9 +61,10 @@ def _two_rank_gradients(rank: int, port: int, results, model_dir, dataset) -> No
     for name, layout in layouts.items():
         engine = build_engine(_job(model_dir, dataset, GLOBAL_BATCH // 4), layout, rank)
         results[(name, rank)] = step_zero_gradients(engine)
-    # Tensor parallelism's gradients are sharded: its losses over two steps against one process's instead.
-    engine = build_engine(_job(model_dir, dataset, GLOBAL_BATCH // 4), ParallelLayout(tp=2), rank)
-    results[("tp2", rank)] = [engine.train_step(step)["loss"] for step in range(2)]
+    # Tensor parallelism's and ZeRO's gradients are sharded: their losses over two steps against one process's.
+    for name, layout in {"tp2": ParallelLayout(tp=2), "zero2": ParallelLayout(dp=2, data_parallel="zero2")}.items():
+        engine = build_engine(_job(model_dir, dataset, GLOBAL_BATCH // 4), layout, rank)
+        results[(name, rank)] = [engine.train_step(step)["loss"] for step in range(2)]
     dist.destroy_process_group()
 
 
@@ -106,7 +108,9 @@ def test_step_gradients_are_the_mean_over_the_steps_trained_tokens_in_every_layo
     runs["dp2 (rank 1)"] = ranks[("dp2", 1)]
     runs["pp2"] = {**ranks[("pp2", 0)], **ranks[("pp2", 1)]}
     one_process = build_engine(_job(model_dir, dataset, GLOBAL_BATCH // 4), ParallelLayout())
-    assert ranks[("tp2", 0)] == pytest.approx([one_process.train_step(step)["loss"] for step in range(2)], rel=1e-5)
+    expected = [one_process.train_step(step)["loss"] for step in range(2)]
+    assert ranks[("tp2", 0)] == pytest.approx(expected, rel=1e-5)
+    assert [sum(pair) / 2 for pair in zip(ranks[("zero2", 0)], ranks[("zero2", 1)])] == pytest.approx(expected, rel=1e-5)
     for run, gradients in runs.items():
         assert gradients.keys() == reference.keys(), run
         for name, gradient in gradients.items():
