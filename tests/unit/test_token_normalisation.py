@@ -5,8 +5,7 @@ replicas hold unequal counts. The step-0 gradients at accumulation 1 and 4, on t
 and on two pipeline stages must all be the gradient of (summed token losses) / (the step's trained
 tokens) computed by transformers alone, given the same per-conversation positions (from which it masks
 attention to each conversation); two tensor-parallel ranks and ZeRO-2 over two must give one process's
-losses. The mean of
-micro-batch means, which the engines used to take, is not that gradient.
+losses. The mean of micro-batch means, which the engines used to take, is not that gradient.
 """
 
 import pytest
