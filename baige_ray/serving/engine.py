@@ -48,6 +48,7 @@ from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.device_memory import ModelOffload
 from baige_ray.serving.kv_batch import PagedKVBatch
 from baige_ray.serving.kv_blocks import PrefixBlockStore
+from baige_ray.serving.lora_adapters import BASE, AdapterSet, rows_use
 from baige_ray.serving.row_sampling import SampledToken, sample_rows
 from baige_ray.serving.sampling_params import require_implemented, stops_at
 from baige_ray.serving.token_logprobs import PromptLogprobs, TokenLogprobs, prompt_logprobs
@@ -119,6 +120,7 @@ class _Request:
     prefilled: KV | None = None  # the prompt's cache when another engine prefilled it (from position kv_from)
     kv_from: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # computed by its prefill; sent with its first event
+    adapter: int = BASE  # the LoRA adapter's slot (AdapterSet), BASE for the model alone
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -198,9 +200,12 @@ class RequestQueue(Generic[RequestT]):
 
 class ContinuousBatchingEngine:
     def __init__(self, decoder: KVDecoder, *, eos_token_id: int | None, limits: EngineLimits = EngineLimits(),
-                 prefixes: PrefixBlockStore | None = None):
+                 prefixes: PrefixBlockStore | None = None, adapters: AdapterSet | None = None):
+        """`adapters`: the LoRA adapters requests may name (lora_adapters.py), applied per row, several in
+        one batch; requests with one read and keep no prefix blocks (those hold the model's own keys)."""
         self.decoder, self.eos_token_id, self.limits = decoder, eos_token_id, limits
         self.prefixes = prefixes
+        self.adapters = adapters
         self._queue: RequestQueue[_Request] = RequestQueue(limits.max_waiting)
         self._running: list[_Request] = []
         self._cache = PagedKVBatch()
@@ -238,17 +243,22 @@ class ContinuousBatchingEngine:
         self.prefixes = prefixes
 
     # -- any thread ---------------------------------------------------------------------------
-    def submit(self, prompt: Sequence[int], params: SamplingParams, on_event: EventSink) -> int:
-        """Queue a request; returns its id. Raises EngineFull when `max_waiting` are already queued, and
-        ValueError when the prompt and its new tokens do not fit the context (it is never cut) or it asks for
-        sampling this engine does not implement (sampling_params.py)."""
+    def submit(self, prompt: Sequence[int], params: SamplingParams, on_event: EventSink,
+               adapter: str | None = None) -> int:
+        """Queue a request (generating with LoRA adapter `adapter`, None: the model alone); returns its id.
+        Raises EngineFull when `max_waiting` are already queued, and ValueError when the prompt and its new
+        tokens do not fit the context (it is never cut), it asks for sampling this engine does not implement
+        (sampling_params.py) or for an adapter it does not serve."""
         if not prompt:
             raise ValueError("the prompt is empty: a request needs at least one token")
         require_fit(len(prompt), params.max_new_tokens, self.decoder.max_context)
         require_implemented(params, "builtin")
+        if adapter is not None and self.adapters is None:
+            raise ValueError(f"adapter {adapter!r} is not served: this engine serves no adapters")
         request = _Request(
             id=self._queue.next_id(), prompt=list(prompt), params=params, on_event=on_event,
             budget=params.max_new_tokens, generator=seeded_generator(params.seed),
+            adapter=BASE if adapter is None else self.adapters.slot_of(adapter),
         )
         self._queue.put(request)
         return request.id
@@ -325,25 +335,29 @@ class ContinuousBatchingEngine:
         while (len(self._running) + len(admitted) < self.limits.max_batch_size
                and (request := self._queue.take()) is not None):
             admitted.append(request)
-        same_prompt: dict[tuple[int, ...], list[_Request]] = {}
+        same_prompt: dict[tuple[int, ...], list[_Request]] = {}  # keyed by adapter, then the prompt's tokens
         for request in admitted:
             if request.prefilled is None:
-                same_prompt.setdefault(tuple(request.prompt), []).append(request)
+                same_prompt.setdefault((request.adapter, *request.prompt), []).append(request)
             else:
                 cache = self._whole_prompt_cache(request)
                 self._running.append(request)
                 self._cache.add(cache, cache[0][0].shape[2])
                 request.prefilled = None
-        uncached = {prompt for prompt, requests in same_prompt.items()
-                    if self._holds_no_prefix(prompt) and not _scores_prompt(requests)}
+        uncached = {key for key, requests in same_prompt.items()
+                    if self._holds_no_prefix(requests[0]) and not _scores_prompt(requests)}
         if len(uncached) > 1:
-            self._prefill_together([same_prompt.pop(prompt) for prompt in list(same_prompt) if prompt in uncached])
+            self._prefill_together([same_prompt.pop(key) for key in list(same_prompt) if key in uncached])
         for requests in same_prompt.values():
             self._prefill(requests)
         return len(admitted)
 
-    def _holds_no_prefix(self, prompt: tuple[int, ...]) -> bool:
-        return self.prefixes is None or self.prefixes.cached_tokens(prompt) == 0
+    def _holds_no_prefix(self, request: _Request) -> bool:
+        return not self._uses_prefixes(request) or self.prefixes.cached_tokens(request.prompt) == 0
+
+    def _uses_prefixes(self, request: _Request) -> bool:
+        """Whether `request` reads and keeps prefix blocks: the store holds the model's own keys, not an adapter's."""
+        return self.prefixes is not None and request.adapter == BASE
 
     def _whole_prompt_cache(self, request: _Request) -> KV:
         """A prefilled request's cache over its whole prompt: what the prefill engine sent, after the leading
@@ -372,11 +386,12 @@ class ContinuousBatchingEngine:
         prompt = requests[0].prompt
         length = len(prompt)
         scored = _scores_prompt(requests)
-        past, cached = (None, 0) if scored else self._cached_prefix(prompt)
+        past, cached = (None, 0) if scored else self._cached_prefix(requests[0])
         tokens = torch.tensor([prompt[cached:]], dtype=torch.long)
-        logits, cache = self.decoder.forward(tokens, torch.arange(cached, length)[None, :],
-                                             torch.ones(1, length, dtype=torch.long), past,
-                                             **({"all_positions": True} if scored else {}))
+        with rows_use([requests[0].adapter]):
+            logits, cache = self.decoder.forward(tokens, torch.arange(cached, length)[None, :],
+                                                 torch.ones(1, length, dtype=torch.long), past,
+                                                 **({"all_positions": True} if scored else {}))
         if scored:
             for request in requests:
                 if request.params.prompt_logprobs is not None:
@@ -393,7 +408,8 @@ class ContinuousBatchingEngine:
         width = max(len(prompt) for prompt in prompts)
         tokens = torch.tensor([[0] * (width - len(prompt)) + prompt for prompt in prompts], dtype=torch.long)
         mask = torch.tensor([[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in prompts], dtype=torch.long)
-        logits, cache = self.decoder.forward(tokens, (mask.cumsum(1) - 1).clamp(min=0), mask, None)
+        with rows_use([requests[0].adapter for requests in groups]):
+            logits, cache = self.decoder.forward(tokens, (mask.cumsum(1) - 1).clamp(min=0), mask, None)
         for row, (requests, prompt) in enumerate(zip(groups, prompts)):
             first = width - len(prompt)
             # Copies: the prefix store keeps a prompt's blocks, and must not hold the padded batch with them.
@@ -407,15 +423,16 @@ class ContinuousBatchingEngine:
         # The first tokens go out before the blocks are stored.
         sampled = sample_rows(logits.expand(len(requests), -1), requests, self.eos_token_id)
         decoding = [request for request, first in zip(requests, sampled) if self._report(request, first) is None]
-        self._store_blocks(requests[0].prompt, cache)
+        if self._uses_prefixes(requests[0]):
+            self._store_blocks(requests[0].prompt, cache)
         if self.prefixes is not None:
             self.prefixes.settle()
         if decoding:
             self._running.extend(decoding)
             self._cache.add(cache, len(requests[0].prompt), copies=len(decoding))
 
-    def _cached_prefix(self, prompt: list[int]) -> tuple[KV | None, int]:
-        return (None, 0) if self.prefixes is None else self.prefixes.cached_prefix(prompt)
+    def _cached_prefix(self, request: _Request) -> tuple[KV | None, int]:
+        return self.prefixes.cached_prefix(request.prompt) if self._uses_prefixes(request) else (None, 0)
 
     def _store_blocks(self, tokens: list[int], cache: KV) -> None:
         if self.prefixes is not None:
@@ -423,8 +440,9 @@ class ContinuousBatchingEngine:
 
     def _decode(self) -> None:
         tokens = torch.tensor([[request.last_token] for request in self._running], dtype=torch.long)
-        logits, cache = self.decoder.forward(tokens, self._cache.next_positions(), self._cache.attention_mask(1),
-                                             self._cache.layers)
+        with rows_use([request.adapter for request in self._running]):
+            logits, cache = self.decoder.forward(tokens, self._cache.next_positions(), self._cache.attention_mask(1),
+                                                 self._cache.layers)
         self._cache.grow(cache)
         sampled = sample_rows(logits, self._running, self.eos_token_id)
         finished = [self._report(request, token) is not None for request, token in zip(self._running, sampled)]
@@ -437,7 +455,7 @@ class ContinuousBatchingEngine:
     def _store_answer(self, row: int) -> None:
         """Keep the blocks of a finished row's prompt and answer (the next turn of a chat starts with them)."""
         request = self._running[row]
-        if self.prefixes is None or not request.prompt:  # prefilled elsewhere by a sender that did not say it
+        if not self._uses_prefixes(request) or not request.prompt:  # not request.prompt: prefilled elsewhere, unsaid
             return
         length = self._cache.lengths[row]
         fed = request.prompt + request.sampled[:-1]  # the last token sampled was never run through the model
@@ -491,11 +509,12 @@ class GenerationCollector:
 
 
 def generate_all(engine: ContinuousBatchingEngine, prompts: Sequence[Sequence[int]],
-                 params: Sequence[SamplingParams]) -> list[Generation]:
-    """Run requests to completion on the calling thread (tests, warm-up): one Generation per prompt."""
+                 params: Sequence[SamplingParams], adapters: Sequence[str | None] | None = None) -> list[Generation]:
+    """Run requests to completion on the calling thread (tests, warm-up): one Generation per prompt, each
+    with its adapter of `adapters` (None: the model alone)."""
     collector = GenerationCollector(len(prompts))
     for index, (prompt, request_params) in enumerate(zip(prompts, params)):
-        engine.submit(prompt, request_params, collector.sink(index))
+        engine.submit(prompt, request_params, collector.sink(index), adapter=adapters[index] if adapters else None)
     while engine.step():
         pass
     return collector.generations()
