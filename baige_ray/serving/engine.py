@@ -30,6 +30,7 @@ state the prefill left, so it gets the tokens it would have got here.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections import deque
@@ -243,9 +244,8 @@ class ContinuousBatchingEngine:
         self.prefixes = prefixes
 
     # -- any thread ---------------------------------------------------------------------------
-    def submit(self, prompt: Sequence[int], params: SamplingParams, on_event: EventSink,
-               adapter: str | None = None) -> int:
-        """Queue a request (generating with LoRA adapter `adapter`, None: the model alone); returns its id.
+    def submit(self, prompt: Sequence[int], params: SamplingParams, on_event: EventSink) -> int:
+        """Queue a request (with the LoRA adapter `params.adapter` names, if any); returns its id.
         Raises EngineFull when `max_waiting` are already queued, and ValueError when the prompt and its new
         tokens do not fit the context (it is never cut), it asks for sampling this engine does not implement
         (sampling_params.py) or for an adapter it does not serve."""
@@ -253,6 +253,7 @@ class ContinuousBatchingEngine:
             raise ValueError("the prompt is empty: a request needs at least one token")
         require_fit(len(prompt), params.max_new_tokens, self.decoder.max_context)
         require_implemented(params, "builtin")
+        adapter = params.adapter
         if adapter is not None and self.adapters is None:
             raise ValueError(f"adapter {adapter!r} is not served: this engine serves no adapters")
         request = _Request(
@@ -514,7 +515,9 @@ def generate_all(engine: ContinuousBatchingEngine, prompts: Sequence[Sequence[in
     with its adapter of `adapters` (None: the model alone)."""
     collector = GenerationCollector(len(prompts))
     for index, (prompt, request_params) in enumerate(zip(prompts, params)):
-        engine.submit(prompt, request_params, collector.sink(index), adapter=adapters[index] if adapters else None)
+        if adapters and adapters[index] is not None:
+            request_params = dataclasses.replace(request_params, adapter=adapters[index])
+        engine.submit(prompt, request_params, collector.sink(index))
     while engine.step():
         pass
     return collector.generations()

@@ -1,7 +1,7 @@
 """LoRA adapters applied per request by the built-in engine, several in one batch.
 
-Each Linear module some adapter targets is wrapped once (`MultiLoRALinear`): its output is the base
-layer's, plus, for the rows of the batch that asked for adapter i, `scale_i * x @ A_i^T @ B_i^T`
+Each Linear module some adapter targets is replaced once (`MultiLoRALinear`, holding the same weight):
+its output is the base layer's, plus, for the rows of the batch that asked for adapter i, `scale_i * x @ A_i^T @ B_i^T`
 (S-LoRA's and vLLM's multi-LoRA: the base weights stay shared and unmerged, so rows of different adapters,
 and of none, decode together). Which adapter each row uses is set around a forward (`rows_use`).
 
@@ -79,16 +79,36 @@ def _pair_up(named: dict[str, torch.Tensor], scale: float, source: str) -> LoRAW
     return LoRAWeights(modules=modules, scale=scale)
 
 
-class MultiLoRALinear(nn.Module):
-    """A Linear layer with any number of LoRA adapters, each row of a batch using its own (or none)."""
+def served_adapters(adapters: dict | None) -> dict[str, str]:
+    """`serve(adapters=...)` checked on the driver: adapter name -> the absolute path of a PEFT adapter
+    directory; a ValueError naming what is wrong."""
+    served = {}
+    for name, directory in (adapters or {}).items():
+        if not isinstance(name, str) or not name or ":" in name:
+            raise ValueError(f"adapters: the name {name!r} is invalid: expected a non-empty string without ':' "
+                             "(requests name an adapter alone or as '<model>:<adapter>')")
+        path = Path(directory).resolve() if isinstance(directory, (str, Path)) else None
+        if path is None or not (path / "adapter_config.json").is_file():
+            raise ValueError(f"adapters[{name!r}]={directory!r} is invalid: expected a PEFT adapter directory "
+                             "(adapter_config.json, adapter_model.safetensors), as fit(..., adapter=...) writes")
+        read_peft_adapter(path)  # a corrupt or non-LoRA adapter fails here, not in every replica
+        served[name] = str(path)
+    return served
+
+
+class MultiLoRALinear(nn.Linear):
+    """A Linear layer with any number of LoRA adapters, each row of a batch using its own (or none). It
+    holds the replaced layer's own weight and bias under the same names, so the model's state dict, and
+    weights copied into it in place, are unchanged."""
 
     def __init__(self, base: nn.Linear):
-        super().__init__()
-        self.base = base
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
         self.adapters: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        y = super().forward(x)
         rows = _ROWS.get()
         if rows is None or not self.adapters:
             return y
@@ -119,11 +139,10 @@ class AdapterSet:
                 module.adapters.pop(slot, None)
         for module_name, (a, b) in weights.modules.items():
             wrapped = self._wrapped(module_name, modules[module_name])
-            base = wrapped.base
-            if a.shape[1] != base.in_features or b.shape[0] != base.out_features or a.shape[0] != b.shape[1]:
+            if a.shape[1] != wrapped.in_features or b.shape[0] != wrapped.out_features or a.shape[0] != b.shape[1]:
                 raise ValueError(f"adapter {name!r}: {module_name}'s LoRA matrices {tuple(a.shape)} and "
-                                 f"{tuple(b.shape)} do not fit its {base.in_features} -> {base.out_features} layer")
-            like = {"device": base.weight.device, "dtype": base.weight.dtype}
+                                 f"{tuple(b.shape)} do not fit its {wrapped.in_features} -> {wrapped.out_features} layer")
+            like = {"device": wrapped.weight.device, "dtype": wrapped.weight.dtype}
             wrapped.adapters[slot] = (a.to(**like), b.to(**like), weights.scale)
         self.slots[name] = slot
         return slot

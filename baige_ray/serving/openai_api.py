@@ -67,10 +67,16 @@ class CompletionRequest:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM's extension)
 
 
-def check_model(payload: dict, model_name: str) -> None:
+def check_model(payload: dict, model_name: str, adapters: tuple[str, ...] = ()) -> str | None:
+    """The adapter the request's `model` names (None: the model itself, or no `model`): an adapter is
+    named alone or as `<model>:<adapter>` (Ray Serve LLM's form); anything else is a 404."""
     model = payload.get("model")
-    if model is not None and model != model_name:
+    if model is None or model == model_name:
+        return None
+    adapter = model.removeprefix(f"{model_name}:") if isinstance(model, str) else None
+    if adapter not in adapters:
         raise RequestError(404, f"The model `{model}` does not exist.", param="model")
+    return adapter
 
 
 def refuse_unimplemented(payload: dict) -> None:
@@ -117,11 +123,12 @@ def check_user(payload: dict) -> None:
         raise bad_request("user", f"'user' must be a string, got {type(user).__name__}")
 
 
-def parse_completion_request(body: bytes, limits: CompletionLimits, *, model_name: str) -> CompletionRequest:
+def parse_completion_request(body: bytes, limits: CompletionLimits, *, model_name: str,
+                             adapters: tuple[str, ...] = ()) -> CompletionRequest:
     """The validated completion request in `body`, or a RequestError naming what is wrong."""
     payload = decode_json_object(body, limits.max_body_bytes)
     ignore_unknown_fields(payload, COMPLETION_FIELDS, "v1/completions")
-    check_model(payload, model_name)
+    adapter = check_model(payload, model_name, adapters)
     refuse_unimplemented(payload)
     check_user(payload)
     prompts = parse_prompts(payload.get("prompt"), max_prompt_chars=limits.max_prompt_chars,
@@ -130,7 +137,7 @@ def parse_completion_request(body: bytes, limits: CompletionLimits, *, model_nam
     echo_only = echo and payload.get("max_tokens") == 0 and is_int(payload["max_tokens"])
     max_tokens = 0 if echo_only else parse_max_tokens(payload, limits, "max_tokens", DEFAULT_MAX_TOKENS)
     sampling = parse_sampling(payload, limits, max_new_tokens=max_tokens, num_logprobs=completion_logprobs(payload),
-                              echo=echo)
+                              echo=echo, adapter=adapter)
     stream, usage = parse_stream(payload)
     return CompletionRequest(prompts=prompts, max_tokens=max_tokens, sampling=sampling, stream=stream, usage=usage,
                              truncate_prompt_tokens=truncate_prompt_tokens_of(payload))

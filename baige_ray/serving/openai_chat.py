@@ -100,18 +100,19 @@ def _max_tokens(payload: dict, limits: CompletionLimits) -> tuple[int | None, st
     return parse_max_tokens(payload, limits, "max_tokens", None), "max_tokens"
 
 
-def parse_chat_request(body: bytes, limits: CompletionLimits, *, model_name: str) -> ChatRequest:
+def parse_chat_request(body: bytes, limits: CompletionLimits, *, model_name: str,
+                       adapters: tuple[str, ...] = ()) -> ChatRequest:
     """The validated chat request in `body`, or a RequestError naming what is wrong."""
     payload = decode_json_object(body, limits.max_body_bytes)
     ignore_unknown_fields(payload, CHAT_FIELDS, "v1/chat/completions")
-    check_model(payload, model_name)
+    adapter = check_model(payload, model_name, adapters)
     refuse_unimplemented(payload)
     _refuse_tools(payload)
     check_user(payload)
     messages = parse_messages(payload, limits)
     max_tokens, field = _max_tokens(payload, limits)
     sampling = parse_sampling(payload, limits, max_new_tokens=max_tokens, num_logprobs=chat_logprobs(payload),
-                              logprobs_field="top_logprobs")
+                              logprobs_field="top_logprobs", adapter=adapter)
     stream, usage = parse_stream(payload)
     return ChatRequest(messages=messages, max_tokens=max_tokens, max_tokens_field=field, sampling=sampling,
                        stream=stream, usage=usage,

@@ -81,15 +81,21 @@ def server_sent_event(data: dict | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-def model_card(model_name: str, created: int, *, root: str, max_model_len: int | None) -> dict:
-    """The one model this application serves, as vLLM describes it (`root`: where it was loaded from)."""
+def model_card(model_name: str, created: int, *, root: str, max_model_len: int | None,
+               parent: str | None = None) -> dict:
+    """A model this application serves, as vLLM describes it (`root`: where it was loaded from; `parent`: the
+    base model of an adapter)."""
     return {"id": model_name, "object": "model", "created": created, "owned_by": "baige-ray", "root": root,
-            "parent": None, "max_model_len": max_model_len, "permission": []}
+            "parent": parent, "max_model_len": max_model_len, "permission": []}
 
 
-def models_response(model_name: str, created: int, *, root: str, max_model_len: int | None) -> dict:
-    """`GET /v1/models`."""
-    return {"object": "list", "data": [model_card(model_name, created, root=root, max_model_len=max_model_len)]}
+def models_response(model_name: str, created: int, *, root: str, max_model_len: int | None,
+                    adapters: dict[str, str] | None = None) -> dict:
+    """`GET /v1/models`: the model, then each LoRA adapter (name -> where it came from) with the model as parent."""
+    cards = [model_card(model_name, created, root=root, max_model_len=max_model_len)]
+    cards += [model_card(name, created, root=source, max_model_len=max_model_len, parent=model_name)
+              for name, source in (adapters or {}).items()]
+    return {"object": "list", "data": cards}
 
 
 def error_body(status: int, reason: str, param: str | None = None) -> dict:

@@ -26,7 +26,7 @@ from baige_ray.serving.async_streams import first_items, gather_cancelling, merg
 from baige_ray.serving.context_length import openai_budget
 from baige_ray.serving.engine_runner import EngineFailed, EngineRunner
 from baige_ray.serving.generators import TextDelta, TextOutput
-from baige_ray.serving.openai_api import CompletionLimits, UsageOptions, parse_completion_request
+from baige_ray.serving.openai_api import CompletionLimits, UsageOptions, check_model, parse_completion_request
 from baige_ray.serving.openai_chat import parse_chat_request
 from baige_ray.serving.openai_choices import AnswerShaper, fan_out, usage_counts
 from baige_ray.serving.openai_prompts import Prompt, prompt_tokens
@@ -44,7 +44,7 @@ from baige_ray.serving.openai_responses import (
 )
 from baige_ray.serving.openai_sampling import with_budget
 from baige_ray.serving.openai_tokenize import chat_prompt_tokens, detokenize_response, tokenize_response
-from baige_ray.serving.requests import RequestError, bad_request, read_body
+from baige_ray.serving.requests import bad_request, read_body
 from baige_ray.serving.sampling_params import SamplingParams, unsupported_field
 
 MODEL_ROUTE = "v1/models/{id}"
@@ -94,8 +94,11 @@ class OpenAIRoutes:
     """The OpenAI-shaped handlers of one replica; `learn_model` tells it the context and vocabulary that later
     requests are checked against."""
 
-    def __init__(self, calls: ReplicaCalls, *, app_name: str, engine_name: str, limits: CompletionLimits):
+    def __init__(self, calls: ReplicaCalls, *, app_name: str, engine_name: str, limits: CompletionLimits,
+                 adapters: dict[str, str] | None = None):
+        """`adapters`: the LoRA adapters served beside the model, name -> where each came from."""
         self.calls, self.app_name, self.engine_name, self.limits = calls, app_name, engine_name, limits
+        self.adapters = dict(adapters or {})
         self.created = int(time.time())
         self.root = app_name
 
@@ -107,11 +110,12 @@ class OpenAIRoutes:
     def models(self, route: str) -> JSONResponse:
         card = dict(root=self.root, max_model_len=self.limits.max_context)
         if route == "v1/models":
-            return JSONResponse(models_response(self.app_name, self.created, **card))
+            return JSONResponse(models_response(self.app_name, self.created, **card, adapters=self.adapters))
         wanted = route.removeprefix("v1/models/")
-        if wanted != self.app_name:
-            raise RequestError(404, f"The model `{wanted}` does not exist.", param="model")
-        return JSONResponse(model_card(self.app_name, self.created, **card))
+        adapter = check_model({"model": wanted}, self.app_name, tuple(self.adapters))
+        if adapter is not None:
+            card = dict(card, root=self.adapters[adapter], parent=self.app_name)
+        return JSONResponse(model_card(wanted, self.created, **card))
 
     async def tokenize(self, request: Request, started: float) -> Response:
         body = await read_body(request, self.limits.max_body_bytes)
@@ -125,7 +129,7 @@ class OpenAIRoutes:
 
     async def completion(self, request: Request, started: float) -> Response:
         body = await read_body(request, self.limits.max_body_bytes)
-        parsed = parse_completion_request(body, self.limits, model_name=self.app_name)
+        parsed = parse_completion_request(body, self.limits, model_name=self.app_name, adapters=tuple(self.adapters))
         require_supported(parsed.sampling, self.engine_name)
         runner = self.calls.require_runner()
         prompts = [prompt_tokens(prompt, runner.codec.encode) for prompt in parsed.prompts]
@@ -140,7 +144,7 @@ class OpenAIRoutes:
 
     async def chat(self, request: Request, started: float) -> Response:
         body = await read_body(request, self.limits.max_body_bytes)
-        parsed = parse_chat_request(body, self.limits, model_name=self.app_name)
+        parsed = parse_chat_request(body, self.limits, model_name=self.app_name, adapters=tuple(self.adapters))
         require_supported(parsed.sampling, self.engine_name)
         runner = self.calls.require_runner()
         prompts = [chat_prompt_tokens(runner.codec, parsed.messages)]
@@ -151,7 +155,7 @@ class OpenAIRoutes:
     async def _respond(self, runner: EngineRunner, shaper: AnswerShaper, parsed: Any, started: float) -> Response:
         choices = shaper.choices
         shape = dict(request_id=f"{'chatcmpl' if shaper.chat else 'cmpl'}-{uuid.uuid4().hex}",
-                     model_name=self.app_name, created=int(time.time()))
+                     model_name=parsed.sampling.adapter or self.app_name, created=int(time.time()))
         if not parsed.stream:
             outputs = await gather_cancelling([self.calls.complete(runner, c.prompt, c.params) for c in choices])
             self.calls.account(started)

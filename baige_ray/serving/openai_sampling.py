@@ -121,7 +121,8 @@ def chat_logprobs(payload: dict) -> int | None:
 
 
 def parse_sampling(payload: dict, limits: CompletionLimits, *, max_new_tokens: int | None,
-                   num_logprobs: int | None, echo: bool = False, logprobs_field: str = "logprobs") -> SamplingParams:
+                   num_logprobs: int | None, echo: bool = False, logprobs_field: str = "logprobs",
+                   adapter: str | None = None) -> SamplingParams:
     """The request's SamplingParams, generating at most `max_new_tokens`; a 400 naming the field at fault.
     With `max_new_tokens` None (a chat that sets no budget) the budget is provisional, the least the other
     fields allow, until the replica knows the prompt's length (`with_budget`)."""
@@ -135,6 +136,7 @@ def parse_sampling(payload: dict, limits: CompletionLimits, *, max_new_tokens: i
         include_stop_str_in_output=optional(payload, "include_stop_str_in_output", "bool", False),
         n=optional(payload, "n", "int", 1), seed=seed_of(payload), num_logprobs=num_logprobs, echo=echo,
         prompt_logprobs=num_logprobs if echo else None,  # vLLM's: the echoed prompt's, as many per position
+        adapter=adapter,
     )
     budget = max_new_tokens if max_new_tokens is not None else max(1, min_tokens) if is_int(min_tokens) else 1
     with _as_bad_request({"num_logprobs": logprobs_field, "prompt_logprobs": logprobs_field}):

@@ -75,6 +75,7 @@ class SamplingParams:
     echo: bool = False
     seed: int | None = None
     log_probs: bool = False
+    adapter: str | None = None  # the served LoRA adapter the request names as its model (None: the model alone)
 
     def __post_init__(self) -> None:
         self._check_budget()
@@ -115,6 +116,8 @@ class SamplingParams:
                  "stop_token_ids", self.stop_token_ids, "a tuple of token ids >= 0")
         for name in ("ignore_eos", "include_stop_str_in_output", "echo", "log_probs"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
+        _require(self.adapter is None or (isinstance(self.adapter, str) and self.adapter), "adapter", self.adapter,
+                 "None or an adapter's name")
 
     def _check_output(self) -> None:
         _require_int("n", self.n, 1)
@@ -136,6 +139,8 @@ def unsupported_field(params: SamplingParams, engine: str) -> tuple[str, str] | 
     engines implement every field; vLLM bounds the temperature."""
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r} is invalid: expected one of {list(ENGINES)}")
+    if engine == "vllm" and params.adapter is not None:
+        return "model", f"the adapter {params.adapter!r} is served by the built-in engine only, not vLLM"
     if engine == "vllm" and params.temperature > MAX_VLLM_TEMPERATURE:
         return "temperature", (f"temperature must be in [0, {MAX_VLLM_TEMPERATURE:g}] with vLLM, "
                                f"got {params.temperature}")

@@ -133,3 +133,39 @@ def test_weights_from_memory_replace_the_served_checkpoint_in_place(trained, app
     reload_weights(app, (99, ray.put(zeroed)), model_config=model)
     status, reply = call(f"{app.url}/generate", {"prompt": "abc", "max_new_tokens": 3, "temperature": 0})
     assert status == 200 and reply["step"] == 99
+
+
+def test_lora_adapters_are_models_of_their_own_and_generate_peft_greedy_tokens(trained, tmp_path):
+    """serve(adapters=...): an adapter directory as peft saves it is listed as a model whose parent is the served
+    one, and requests naming it (alone or as '<model>:<adapter>') generate peft + transformers' greedy tokens,
+    while requests naming the model are unchanged."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, result = trained
+    torch.manual_seed(3)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(result.checkpoint_path),
+                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], lora_dropout=0.0))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)
+    peft_model.save_pretrained(tmp_path / "tuned")
+    info = serve(result.checkpoint_path, name="tiny-lora", port=free_port(), adapters={"tuned": tmp_path / "tuned"})
+    try:
+        status, listed = call(f"{info.url}/v1/models")
+        assert status == 200 and [(m["id"], m["parent"]) for m in listed["data"]] == [("tiny-lora", None),
+                                                                                        ("tuned", "tiny-lora")]
+        prompt = [5, 17, 33, 2]
+        tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(result.checkpoint_path),
+                                          tmp_path / "tuned").eval()
+        expected = tuned.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, 4:]
+        text = AutoTokenizer.from_pretrained(result.checkpoint_path).decode(expected, skip_special_tokens=True)
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        answers = {name: call(f"{info.url}/v1/completions", {**body, "model": name})[1]
+                   for name in ("tuned", "tiny-lora:tuned", "tiny-lora")}
+        assert answers["tuned"]["choices"][0]["text"] == answers["tiny-lora:tuned"]["choices"][0]["text"] == text
+        assert answers["tuned"]["model"] == "tuned" and answers["tiny-lora"]["choices"][0]["text"] != text
+        assert call(f"{info.url}/v1/completions", {**body, "model": "other"})[0] == 404
+    finally:
+        shutdown(info)

@@ -72,7 +72,7 @@ def test_rows_of_several_adapters_in_one_batch_generate_peft_greedy_tokens(base_
     assert [g.tokens for g in generations] == expected
     assert len({tuple(tokens) for tokens in expected[:3]}) == 3, "the adapters change what the model says"
     with pytest.raises(ValueError, match="adapter 'missing' is not served: expected one of"):
-        engine.submit([1, 2], SamplingParams(max_new_tokens=2), lambda event: None, adapter="missing")
+        engine.submit([1, 2], SamplingParams(max_new_tokens=2, adapter="missing"), lambda event: None)
 
 
 def test_an_adapter_from_a_training_jobs_memory_serves_as_its_directory_does(base_and_adapters):
@@ -92,3 +92,27 @@ def test_an_adapter_from_a_training_jobs_memory_serves_as_its_directory_does(bas
     params = [SamplingParams(max_new_tokens=6, temperature=0.0)]
     assert [g.tokens for g in generate_all(from_memory, [[3, 4, 5]], params, ["tuned"])] == \
         [g.tokens for g in generate_all(from_disk, [[3, 4, 5]], params, ["tuned"])]
+
+
+def test_requests_name_an_adapter_alone_or_after_the_model_and_models_lists_it(base_and_adapters):
+    from baige_ray.serving.lora_adapters import served_adapters
+    from baige_ray.serving.openai_api import CompletionLimits, parse_completion_request
+    from baige_ray.serving.openai_responses import models_response
+    from baige_ray.serving.requests import RequestError
+
+    def adapter_of(model):
+        body = ('{"prompt": "x", "model": "%s"}' % model).encode()
+        return parse_completion_request(body, CompletionLimits(), model_name="base", adapters=("tuned",)).sampling.adapter
+
+    assert adapter_of("base") is None and adapter_of("tuned") == adapter_of("base:tuned") == "tuned"
+    with pytest.raises(RequestError, match="The model `other` does not exist"):
+        adapter_of("other")
+    listed = models_response("base", 0, root="/models/base", max_model_len=128, adapters={"tuned": "/adapters/t"})
+    assert [(card["id"], card["root"], card["parent"]) for card in listed["data"]] == [
+        ("base", "/models/base", None), ("tuned", "/adapters/t", "base")]
+    _, adapter_dirs = base_and_adapters
+    assert served_adapters({"a": adapter_dirs["adapter-0"]}) == {"a": str(adapter_dirs["adapter-0"].resolve())}
+    with pytest.raises(ValueError, match="expected a PEFT adapter directory"):
+        served_adapters({"a": adapter_dirs["adapter-0"].parent})
+    with pytest.raises(ValueError, match="without ':'"):
+        served_adapters({"a:b": adapter_dirs["adapter-0"]})
