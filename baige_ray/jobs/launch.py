@@ -42,11 +42,12 @@ class TrainingJob:
     """A running elastic job. Every method is a call to its controller actor."""
 
     def __init__(self, controller: ray.actor.ActorHandle, name: str, model: Any = None, *,
-                 num_steps: int | None = None):
+                 num_steps: int | None = None, adapter: Any = None):
         """With `num_steps`, a progress line follows the job until `wait()` (RunConfig.show_progress)."""
         self.controller = controller
         self.name = name
         self.model = model  # the model config it trains (serve(job) serves it)
+        self.adapter = adapter  # the peft.LoraConfig it trains, if any (serve(adapters={name: job}) serves it)
         self._run_ref = controller.run.remote()
         self._progress = JobProgress(self.status, num_steps).start() if num_steps is not None else None
 
@@ -166,7 +167,8 @@ def launch(
         logger.warning("killed actors left behind by an earlier run named %r", run.name)
     controller = _start_controller(job, scaling, run, elastic, layout, speeds=list(speeds), faults=faults,
                                    planner=planner, worker_cls=worker_cls, steps_allowed=steps_allowed)
-    return TrainingJob(controller, run.name, job.model, num_steps=train.num_steps if run.show_progress else None)
+    return TrainingJob(controller, run.name, job.model, num_steps=train.num_steps if run.show_progress else None,
+                       adapter=adapter)
 
 
 def _planner_and_layout(job: TrainJob, scaling: ScalingConfig, layout: ParallelLayout | str | None,

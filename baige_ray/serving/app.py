@@ -101,7 +101,7 @@ class ServeOptions:
     kv_cache: KVCacheConfig | None = None  # the built-in engine's prefix cache (serving/kv_blocks.py)
     routing: str = "default"  # or "prefix": to the replica holding the prompt's prefix (serving/prefix_router.py)
     api_key_digest: str | None = field(default=None, repr=False)  # serving/api_key.py; None: no key asked
-    adapters: dict = field(default_factory=dict)  # LoRA adapters served beside the model: name -> PEFT directory
+    adapters: dict = field(default_factory=dict)  # LoRA adapters beside the model: name -> directory or job's
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -228,7 +228,7 @@ def serve(
     kv_cache: KVCacheConfig | None = None,
     routing: str = "default",
     api_key: str | None = None,
-    adapters: dict[str, str | Path] | None = None,
+    adapters: dict[str, Any] | None = None,
 ) -> ServeHandleInfo:
     """Serve the model in `source` as application `name`; returns once every replica has generated a
     token through its engine and answers. Raises ServingError with the engine's error, and leaves no
@@ -261,7 +261,8 @@ def serve(
     (serving/prefix_router.py); answers are the same as without it. With `api_key` (or the
     BAIGE_RAY_API_KEY environment variable) every route but /health answers 401 to a request without
     `Authorization: Bearer <key>`, as `vllm serve --api-key` does (serving/api_key.py). With `adapters`
-    (name -> a PEFT adapter directory, as `fit(..., adapter=...)` writes; built-in engine) each adapter is a
+    (name -> a PEFT adapter directory, as `fit(..., adapter=...)` writes, or a running `TrainingJob` launched
+    with `adapter=`, whose newest in-memory adapter is served with no file written; built-in engine) each adapter is a
     model of its own: GET /v1/models lists it with the model as its parent, and a request whose `model` is
     the adapter's name (or `<name>:<adapter>`) generates with it, rows of several adapters in one batch
     (serving/lora_adapters.py).

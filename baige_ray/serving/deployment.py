@@ -69,7 +69,7 @@ from baige_ray.serving.expert_ranks import ExpertRanks
 from baige_ray.serving.generators import TextDelta, TextOutput, text_generator
 from baige_ray.serving.kv_blocks import BlockHandover, KVCacheConfig, PrefixBlockStore
 from baige_ray.serving.ledger import EngineLoad
-from baige_ray.serving.lora_adapters import AdapterSet, read_peft_adapter
+from baige_ray.serving.lora_adapters import AdapterSet, AdapterSource, adapter_root, read_adapter
 from baige_ray.serving.openai_api import CompletionLimits
 from baige_ray.serving.openai_responses import error_body
 from baige_ray.serving.openai_routes import MODEL_ROUTE, OpenAIRoutes, ReplicaCalls
@@ -112,19 +112,20 @@ class ModelServer:
                        engine: str = "builtin", expert_parallel: ExpertParallelServing | None = None,
                        expert_actor_options: dict | None = None, kv_cache: dict | None = None,
                        handover_via: str | None = None, api_key_digest: str | None = None,
-                       adapters: dict[str, str] | None = None):
+                       adapters: dict[str, AdapterSource] | None = None):
         torch.set_num_threads(1)  # replicas share few cores with training workers
         self._api_key_digest = api_key_digest  # serving/api_key.py: None when no key is asked
         self._limits = RequestLimits(**limits)
         self._engine_limits = EngineLimits(**engine_limits)
         self._kv_cache = KVCacheConfig(**kv_cache) if kv_cache else None
         self._app_name = app_name
-        self._adapters = dict(adapters or {})  # LoRA adapters served beside the model: name -> PEFT directory
+        self._adapters = dict(adapters or {})  # LoRA adapters served beside the model: name -> where from
         calls = ReplicaCalls(require_runner=self._require_runner, complete=self._complete, text=self._text,
                              account=self._account, account_failure=self._account_failure,
                              count_ongoing=self._count_ongoing)
         self._openai = OpenAIRoutes(calls, app_name=app_name, engine_name=engine,
-                                    limits=CompletionLimits(**(completion_limits or {})), adapters=self._adapters)
+                                    limits=CompletionLimits(**(completion_limits or {})),
+                                    adapters={name: adapter_root(source) for name, source in self._adapters.items()})
         self._registry = ray.get_actor(registry_name(app_name), namespace=REGISTRY_NAMESPACE)
         context = serve.get_replica_context()
         self._replica = context.replica_id.unique_id
@@ -221,8 +222,8 @@ class ModelServer:
         if not self._adapters:
             return None
         served = AdapterSet(model)
-        for name, directory in self._adapters.items():
-            served.add(name, read_peft_adapter(directory))
+        for name, source in self._adapters.items():
+            served.add(name, read_adapter(source))
         return served
 
     def _prefix_store(self, plugin, version: int) -> PrefixBlockStore | None:

@@ -19,6 +19,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -79,21 +80,75 @@ def _pair_up(named: dict[str, torch.Tensor], scale: float, source: str) -> LoRAW
     return LoRAWeights(modules=modules, scale=scale)
 
 
-def served_adapters(adapters: dict | None) -> dict[str, str]:
+@dataclass(frozen=True)
+class JobAdapter:
+    """A training job's adapter as it was at `step`, in the object store (no file written): a replica reads
+    its weights from there."""
+
+    weights: Any  # ray.ObjectRef to the job's newest snapshot weights (the adapter's alone)
+    step: int
+    lora_alpha: float
+    r: int
+    use_rslora: bool = False
+
+    @property
+    def root(self) -> str:
+        return f"memory: training step {self.step}"
+
+    def read(self) -> LoRAWeights:
+        import ray
+
+        from baige_ray.parallel.packed_tensors import state_tensors
+
+        return lora_weights_from_state(state_tensors(ray.get(self.weights)), self.lora_alpha, self.r, self.use_rslora)
+
+
+AdapterSource = str | JobAdapter  # a PEFT directory's path, or a job's adapter in memory
+
+
+def served_adapters(adapters: dict | None) -> dict[str, AdapterSource]:
     """`serve(adapters=...)` checked on the driver: adapter name -> the absolute path of a PEFT adapter
-    directory; a ValueError naming what is wrong."""
-    served = {}
-    for name, directory in (adapters or {}).items():
+    directory, or a running job's adapter in memory (a TrainingJob launched with `adapter=`: its newest
+    snapshot, no file written); a ValueError naming what is wrong."""
+    served: dict[str, AdapterSource] = {}
+    for name, source in (adapters or {}).items():
         if not isinstance(name, str) or not name or ":" in name:
             raise ValueError(f"adapters: the name {name!r} is invalid: expected a non-empty string without ':' "
                              "(requests name an adapter alone or as '<model>:<adapter>')")
-        path = Path(directory).resolve() if isinstance(directory, (str, Path)) else None
-        if path is None or not (path / "adapter_config.json").is_file():
-            raise ValueError(f"adapters[{name!r}]={directory!r} is invalid: expected a PEFT adapter directory "
-                             "(adapter_config.json, adapter_model.safetensors), as fit(..., adapter=...) writes")
-        read_peft_adapter(path)  # a corrupt or non-LoRA adapter fails here, not in every replica
-        served[name] = str(path)
+        served[name] = _job_adapter(name, source) if hasattr(source, "latest_model_state") else _directory(name, source)
     return served
+
+
+def _directory(name: str, directory: Any) -> str:
+    path = Path(directory).resolve() if isinstance(directory, (str, Path)) else None
+    if path is None or not (path / "adapter_config.json").is_file():
+        raise ValueError(f"adapters[{name!r}]={directory!r} is invalid: expected a PEFT adapter directory "
+                         "(adapter_config.json, adapter_model.safetensors), as fit(..., adapter=...) writes, or a "
+                         "TrainingJob launched with adapter=")
+    read_peft_adapter(path)  # a corrupt or non-LoRA adapter fails here, not in every replica
+    return str(path)
+
+
+def _job_adapter(name: str, job: Any) -> JobAdapter:
+    config = getattr(job, "adapter", None)
+    if config is None:
+        raise ValueError(f"adapters[{name!r}] is a training job without an adapter: launch it with adapter=")
+    import ray
+
+    step, weights = job.latest_model_state()
+    # A copy this process owns (an adapter is small): the job's controller owns its snapshot, which goes with it,
+    # and a replica restarted later must still find what it serves.
+    return JobAdapter(weights=ray.put(ray.get(weights)), step=int(step), lora_alpha=config.lora_alpha, r=config.r,
+                      use_rslora=bool(getattr(config, "use_rslora", False)))
+
+
+def read_adapter(source: AdapterSource) -> LoRAWeights:
+    return source.read() if isinstance(source, JobAdapter) else read_peft_adapter(source)
+
+
+def adapter_root(source: AdapterSource) -> str:
+    """Where the adapter came from, as GET /v1/models says."""
+    return source.root if isinstance(source, JobAdapter) else source
 
 
 class MultiLoRALinear(nn.Linear):

@@ -8,7 +8,9 @@ continuous batching) behind the OpenAI-compatible routes, whole and streamed, be
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import ray
@@ -135,14 +137,21 @@ def test_weights_from_memory_replace_the_served_checkpoint_in_place(trained, app
     assert status == 200 and reply["step"] == 99
 
 
-def test_lora_adapters_are_models_of_their_own_and_generate_peft_greedy_tokens(trained, tmp_path):
-    """serve(adapters=...): an adapter directory as peft saves it is listed as a model whose parent is the served
-    one, and requests naming it (alone or as '<model>:<adapter>') generate peft + transformers' greedy tokens,
-    while requests naming the model are unchanged."""
+def test_lora_adapters_from_a_directory_and_from_a_running_jobs_memory_generate_peft_greedy_tokens(trained, tmp_path):
+    """serve(adapters=...): an adapter directory as peft saves it, and the adapter a running LoRA job holds in
+    memory (no file written), are models of their own whose parent is the served one; requests naming one
+    (alone or as '<model>:<adapter>') generate peft + transformers' greedy tokens with it, and requests naming
+    the model are unchanged."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _, result = trained
+    from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
+    from baige_ray.jobs.launch import launch
+    from baige_ray.models.adapters import save_adapter
+    from baige_ray.models.hf import HFModel
+    from baige_ray.parallel.packed_tensors import state_tensors
+
+    model, result = trained
     torch.manual_seed(3)
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(result.checkpoint_path),
                                 LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], lora_dropout=0.0))
@@ -151,21 +160,48 @@ def test_lora_adapters_are_models_of_their_own_and_generate_peft_greedy_tokens(t
             if "lora_B" in name:
                 param.normal_(std=0.5)
     peft_model.save_pretrained(tmp_path / "tuned")
-    info = serve(result.checkpoint_path, name="tiny-lora", port=free_port(), adapters={"tuned": tmp_path / "tuned"})
+    adapter = LoraConfig(r=4, lora_alpha=16, target_modules=["v_proj", "up_proj"], lora_dropout=0.0)
+    live = launch(HFModel(result.checkpoint_path, seq_len=model.seq_len), adapter=adapter, steps_allowed=3,
+                  data=_training_data(trained),
+                  train=TrainConfig(num_steps=6, global_batch_size=4, learning_rate=5e-2, warmup_steps=0),
+                  scaling=ScalingConfig(num_workers=1, placement_timeout_s=120),
+                  run=RunConfig(name="hf-export-lora", storage_path=tmp_path, show_progress=False))
+    try:
+        live.wait_for_step(3, timeout_s=120)
+        newest = None
+        while newest != (newest := live.latest_model_state()[0]):  # the snapshot of the last step allowed is in
+            time.sleep(0.2)
+        info = serve(result.checkpoint_path, name="tiny-lora", port=free_port(),
+                     adapters={"tuned": tmp_path / "tuned", "live": live})
+        step, weights = live.latest_model_state()
+        save_adapter(tmp_path / "live", state_tensors(ray.get(weights)), adapter, str(result.checkpoint_path))
+    finally:
+        live.kill()
     try:
         status, listed = call(f"{info.url}/v1/models")
-        assert status == 200 and [(m["id"], m["parent"]) for m in listed["data"]] == [("tiny-lora", None),
-                                                                                        ("tuned", "tiny-lora")]
-        prompt = [5, 17, 33, 2]
-        tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(result.checkpoint_path),
-                                          tmp_path / "tuned").eval()
-        expected = tuned.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, 4:]
-        text = AutoTokenizer.from_pretrained(result.checkpoint_path).decode(expected, skip_special_tokens=True)
+        assert status == 200 and [(m["id"], m["parent"]) for m in listed["data"]] == [
+            ("tiny-lora", None), ("tuned", "tiny-lora"), ("live", "tiny-lora")]
+        assert listed["data"][2]["root"] == f"memory: training step {step}"
+        prompt, tokenizer = [5, 17, 33, 2], AutoTokenizer.from_pretrained(result.checkpoint_path)
         body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        answers = {name: call(f"{info.url}/v1/completions", {**body, "model": name})[1]
-                   for name in ("tuned", "tiny-lora:tuned", "tiny-lora")}
-        assert answers["tuned"]["choices"][0]["text"] == answers["tiny-lora:tuned"]["choices"][0]["text"] == text
-        assert answers["tuned"]["model"] == "tuned" and answers["tiny-lora"]["choices"][0]["text"] != text
+        for name in ("tuned", "live"):
+            tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(result.checkpoint_path),
+                                              tmp_path / name).eval()
+            expected = tuned.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+            text = tokenizer.decode(expected[0, len(prompt):], skip_special_tokens=True)
+            for model_id in (name, f"tiny-lora:{name}"):
+                status, answer = call(f"{info.url}/v1/completions", {**body, "model": model_id})
+                assert status == 200 and answer["choices"][0]["text"] == text and answer["model"] == name, model_id
+        plain = call(f"{info.url}/v1/completions", {**body, "model": "tiny-lora"})[1]["choices"][0]["text"]
+        assert plain != text
         assert call(f"{info.url}/v1/completions", {**body, "model": "other"})[0] == 404
     finally:
         shutdown(info)
+
+
+def _training_data(trained):
+    """The dataset the fixture's job trained on (elastic_hf_run's: the tiny model's TokenDataset)."""
+    from baige_ray.models.token_dataset import TokenDataset
+
+    model, _ = trained
+    return TokenDataset.open(Path(model.path).parent / "data")
