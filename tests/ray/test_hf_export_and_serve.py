@@ -171,7 +171,7 @@ def test_lora_adapters_from_a_directory_and_from_a_running_jobs_memory_generate_
         newest = None
         while newest != (newest := live.latest_model_state()[0]):  # the snapshot of the last step allowed is in
             time.sleep(0.2)
-        info = serve(result.checkpoint_path, name="tiny-lora", port=free_port(),
+        info = serve(result.checkpoint_path, name="tiny-lora", port=free_port(), route_prefix="/lora",
                      adapters={"tuned": tmp_path / "tuned", "live": live})
         step, weights = live.latest_model_state()
         save_adapter(tmp_path / "live", state_tensors(ray.get(weights)), adapter, str(result.checkpoint_path))
