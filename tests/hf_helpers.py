@@ -213,3 +213,17 @@ def give_chat_template(model_dir: Path, family: str = "llama3") -> str:
     tokenizer.chat_template = template
     tokenizer.save_pretrained(model_dir)
     return template
+
+
+def build_chat_data(root: Path, *, count: int, seq_len: int, max_turns: int = 2, **build_options):
+    """A tiny Llama whose tokenizer holds Llama 3's chat tokens and template, and `count` conversations of it
+    built into a ConversationDataset of `seq_len` (packed unless `build_options` say otherwise): (TinyHF,
+    the .jsonl of rows, the dataset)."""
+    from baige_ray.models.conversation_dataset import ConversationDataset
+
+    tiny = build_tiny_hf(root, vocab_size=VOCAB_SIZE + len(CHAT_SPECIAL_TOKENS["llama3"]))
+    give_chat_template(tiny.model_dir)
+    rows = write_conversations(root / "conversations.jsonl", count, max_turns=max_turns)
+    dataset = ConversationDataset.build(rows, tokenizer=tiny.model_dir, seq_len=seq_len, directory=root / "data",
+                                        **build_options)
+    return tiny, rows, dataset

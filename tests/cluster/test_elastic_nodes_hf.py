@@ -191,14 +191,10 @@ def test_a_lora_job_on_conversations_loses_a_worker_mid_step_and_its_adapter_agr
     from baige_ray.api.configs import RunConfig, ScalingConfig
     from baige_ray.engines.train_job import TrainJob
     from baige_ray.jobs.launch import launch
-    from baige_ray.models.conversation_dataset import ConversationDataset
     from baige_ray.models.hf import HFModel
-    from tests.hf_helpers import CHAT_SPECIAL_TOKENS, VOCAB_SIZE, give_chat_template, write_conversations
+    from tests.hf_helpers import build_chat_data
 
-    chat = build_tiny_hf(tmp_path / "chat", vocab_size=VOCAB_SIZE + len(CHAT_SPECIAL_TOKENS["llama3"]))
-    give_chat_template(chat.model_dir)
-    rows = write_conversations(tmp_path / "conversations.jsonl", 48, max_turns=2)
-    data = ConversationDataset.build(rows, tokenizer=chat.model_dir, seq_len=128, directory=tmp_path / "data")
+    chat, _, data = build_chat_data(tmp_path / "chat", count=48, seq_len=128)
     adapter = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     train = TrainConfig(num_steps=8, global_batch_size=4, warmup_steps=0, learning_rate=1e-2,
                         min_learning_rate=1e-2)

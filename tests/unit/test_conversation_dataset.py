@@ -16,12 +16,10 @@ SEQ_LEN = 64
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     """A tiny Llama whose tokenizer holds Llama 3's published chat template, and 16 conversations."""
-    from tests.hf_helpers import CHAT_SPECIAL_TOKENS, VOCAB_SIZE, build_tiny_hf, give_chat_template, write_conversations
+    from tests.hf_helpers import build_chat_data
 
-    root = tmp_path_factory.mktemp("chat")
-    tiny = build_tiny_hf(root, vocab_size=VOCAB_SIZE + len(CHAT_SPECIAL_TOKENS["llama3"]))
-    give_chat_template(tiny.model_dir)
-    return tiny, write_conversations(root / "conversations.jsonl", 16, max_turns=2)
+    tiny, rows, _ = build_chat_data(tmp_path_factory.mktemp("chat"), count=16, seq_len=SEQ_LEN)
+    return tiny, rows
 
 
 def test_targets_are_the_replies_and_nothing_else(chat_model, tmp_path):

@@ -21,15 +21,10 @@ def lora():
 
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory):
-    from baige_ray.models.conversation_dataset import ConversationDataset
-    from tests.hf_helpers import CHAT_SPECIAL_TOKENS, VOCAB_SIZE, build_tiny_hf, give_chat_template, write_conversations
+    from tests.hf_helpers import build_chat_data
 
-    root = tmp_path_factory.mktemp("lora")
-    tiny = build_tiny_hf(root, vocab_size=VOCAB_SIZE + len(CHAT_SPECIAL_TOKENS["llama3"]))
-    give_chat_template(tiny.model_dir)
-    rows = write_conversations(root / "conversations.jsonl", 32, max_turns=2)
-    return tiny.model_dir, ConversationDataset.build(rows, tokenizer=tiny.model_dir, seq_len=SEQ_LEN,
-                                                     directory=root / "data")
+    tiny, _, dataset = build_chat_data(tmp_path_factory.mktemp("lora"), count=32, seq_len=SEQ_LEN)
+    return tiny.model_dir, dataset
 
 
 def job(model_dir, dataset, micro_batch_size=None):
