@@ -12,7 +12,8 @@ needs), and `--conversations` conversations of one to four exchanges, replies of
   the same order (its sampler made sequential, the rows handed over tokenized, with the same trained
   tokens as labels and the same document lengths: `padding_free`, so its attention stays in each
   conversation too), the same optimizer (AdamW, betas 0.9 / 0.95, no weight decay), constant learning
-  rate, clipping at 1.0 and gradient accumulation; its loss is normalised by the step's trained tokens
+  rate, clipping at 1.0, gradient accumulation and precision (fp32, no gradient checkpointing: TRL's
+  defaults are bf16 autocast and recomputation, which baige-ray's run does not do); its loss is normalised by the step's trained tokens
   (`num_items_in_batch`), as baige-ray's. The losses of every step are compared.
 
 Trained tokens per second are over the steps after the first (each system's own step clock: StepMetrics'
@@ -189,7 +190,10 @@ def trl_run(args, model_dir: Path, data, work: Path, adapter: bool) -> dict[str,
                        learning_rate=args.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
                        weight_decay=0.0, adam_beta1=BETAS[0], adam_beta2=BETAS[1], max_grad_norm=1.0,
                        padding_free=True, max_length=None, logging_steps=1, save_strategy="no", report_to=[],
-                       dataloader_num_workers=0, seed=0, use_cpu=True, disable_tqdm=True)
+                       dataloader_num_workers=0, seed=0, use_cpu=True, disable_tqdm=True,
+                       # fp32 and no recomputation, as baige-ray trains here (TRL's defaults are bf16 autocast and
+                       # gradient checkpointing: 20x slower on this CPU, and not the same arithmetic)
+                       bf16=False, gradient_checkpointing=False)
     clock = step_clock()
     trainer = sequential_sft_trainer()(model=model, args=config, train_dataset=Dataset.from_list(trl_rows(data, args)),
                                        processing_class=AutoTokenizer.from_pretrained(model_dir),
