@@ -209,12 +209,14 @@ def trl_rows(data, args: argparse.Namespace) -> list[dict]:
     the lengths of the conversations packed in it (padding one of its own)."""
     import numpy as np
 
+    from baige_ray.models.conversation_dataset import POSITIONS_FILE, TOKENS_FILE, TRAINED_FILE
+
     rows = []
     count = args.steps * args.global_batch_size
     for sequence in data.sequence_ids(range(count), 0):
-        tokens = data._array("tokens.bin")[sequence].astype(np.int64)
-        trained = data._array("trained.bin")[sequence].astype(bool)
-        positions = data._array("positions.bin")[sequence]
+        tokens = data.stored(TOKENS_FILE)[sequence].astype(np.int64)
+        trained = data.stored(TRAINED_FILE)[sequence].astype(bool)
+        positions = data.stored(POSITIONS_FILE)[sequence]
         starts = list(np.flatnonzero(positions == 0)) + [len(tokens)]
         rows.append({"input_ids": tokens.tolist(), "labels": np.where(trained, tokens, -100).tolist(),
                      "seq_lengths": [int(b - a) for a, b in zip(starts, starts[1:])]})

@@ -237,8 +237,8 @@ class ConversationDataset:
     def batch(self, indices: np.ndarray | range | Sequence[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs (len(indices), seq_len) and next-token targets, IGNORE_INDEX where a token is not trained."""
         ids = self.sequence_ids(indices, seed)
-        tokens = torch.from_numpy(self._array(TOKENS_FILE)[ids].astype(np.int64))
-        trained = torch.from_numpy(self._array(TRAINED_FILE)[ids][:, 1:].astype(bool))
+        tokens = torch.from_numpy(self.stored(TOKENS_FILE)[ids].astype(np.int64))
+        trained = torch.from_numpy(self.stored(TRAINED_FILE)[ids][:, 1:].astype(bool))
         targets = torch.where(trained, tokens[:, 1:], IGNORE_INDEX)
         return tokens[:, :-1], targets
 
@@ -247,14 +247,16 @@ class ConversationDataset:
         a packed sequence starts the next; None without packing (every sequence is one, from 0)."""
         if not self.packs_documents:
             return None
-        rows = self._array(POSITIONS_FILE)[self.sequence_ids(indices, seed)]
+        rows = self.stored(POSITIONS_FILE)[self.sequence_ids(indices, seed)]
         return torch.from_numpy(rows[:, :-1].astype(np.int64))
 
     def trained_tokens(self, indices: np.ndarray | range | Sequence[int], seed: int) -> int:
         """The tokens samples `indices` train (the first token of a sequence is never a target)."""
-        return int(self._array(TRAINED_FILE)[self.sequence_ids(indices, seed)][:, 1:].sum(dtype=np.int64))
+        return int(self.stored(TRAINED_FILE)[self.sequence_ids(indices, seed)][:, 1:].sum(dtype=np.int64))
 
-    def _array(self, name: str) -> np.memmap:
+    def stored(self, name: str) -> np.memmap:
+        """A stored file as (sequences, seq_len + 1): TOKENS_FILE, TRAINED_FILE (1 where a token is trained) or,
+        packed, POSITIONS_FILE (each token's position in its conversation)."""
         metadata = self.metadata
         dtype = {TOKENS_FILE: metadata.dtype, TRAINED_FILE: "uint8", POSITIONS_FILE: POSITIONS_DTYPE}[name]
         return _map(str(self.directory / name), dtype, (metadata.num_sequences, metadata.seq_len + 1),

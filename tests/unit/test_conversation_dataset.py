@@ -44,7 +44,7 @@ def test_targets_are_the_replies_and_nothing_else(chat_model, tmp_path):
     assert metadata.num_truncated == 16 - len(replies)
     checked = 0
     for row, sequence in zip(targets, dataset.sequence_ids(range(dataset.num_sequences), seed=0)):
-        stored = torch.from_numpy(dataset._array("tokens.bin")[sequence].astype("int64"))
+        stored = torch.from_numpy(dataset.stored("tokens.bin")[sequence].astype("int64"))
         text = tokenizer.decode(stored[stored != metadata.pad_token_id])
         if text in replies:
             assert tokenizer.decode(row[row != IGNORE_INDEX]) == replies[text]
