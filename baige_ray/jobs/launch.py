@@ -155,6 +155,9 @@ def launch(
     if steps_allowed is not None and (not isinstance(steps_allowed, int) or steps_allowed < 0):
         raise ValueError(f"launch steps_allowed={steps_allowed!r} is invalid: expected None or a step count >= 0")
     job = TrainJob(model=model, train=train, data=data, objective=objective, adapter=adapter)
+    if adapter is not None and layout == "auto":  # the planner's re-plans are never checked against adapters
+        raise ValueError("launch layout='auto' is invalid with adapter=: the planner may choose tensor or expert "
+                         "parallelism, which adapters do not train in yet; pass 'ddp' or a ParallelLayout")
     scaling = scaling or ScalingConfig()
     run = run or RunConfig()
     elastic = elastic or ElasticConfig()

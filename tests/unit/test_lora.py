@@ -121,6 +121,10 @@ def test_layouts_and_configs_adapters_cannot_train_are_refused(chat_data):
         check_adapter_layout(ParallelLayout(dp=2, data_parallel="zero2"))
     with pytest.raises(ValueError, match="expected a peft.LoraConfig"):
         TrainJob(model=job(model_dir, dataset).model, train=job(model_dir, dataset).train, adapter={"r": 4})
+    from baige_ray.jobs.launch import launch
+
+    with pytest.raises(ValueError, match="layout='auto' is invalid with adapter="):
+        launch(job(model_dir, dataset).model, train=job(model_dir, dataset).train, layout="auto", adapter=lora())
     with pytest.raises(ValueError, match="LoraConfig.bias='all' is invalid"):
         TrainJob(model=job(model_dir, dataset).model, train=job(model_dir, dataset).train,
                  adapter=LoraConfig(r=4, target_modules=["q_proj"], bias="all"))
