@@ -96,7 +96,10 @@ def encode_prompt(prompt: str, seq_len: int) -> list[int]:
 
 
 def decode_tokens(tokens: Sequence[int]) -> str:
-    return bytes(tokens).decode("utf-8", errors="replace")
+    """The text of byte tokens as served: an invalid byte is U+FFFD, a character left unfinished at the end is
+    dropped (vLLM's rule)."""
+    decoder = _ByteDecoder()
+    return "".join(decoder.push(token) for token in tokens) + decoder.flush()
 
 
 @torch.no_grad()
