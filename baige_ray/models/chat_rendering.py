@@ -41,10 +41,6 @@ class RenderedConversation:
     ids: list[int]
     trained: list[bool]  # per token: whether the loss trains it (as the target of the tokens before it)
 
-    @property
-    def num_trained(self) -> int:
-        return sum(self.trained)
-
 
 def chat_template_of(tokenizer: PreTrainedTokenizerBase, chat_template: str | None) -> str:
     """The template to render with: the caller's, else the tokenizer's own; ValueError without either."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import glob
 import hashlib
 import json
 import logging
@@ -55,7 +54,7 @@ POSITIONS_DTYPE = "int32"
 METADATA_FILE = "conversations.json"
 TOO_LONG = ("truncate", "refuse")
 PACKING = ("bfd", "none")
-ROW_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+ROW_FORMATS = (".jsonl", ".json", ".parquet")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -404,18 +403,12 @@ class _Builder:
 
 
 def _rows(path: Path, cache_dir: Path) -> Iterator[dict]:
-    from datasets import load_dataset
+    from baige_ray.models.tokenizer import _quiet_datasets, load_rows
 
-    from baige_ray.models.tokenizer import _quiet_datasets
-
-    kind = ROW_FORMATS[path.suffix.lower()]
     if path.stat().st_size == 0:
         return
     with _quiet_datasets():
-        try:
-            rows = load_dataset(kind, data_files=[glob.escape(str(path))], split="train", cache_dir=str(cache_dir))
-        except Exception as error:  # datasets raises many types for a malformed file; the user needs its name
-            raise ValueError(f"{path} could not be read as {kind}: {error}") from error
+        rows = load_rows(path, cache_dir)
     yield from rows
 
 

@@ -161,7 +161,9 @@ def _quiet_datasets() -> Iterator[None]:
             datasets_logging.enable_progress_bar()
 
 
-def _load_documents(path: Path, text_field: str, cache_dir: Path) -> Dataset:
+def load_rows(path: Path, cache_dir: Path) -> Dataset:
+    """The file's rows (a .txt file: one row, the whole document) through Hugging Face `datasets`, its cache in
+    `cache_dir`; a ValueError naming the file when it cannot be read."""
     from datasets import load_dataset
 
     kind = SUPPORTED_EXTENSIONS[path.suffix.lower()]
@@ -169,10 +171,14 @@ def _load_documents(path: Path, text_field: str, cache_dir: Path) -> Dataset:
     try:
         # datasets expands data_files as patterns, so a name like "shard[1].txt" must be escaped.
         pattern = glob.escape(str(path))
-        documents = load_dataset(kind, data_files=[pattern], split="train", cache_dir=str(cache_dir), **options)
+        return load_dataset(kind, data_files=[pattern], split="train", cache_dir=str(cache_dir), **options)
     except Exception as error:  # datasets raises many types for a malformed file; the user needs its name
         raise ValueError(f"{path} could not be read as {kind}: {error}") from error
-    if kind == "text":
+
+
+def _load_documents(path: Path, text_field: str, cache_dir: Path) -> Dataset:
+    documents = load_rows(path, cache_dir)
+    if SUPPORTED_EXTENSIONS[path.suffix.lower()] == "text":
         return documents
     if text_field not in documents.column_names:
         raise ValueError(
