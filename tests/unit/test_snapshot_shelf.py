@@ -78,3 +78,21 @@ def test_a_layout_lays_the_slot_out_before_the_first_copy_so_the_engine_writes_s
     assert stored.state["model"]["w"].data_ptr() == into.state["model"]["w"].data_ptr()
     assert read_shelf(tmp_path / "w")[1].state["optimizer"]["w"]["exp_avg"].eq(4.0).all()
     assert len(list((tmp_path / "w").glob("*.bin"))) == 1
+
+
+def test_a_part_read_from_a_shelf_crosses_processes_at_its_own_size(tmp_path):
+    """Its tensors are views of one mapped file; pickled one by one, torch would write the whole file once
+    per tensor (a reading worker then spent seconds in pickle and missed its heartbeats)."""
+    from ray import cloudpickle
+
+    big = _part(1.0)
+    big.state["model"]["big"] = torch.arange(2**18, dtype=torch.float32)  # 1 MiB of the file
+    big.boxes["big"] = Box((2**19,), (0,), (2**18,), flat=True)
+    shelf = SnapshotShelf(tmp_path / "w", slots=1)
+    shelf.commit(4, big)
+    _, read = read_shelf(tmp_path / "w")
+    pickled = cloudpickle.dumps(read)
+    assert len(pickled) < 1.2 * read.nbytes
+    back = cloudpickle.loads(pickled)
+    assert _equal(back, big) and torch.equal(back.state["model"]["big"], big.state["model"]["big"])
+    assert back.state["optimizer"]["w"]["step"].shape == () and back.state["model"]["b"].dtype == torch.bfloat16
