@@ -2,6 +2,10 @@
 # Both build .venv from nothing on a machine that only has python3, and skip
 # installs that are already current on later runs (stamp files track them).
 PYTHON ?= python3
+# Where the environment sets PYTHONDONTWRITEBYTECODE (this machine's does), nothing compiled is kept: each of
+# the suite's hundreds of worker processes compiles the package again, and each pytest process rewrites
+# every test module's assertions again (collecting the unit tier: 18 s, 13 s with bytecode kept).
+unexport PYTHONDONTWRITEBYTECODE
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
