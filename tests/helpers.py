@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from contextlib import contextmanager
 
 from baige_ray.actors.worker import WorkerActor
 from baige_ray.engines.factory import build_engine
@@ -118,3 +119,23 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+@contextmanager
+def devices_held(cluster, indices):
+    """Every device of the simulated nodes `indices` held by a placement group, as another job would hold
+    them: a job on the other nodes then finds the cluster full (it shrinks on a node's loss instead of
+    growing elsewhere) without starting the processes of a full-size job."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from baige_ray.topology.simulated import NODE_INDEX_RESOURCE
+
+    bundles = [{"GPU": float(cluster.descriptor.node_types[cluster.node_type_of(index)].num_devices),
+                NODE_INDEX_RESOURCE.format(index=index): 1.0} for index in indices]
+    group = placement_group(bundles, strategy="SPREAD")
+    ray.get(group.ready(), timeout=60)
+    try:
+        yield
+    finally:
+        remove_placement_group(group)

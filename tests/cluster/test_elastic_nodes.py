@@ -20,7 +20,7 @@ from baige_ray.api.elastic import ElasticConfig
 from baige_ray.engines.train_job import TrainJob
 from baige_ray.models.gpt import GPTConfig
 from baige_ray.topology.simulated import SimulatedCluster
-from tests.helpers import reference_losses
+from tests.helpers import devices_held, reference_losses
 
 
 def wait_for(job, predicate, timeout_s: float, what: str) -> dict:
@@ -50,16 +50,16 @@ def cpu_speed_descriptor():
 
 
 def gpt_run(name: str, tmp_path, *, num_steps: int, num_layers: int, global_batch_size: int,
-            micro_batch_size: int, elastic: ElasticConfig, **launch_args):
-    """A small GPT on all 8 devices at a constant learning rate, so a run stopped after k steps and a
-    k-step run do the same arithmetic."""
+            micro_batch_size: int, elastic: ElasticConfig, num_workers: int = 8, **launch_args):
+    """A small GPT on `num_workers` devices (all 8 by default) at a constant learning rate, so a run stopped
+    after k steps and a k-step run do the same arithmetic."""
     from baige_ray.api.configs import RunConfig, ScalingConfig
     from baige_ray.jobs.launch import launch
 
     return launch(
         GPTConfig(seq_len=32, hidden=64, num_layers=num_layers),
         train=constant_rate_train(num_steps, global_batch_size, micro_batch_size),
-        scaling=ScalingConfig(num_workers=8, placement_timeout_s=240),  # slow actor starts on a busy box
+        scaling=ScalingConfig(num_workers=num_workers, placement_timeout_s=240),  # slow actor starts on a busy box
         run=RunConfig(name=name, storage_path=tmp_path, show_progress=False),
         elastic=elastic, **launch_args,
     )
@@ -140,27 +140,31 @@ PIPELINED_GPT = GPTConfig(seq_len=32, hidden=64, num_layers=4)
 
 
 def pipelined_gpt_run(name: str, tmp_path, num_steps: int):
-    """PP4 x TP2 on the 4x2 cluster: each stage's two ranks on one node, so no live peer elsewhere holds it."""
+    """PP2 x TP2 on two nodes of the 4x2 cluster: each stage's two ranks on one node, so no live peer
+    elsewhere holds it."""
     from baige_ray.parallel.layout import ParallelLayout
 
     return gpt_run(name, tmp_path, num_steps=num_steps, num_layers=4, global_batch_size=8, micro_batch_size=2,
-                   elastic=ElasticConfig(num_spares=0, min_workers=8, max_workers=8),
-                   layout=ParallelLayout(pp=4, tp=2, num_microbatches=4))
+                   elastic=ElasticConfig(num_spares=0, min_workers=4, max_workers=4), num_workers=4,
+                   layout=ParallelLayout(pp=2, tp=2, num_microbatches=4))
 
 
 def test_a_lost_node_holding_a_whole_pipeline_stage_is_restored_from_a_replica_on_another_node(
         sim_cluster_4x2, tmp_path):
+    """Nodes 0 and 1 are held as another job would hold them: the job runs on nodes 2 and 3, one stage each,
+    and after node 2 is lost it waits for capacity (2 devices cannot hold PP2 x TP2)."""
     cluster = SimulatedCluster.active()
-    job = pipelined_gpt_run("elastic-replica", tmp_path, num_steps=1000)
-    wait_for(job, lambda s: s["step"] >= 5, 180, "step 5")
-    node_type = next(iter(cluster.descriptor.node_types))
-    cluster.remove_node(2)
-    wait_for(job, lambda s: s["state"] == "recovering", 30, "the recovery")
-    cluster.add_node(node_type, 2)  # the job waits for capacity: 6 devices cannot hold PP4 x TP2
-    resumed = wait_for(job, lambda s: s["state"] == "running" and s["recoveries"], 180, "the resumed run")
-    wait_for(job, lambda s: s["step"] >= resumed["step"] + 2, 60, "steps after the recovery")
-    job.stop()
-    result = job.wait()
+    with devices_held(cluster, [0, 1]):
+        job = pipelined_gpt_run("elastic-replica", tmp_path, num_steps=1000)
+        wait_for(job, lambda s: s["step"] >= 5, 180, "step 5")
+        node_type = next(iter(cluster.descriptor.node_types))
+        cluster.remove_node(2)
+        wait_for(job, lambda s: s["state"] == "recovering", 30, "the recovery")
+        cluster.add_node(node_type, 2)
+        resumed = wait_for(job, lambda s: s["state"] == "running" and s["recoveries"], 180, "the resumed run")
+        wait_for(job, lambda s: s["step"] >= resumed["step"] + 2, 60, "steps after the recovery")
+        job.stop()
+        result = job.wait()
 
     num_steps = len(result.metrics)
     assert [m.step for m in result.metrics] == list(range(num_steps))
@@ -170,7 +174,7 @@ def test_a_lost_node_holding_a_whole_pipeline_stage_is_restored_from_a_replica_o
     # A replica trails by at most one copy, which the controller waits for when copying is slower than a
     # step (replicas.replica_floor): the failed step, the one before and the one being copied (2 if it landed).
     assert result.recoveries[0]["lost_steps"] <= 3, (result.recoveries[0], restored)
-    # One process with the whole model and batch, not a second 8-worker run. PP4 x TP2 sums in another
+    # One process with the whole model and batch, not a second run of the job. PP2 x TP2 sums in another
     # order; restoring a stage from a replica steps behind without redoing those steps is a jump of
     # several percent at the recovery.
     reference = reference_losses(TrainJob(model=PIPELINED_GPT, train=constant_rate_train(num_steps, 8, 2)))
