@@ -10,20 +10,25 @@ from baige_ray.engines.factory import build_engine
 from baige_ray.engines.train_job import TrainJob
 from baige_ray.parallel.layout import ParallelLayout
 
-
 # Ranks are forked from a server process that imported these once per pytest process, instead of each
 # new rank importing them again: 3-6 s of CPU a rank on this machine, most of what a two-rank test costs.
 RANK_PRELOAD = ["torch", "torch.distributed", "transformers.modeling_utils"]
 
 
+def rank_context():
+    """The multiprocessing context that new ranks start from: forked from a server holding RANK_PRELOAD."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # read when the server starts, at the first use
+    return multiprocessing.get_context("forkserver")
+
+
 def spawn_ranks(rank_main, nprocs: int, *args) -> dict:
     """Run `rank_main(rank, port, results, *args)` in `nprocs` new processes (a gloo group's ranks,
     MASTER_PORT a free port of 127.0.0.1); returns what each rank put in `results[rank]`."""
-    import multiprocessing
-
     import torch.multiprocessing as mp
 
-    multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # read when the server starts, at the first call
+    rank_context()
     port = free_port()
     with mp.Manager() as manager:
         results = manager.dict()

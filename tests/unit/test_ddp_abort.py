@@ -10,10 +10,9 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.helpers import free_port
+from tests.helpers import free_port, rank_context
 
 
 def _rank(rank: int, port: int, mode: str, out) -> None:
@@ -46,7 +45,7 @@ def _rank(rank: int, port: int, mode: str, out) -> None:
 
 
 def _run(mode: str, answers: int) -> list:
-    context = mp.get_context("spawn")
+    context = rank_context()
     out, port = context.Queue(), free_port()
     ranks = [context.Process(target=_rank, args=(rank, port, mode, out)) for rank in range(2)]
     for process in ranks:

@@ -4,6 +4,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.helpers import rank_context
+
 
 def _rank(rank: int, path: str, results) -> None:
     from baige_ray.engines.host_reduce_scatter import HostReduceScatter
@@ -22,6 +24,7 @@ def _rank(rank: int, path: str, results) -> None:
 
 def test_each_rank_gets_the_mean_of_its_shard_and_an_input_buffer_is_reused_once_reduced(tmp_path):
     results = mp.Manager().dict()
-    mp.spawn(_rank, args=(str(tmp_path / "store"), results), nprocs=2)
+    rank_context()
+    mp.start_processes(_rank, args=(str(tmp_path / "store"), results), nprocs=2, start_method="forkserver")
     assert results[0][0] == [5.0, 6.0] and results[1][0] == [7.0, 8.0]  # (0+10)/2, (1+11)/2 | (2+12)/2, (3+13)/2
     assert results[0][1:] == (True, False)  # the reduced input comes back once; a second request is new memory

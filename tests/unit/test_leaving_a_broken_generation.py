@@ -4,7 +4,6 @@ that died after arriving holds the others' connect only for the connect timeout.
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from baige_ray.parallel.distributed import STORE_CONNECT_TIMEOUT_S, GroupMembership, ProcessGroupMember, StoreAddress
+from tests.helpers import rank_context
 
 TIMEOUT_S = 60.0  # what a stuck collective would cost if leaving waited for it
 
@@ -37,7 +37,7 @@ def member(address: StoreAddress, rank: int, results) -> None:
 
 def run_members(target, address: StoreAddress, count: int) -> list:
     """Run `target(address, rank, results)` in `count` new processes; what each put in `results`, sorted."""
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     results = context.Queue()
     processes = [context.Process(target=target, args=(address, rank, results), daemon=True) for rank in range(count)]
     for process in processes:
@@ -65,7 +65,7 @@ def host_then_die(addresses) -> None:
 
 
 def test_joining_a_generation_whose_store_host_died_fails_at_once():
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     addresses = context.Queue()
     host = context.Process(target=host_then_die, args=(addresses,), daemon=True)
     host.start()
