@@ -23,6 +23,7 @@ BENCHMARK_MODULES: dict[str, str] = {
     "pd": "baige_ray.bench.pd",
     "scale": "baige_ray.bench.scale",
     "prefix": "baige_ray.bench.prefix",
+    "longctx": "baige_ray.bench.longctx",
     "ettr": "baige_ray.bench.ettr",
     "rl": "baige_ray.bench.rl",
     "sft": "baige_ray.bench.sft",
