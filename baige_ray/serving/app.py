@@ -299,6 +299,7 @@ def serve(
         plugin_for(config).check_vllm()  # here, not in replicas that would fail to start one after another
     registry = get_or_create_registry(name)
     ray.get(registry.publish_weights.remote(step, [state_ref], config))
+    ray.get(registry.serve_adapters.remote(settings.adapters))
     ray_serve.start(proxy_location="HeadOnly", http_options={"host": settings.host, "port": settings.port})
     application, names = _bind(settings, name, limits, completion_limits or CompletionLimits())
     ray_serve.run_many([ray_serve.RunTarget(target=application, name=name, route_prefix=settings.route_prefix,
@@ -494,6 +495,21 @@ def reload_weights(
         return version
     if behind := ray.get(registry.caught_up.remote(version, timeout_s)):
         raise TimeoutError(f"{info.app_name}: replicas {behind} still on older weights after {timeout_s:g}s")
+    return version
+
+
+def reload_adapter(info: ServeHandleInfo, name: str, source: Any, *, timeout_s: float = 60.0, wait: bool = True) -> int:
+    """Serve `source` as the application's adapter `name` from now on, on every replica in place, between two
+    engine steps (no restart, the base weights untouched); returns the new version. `source` is what
+    `serve(adapters=...)` takes: a PEFT adapter directory, or a running TrainingJob launched with
+    `adapter=`, whose newest in-memory adapter is copied (no file written). With `wait` it returns once every
+    replica serves it (a TimeoutError names those that do not after `timeout_s`)."""
+    (checked,) = served_adapters({name: source}).values()
+    registry = _registry(info)
+    version = ray.get(registry.publish_adapter.remote(name, checked))
+    if wait and (behind := ray.get(registry.caught_up.remote(version, timeout_s))):
+        raise TimeoutError(f"{info.app_name}: replicas {behind} still without the new adapter {name!r} "
+                           f"after {timeout_s:g}s")
     return version
 
 

@@ -142,6 +142,7 @@ class ModelServer:
         self._runner: EngineRunner | None = None
         self._model_config = None
         self._version, self._step = 0, -1
+        self._weights_version = -1  # the registry's version at which the weights it holds were published
         self._asleep = False  # its engine gave its device memory back while training uses the device
         self._ongoing = 0
         self._pending_latencies: list[float] = []
@@ -150,8 +151,12 @@ class ModelServer:
         self._ensure_reporter()
 
     async def _load_newest_weights(self) -> None:
-        version, step, model_config, (state_ref,) = await self._registry.weights.remote()
+        version, step, model_config, (state_ref,), weights_version, adapters = await self._registry.weights.remote()
         if version == self._version:
+            return
+        if weights_version == self._weights_version and self._runner is not None:
+            await self._swap_adapters(adapters)  # the weights it holds, with a newer adapter beside them
+            self._version = version
             return
         if self._asleep:  # weights are published to be served: awake first, so they land on the device
             await self._turn(False)
@@ -189,8 +194,27 @@ class ModelServer:
             previous, self._runner = self._runner, self._watch_engine(runner)
             if previous is not None:
                 previous.retire()  # requests already in it finish on the weights they started with
+        await self._swap_adapters(adapters)  # any replaced with the weights, in whichever engine now serves
         self._version, self._step, self._model_config = version, step, model_config
+        self._weights_version = weights_version
         self._openai.learn_model(model_config, self._runner.engine.max_context)
+
+    async def _swap_adapters(self, adapters: dict[str, AdapterSource]) -> None:
+        """Each adapter whose source changed read (off the event loop), then put in its slot between two
+        engine steps: rows of a running request use the new matrices from the next token on."""
+        changed = {name: source for name, source in adapters.items() if self._adapters.get(name) != source}
+        if not changed:
+            return
+        loaded = {name: await asyncio.to_thread(read_adapter, source) for name, source in changed.items()}
+        served = self._runner.engine.adapters
+
+        def swap() -> None:
+            for name, weights in loaded.items():
+                served.add(name, weights)
+
+        await self._runner.between_steps(swap)
+        self._adapters.update(changed)
+        self._openai.adapters.update({name: adapter_root(source) for name, source in changed.items()})
 
     def _build_runner(self, model_config, state: dict, *, first: bool, version: int) -> EngineRunner:
         plugin = plugin_for(model_config)

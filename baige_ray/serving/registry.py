@@ -14,6 +14,10 @@ It also keeps the application's event log (in memory): a replica whose engine fa
 Replicas that take turns with training on their devices (reinforcement learning, colocated) are told
 to sleep (give back their device memory) and wake the same way: `set_asleep` wakes the long polls, each
 replica reports the state it reached, and `settled` waits for them. Publishing weights wakes them.
+
+A LoRA adapter the application serves is replaced the same way (`publish_adapter`, a training job's newer
+adapter): it makes a new version whose base weights are those the replicas hold, so a replica swaps the
+adapter alone between two steps and reports the version as it would new weights.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ def registry_name(app_name: str) -> str:
 
 class ServingRegistry:
     def __init__(self) -> None:
-        self._version = 0
+        self._version = 0  # of what is served: the weights and the adapters beside them
+        self._weights_version = 0  # the version at which the weights themselves last changed
+        self._adapters: dict[str, object] = {}  # adapter name -> its newest source (lora_adapters.AdapterSource)
         self._step = -1
         self._model_config = None
         self._state_ref: ray.ObjectRef | None = None
@@ -68,7 +74,22 @@ class ServingRegistry:
             self._state_ref = ray.put(state if isinstance(state, PackedTensors) else pack_tensors(state))
         self._step, self._model_config = step, model_config
         self._version += 1
+        self._weights_version = self._version
         self._asleep = False  # new weights are to be served
+        self._wake_long_polls()
+        return self._version
+
+    def serve_adapters(self, sources: dict) -> None:
+        """The adapters the application starts with (name -> source): the names `publish_adapter` may replace."""
+        self._adapters = dict(sources)
+
+    def publish_adapter(self, name: str, source) -> int:
+        """Serve `source` as adapter `name` from now on (replicas swap it in place); returns the new version."""
+        if name not in self._adapters:
+            raise ValueError(f"adapter {name!r} is not served by this application: expected one of "
+                             f"{sorted(self._adapters)} (serve(adapters=...) names them)")
+        self._adapters[name] = source
+        self._version += 1
         self._wake_long_polls()
         return self._version
 
@@ -89,12 +110,14 @@ class ServingRegistry:
                 await asyncio.wait_for(self._published.wait(), timeout_s)
         return self._version, self._asleep
 
-    def weights(self) -> tuple[int, int, object, list]:
-        """(version, step, model config, [ref]) of the newest weights; the ref is wrapped so it
-        travels unresolved."""
+    def weights(self) -> tuple[int, int, object, list, int, dict]:
+        """(version, step, model config, [ref], the version at which the weights last changed, adapter name
+        -> newest source) of what is served; the ref is wrapped so it travels unresolved. A replica already
+        holding those weights takes the adapters alone."""
         if self._state_ref is None:
             raise LookupError("no weights published yet")
-        return self._version, self._step, self._model_config, [self._state_ref]
+        return (self._version, self._step, self._model_config, [self._state_ref], self._weights_version,
+                dict(self._adapters))
 
     async def report(self, replica: str, latencies: list[float], busy_s: float, ongoing: int, loaded_version: int,
                      device: tuple[str, int] | None = None, engine: EngineLoad | None = None,

@@ -141,15 +141,15 @@ def test_lora_adapters_from_a_directory_and_from_a_running_jobs_memory_generate_
     """serve(adapters=...): an adapter directory as peft saves it, and the adapter a running LoRA job holds in
     memory (no file written), are models of their own whose parent is the served one; requests naming one
     (alone or as '<model>:<adapter>') generate peft + transformers' greedy tokens with it, and requests naming
-    the model are unchanged."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+    the model are unchanged. Three steps later, reload_adapter puts the job's newer adapter in every replica
+    in place, and requests generate with it."""
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
     from baige_ray.jobs.launch import launch
-    from baige_ray.models.adapters import save_adapter
     from baige_ray.models.hf import HFModel
-    from baige_ray.parallel.packed_tensors import state_tensors
+    from baige_ray.serving import reload_adapter
 
     model, result = trained
     torch.manual_seed(3)
@@ -163,21 +163,15 @@ def test_lora_adapters_from_a_directory_and_from_a_running_jobs_memory_generate_
     adapter = LoraConfig(r=4, lora_alpha=16, target_modules=["v_proj", "up_proj"], lora_dropout=0.0)
     live = launch(HFModel(result.checkpoint_path, seq_len=model.seq_len), adapter=adapter, steps_allowed=3,
                   data=_training_data(trained),
-                  train=TrainConfig(num_steps=6, global_batch_size=4, learning_rate=5e-2, warmup_steps=0),
+                  train=TrainConfig(num_steps=9, global_batch_size=4, learning_rate=5e-2, warmup_steps=0),
                   scaling=ScalingConfig(num_workers=1, placement_timeout_s=120),
                   run=RunConfig(name="hf-export-lora", storage_path=tmp_path, show_progress=False))
+    info = None
     try:
-        live.wait_for_step(3, timeout_s=120)
-        newest = None
-        while newest != (newest := live.latest_model_state()[0]):  # the snapshot of the last step allowed is in
-            time.sleep(0.2)
+        step = _settled_snapshot(live, 3)
         info = serve(result.checkpoint_path, name="tiny-lora", port=free_port(), route_prefix="/lora",
                      adapters={"tuned": tmp_path / "tuned", "live": live})
-        step, weights = live.latest_model_state()
-        save_adapter(tmp_path / "live", state_tensors(ray.get(weights)), adapter, str(result.checkpoint_path))
-    finally:
-        live.kill()
-    try:
+        _save_live_adapter(live, adapter, tmp_path / "live", result.checkpoint_path)
         status, listed = call(f"{info.url}/v1/models")
         assert status == 200 and [(m["id"], m["parent"]) for m in listed["data"]] == [
             ("tiny-lora", None), ("tuned", "tiny-lora"), ("live", "tiny-lora")]
@@ -185,18 +179,57 @@ def test_lora_adapters_from_a_directory_and_from_a_running_jobs_memory_generate_
         prompt, tokenizer = [5, 17, 33, 2], AutoTokenizer.from_pretrained(result.checkpoint_path)
         body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         for name in ("tuned", "live"):
-            tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(result.checkpoint_path),
-                                              tmp_path / name).eval()
-            expected = tuned.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
-            text = tokenizer.decode(expected[0, len(prompt):], skip_special_tokens=True).rstrip("\ufffd")  # as served
+            text = _peft_greedy_text(result.checkpoint_path, tmp_path / name, prompt, tokenizer)
             for model_id in (name, f"tiny-lora:{name}"):
                 status, answer = call(f"{info.url}/v1/completions", {**body, "model": model_id})
                 assert status == 200 and answer["choices"][0]["text"] == text and answer["model"] == name, model_id
         plain = call(f"{info.url}/v1/completions", {**body, "model": "tiny-lora"})[1]["choices"][0]["text"]
         assert plain != text
         assert call(f"{info.url}/v1/completions", {**body, "model": "other"})[0] == 404
+
+        live.allow_steps(6)
+        newer = _settled_snapshot(live, 6)
+        began = time.perf_counter()
+        reload_adapter(info, "live", live)
+        print(f"adapter of step {newer} serving {time.perf_counter() - began:.3f}s after reload_adapter")
+        _save_live_adapter(live, adapter, tmp_path / "live-newer", result.checkpoint_path)
+        live.kill()  # what replicas serve is a copy of the driver's, not the job's snapshot
+        newer_text = _peft_greedy_text(result.checkpoint_path, tmp_path / "live-newer", prompt, tokenizer)
+        assert newer_text != text
+        status, answer = call(f"{info.url}/v1/completions", {**body, "model": "live"})
+        assert status == 200 and answer["choices"][0]["text"] == newer_text
+        assert call(f"{info.url}/v1/models")[1]["data"][2]["root"] == f"memory: training step {newer}"
+        with pytest.raises(ValueError, match="not served by this application"):
+            reload_adapter(info, "unknown", tmp_path / "tuned")
     finally:
-        shutdown(info)
+        live.kill()
+        if info is not None:
+            shutdown(info)
+
+
+def _settled_snapshot(job, steps: int) -> int:
+    """The step of the job's newest snapshot once the snapshot of the last step it may run is in."""
+    job.wait_for_step(steps, timeout_s=120)
+    newest = None
+    while newest != (newest := job.latest_model_state()[0]):
+        time.sleep(0.2)
+    return newest
+
+
+def _save_live_adapter(job, adapter, directory, base) -> None:
+    from baige_ray.models.adapters import save_adapter
+    from baige_ray.parallel.packed_tensors import state_tensors
+
+    save_adapter(directory, state_tensors(ray.get(job.latest_model_state()[1])), adapter, str(base))
+
+
+def _peft_greedy_text(base, adapter_dir, prompt, tokenizer) -> str:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter_dir).eval()
+    expected = tuned.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    return tokenizer.decode(expected[0, len(prompt):], skip_special_tokens=True).rstrip("\ufffd")  # as served
 
 
 def _training_data(trained):
