@@ -61,6 +61,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from baige_ray.bench.colocate_accounting import PoolSampler, infer_device_seconds, train_device_seconds
+from baige_ray.bench.measure import free_port
 
 POOL_DEVICES = 8
 MAX_TRAIN_DEVICES = 7  # whole devices: serving always keeps at least one
@@ -200,7 +201,7 @@ def _start(args: argparse.Namespace):
         if status["state"] in ("failed", "finished"):
             raise RuntimeError(f"the training job ended before serving started: {status['state']}")
         time.sleep(0.5)
-    info = serve(job.latest_model_state(), model_config=model, name="colocate", port=_free_port(),
+    info = serve(job.latest_model_state(), model_config=model, name="colocate", port=free_port(),
                  max_ongoing_requests=64, max_queued_requests=4096, device_share=1 - args.harvest_share,
                  engine=args.engine)
     return model, job, info
@@ -209,14 +210,6 @@ def _start(args: argparse.Namespace):
 def _max_ranks(args: argparse.Namespace) -> int:
     """Whole devices plus harvest ranks: with harvesting, training may run a rank on every device."""
     return POOL_DEVICES if args.harvest_share > 0 else MAX_TRAIN_DEVICES
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _arbiter_config(args: argparse.Namespace, capacity: float):

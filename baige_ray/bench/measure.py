@@ -141,3 +141,12 @@ def report_stage(args, stage: str, done: int, total: int) -> None:
     progress = vars(args).get("progress")
     if progress is not None:
         progress(stage, done, total)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a benchmark's own Serve proxy or server)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -23,10 +23,11 @@ timed steps.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import time
 from typing import Any
+
+from baige_ray.bench.measure import free_port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> dict:
     systems = {}
     for name, (job, layout) in compared.items():
         results = context.SimpleQueue()
-        mp.start_processes(_rank_main, args=(layout.world_size, _free_port(), job, layout, args.warmup, results),
+        mp.start_processes(_rank_main, args=(layout.world_size, free_port(), job, layout, args.warmup, results),
                            nprocs=layout.world_size, start_method="spawn")
         by_rank = dict(results.get() for _ in range(layout.world_size))
         systems[name] = summarize_ranks([by_rank[rank] for rank in sorted(by_rank)], job, args.warmup)
@@ -147,12 +148,6 @@ def _rank_main(rank: int, world: int, port: int, job, layout, warmup: int, resul
         results.put((rank, records))
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def summarize(result: dict) -> str:

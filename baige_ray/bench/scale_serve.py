@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from baige_ray.bench.measure import free_port
 
 APP_NAME = "scale-vllm"
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
@@ -142,7 +143,7 @@ def _serve(model_dir: Path, load: Load) -> dict[str, Any]:
     from baige_ray.serving import serve, shutdown
 
     started = time.perf_counter()
-    info = serve(model_dir, name=APP_NAME, host="127.0.0.1", port=_free_port(), engine="vllm",
+    info = serve(model_dir, name=APP_NAME, host="127.0.0.1", port=free_port(), engine="vllm",
                  max_batch_size=SERVE_BATCH)
     returned = time.perf_counter()
     try:
@@ -183,12 +184,6 @@ def _level(elapsed: float, tokens: list[int], *, stopped: int) -> dict[str, Any]
     return {"tokens_per_s": round(sum(tokens) / elapsed, 3), "seconds": round(elapsed, 3), "requests": len(tokens),
             "completion_tokens": sum(tokens), "mean_tokens": round(statistics.fmean(tokens), 2),
             "stopped_early": stopped}
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # -- plain vllm.LLM ---------------------------------------------------------------------------------

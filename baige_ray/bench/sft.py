@@ -18,8 +18,11 @@ needs), and `--conversations` conversations of one to four exchanges, replies of
 
 Trained tokens per second are over the steps after the first (each system's own step clock: StepMetrics'
 `step_time_s`, TRL's time between `on_step_end` callbacks). Peak memory is the training process's peak
-resident memory of baige-ray's worker (TRL runs in this process, whose peak holds everything before it). `adapter_to_serving_s` is
-null: serving adapters is not built yet.
+resident memory of baige-ray's worker (TRL runs in this process, whose peak holds everything before it).
+`adapter_to_serving_s`: a LoRA job gated after two steps serves its adapter from memory (`serve(adapters=...)`);
+after two more steps, the seconds `reload_adapter` takes to put its newer adapter into the running replica
+(copied from the job's memory, swapped between two decode steps), which TRL, writing a checkpoint for a
+server to load, has no counterpart for.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from baige_ray.bench.measure import report_stage
+from baige_ray.bench.measure import free_port, report_stage
 
 CHAT_TOKENS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 # Llama 3's template, with TRL's generation markers around each reply and its end-of-turn token.
@@ -69,18 +72,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     data = build_conversations(work, model_dir, args)
     runs: dict[str, dict] = {}
     stages = ["baige-ray full, 1 worker", "baige-ray full, 2 workers", "baige-ray LoRA, 1 worker",
-              "baige-ray LoRA, 2 workers", "baige-ray LoRA, 2 workers, one SIGKILLed", "TRL full", "TRL LoRA"]
+              "baige-ray LoRA, 2 workers", "baige-ray LoRA, 2 workers, one SIGKILLed",
+              "a training job's newer adapter into serving", "TRL full", "TRL LoRA"]
     for index, (name, workers, adapter) in enumerate((("full_1", 1, False), ("full_2", 2, False),
                                                       ("lora_1", 1, True), ("lora_2", 2, True))):
         report_stage(args, stages[index], index, len(stages))
         runs[name] = baige_run(args, model_dir, data, work, name, workers, adapter)
     report_stage(args, stages[4], 4, len(stages))
     steps_lost = baige_fault_run(args, model_dir, data, work)
+    report_stage(args, stages[5], 5, len(stages))
+    swap_s = adapter_to_serving_seconds(args, model_dir, data, work)
     if not args.no_peer:
-        for index, (name, adapter) in enumerate((("trl_full", False), ("trl_lora", True)), start=5):
+        for index, (name, adapter) in enumerate((("trl_full", False), ("trl_lora", True)), start=6):
             report_stage(args, stages[index], index, len(stages))
             runs[name] = trl_run(args, model_dir, data, work, adapter)
-    return summary(runs, data, steps_lost)
+    return summary(runs, data, steps_lost, swap_s)
 
 
 def make_chat_model(work: Path, hidden: int, layers: int) -> Path:
@@ -175,6 +181,40 @@ def baige_fault_run(args, model_dir: Path, data, work: Path) -> int:
     return int(result.recoveries[0]["lost_steps"])
 
 
+def adapter_to_serving_seconds(args, model_dir: Path, data, work: Path) -> float:
+    """Seconds from `reload_adapter` to a running replica serving a LoRA job's newer adapter."""
+    from baige_ray.api.configs import RunConfig, ScalingConfig
+    from baige_ray.jobs.launch import launch
+    from baige_ray.models.hf import HFModel
+    from baige_ray.serving import reload_adapter, serve, shutdown
+
+    job = launch(HFModel(model_dir, seq_len=args.seq_len), data=data, train=train_config(args), adapter=lora_config(args),
+                 scaling=ScalingConfig(num_workers=1, accelerator="cpu", cpus_per_worker=1),
+                 run=RunConfig(name="bench-sft-serving", storage_path=work / "runs", show_progress=False),
+                 steps_allowed=2)
+    info = None
+    try:
+        _settled_snapshot(job, 2)
+        info = serve(model_dir, name="bench-sft", port=free_port(), adapters={"sft": job})
+        job.allow_steps(4)
+        _settled_snapshot(job, 4)
+        began = time.perf_counter()
+        reload_adapter(info, "sft", job)
+        return round(time.perf_counter() - began, 3)
+    finally:
+        job.kill()
+        if info is not None:
+            shutdown(info)
+
+
+def _settled_snapshot(job, steps: int) -> None:
+    """Once `steps` steps ran and the snapshot of the last of them is the job's newest."""
+    job.wait_for_step(steps, timeout_s=300)
+    newest = None
+    while newest != (newest := job.latest_model_state()[0]):
+        time.sleep(0.2)
+
+
 def trl_run(args, model_dir: Path, data, work: Path, adapter: bool) -> dict[str, Any]:
     """SFTTrainer on the sequences baige-ray trains, step by step in its order (no peak memory: TRL runs in
     this process, whose peak includes everything before it)."""
@@ -263,9 +303,9 @@ def _figures(losses: list[float], step_times: list[float], trained: list[int], p
             "peak_memory_gb": None if peak_gb is None else round(peak_gb, 3)}
 
 
-def summary(runs: dict[str, dict], data, steps_lost: int) -> dict[str, Any]:
+def summary(runs: dict[str, dict], data, steps_lost: int, adapter_to_serving_s: float | None) -> dict[str, Any]:
     result: dict[str, Any] = {"padding_fraction": round(data.padding_fraction, 4), "steps_lost": steps_lost,
-                              "adapter_to_serving_s": None,
+                              "adapter_to_serving_s": adapter_to_serving_s,
                               "lora_peak_memory_vs_full": round(runs["lora_1"]["peak_memory_gb"]
                                                                 / runs["full_1"]["peak_memory_gb"], 3)}
     if "trl_full" in runs:
@@ -296,7 +336,7 @@ def summarize(result: dict[str, Any]) -> str:
         lines.append(f"{name:<10} {row['trained_tokens_per_s'] or 0:>13.0f} {peak:>9}   "
                      f"{row['losses'][0]:.4f} -> {row['losses'][-1]:.4f}")
     for key in ("full_tokens_per_s_vs_trl", "lora_tokens_per_s_vs_trl", "loss_max_rel_diff_vs_trl",
-                "lora_peak_memory_vs_full", "steps_lost", "padding_fraction"):
+                "lora_peak_memory_vs_full", "steps_lost", "padding_fraction", "adapter_to_serving_s"):
         if key in result:
             lines.append(f"{key}: {result[key]}")
     return "\n".join(lines)

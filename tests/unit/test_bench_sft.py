@@ -45,8 +45,9 @@ def test_the_summary_reports_the_acceptance_figures():
     assert ours["trained_tokens_per_s"] == 120.0
     runs = {"full_1": ours, "lora_1": {**ours, "peak_memory_gb": 1.2}, "trl_full": _figures([2.0, 1.53], [2, 2], [100, 120], None),
             "trl_lora": _figures([2.0, 1.5], [2, 1.2], [100, 120], None)}
-    result = summary(runs, Data(), steps_lost=1)
+    result = summary(runs, Data(), steps_lost=1, adapter_to_serving_s=0.25)
     assert result["full_tokens_per_s_vs_trl"] == 2.0 and result["lora_tokens_per_s_vs_trl"] == 1.2
     assert result["loss_max_rel_diff_vs_trl"] == pytest.approx(0.03 / 1.53, abs=1e-6)
     assert result["lora_peak_memory_vs_full"] == 0.8 and result["steps_lost"] == 1
-    assert result["adapter_to_serving_s"] is None and "steps_lost: 1" in summarize(result)
+    assert result["adapter_to_serving_s"] == 0.25 and "steps_lost: 1" in summarize(result)
+    assert "adapter_to_serving_s: 0.25" in summarize(result)
