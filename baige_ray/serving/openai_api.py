@@ -38,8 +38,9 @@ COMMON_FIELDS = (
     "use_beam_search", "structured_outputs", "response_format",
 )
 COMPLETION_FIELDS = COMMON_FIELDS + ("prompt", "echo", "suffix", "prompt_embeds")
-# Fields vLLM knows whose effect this server does not implement: refused when set (not null, not the default).
-_UNIMPLEMENTED = (
+# Fields vLLM knows whose effect this server does not implement: refused when set (not null, not the default);
+# the serving guide's table of fields (openai_fields.py) marks them.
+UNIMPLEMENTED = (
     ("suffix", lambda value: value is not None),
     ("prompt_embeds", lambda value: value is not None),
     ("use_beam_search", lambda value: value not in (None, False)),
@@ -80,7 +81,7 @@ def check_model(payload: dict, model_name: str, adapters: tuple[str, ...] = ()) 
 
 
 def refuse_unimplemented(payload: dict) -> None:
-    for field, is_set in _UNIMPLEMENTED:
+    for field, is_set in UNIMPLEMENTED:
         if field in payload and is_set(payload[field]):
             raise bad_request(field, f"'{field}' is not yet implemented by this server: omit it or send null")
 
