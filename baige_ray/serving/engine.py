@@ -369,7 +369,9 @@ class ContinuousBatchingEngine:
                     if self._holds_no_prefix(requests[0]) and not _scores_prompt(requests)
                     and not self._prefilled_in_chunks(len(requests[0].prompt))}
         if len(uncached) > 1:
-            self._prefill_together([same_prompt.pop(key) for key in list(same_prompt) if key in uncached])
+            together = [same_prompt.pop(key) for key in list(same_prompt) if key in uncached]
+            for batch in batches_of_similar_width(together):
+                self._prefill_together(batch) if len(batch) > 1 else self._prefill(batch[0])
         for requests in same_prompt.values():
             self._prefill(requests)
         return len(admitted)
@@ -567,6 +569,23 @@ def generate_all(engine: ContinuousBatchingEngine, prompts: Sequence[Sequence[in
     while engine.step():
         pass
     return collector.generations()
+
+
+MAX_PADDING = 2.0  # a prefill batch's padded tokens are at most this many times its prompts' own
+
+
+def batches_of_similar_width(groups: list[list[_Request]]) -> list[list[list[_Request]]]:
+    """Groups of one prompt each, batched shortest first while padding a batch to its widest prompt at most
+    doubles its tokens: a 2,048-token prompt admitted with fifteen short ones made sixteen prefills of 2,048."""
+    batches: list[list[list[_Request]]] = []
+    for group in sorted(groups, key=lambda requests: len(requests[0].prompt)):
+        widened = (batches[-1] if batches else []) + [group]
+        real = sum(len(requests[0].prompt) for requests in widened)
+        if batches and len(group[0].prompt) * len(widened) <= MAX_PADDING * real:
+            batches[-1] = widened
+        else:
+            batches.append([group])
+    return batches
 
 
 def _scores_prompt(requests: list[_Request]) -> bool:

@@ -103,3 +103,15 @@ def test_the_step_budget_holds_a_token_of_every_row_and_is_not_for_disaggregatio
         ServeOptions(max_batch_size=8, max_num_batched_tokens=4)
     with pytest.raises(ValueError, match="max_num_batched_tokens is invalid with disaggregation"):
         ServeOptions(max_num_batched_tokens=64, disaggregation=DisaggregationOptions())
+
+
+def test_prompts_prefilled_together_are_batched_by_width_so_padding_at_most_doubles_the_tokens():
+    from types import SimpleNamespace
+
+    from baige_ray.serving.engine import batches_of_similar_width
+
+    def group(length):
+        return [SimpleNamespace(prompt=[0] * length)]
+
+    batches = batches_of_similar_width([group(n) for n in (2048, 30, 32, 5, 40, 2000)])
+    assert [[len(g[0].prompt) for g in batch] for batch in batches] == [[5, 30, 32, 40], [2000, 2048]]
