@@ -19,8 +19,8 @@ def test_the_schedule_interleaves_long_prompts_with_short_requests():
 def test_a_quick_run_answers_every_request_in_both_modes_with_the_same_tokens():
     parser = argparse.ArgumentParser()
     longctx.add_arguments(parser)
-    args = parser.parse_args(["--quick", "--duration-s", "1.0", "--long-interval-s", "0.5", "--long-tokens", "256",
-                              "--answer-tokens", "3"])
+    args = parser.parse_args(["--quick", "--duration-s", "1.0", "--short-interval-s", "0.1", "--long-interval-s", "0.5",
+                              "--long-tokens", "256", "--answer-tokens", "3"])
     result = longctx.run(args)
     whole, chunked = result["serving"]["whole"], result["serving"]["chunked"]
     assert whole["short_requests"] == chunked["short_requests"] == 10
