@@ -51,6 +51,23 @@ def llama_config(**overrides):
     return LlamaConfig(**{**TINY_DENSE, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, **overrides})
 
 
+def fresh_llama():
+    """The tiny Llama of llama_config with seeded random weights, in eval mode (the engine tests' model)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(llama_config(), dtype=torch.float32).eval()
+
+
+def random_prompts(lengths, seed: int) -> list[list[int]]:
+    """Token prompts of `lengths`, drawn from the tiny vocabulary with `seed`."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB_SIZE, (n,), generator=generator).tolist() for n in lengths]
+
+
 def qwen2_tied_config(**overrides):
     """A tiny Qwen2 whose head is tied to its input embedding (as Qwen2.5-0.5B's is), with QKV biases."""
     from transformers import Qwen2Config

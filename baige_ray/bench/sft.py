@@ -194,10 +194,10 @@ def adapter_to_serving_seconds(args, model_dir: Path, data, work: Path) -> float
                  steps_allowed=2)
     info = None
     try:
-        _settled_snapshot(job, 2)
+        job.wait_for_snapshot(2, timeout_s=300)
         info = serve(model_dir, name="bench-sft", port=free_port(), adapters={"sft": job})
         job.allow_steps(4)
-        _settled_snapshot(job, 4)
+        job.wait_for_snapshot(4, timeout_s=300)
         began = time.perf_counter()
         reload_adapter(info, "sft", job)
         return round(time.perf_counter() - began, 3)
@@ -205,14 +205,6 @@ def adapter_to_serving_seconds(args, model_dir: Path, data, work: Path) -> float
         job.kill()
         if info is not None:
             shutdown(info)
-
-
-def _settled_snapshot(job, steps: int) -> None:
-    """Once `steps` steps ran and the snapshot of the last of them is the job's newest."""
-    job.wait_for_step(steps, timeout_s=300)
-    newest = None
-    while newest != (newest := job.latest_model_state()[0]):
-        time.sleep(0.2)
 
 
 def trl_run(args, model_dir: Path, data, work: Path, adapter: bool) -> dict[str, Any]:

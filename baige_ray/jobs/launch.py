@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,20 @@ class TrainingJob:
         """The job's status once `steps` steps are done, the job ended, or `timeout_s` passed, whichever
         comes first (its "step" and "state" say which)."""
         return ray.get(self.controller.wait_for_step.remote(steps, timeout_s))
+
+    def wait_for_snapshot(self, steps: int, timeout_s: float = 60.0) -> tuple[int, ray.ObjectRef]:
+        """`latest_model_state()` once `steps` steps are done and the newest snapshot has stopped changing: for a
+        job held by `steps_allowed`, the snapshot of the last step it may run (copied after that step ends)."""
+        deadline = time.monotonic() + timeout_s
+        self.wait_for_step(steps, timeout_s)
+        newest = self.latest_model_state()
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            again = self.latest_model_state()
+            if again[0] == newest[0]:
+                return again
+            newest = again
+        return newest
 
     def resize(self, num_workers: int, *, reason: str = "") -> int:
         """Train on `num_workers` whole devices; returns once it does."""

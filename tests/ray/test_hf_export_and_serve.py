@@ -168,7 +168,7 @@ def test_lora_adapters_from_a_directory_and_from_a_running_jobs_memory_generate_
                   run=RunConfig(name="hf-export-lora", storage_path=tmp_path, show_progress=False))
     info = None
     try:
-        step = _settled_snapshot(live, 3)
+        step = live.wait_for_snapshot(3, timeout_s=120)[0]
         info = serve(result.checkpoint_path, name="tiny-lora", port=free_port(), route_prefix="/lora",
                      adapters={"tuned": tmp_path / "tuned", "live": live})
         _save_live_adapter(live, adapter, tmp_path / "live", result.checkpoint_path)
@@ -188,7 +188,7 @@ def test_lora_adapters_from_a_directory_and_from_a_running_jobs_memory_generate_
         assert call(f"{info.url}/v1/completions", {**body, "model": "other"})[0] == 404
 
         live.allow_steps(6)
-        newer = _settled_snapshot(live, 6)
+        newer = live.wait_for_snapshot(6, timeout_s=120)[0]
         began = time.perf_counter()
         reload_adapter(info, "live", live)
         print(f"adapter of step {newer} serving {time.perf_counter() - began:.3f}s after reload_adapter")
@@ -205,15 +205,6 @@ def test_lora_adapters_from_a_directory_and_from_a_running_jobs_memory_generate_
         live.kill()
         if info is not None:
             shutdown(info)
-
-
-def _settled_snapshot(job, steps: int) -> int:
-    """The step of the job's newest snapshot once the snapshot of the last step it may run is in."""
-    job.wait_for_step(steps, timeout_s=120)
-    newest = None
-    while newest != (newest := job.latest_model_state()[0]):
-        time.sleep(0.2)
-    return newest
 
 
 def _save_live_adapter(job, adapter, directory, base) -> None:

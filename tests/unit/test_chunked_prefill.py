@@ -4,30 +4,25 @@ step, the running rows decoding between its chunks, and generates the tokens of 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from baige_ray.models.hf.decoding import HFDecoder
 from baige_ray.serving.app import ServeOptions
 from baige_ray.serving.causal_lm_generation import SamplingParams
 from baige_ray.serving.disaggregation import DisaggregationOptions
 from baige_ray.serving.engine import ContinuousBatchingEngine, EngineLimits, generate_all
-from tests.hf_helpers import VOCAB_SIZE, llama_config
+from tests.hf_helpers import fresh_llama, random_prompts
 
 LONG, SHORT = 100, 5
 
 
 @pytest.fixture(scope="module")
 def llama():
-    torch.manual_seed(0)
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_config(llama_config(), dtype=torch.float32).eval()
+    return fresh_llama()
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    generator = torch.Generator().manual_seed(3)
-    return [torch.randint(0, VOCAB_SIZE, (n,), generator=generator).tolist() for n in (LONG, SHORT, 40, 17)]
+    return random_prompts((LONG, SHORT, 40, 17), seed=3)
 
 
 def engine(llama, max_num_batched_tokens=None, max_batch_size=4):

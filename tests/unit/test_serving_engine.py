@@ -15,7 +15,7 @@ from baige_ray.models.moe import MoEConfig
 from baige_ray.serving.causal_lm_generation import SamplingParams, generate_batch
 from baige_ray.serving.engine import ContinuousBatchingEngine, EngineFull, EngineLimits, TokenEvent, generate_all
 from baige_ray.serving.requests import GenerateRequest
-from tests.hf_helpers import VOCAB_SIZE, llama_config
+from tests.hf_helpers import fresh_llama, random_prompts
 
 PROMPT_LENGTHS = (3, 17, 1, 9, 30, 5, 12, 2)
 NEW_TOKENS = (20, 7, 33, 12, 25, 40, 3, 18)
@@ -23,16 +23,12 @@ NEW_TOKENS = (20, 7, 33, 12, 25, 40, 3, 18)
 
 @pytest.fixture(scope="module")
 def llama():
-    torch.manual_seed(0)
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_config(llama_config(), dtype=torch.float32).eval()
+    return fresh_llama()
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    generator = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB_SIZE, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+    return random_prompts(PROMPT_LENGTHS, seed=1)
 
 
 def greedy(max_new_tokens: int) -> SamplingParams:
