@@ -371,7 +371,10 @@ class ContinuousBatchingEngine:
         if len(uncached) > 1:
             together = [same_prompt.pop(key) for key in list(same_prompt) if key in uncached]
             for batch in batches_of_similar_width(together):
-                self._prefill_together(batch) if len(batch) > 1 else self._prefill(batch[0])
+                if len(batch) > 1:
+                    self._prefill_together(batch)
+                else:
+                    self._prefill(batch[0])
         for requests in same_prompt.values():
             self._prefill(requests)
         return len(admitted)
