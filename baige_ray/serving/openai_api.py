@@ -6,7 +6,7 @@ default. Every field vLLM's server knows is parsed into the request, at any valu
 `logprobs` up to the server's `max_logprobs`, 20 as on vLLM; `max_tokens: 0` with `echo`); what an engine
 refuses at the value asked for is answered by the replica with a 400 naming the field
 (sampling_params.py), never silently sampled another way. A few fields vLLM knows and this server does
-not implement at all (`suffix`, beam search, structured output, prompt embeddings) are refused here when
+not implement at all (`suffix`, beam search, prompt embeddings) are refused here when
 set. Every refusal is a `RequestError` carrying the HTTP status (400, as vLLM; 404
 for another model; 413 for a body too large) and the field at fault.
 """
@@ -44,8 +44,6 @@ UNIMPLEMENTED = (
     ("suffix", lambda value: value is not None),
     ("prompt_embeds", lambda value: value is not None),
     ("use_beam_search", lambda value: value not in (None, False)),
-    ("structured_outputs", lambda value: value is not None),
-    ("response_format", lambda value: value is not None and value != {"type": "text"}),
 )
 
 

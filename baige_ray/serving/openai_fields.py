@@ -4,7 +4,8 @@ its rows come from the parsers' own field lists, so a field added to a parser wi
 that test instead of going undocumented.
 
 Both engines (`engine="builtin"` and `engine="vllm"`) implement every field the table does not mark as
-refused; vLLM bounds the temperature at 2, and LoRA adapters are the built-in engine's.
+refused; vLLM bounds the temperature at 2, structured output is vLLM's, and LoRA adapters the built-in
+engine's.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ WHAT_EACH_DOES = {
     "user": "a string, accepted and not used",
     "tools": "accepted and not used while `tool_choice` is absent or \"none\" (no tool call is parsed); else 400",
     "tool_choice": "absent or \"none\" with `tools`; any other choice is refused (400)",
-    "response_format": "`{\"type\": \"text\"}` only: structured output is refused",
-    "structured_outputs": "refused when set: structured output is not implemented",
+    "response_format": "`json_object` or `json_schema`: output constrained to it (vLLM engine; built-in: 400)",
+    "structured_outputs": "vLLM's `json`, `regex`, `choice` or `grammar` (vLLM engine; built-in: 400)",
     "use_beam_search": "refused when true: beam search is not implemented",
     "suffix": "refused when set",
     "prompt_embeds": "refused when set",

@@ -15,6 +15,7 @@ from baige_ray.api.validation import is_int, is_number
 from baige_ray.serving.openai_prompts import check_token_ids
 from baige_ray.serving.requests import bad_request, seed_of
 from baige_ray.serving.sampling_params import MAX_LOGIT_BIAS, SamplingParamError, SamplingParams
+from baige_ray.serving.structured_output import parse_structured_output
 
 if TYPE_CHECKING:
     from baige_ray.serving.completion_limits import CompletionLimits
@@ -136,7 +137,7 @@ def parse_sampling(payload: dict, limits: CompletionLimits, *, max_new_tokens: i
         include_stop_str_in_output=optional(payload, "include_stop_str_in_output", "bool", False),
         n=optional(payload, "n", "int", 1), seed=seed_of(payload), num_logprobs=num_logprobs, echo=echo,
         prompt_logprobs=num_logprobs if echo else None,  # vLLM's: the echoed prompt's, as many per position
-        adapter=adapter,
+        adapter=adapter, structured_outputs=parse_structured_output(payload),
     )
     budget = max_new_tokens if max_new_tokens is not None else max(1, min_tokens) if is_int(min_tokens) else 1
     with _as_bad_request({"num_logprobs": logprobs_field, "prompt_logprobs": logprobs_field}):

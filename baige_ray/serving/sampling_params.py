@@ -76,6 +76,9 @@ class SamplingParams:
     seed: int | None = None
     log_probs: bool = False
     adapter: str | None = None  # the served LoRA adapter the request names as its model (None: the model alone)
+    # Structured output (response_format, structured_outputs): vLLM's StructuredOutputsParams keyword arguments
+    # as JSON text (structured_output.py); vLLM implements it, the built-in engine does not
+    structured_outputs: str | None = None
 
     def __post_init__(self) -> None:
         self._check_budget()
@@ -136,11 +139,15 @@ def stops_at(params: SamplingParams, token: int, eos_token_id: int | None) -> bo
 
 def unsupported_field(params: SamplingParams, engine: str) -> tuple[str, str] | None:
     """(request field, why) for the first field `engine` does not take at the value asked, or None. Both
-    engines implement every field; vLLM bounds the temperature."""
+    engines implement every sampling field; vLLM bounds the temperature, and structured output is vLLM's."""
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r} is invalid: expected one of {list(ENGINES)}")
     if engine == "vllm" and params.adapter is not None:
         return "model", f"the adapter {params.adapter!r} is served by the built-in engine only, not vLLM"
+    if engine == "builtin" and params.structured_outputs is not None:
+        return "response_format", ("structured output ('response_format' json_object / json_schema, or "
+                                   "'structured_outputs') is implemented by serve(engine='vllm'), not by the "
+                                   "built-in engine")
     if engine == "vllm" and params.temperature > MAX_VLLM_TEMPERATURE:
         return "temperature", (f"temperature must be in [0, {MAX_VLLM_TEMPERATURE:g}] with vLLM, "
                                f"got {params.temperature}")

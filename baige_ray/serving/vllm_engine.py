@@ -18,6 +18,7 @@ GPT-2 (models/gpt_hf.py).
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -196,6 +197,10 @@ def vllm_sampling_params(params: SamplingParams):
         logprobs=params.num_logprobs if params.num_logprobs is not None else 0 if params.log_probs else None,
         prompt_logprobs=params.prompt_logprobs,
     )
+    if params.structured_outputs is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        fields["structured_outputs"] = StructuredOutputsParams(**json.loads(params.structured_outputs))
     try:
         return VLLMSamplingParams(**fields)
     except VLLMValidationError as error:

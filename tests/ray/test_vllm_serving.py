@@ -151,3 +151,18 @@ def test_a_model_vllm_cannot_serve_is_refused_before_any_replica_starts(local_ra
     state = ray.put(plugin_for(config).build_model().state_dict())
     with pytest.raises(ValueError, match="GPTConfig.moe is set"):
         serve((0, state), model_config=config, name="moe-gpt-vllm", port=free_port(), engine="vllm")
+
+
+def test_vllm_constrains_answers_to_the_structure_a_request_asks_for(app):
+    """response_format json_schema (OpenAI's) and structured_outputs choice (vLLM's) reach vLLM's grammar:
+    the untrained model answers within them. The built-in engine refuses both (tests/unit/test_openai_routes.py)."""
+    import json
+
+    schema = {"type": "string", "enum": ["yes", "no"]}
+    status, reply = call(f"{app.url}/v1/completions", {
+        "prompt": "Answer: ", "max_tokens": 16, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}})
+    assert status == 200 and json.loads(reply["choices"][0]["text"]) in ("yes", "no"), reply
+    status, reply = call(f"{app.url}/v1/completions", {
+        "prompt": "Go ", "max_tokens": 8, "temperature": 0.8, "seed": 1, "structured_outputs": {"choice": ["left", "right"]}})
+    assert status == 200 and reply["choices"][0]["text"] in ("left", "right"), reply

@@ -209,7 +209,12 @@ def test_malformed_bodies(body, status, words):
         ({"prompt": "x", "user": 7}, "user", "'user' must be a string"),
         ({"prompt": "x", "suffix": "end"}, "suffix", "not yet implemented"),
         ({"prompt": "x", "use_beam_search": True}, "use_beam_search", "not yet implemented"),
-        ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format", "not yet implemented"),
+        ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format", "'type' is 'text'"),
+        ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format", "needs 'json_schema'"),
+        ({"prompt": "x", "structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+        ({"prompt": "x", "structured_outputs": {"choice": "a"}}, "structured_outputs", "wrong type"),
+        ({"prompt": "x", "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+         "structured_outputs", "both set"),
     ],
 )
 def test_invalid_fields_are_a_400_naming_the_field(payload, param, words):
@@ -236,6 +241,16 @@ def test_non_finite_numbers_are_refused(field, value):
 
 def test_a_text_response_format_is_the_default():
     assert parse({"prompt": "x", "response_format": {"type": "text"}}) == parse({"prompt": "x"})
+
+
+def test_structured_output_is_parsed_into_vllms_arguments():
+    schema = {"type": "string", "enum": ["yes", "no"]}
+    asked = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    assert json.loads(parse({"prompt": "x", "response_format": asked}).sampling.structured_outputs) == {"json": schema}
+    assert parse({"prompt": "x", "response_format": {"type": "json_object"}}).sampling.structured_outputs == \
+        '{"json_object":true}'
+    assert parse({"prompt": "x", "structured_outputs": {"choice": ["a", "b"]}}).sampling.structured_outputs == \
+        '{"choice":["a","b"]}'
 
 
 @pytest.mark.parametrize(

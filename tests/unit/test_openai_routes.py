@@ -130,7 +130,7 @@ def test_the_builtin_engine_samples_with_every_field(server, fields, changed):
 
 @pytest.mark.parametrize(("fields", "param", "message"), [
     ({"suffix": "x"}, "suffix", "not yet implemented"), ({"use_beam_search": True}, "use_beam_search", "not yet"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "not yet implemented"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "implemented by serve(engine='vllm')"),
     ({"n": 2, "temperature": 0}, "n", "greedy"), ({"logprobs": 21}, "logprobs", "max allowed: 20"),
 ])
 def test_what_is_still_missing_or_out_of_range_is_a_400_naming_the_field(server, fields, param, message):
