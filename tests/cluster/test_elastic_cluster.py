@@ -29,7 +29,9 @@ def no_leftover_actors(sim_cluster):
 
 @pytest.fixture(scope="module")
 def reference(sim_cluster, tmp_path_factory):
-    result = elastic_mlp_run("elastic-reference", tmp_path_factory.mktemp("reference")).wait()
+    # No spare: it would change no bit, only start one more process.
+    result = elastic_mlp_run("elastic-reference", tmp_path_factory.mktemp("reference"),
+                             elastic=ElasticConfig(num_spares=0)).wait()
     return final_parameters(result)
 
 
