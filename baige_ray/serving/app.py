@@ -256,9 +256,9 @@ def serve(
     A replica decodes up to `max_batch_size` sequences together, requests joining and leaving at every
     token, with the built-in engine or (`engine="vllm"`, a Hugging Face model) vLLM, which takes
     later weights in place; it holds at most `max_ongoing_requests`; beyond that up to `max_queued_requests` wait at
-    the proxy and the rest are answered 503. With `max_num_batched_tokens` an engine step runs at most that
-    many tokens, as vLLM's option of that name does: a prompt longer than that is prefilled in chunks, the
-    running rows decoding between them, so a long prompt does not hold back the others' tokens
+    the proxy and the rest are answered 503. With `max_num_batched_tokens` (vLLM's option of that name) a
+    prompt longer than that is prefilled in chunks, each taking what that budget leaves in its engine step,
+    the running rows decoding between them, so a long prompt does not hold back the others' tokens
     (serving/chunked_prefill.py); vLLM gets the option itself. `limits` bounds what one
     request may ask for (prompt length, max_new_tokens, temperature). With `device_share` < 1 each
     replica holds that much of its device, so training can harvest the rest (`job.harvest`).

@@ -3,7 +3,10 @@
 Prefilled whole, a prompt of thousands of tokens holds one engine step for as long as its forward runs,
 and every request decoding beside it (or waiting behind it for its first token) waits that long. vLLM
 bounds the tokens one step runs (`max_num_batched_tokens`: a token for each decoding row plus a piece of a
-prompt); the built-in engine does the same with `EngineLimits.max_num_batched_tokens`. Each chunk attends
+prompt). The built-in engine, with `EngineLimits.max_num_batched_tokens`, prefills a prompt longer than that
+in chunks, each taking what the step's budget leaves after a token of each decoding row and the shorter
+prompts (each within the budget) it prefilled whole; a step that admits many short prompts at once can
+therefore run more tokens than the budget, which vLLM would spread over steps. Each chunk attends
 to the keys and values of the chunks before it, exactly as the whole prompt's forward would (the numbers
 differ in the last bits: the products are shaped differently).
 """

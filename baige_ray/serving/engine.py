@@ -219,6 +219,7 @@ class ContinuousBatchingEngine:
         self._queue: RequestQueue[_Request] = RequestQueue(limits.max_waiting)
         self._running: list[_Request] = []
         self._prefilling: deque[ChunkedPrefill] = deque()  # long prompts, a chunk a step, oldest first
+        self._step_prompt_tokens = 0  # prompt tokens the current step prefilled whole (max_num_batched_tokens)
         self._cache = PagedKVBatch()
         self._offload: ModelOffload | None = None  # while asleep: its weights in host memory
 
@@ -335,6 +336,7 @@ class ContinuousBatchingEngine:
         if self._offload is not None and self.num_waiting:
             self.wake()
         self._drop_cancelled()
+        self._step_prompt_tokens = 0
         admitted = self._admit()
         chunked = self._advance_chunked_prefill()
         decoding = bool(self._running)
@@ -418,6 +420,7 @@ class ContinuousBatchingEngine:
             self._prefilling.append(ChunkedPrefill(requests, prompt, cached, past, scored))
             return
         tokens = torch.tensor([prompt[cached:]], dtype=torch.long)
+        self._step_prompt_tokens += length - cached
         with rows_use([requests[0].adapter]):
             logits, cache = self.decoder.forward(tokens, torch.arange(cached, length)[None, :],
                                                  torch.ones(1, length, dtype=torch.long), past,
@@ -439,13 +442,15 @@ class ContinuousBatchingEngine:
         return budget is not None and uncached_tokens > budget
 
     def _advance_chunked_prefill(self) -> bool:
-        """The next chunk of the oldest long prompt, as many tokens as the step's budget leaves beside a token
-        of each decoding row; its requests sample their first tokens once its last chunk has run."""
+        """The next chunk of the oldest long prompt: what the step's budget leaves after the prompts it prefilled
+        whole and a token of each decoding row (at least one token, so a long prompt always advances); its
+        requests sample their first tokens once its last chunk has run."""
         if not self._prefilling:
             return False
         prefill = self._prefilling[0]
         with rows_use([prefill.requests[0].adapter]):
-            whole = prefill.advance(self.decoder, self.limits.max_num_batched_tokens - len(self._running))
+            left = self.limits.max_num_batched_tokens - self._step_prompt_tokens - len(self._running)
+            whole = prefill.advance(self.decoder, left)
         if whole is not None:
             self._prefilling.popleft()
             self._prefilled(prefill.requests, *whole, prefill.scored)
@@ -458,6 +463,7 @@ class ContinuousBatchingEngine:
         alone in the last bits only, as they do with the rows it is decoded beside."""
         prompts = [requests[0].prompt for requests in groups]
         width = max(len(prompt) for prompt in prompts)
+        self._step_prompt_tokens += sum(len(prompt) for prompt in prompts)
         tokens = torch.tensor([[0] * (width - len(prompt)) + prompt for prompt in prompts], dtype=torch.long)
         mask = torch.tensor([[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in prompts], dtype=torch.long)
         with rows_use([requests[0].adapter for requests in groups]):
