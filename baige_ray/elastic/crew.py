@@ -119,7 +119,7 @@ class Crew:
         # One rank per pipeline stage counts its stage's parameters (DTensor counts are global).
         self.accounts.new_generation(sum(
             report["num_parameters"] for rank, report in enumerate(reports)
-            if layout.coords(rank).dp == 0 and layout.coords(rank).tp == 0
+            if layout.coords(rank).dp == 0 and layout.coords(rank).tp == 0 and layout.coords(rank).cp == 0
         ), self._rank_loads(members, layout))
         self.members, self.layout, self.failed_regroups = members, layout, 0
         self.record.save(self.members, self.layout, self.generation)

@@ -9,7 +9,7 @@ from baige_ray.parallel.layout import ParallelLayout
 
 
 def replica_size(layout: ParallelLayout) -> int:
-    return layout.tp * layout.pp
+    return layout.tp * layout.pp * layout.cp
 
 
 def valid_sizes(job: TrainJob, layout: ParallelLayout, min_workers: int, max_workers: int) -> tuple[int, ...]:
@@ -30,7 +30,7 @@ def layout_for(layout: ParallelLayout, num_workers: int, job: TrainJob | None = 
     the job given, a global batch that does not split evenly gets shares that differ by one sequence."""
     unit = replica_size(layout)
     if num_workers % unit:
-        raise ValueError(f"num_workers={num_workers} is invalid: expected a multiple of tp x pp = {unit}")
+        raise ValueError(f"num_workers={num_workers} is invalid: expected a multiple of tp x pp x cp = {unit}")
     dp = num_workers // unit
     if job is not None and not _splits_evenly(job, dp) and _allows_uneven_shares(job, layout, dp):
         shares = even_shares(job.train.global_batch_size // (job.train.micro_batch_size or 1), dp)

@@ -182,7 +182,8 @@ class Engine(ABC):
             hook()
         self.optimizer_step()
         give_back_under_pressure()
-        counts_tokens = self.coords.tp == 0 and self.coords.pp == 0  # one rank per data-parallel replica
+        # One rank per data-parallel replica (context-parallel peers each train a part of the same rows).
+        counts_tokens = self.coords.tp == 0 and self.coords.pp == 0 and self.coords.cp == 0
         metrics = {
             "step": step,
             "loss": loss,
@@ -335,4 +336,4 @@ class Engine(ABC):
     @property
     def owns_state(self) -> bool:
         """Exactly one rank per pipeline stage returns that stage's state."""
-        return self.coords.dp == 0 and self.coords.tp == 0
+        return self.coords.dp == 0 and self.coords.tp == 0 and self.coords.cp == 0

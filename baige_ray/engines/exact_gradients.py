@@ -42,10 +42,12 @@ def check_world_size_invariant(train: TrainConfig, layout: ParallelLayout, own_e
     if not train.world_size_invariant:
         return
     data_parallel_ok = layout.dp == 1 or layout.data_parallel == "ddp"
-    if own_engine is not None or not data_parallel_ok or layout.tp > 1 or layout.pp > 1 or layout.ep > 1:
+    if (own_engine is not None or not data_parallel_ok or layout.tp > 1 or layout.pp > 1 or layout.ep > 1
+            or layout.cp > 1):
         raise ValueError(
             f"TrainConfig.world_size_invariant=True is invalid with layout {layout.describe()}: expected data "
-            "parallelism by DDP without tensor, pipeline or expert parallelism (layout='ddp'), on the torch engine"
+            "parallelism by DDP without tensor, pipeline, expert or context parallelism (layout='ddp'), on the "
+            "torch engine"
         )
 
 

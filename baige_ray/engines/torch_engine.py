@@ -3,8 +3,9 @@
 DP by DDP, FSDP2 or an explicit gradient all-reduce; TP by DTensor; EP by sharding each
 expert layer's experts over the expert-parallel group (models/moe.py moves the tokens);
 PP by torch.distributed.pipelining (1F1B with upstream stages running ahead, see
-pipeline_schedule.py, or interleaved 1F1B).
-The mesh's dimensions (pp, dp, tp) follow the layout's row-major rank order, with dp
+pipeline_schedule.py, or interleaved 1F1B); CP by splitting every sequence over the context-parallel
+group and attending across it (parallel/context_parallel.py), gradients reduced over dp x cp.
+The mesh's dimensions (pp, dp, cp, tp) follow the layout's row-major rank order, with dp
 split into (edp, ep) under expert parallelism, so its groups are exactly the plan's groups.
 """
 
@@ -25,7 +26,9 @@ from baige_ray.engines.exact_gradients import ExactGradientSum, check_world_size
 from baige_ray.engines.train_job import TrainJob, build_optimizer
 from baige_ray.failpoints import BACKWARD, fail_point
 from baige_ray.models.aux_loss import auxiliary_losses, mark_forward
+from baige_ray.models.plugin import PolicySamples
 from baige_ray.parallel.boxes import is_dtensor
+from baige_ray.parallel.context_parallel import ContextParallel, global_positions
 from baige_ray.parallel.distributed import all_reduce_abortable
 from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.parallel.sequence_parallel import split_sequence_across
@@ -44,6 +47,7 @@ class TorchEngine(Engine):
         super().__init__(job, layout, rank, **options)
         check_world_size_invariant(job.train, layout)
         self.meshes = self._build_meshes()
+        self.context_parallel = self._build_context_parallel()
         self._pipeline_ends = self._build_pipeline_ends_group()
         self.stages = self._build_stages()
         self.expert_layers = [layer for stage in self.stages for layer in self.plugin.expert_modules(stage)]
@@ -73,10 +77,20 @@ class TorchEngine(Engine):
             )
         layout = self.layout
         if layout.ep == 1:
-            sizes = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
+            sizes = {"pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp}
         else:
             sizes = {"pp": layout.pp, "edp": layout.dp // layout.ep, "ep": layout.ep, "tp": layout.tp}
         return parallelize.sliced_meshes(self.device.type, sizes)
+
+    def _build_context_parallel(self) -> ContextParallel | None:
+        if self.layout.cp == 1:
+            return None
+        if not self.job.normalises_by_tokens or isinstance(self.data, PolicySamples):
+            raise ValueError(f"ParallelLayout.cp={self.layout.cp} is invalid for this job: each context-parallel "
+                             "rank sums the loss of its part of every sequence, which needs a loss normalised by the "
+                             "step's trained tokens (the model's own, or an objective's token mean) and samples "
+                             "read from data, not drawn from the policy")
+        return ContextParallel(self.meshes["cp"].get_group(), self.layout.cp, self.coords.cp, self.layout.cp_kind)
 
     def _build_exact_sum(self) -> ExactGradientSum | None:
         """Under TrainConfig.world_size_invariant: the exact sum of every micro-batch's gradient over dp."""
@@ -94,6 +108,9 @@ class TorchEngine(Engine):
 
     def _build_stages(self) -> list[nn.Module]:
         stages = self.build_stages()
+        if self.layout.cp > 1:
+            for stage in stages:
+                self.plugin.enable_context_parallel(stage)
         if self.layout.tp > 1:
             sequence_plan = self.plugin.sequence_parallel_plan(self.layout.tp) if self.layout.sequence_parallel else None
             plan = sequence_plan or self.plugin.tensor_parallel_plan(self.layout.tp)
@@ -124,17 +141,17 @@ class TorchEngine(Engine):
                 for name, param in block.named_parameters() if name in names]
 
     def _apply_data_parallel(self) -> list[nn.Module]:
-        """Modules to call: FSDP2 shards in place, DDP wraps; explicit all-reduce wraps nothing."""
-        if self.layout.dp == 1:
+        """Modules to call: FSDP2 shards in place (over dp x cp), DDP wraps; explicit all-reduce wraps nothing."""
+        if self.layout.gradient_replicas == 1:
             return list(self.stages)
         if self.layout.data_parallel == "fsdp2":
             experts = set(self._expert_parameters.values())
             for stage in self.stages:
-                parallelize.apply_fsdp(stage, self.plugin.stage_blocks(stage), self.meshes["dp"], ignored=experts,
-                                       compute_dtype=self._compute_dtype)
+                parallelize.apply_fsdp(stage, self.plugin.stage_blocks(stage), self.meshes["replicas"],
+                                       ignored=experts, compute_dtype=self._compute_dtype)
             return list(self.stages)
         if self.uses_torch_ddp:
-            group = self.meshes["dp"].get_group()
+            group = self.meshes["replicas"].get_group()
             zero_loss = self._zero_loss_of_one_sample()
             return [parallelize.apply_ddp(s, group, self.device.type != "cpu", zero_loss) for s in self.stages]
         return list(self.stages)
@@ -159,12 +176,13 @@ class TorchEngine(Engine):
     @property
     def uses_torch_ddp(self) -> bool:
         # DDP cannot hold DTensor parameters; with TP or EP the gradients are all-reduced explicitly.
-        return (self.layout.dp > 1 and self.layout.data_parallel == "ddp" and not self.explicit_dp_all_reduce
-                and not self.job.train.world_size_invariant)
+        return (self.layout.gradient_replicas > 1 and self.layout.data_parallel == "ddp"
+                and not self.explicit_dp_all_reduce and not self.job.train.world_size_invariant)
 
     @property
     def explicit_dp_all_reduce(self) -> bool:
-        return self.layout.dp > 1 and self.layout.data_parallel == "ddp" and (self.layout.tp > 1 or self.layout.ep > 1)
+        return (self.layout.gradient_replicas > 1 and self.layout.data_parallel == "ddp"
+                and (self.layout.tp > 1 or self.layout.ep > 1))
 
     def _build_schedule(self):
         # Imported here: torch's pipelining imports FSDP2 and DTensor (1.3 s), which a worker that trains
@@ -195,7 +213,8 @@ class TorchEngine(Engine):
 
     def policy_stage(self) -> nn.Module:
         layout = self.layout
-        if layout.tp > 1 or layout.pp > 1 or layout.ep > 1 or (layout.dp > 1 and layout.data_parallel != "ddp"):
+        if (layout.tp > 1 or layout.pp > 1 or layout.ep > 1 or layout.cp > 1
+                or (layout.dp > 1 and layout.data_parallel != "ddp")):
             raise ValueError(f"layout {layout.describe()} is invalid for samples drawn from the policy on the "
                              "training ranks: each rank must hold the whole model, unsharded (data parallelism "
                              "by DDP, or one rank)")
@@ -212,7 +231,7 @@ class TorchEngine(Engine):
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """Mixed precision where FSDP2's own policy does not cast: DDP, TP, PP, one rank."""
-        if self._compute_dtype is None or (self.layout.dp > 1 and self.layout.data_parallel == "fsdp2"):
+        if self._compute_dtype is None or (self.layout.gradient_replicas > 1 and self.layout.data_parallel == "fsdp2"):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self._compute_dtype)
 
@@ -222,6 +241,8 @@ class TorchEngine(Engine):
         with self._autocast():
             if self.schedule is not None:
                 return self._pipeline_forward_backward(inputs, targets, positions)
+            if self.context_parallel is not None:
+                return self._accumulate_context_parallel(inputs, targets, positions)
             return self._accumulate(inputs, targets, positions)
 
     def _pipeline_forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
@@ -254,14 +275,29 @@ class TorchEngine(Engine):
         all_reduce_abortable(total, self.meshes["pp"].get_group())
         return float(total)
 
+    def _accumulate_context_parallel(self, inputs: torch.Tensor, targets: torch.Tensor,
+                                     positions: torch.Tensor | None) -> float:
+        """This rank's part of every sequence: its loss and gradient are its tokens' share of the replica's,
+        which the reduction over dp x cp sums; the loss reported is the replica's, summed over the CP group."""
+        batch, length = inputs.shape
+        whole_positions = positions.to(self.device) if positions is not None else None
+        local_inputs, local_targets, local_positions = self.context_parallel.split(
+            inputs, targets, global_positions(whole_positions, batch, length, self.device))
+        with self.context_parallel.attending(length, whole_positions):
+            local = self._accumulate(local_inputs, local_targets, local_positions)
+        total = torch.tensor(local, dtype=torch.float64)
+        all_reduce_abortable(total, self.meshes["cp"].get_group())
+        return float(total)
+
     def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None) -> float:
         (model,) = self._wrapped
         micro = self.job.train.micro_batch_size or self.per_replica_batch
         num_micro = self.per_replica_batch // micro
         # Replicas average their gradients, so each micro-batch weighs dp / (all replicas' micro-batches):
         # the batch mean even when replicas on faster chips train more micro-batches (= 1 / num_micro if even).
-        # The exact sum adds the replicas' gradients instead of averaging them.
-        replicas_averaged = 1 if self.exact_sum is not None else self.layout.dp
+        # The exact sum adds the replicas' gradients instead of averaging them. Context-parallel ranks count as
+        # replicas here: the average over dp x cp of their gradients, each cp times its share, sums the shares.
+        replicas_averaged = 1 if self.exact_sum is not None else self.layout.gradient_replicas
         weight_divisor = self.job.train.global_batch_size / micro / replicas_averaged
         loss_sum = 0.0
         with auxiliary_losses(weight=1.0 / weight_divisor) as aux:
@@ -312,7 +348,7 @@ class TorchEngine(Engine):
     def _all_reduce_dense_gradients(self) -> None:
         """Average dense gradients over dp (FSDP2 reduce-scatters its own)."""
         dense = [p for p in self.parameters if id(p) not in self._expert_parameters]
-        parallelize.all_reduce_gradients(dense, self.meshes["dp"].get_group())
+        parallelize.all_reduce_gradients(dense, self.meshes["replicas"].get_group())
 
     def _all_reduce_expert_gradients(self) -> None:
         """An expert's gradient already sums what its expert group's replicas sent it, so it is summed

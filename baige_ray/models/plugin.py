@@ -182,6 +182,20 @@ class ModelPlugin(ABC):
             self._check_sequence_split(layout)
         if layout.ep > 1:
             self.check_expert_parallel(layout.ep)
+        if layout.cp > 1:
+            self._check_context_parallel(layout)
+
+    def _check_context_parallel(self, layout: ParallelLayout) -> None:
+        from baige_ray.parallel.context_parallel import SequenceShard
+
+        if not self.supports_context_parallel:
+            raise ValueError(f"ParallelLayout.cp={layout.cp} is invalid for {self.describe()}: context parallelism "
+                             "needs a dense Hugging Face causal LM (its attention is replaced by one across the group)")
+        SequenceShard(layout.cp, 0).check_length(self.seq_len)
+        if layout.tp > 1 and layout.sequence_parallel and (self.seq_len // layout.cp) % layout.tp:
+            raise ValueError(f"ParallelLayout.cp={layout.cp} with tp={layout.tp} is invalid for sequences of "
+                             f"{self.seq_len} tokens: sequence parallelism splits each CP rank's {self.seq_len // layout.cp} "
+                             f"tokens over tp; expected a seq_len divisible by cp x tp, or sequence_parallel=False")
 
     def _check_sequence_split(self, layout: ParallelLayout) -> None:
         if layout.sequence_parallel and self.seq_len % layout.tp and self.sequence_parallel_plan(layout.tp) is not None:
@@ -204,6 +218,17 @@ class ModelPlugin(ABC):
         """Whether its stages take `positions` (each token's position in its document, restarting where a
         packed sequence starts the next) and keep attention inside each document."""
         return False
+
+    @property
+    def supports_context_parallel(self) -> bool:
+        """Whether its stages attend through transformers' attention interface and take explicit positions,
+        as context parallelism needs (`enable_context_parallel`)."""
+        return False
+
+    def enable_context_parallel(self, stage: nn.Module) -> None:
+        """Make `stage` attend across its context-parallel group inside a context-parallel forward."""
+        raise ValueError(f"context parallelism is not available for {self.describe()}: expected a dense Hugging Face "
+                         "causal LM")
 
     @property
     def supports_uneven_data_parallel(self) -> bool:

@@ -264,8 +264,27 @@ def all_reduce_abortable(tensor: torch.Tensor, group: dist.ProcessGroup | None =
     collective finishes (by the timeout) on gloo's own thread, with the old
     generation's group, harming nothing.
     """
+    wait_abortable(dist.all_reduce(tensor, op=op, group=group, async_op=True))
+
+
+def all_gather_abortable(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's `tensor`, stacked in rank order on a new first dimension (as `all_reduce_abortable`)."""
+    ranks = dist.get_world_size(group)
+    gathered = tensor.new_empty((ranks * tensor.shape[0], *tensor.shape[1:]))  # gloo's shape: stacked on dim 0
+    wait_abortable(dist.all_gather_into_tensor(gathered, tensor.contiguous(), group=group, async_op=True))
+    return gathered.view(ranks, *tensor.shape)
+
+
+def all_to_all_abortable(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """`tensor[j]` sent to rank j; returns what each rank i sent this one at index i (as `all_reduce_abortable`)."""
+    received = tensor.new_empty(tensor.shape)  # contiguous, as the collective writes it (empty_like keeps strides)
+    wait_abortable(dist.all_to_all_single(received, tensor.contiguous(), group=group, async_op=True))
+    return received
+
+
+def wait_abortable(work: dist.Work) -> None:
+    """Wait for a collective that `abort_step()` may give up on (see `all_reduce_abortable`)."""
     global _waiting
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
     finished = threading.Event()
     work.get_future().add_done_callback(lambda _: finished.set())
     _waiting = finished

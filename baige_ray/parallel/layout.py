@@ -1,8 +1,9 @@
 """The parallel layout a worker executes: degrees, data-parallel flavour, pipeline shape.
 
-Ranks are laid out row-major over (pp, dp, tp): tensor-parallel peers are
+Ranks are laid out row-major over (pp, dp, cp, tp): tensor-parallel peers are
 consecutive ranks, so a rank -> device mapping that puts consecutive ranks in
-one NVSwitch island keeps TP traffic inside it. Expert parallelism carves each
+one NVSwitch island keeps TP traffic inside it; context-parallel peers (each
+holding a part of every sequence) come next, as in torchtitan's mesh. Expert parallelism carves each
 data-parallel group into blocks of `ep` consecutive replicas (dp index =
 expert-data-parallel index x ep + expert-parallel index): an expert group sits
 on neighbouring devices, inside a node first, as the planner maps it.
@@ -16,6 +17,10 @@ from typing import TYPE_CHECKING
 from baige_ray.api.validation import require_choice, require_int, require_number
 
 DATA_PARALLEL_KINDS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
+# How context-parallel ranks attend to the keys the others hold (parallel/context_parallel.py): "ring"
+# all-gathers keys and values over the CP group (torch's default rotation for its ring attention),
+# "ulysses" exchanges heads for sequence by all-to-all (DeepSpeed-Ulysses).
+CONTEXT_PARALLEL_KINDS = ("ring", "ulysses")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b")
 
 if TYPE_CHECKING:
@@ -27,6 +32,7 @@ class RankCoords:
     pp: int
     dp: int
     tp: int
+    cp: int = 0
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -54,9 +60,14 @@ class ParallelLayout:
     # residual stream), Megatron-LM's sequence parallelism, where the model's plug-in offers it (dense
     # models; an MoE model's whole MLPs keep the sequence whole). False: plain column/row splits.
     sequence_parallel: bool = True
+    # Context parallelism: each of `cp` ranks holds 1/cp of every sequence (two chunks of 1/(2 cp), one
+    # from each end, so causal attention costs every rank the same) and attends to the others' keys as
+    # `cp_kind` says. Weights are replicated over cp and their gradients summed over dp x cp.
+    cp: int = 1
+    cp_kind: str = "ring"
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "ep"):
+        for name in ("dp", "tp", "pp", "ep", "cp"):
             require_int("ParallelLayout", name, getattr(self, name), minimum=1)
         require_choice("ParallelLayout", "data_parallel", self.data_parallel, DATA_PARALLEL_KINDS)
         require_choice("ParallelLayout", "pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
@@ -71,6 +82,7 @@ class ParallelLayout:
                 "expected 'ddp' or 'fsdp2' when tensor or pipeline parallelism is used"
             )
         self._check_expert_parallel()
+        self._check_context_parallel()
         self._check_stage_tuple("stage_layers", self.stage_layers, int)
         self._check_stage_tuple("stage_speeds", self.stage_speeds, float)
         self._check_dp_microbatches()
@@ -87,6 +99,19 @@ class ParallelLayout:
                 "stage 1 or 2 only; 'fsdp2' shards the dense weights beside EP)"
             )
 
+    def _check_context_parallel(self) -> None:
+        require_choice("ParallelLayout", "cp_kind", self.cp_kind, CONTEXT_PARALLEL_KINDS)
+        if self.cp == 1:
+            return
+        unbuilt = {"pp": self.pp > 1, "ep": self.ep > 1, "data_parallel": self.data_parallel.startswith("zero")}
+        for name, conflicts in unbuilt.items():
+            if conflicts:
+                raise ValueError(
+                    f"ParallelLayout.cp={self.cp} is invalid with {name}={getattr(self, name)!r}: context "
+                    "parallelism runs with DDP or FSDP2 and tensor parallelism; with pipeline or expert "
+                    "parallelism, or DeepSpeed's ZeRO, it is not built yet"
+                )
+
     def _check_dp_microbatches(self) -> None:
         if self.dp_microbatches is None:
             return
@@ -97,10 +122,10 @@ class ParallelLayout:
             )
         for count in self.dp_microbatches:
             require_int("ParallelLayout", "dp_microbatches", count, minimum=1)
-        if self.tp > 1 or self.pp > 1 or self.ep > 1 or self.data_parallel != "ddp":
+        if self.tp > 1 or self.pp > 1 or self.ep > 1 or self.cp > 1 or self.data_parallel != "ddp":
             raise ValueError(
                 f"ParallelLayout.dp_microbatches={self.dp_microbatches!r} is invalid with tp={self.tp}, "
-                f"pp={self.pp}, ep={self.ep}, data_parallel={self.data_parallel!r}: expected pure data parallel "
+                f"pp={self.pp}, ep={self.ep}, cp={self.cp}, data_parallel={self.data_parallel!r}: expected pure data parallel "
                 "by 'ddp'"
             )
 
@@ -118,13 +143,19 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def gradient_replicas(self) -> int:
+        """Ranks holding the same weights whose gradients are reduced together: dp x cp (a context-parallel
+        rank computes the part of the gradient its part of each sequence contributes)."""
+        return self.dp * self.cp
 
     @property
     def snapshots_are_sharded(self) -> bool:
         """FSDP2 and ZeRO-3 keep 1/dp of every tensor on a rank, which snapshots only its own pieces
         (parallel/shards.py): restoring a stage then needs the part of each of its ranks."""
-        return self.dp > 1 and self.ep == 1 and self.data_parallel in ("fsdp2", "zero3")
+        return self.gradient_replicas > 1 and self.ep == 1 and self.data_parallel in ("fsdp2", "zero3")
 
     @property
     def stages_per_rank(self) -> int:
@@ -160,9 +191,10 @@ class ParallelLayout:
     def coords(self, rank: int) -> RankCoords:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is outside a world of {self.world_size}")
-        pp, rest = divmod(rank, self.dp * self.tp)
-        dp, tp = divmod(rest, self.tp)
-        return RankCoords(pp=pp, dp=dp, tp=tp)
+        pp, rest = divmod(rank, self.dp * self.cp * self.tp)
+        dp, rest = divmod(rest, self.cp * self.tp)
+        cp, tp = divmod(rest, self.tp)
+        return RankCoords(pp=pp, dp=dp, tp=tp, cp=cp)
 
     def layers_per_stage(self, num_layers: int) -> tuple[int, ...]:
         """Explicit stage sizes, else layers split as evenly as possible (earlier stages get the extra)."""
@@ -182,10 +214,11 @@ class ParallelLayout:
         return tuple(pp_rank + round_ * self.pp for round_ in range(self.stages_per_rank))
 
     def describe(self) -> str:
-        parts = [f"{name.upper()}{getattr(self, name)}" for name in ("dp", "ep", "tp", "pp")
+        parts = [f"{name.upper()}{getattr(self, name)}" for name in ("dp", "ep", "cp", "tp", "pp")
                  if getattr(self, name) > 1]
         no_sp = ", no SP" if self.tp > 1 and not self.sequence_parallel else ""
-        return "x".join(parts or ["single"]) + f" ({self.data_parallel}{no_sp})"
+        cp_kind = f", {self.cp_kind} CP" if self.cp > 1 else ""
+        return "x".join(parts or ["single"]) + f" ({self.data_parallel}{no_sp}{cp_kind})"
 
 
 def balanced_stage_layers(layer_costs: tuple[float, ...], num_stages: int) -> tuple[int, ...]:
@@ -215,13 +248,14 @@ def balanced_stage_layers(layer_costs: tuple[float, ...], num_stages: int) -> tu
     return tuple(reversed(sizes))
 
 
-_LAYOUT_KEYS = {"dp": int, "tp": int, "pp": int, "ep": int, "engine": str, "micro": int, "schedule": str, "ahead": int,
-                "sp": int}
+_LAYOUT_KEYS = {"dp": int, "tp": int, "pp": int, "ep": int, "cp": int, "cpkind": str, "engine": str, "micro": int,
+                "schedule": str, "ahead": int, "sp": int}
 
 
 def parse_layout(text: str) -> ParallelLayout | str:
     """'ddp', 'auto', or degrees such as 'dp=2,tp=2,pp=2,engine=fsdp2,micro=4,schedule=interleaved-1f1b,ahead=1'
-    (and ep=2 for expert parallelism, sp=0 for tensor parallelism without sequence parallelism)."""
+    (and ep=2 for expert parallelism, sp=0 for tensor parallelism without sequence parallelism, cp=2 for
+    context parallelism with cpkind=ring or cpkind=ulysses)."""
     if text in ("ddp", "auto"):
         return text
     fields = {}
@@ -234,7 +268,7 @@ def parse_layout(text: str) -> ParallelLayout | str:
         except ValueError:
             raise ValueError(f"layout item {item!r} is invalid: {key} takes an integer") from None
     renamed = {"engine": "data_parallel", "micro": "num_microbatches", "schedule": "pipeline_schedule",
-               "ahead": "pipeline_run_ahead", "sp": "sequence_parallel"}
+               "ahead": "pipeline_run_ahead", "sp": "sequence_parallel", "cpkind": "cp_kind"}
     if "sp" in fields:
         if fields["sp"] not in (0, 1):
             raise ValueError(f"layout item 'sp={fields['sp']}' is invalid: expected sp=0 or sp=1")

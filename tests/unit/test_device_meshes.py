@@ -28,6 +28,7 @@ def _slice_meshes(rank: int, port: int, results) -> None:
         "dense_is_world": dense["dp"].get_group() == dist.group.WORLD,
         "experts": sorted(experts),
         "dp_is_ep": experts["dp"] is experts["ep"],
+        "replicas_are_dp": dense["replicas"] is dense["dp"] and experts["replicas"] is experts["dp"],
         "sum": total.item(),
         "gloo_threads": _gloo_transport_threads(),
     }
@@ -37,9 +38,10 @@ def _slice_meshes(rank: int, port: int, results) -> None:
 def test_dimensions_of_one_rank_get_no_process_group():
     results = spawn_ranks(_slice_meshes, 2)
     for rank in (0, 1):
-        assert results[rank]["dense"] == ["dp"]
+        assert results[rank]["dense"] == ["dp", "replicas"]  # without cp, the replicas are the dp ranks
+        assert results[rank]["replicas_are_dp"]
         assert results[rank]["dense_is_world"]  # a dimension spanning every rank reuses the default group
-        assert results[rank]["experts"] == ["dp", "ep"]
+        assert results[rank]["experts"] == ["dp", "ep", "replicas"]
         assert results[rank]["dp_is_ep"]
         assert results[rank]["sum"] == 3.0
         # Only the default group's transport: a group of one rank would add a thread waking every 10 ms.

@@ -5,7 +5,7 @@ from baige_ray.parallel.layout import ParallelLayout, parse_layout
 
 def test_ranks_are_row_major_over_pp_dp_tp():
     layout = ParallelLayout(dp=2, tp=2, pp=2)
-    assert [tuple(vars(layout.coords(r)).values()) for r in range(8)] == [
+    assert [(c.pp, c.dp, c.tp) for c in map(layout.coords, range(8))] == [
         (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)
     ]
 

@@ -244,6 +244,25 @@ class HFPlugin(ModelPlugin):
     def supports_packed_documents(self) -> bool:
         return True  # DecoderStage: rotary embeddings and transformers' masks follow the positions
 
+    @property
+    def supports_context_parallel(self) -> bool:
+        return self._experts is None  # a router's balance loss is a mean over every token of the batch
+
+    def enable_context_parallel(self, stage: DecoderStage) -> None:
+        from baige_ray.parallel.context_parallel import ATTENTION_NAME
+
+        stage.config._attn_implementation = ATTENTION_NAME  # as SDPA outside a context-parallel forward
+
+    def _check_context_parallel(self, layout) -> None:
+        super()._check_context_parallel(layout)
+        if layout.cp_kind != "ulysses":
+            return
+        heads = int(self.config.config["num_attention_heads"]) // layout.tp
+        if heads % layout.cp:
+            raise ValueError(f"ParallelLayout.cp={layout.cp} with cp_kind='ulysses' is invalid for {self.describe()}: "
+                             f"each rank's {heads} attention heads (of tp={layout.tp}) are split over cp; expected a "
+                             "cp dividing them, or cp_kind='ring'")
+
     def open_data(self, data: Any):
         from baige_ray.models.conversation_dataset import ConversationDataset
         from baige_ray.models.token_dataset import TokenDataset

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from baige_ray.parallel import context_parallel
+
 
 def pipeline_module_names(causal_lm: nn.Module) -> tuple[str, str, str, str, str]:
     """(base prefix, embedding, layers, final norm, head) from the model's transformers pipeline plan."""
@@ -135,10 +137,11 @@ class DecoderStage(nn.Module):
         if positions is None:
             positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         position_embeddings = self.base.rotary_emb(hidden, positions)
-        masks = self._masks(hidden, positions)
+        # Under context parallelism the attention masks by global position across the group itself.
+        masks = self._masks(hidden, positions) if context_parallel.active() is None else {}
         for index, layer in self.layers.items():
             kind = self._layer_types[int(index)] if self._layer_types else "full_attention"
-            hidden = layer(hidden, attention_mask=masks[kind], position_ids=positions,
+            hidden = layer(hidden, attention_mask=masks.get(kind), position_ids=positions,
                            position_embeddings=position_embeddings)
         if not self.is_last:
             return hidden

@@ -1,0 +1,171 @@
+"""Context parallelism trains as one process does.
+
+Each CP rank holds two chunks of every sequence, one from each end (parallel/context_parallel.py), and
+attends across the group by all-gathered keys ("ring") or by trading heads for sequence ("ulysses").
+Gloo ranks train tiny Llama, tied Qwen2 and Qwen3 models at CP4, and at CP2 with FSDP2 over dp x cp and
+with TP2 (sequence parallel), for 20 steps; their losses must be those of `transformers` trained alone.
+Packed documents keep their attention inside each document across the group.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from baige_ray.parallel.context_parallel import SequenceShard, document_ids, natural_order
+from baige_ray.parallel.layout import ParallelLayout, parse_layout
+from tests.helpers import spawn_ranks
+
+STEPS = 20
+# Every layout for Llama; each other family alone, with FSDP2 and with TP2, the two kinds in turn.
+LAYOUTS = {
+    "llama": ("cp=4", "cp=4,cpkind=ulysses", "dp=2,cp=2,engine=fsdp2", "dp=2,cp=2,engine=fsdp2,cpkind=ulysses",
+              "cp=2,tp=2", "cp=2,tp=2,cpkind=ulysses"),
+    "qwen2": ("cp=4", "dp=2,cp=2,engine=fsdp2,cpkind=ulysses", "cp=2,tp=2"),
+    "qwen3": ("cp=4,cpkind=ulysses", "dp=2,cp=2,engine=fsdp2", "cp=2,tp=2,cpkind=ulysses"),
+}
+
+
+def test_each_rank_holds_one_chunk_from_each_end_and_the_gathered_order_inverts():
+    assert [SequenceShard(2, rank).indices(8).tolist() for rank in (0, 1)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    gathered = torch.cat([SequenceShard(4, rank).indices(16) for rank in range(4)])
+    assert torch.equal(gathered[natural_order(4, 16)], torch.arange(16))
+    rows = torch.arange(16).reshape(2, 8)
+    assert torch.equal(SequenceShard(2, 1).split(rows), rows[:, 2:6])
+    with pytest.raises(ValueError, match=r"cp=4 is invalid for sequences of 20 tokens.*divisible by 8"):
+        SequenceShard(4, 0).indices(20)
+
+
+def test_documents_are_numbered_where_positions_restart():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1]])
+    assert document_ids(positions).tolist() == [[1, 1, 1, 2, 2, 3, 4, 4]]
+
+
+def test_a_layout_with_cp_places_cp_ranks_between_dp_and_tp():
+    layout = parse_layout("dp=2,cp=2,tp=2,cpkind=ulysses")
+    assert (layout.world_size, layout.gradient_replicas, layout.cp_kind) == (8, 4, "ulysses")
+    assert [(c.dp, c.cp, c.tp) for c in map(layout.coords, range(8))] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert layout.describe() == "DP2xCP2xTP2 (ddp, ulysses CP)"
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(cp=2, pp=2), r"cp=2 is invalid with pp=2.*not built yet"),
+    (dict(cp=2, data_parallel="zero2"), r"cp=2 is invalid with data_parallel='zero2'"),
+    (dict(cp=2, cp_kind="tree"), r"cp_kind='tree' is invalid"),
+    (dict(cp=0), r"cp=0 is invalid"),
+])
+def test_layouts_context_parallelism_cannot_run_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelLayout(**fields)
+
+
+def test_models_and_lengths_context_parallelism_cannot_split_are_refused_before_any_worker_starts(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from baige_ray.models.gpt import GPTConfig
+    from baige_ray.models.hf import HFModel
+    from baige_ray.models.plugin import plugin_for
+    from tests.hf_helpers import llama_config
+
+    with pytest.raises(ValueError, match="needs a dense Hugging Face causal LM"):
+        plugin_for(GPTConfig(seq_len=32, hidden=64, num_heads=4, num_layers=2)).check_layout(ParallelLayout(cp=2))
+    AutoModelForCausalLM.from_config(llama_config()).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"cp=4 is invalid for sequences of 36 tokens.*divisible by 8"):
+        plugin_for(HFModel(tmp_path, seq_len=36)).check_layout(ParallelLayout(cp=4))
+    with pytest.raises(ValueError, match=r"each rank's 2 attention heads \(of tp=2\) are split over cp"):
+        plugin_for(HFModel(tmp_path, seq_len=32)).check_layout(ParallelLayout(cp=4, tp=2, cp_kind="ulysses"))
+
+
+def _train():
+    from baige_ray import TrainConfig
+
+    return TrainConfig(num_steps=STEPS, global_batch_size=4, warmup_steps=2, seed=5)
+
+
+def _init(rank: int, port: int, world_size: int) -> None:
+    import os
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def _train_layouts(rank: int, port: int, results, runs: dict[str, tuple[str, str, tuple[str, ...]]]) -> None:
+    from baige_ray.engines.factory import build_engine
+    from baige_ray.engines.train_job import TrainJob
+    from baige_ray.models.hf import HFModel
+    from baige_ray.models.token_dataset import TokenDataset
+    from tests.hf_helpers import SEQ_LEN
+
+    _init(rank, port, 4)
+    for name, (model_dir, data_dir, layouts) in runs.items():
+        for text in layouts:
+            job = TrainJob(model=HFModel(model_dir, seq_len=SEQ_LEN), train=_train(), data=TokenDataset.open(data_dir))
+            engine = build_engine(job, parse_layout(text), rank)
+            lengths = []
+            engine.stages[0].layers["0"].register_forward_pre_hook(lambda _, args: lengths.append(args[0].shape[1]))
+            results[(name, text, rank)] = {"losses": [engine.train_step(s)["loss"] for s in range(STEPS)],
+                                           "lengths": sorted(set(lengths))}
+    dist.destroy_process_group()
+
+
+def _replica_mean(results, name: str, text: str) -> list[float]:
+    """Every rank reports its replica's share of the loss (the CP group's sum): their mean is the batch's."""
+    per_rank = [results[(name, text, rank)]["losses"] for rank in range(4)]
+    return [sum(step) / 4 for step in zip(*per_rank)]
+
+
+def _packed_dataset(tiny, directory):
+    """Short documents packed by the tokenizer's end-of-text, positions restarting at each."""
+    from baige_ray.models.token_dataset import TokenDataset
+    from tests.hf_helpers import SEQ_LEN
+
+    words = (text.split() for text in (path.read_text() for path in tiny.text_files))
+    pool = [word for text in words for word in text][:2000]
+    documents = []
+    for index in range(60):
+        documents.append(directory / f"doc{index}.txt")
+        start = (index * 37) % (len(pool) - 30)
+        documents[-1].write_text(" ".join(pool[start : start + 3 + index % 11]))
+    return TokenDataset.build(documents, tokenizer=tiny.tokenizer_dir, seq_len=SEQ_LEN, directory=directory / "data",
+                              document_masking=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    from tests.hf_helpers import build_tiny_hf, llama_config, qwen2_tied_config
+    from tests.unit.test_sequence_parallel import qwen3_config
+
+    families = {"llama": llama_config, "qwen2": qwen2_tied_config, "qwen3": qwen3_config}
+    return {name: build_tiny_hf(tmp_path_factory.mktemp(name), family=family) for name, family in families.items()}
+
+
+def test_hf_families_train_with_context_parallelism_as_transformers_alone(tiny_models, tmp_path):
+    from baige_ray.engines.factory import build_engine
+    from baige_ray.engines.train_job import TrainJob
+    from baige_ray.models.hf import HFModel
+    from baige_ray.models.token_dataset import TokenDataset
+    from tests.hf_helpers import SEQ_LEN, plain_transformers_losses
+
+    llama = tiny_models["llama"]
+    packed = _packed_dataset(llama, tmp_path)
+    runs = {name: (str(tiny.model_dir), str(tiny.dataset_dir), LAYOUTS[name]) for name, tiny in tiny_models.items()}
+    runs["llama packed"] = (str(llama.model_dir), str(packed.directory), ("cp=4", "cp=4,cpkind=ulysses"))
+    results = spawn_ranks(_train_layouts, 4, runs)
+
+    for name, tiny in tiny_models.items():
+        reference = plain_transformers_losses(tiny.model_dir, TokenDataset.open(tiny.dataset_dir), _train())
+        for text in LAYOUTS[name]:
+            torch.testing.assert_close(_replica_mean(results, name, text), reference, rtol=1e-5, atol=0,
+                                       msg=f"{name} {text}")
+            layout = parse_layout(text)  # sequence parallelism splits a CP rank's tokens over tp
+            expected_length = SEQ_LEN // (layout.cp * layout.tp)
+            assert results[(name, text, 0)]["lengths"] == [expected_length], (name, text)
+
+    alone = build_engine(TrainJob(model=HFModel(llama.model_dir, seq_len=SEQ_LEN), train=_train(),
+                                  data=TokenDataset.open(packed.directory)), ParallelLayout())
+    reference = [alone.train_step(step)["loss"] for step in range(STEPS)]
+    for text in runs["llama packed"][2]:
+        torch.testing.assert_close(_replica_mean(results, "llama packed", text), reference, rtol=1e-5, atol=0, msg=text)
+    restarts = packed.positions(range(packed.num_sequences), 0)[:, 1:] == 0
+    assert restarts.any(dim=1).float().mean() > 0.5  # documents really do share most sequences
