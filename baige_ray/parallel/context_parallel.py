@@ -9,13 +9,16 @@ embeddings take each token's global position; labels are shifted before the spli
 targets already are).
 
 Attention needs every earlier key of the token's document. Two ways to reach them:
-- "ring": the keys and values are all-gathered over the group and each rank attends its queries to
-  the whole sequence in one masked kernel call. Torch's ring attention rotates by all-gather too by
-  default; passing blocks around the ring with a log-sum-exp merge (less key memory, communication
-  behind compute) is not built here.
+- "ring": the keys and values are all-gathered over the group, and each rank attends its queries to the
+  whole sequence tile by tile (parallel/block_attention.py: FlashAttention's algorithm, so neither the
+  scores nor a (queries x keys) mask are ever whole). The gathered keys are not saved for backward: the
+  backward gathers them again and sums their gradients back to their owners. Torch's ring attention
+  rotates by all-gather too by default; passing blocks around the ring, so that even the transient
+  keys of one layer stay at 1/cp and communication hides behind compute, is not built here.
 - "ulysses": an all-to-all trades the sequence split for a head split (DeepSpeed-Ulysses): each rank
-  attends its 1/cp of the heads over the whole sequence, and a second all-to-all trades back. The heads
-  (and key-value heads, or they are repeated to the query heads) must divide by cp.
+  attends its 1/cp of the heads over the whole sequence (SDPA's causal kernel, or tiles where documents
+  or a sliding window mask it), and a second all-to-all trades back. The heads (and key-value heads, or
+  they are repeated to the query heads) must divide by cp.
 
 The communication is autograd-aware (its backward is the transposed exchange) and abortable by the
 elastic controller like every collective a step waits on (parallel/distributed.py). The attention is
@@ -35,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from baige_ray.parallel.block_attention import AttentionMask, BlockAttention, attention_backward, attention_forward
 from baige_ray.parallel.distributed import all_gather_abortable, all_to_all_abortable
 
 ATTENTION_NAME = "baige_context_parallel"
@@ -130,20 +134,6 @@ def global_positions(positions: torch.Tensor | None, batch: int, length: int, de
 # ---- communication with autograd ------------------------------------------------------------------------
 
 
-class _AllGather(torch.autograd.Function):
-    """Every rank's tensor stacked on a new first dimension; backward: each rank gets the sum of the
-    gradients all ranks computed for its tensor (a reduce-scatter, by all-to-all: gloo has none)."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return all_gather_abortable(tensor, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return all_to_all_abortable(grad, ctx.group).sum(dim=0), None
-
-
 class _AllToAll(torch.autograd.Function):
     """`tensor[j]` to rank j, received in sender order; backward sends each gradient back the same way."""
 
@@ -160,36 +150,69 @@ class _AllToAll(torch.autograd.Function):
 # ---- attention ------------------------------------------------------------------------------------------
 
 
-def _mask(query_index: torch.Tensor, key_index: torch.Tensor, documents: torch.Tensor | None,
-          sliding_window: int | None) -> torch.Tensor:
-    """(batch or 1, 1, queries, keys) True where a query attends to a key: an earlier or equal position, in
-    its own document, within the window (transformers' rule: query - key < window)."""
-    allowed = key_index[None, :] <= query_index[:, None]
-    if sliding_window is not None:
-        allowed = allowed & (query_index[:, None] - key_index[None, :] < sliding_window)
-    allowed = allowed[None, None]
-    if documents is not None:
-        same = documents[:, query_index, None] == documents[:, None, key_index]
-        allowed = allowed & same[:, None]
-    return allowed
+def _key_chunks(cp: int, length: int) -> tuple[int, ...]:
+    """Where the 2 cp chunks start: tiles never straddle two ranks' chunks, so causal tiles stay whole or empty."""
+    chunk = length // (2 * cp)
+    return tuple(range(chunk, length, chunk))
 
 
-def _gathered_key_attention(context: AttentionContext, query, key, value, *, scaling, dropout, sliding_window):
-    """Queries (batch, heads, local, dim) against the whole sequence's keys, all-gathered ("ring")."""
+class _GatheredKeyAttention(torch.autograd.Function):
+    """A rank's queries against the whole sequence's keys and values, all-gathered over the CP group in
+    the forward and again in the backward (never saved: a layer holds only its own 1/cp of them), the
+    gradients of the gathered keys and values summed back to their owners (a reduce-scatter, by
+    all-to-all: gloo has none)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, context: AttentionContext, mask: AttentionMask, scale: float):
+        with torch.autocast(query.device.type, enabled=False):
+            keys, values = _gather_in_order(key, context), _gather_in_order(value, context)
+            out, lse = attention_forward(query, keys, values, mask, scale, _query_cuts(query),
+                                         _key_chunks(context.shard.cp, context.length))
+        out = out.to(query.dtype)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.arguments = (context, mask, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        context, mask, scale = ctx.arguments
+        with torch.autocast(query.device.type, enabled=False):
+            keys, values = _gather_in_order(key, context), _gather_in_order(value, context)
+            d_q, d_keys, d_values = attention_backward(grad_out, query, keys, values, out, lse, mask, scale,
+                                                       _query_cuts(query), _key_chunks(context.shard.cp, context.length))
+        d_k, d_v = _scatter_to_owners(d_keys, context), _scatter_to_owners(d_values, context)
+        return d_q.to(query.dtype), d_k.to(key.dtype), d_v.to(value.dtype), None, None, None
+
+
+def _query_cuts(query: torch.Tensor) -> tuple[int, ...]:
+    return (query.shape[2] // 2,)  # the rank's head chunk, then its tail chunk
+
+
+def _gather_in_order(tensor: torch.Tensor, context: AttentionContext) -> torch.Tensor:
+    """(b, h, local, d) of every rank -> (b, h, length, d) in global order."""
+    gathered = all_gather_abortable(tensor, context.group)
+    order = natural_order(context.shard.cp, context.length).to(tensor.device)
+    return torch.cat(gathered.unbind(0), dim=2).index_select(2, order)
+
+
+def _scatter_to_owners(tensor: torch.Tensor, context: AttentionContext) -> torch.Tensor:
+    """(b, h, length, d) gradients in global order -> the sum over ranks of each owner's (b, h, local, d)."""
     cp, length = context.shard.cp, context.length
-    order = natural_order(cp, length).to(key.device)
-
-    def whole(tensor: torch.Tensor) -> torch.Tensor:  # (cp, b, h, local, d) -> (b, h, length, d) in order
-        gathered = _AllGather.apply(tensor, context.group)
-        return torch.cat(gathered.unbind(0), dim=2).index_select(2, order)
-
-    query_index = context.shard.indices(length).to(query.device)
-    mask = _mask(query_index, torch.arange(length, device=query.device), context.documents, sliding_window)
-    return F.scaled_dot_product_attention(query, whole(key), whole(value), attn_mask=mask, dropout_p=dropout,
-                                          scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+    gathered_order = torch.cat([SequenceShard(cp, rank).indices(length) for rank in range(cp)]).to(tensor.device)
+    b, h, _, d = tensor.shape
+    pieces = tensor.index_select(2, gathered_order).reshape(b, h, cp, length // cp, d).permute(2, 0, 1, 3, 4)
+    return all_to_all_abortable(pieces, context.group).sum(dim=0)
 
 
-def _ulysses_attention(context: AttentionContext, query, key, value, *, scaling, dropout, sliding_window):
+def _gathered_key_attention(context: AttentionContext, query, key, value, *, scaling, sliding_window):
+    """Queries (batch, heads, local, dim) against the whole sequence's keys, all-gathered ("ring")."""
+    mask = AttentionMask(context.shard.indices(context.length).to(query.device),
+                         torch.arange(context.length, device=query.device), context.documents, sliding_window)
+    return _GatheredKeyAttention.apply(query, key, value, context, mask, scaling)
+
+
+def _ulysses_attention(context: AttentionContext, query, key, value, *, scaling, sliding_window):
     """Heads traded for sequence by all-to-all, attention over the whole sequence, traded back ("ulysses")."""
     cp, length = context.shard.cp, context.length
     heads = query.shape[1]
@@ -214,14 +237,14 @@ def _ulysses_attention(context: AttentionContext, query, key, value, *, scaling,
         return received.transpose(0, 1).reshape(b, cp * h, length // cp, d)
 
     q, k, v = to_heads(query), to_heads(key), to_heads(value)
-    gqa = k.shape[1] != q.shape[1]
     if context.documents is None and sliding_window is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scaling,
-                                             enable_gqa=gqa)
-    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+                                             enable_gqa=k.shape[1] != q.shape[1])
+    else:  # SDPA would save a whole (length x length) mask: tiles instead
         positions = torch.arange(length, device=query.device)
-        mask = _mask(positions, positions, context.documents, sliding_window)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+        mask = AttentionMask(positions, positions, context.documents, sliding_window)
+        chunks = _key_chunks(cp, length)
+        out = BlockAttention.apply(q, k, v, mask, scaling, chunks, chunks)
     return to_sequence(out)
 
 
@@ -235,8 +258,13 @@ def context_parallel_attention(module, query, key, value, attention_mask, *, sca
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       sliding_window=sliding_window, **kwargs)
+    if dropout:
+        raise ValueError(f"attention dropout {dropout} is not supported under context parallelism: expected the "
+                         "model's attention_dropout=0.0 (as pre-trained causal LMs ship it)")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
     attend = _ulysses_attention if context.kind == "ulysses" else _gathered_key_attention
-    out = attend(context, query, key, value, scaling=scaling, dropout=dropout, sliding_window=sliding_window)
+    out = attend(context, query, key, value, scaling=scaling, sliding_window=sliding_window)
     return out.transpose(1, 2).contiguous(), None
 
 
