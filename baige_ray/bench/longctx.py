@@ -9,7 +9,10 @@ each step runs a chunk of it and the short ones go through between chunks. Repor
 p99 of the short requests (arrival to first token) and of the long ones, generated tokens/s; the greedy
 answers of both modes must be equal. `chunked_short_ttft_p99_speedup` = whole p99 / chunked p99.
 
-Training with context parallelism (the rest of #78's `bench longctx`) is not built yet: `training` says so.
+Training (bench/longctx_training.py): context parallelism on gloo ranks of this machine, the longest
+sequence under a fixed memory cap at CP1, CP2 and CP4 (ring and Ulysses), the planner's memory model
+against what autograd keeps, step time at equal tokens and bytes sent per layer against the formula.
+`--part serving` or `--part training` runs one half.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-interval-s", type=float, default=6.0)
     parser.add_argument("--duration-s", type=float, default=30.0, help="how long requests keep arriving")
     parser.add_argument("--max-num-batched-tokens", type=int, default=128, help="the chunked run's step budget")
+    parser.add_argument("--cap-tokens", type=int, default=2048,
+                        help="training: the memory cap is what one rank keeps at this length without CP")
+    parser.add_argument("--step-tokens", type=int, default=2048, help="training: sequence length of the timed steps")
+    parser.add_argument("--part", choices=("both", "serving", "training"), default="both")
     parser.add_argument("--quick", action="store_true", help="a small model and a few seconds (tests)")
 
 
@@ -127,6 +134,22 @@ def _model(shape: dict):
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    if args.part in ("both", "training"):
+        from baige_ray.bench import longctx_training
+
+        report_stage(args, "training with context parallelism", 0, 4)
+        training = longctx_training.run(args)
+        result.update({key: training.pop(key) for key in ("max_seq_cp4_vs_cp1", "sp_memory_error", "cp_memory_error")})
+        result["training"] = training
+    if args.part in ("both", "serving"):
+        serving = run_serving(args)
+        result["chunked_short_ttft_p99_speedup"] = serving.pop("chunked_short_ttft_p99_speedup")
+        result.update(serving)
+    return result
+
+
+def run_serving(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(2)
@@ -138,12 +161,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         long_interval_s=args.long_interval_s, short_tokens=args.short_tokens,
                         long_tokens=long_tokens, vocab=shape["vocab_size"])
     context = shape["max_position_embeddings"]
-    report_stage(args, "warm-up", 0, 3)
+    report_stage(args, "warm-up", 1, 4)
     run_mode(model, arrivals[:3], answer_tokens=2, max_context=context, max_num_batched_tokens=None)
-    report_stage(args, "long prompts prefilled whole", 1, 3)
+    report_stage(args, "long prompts prefilled whole", 2, 4)
     whole = run_mode(model, arrivals, answer_tokens=args.answer_tokens, max_context=context,
                      max_num_batched_tokens=None)
-    report_stage(args, f"long prompts in chunks of {args.max_num_batched_tokens} tokens", 2, 3)
+    report_stage(args, f"long prompts in chunks of {args.max_num_batched_tokens} tokens", 3, 4)
     chunked = run_mode(model, arrivals, answer_tokens=args.answer_tokens, max_context=context,
                        max_num_batched_tokens=args.max_num_batched_tokens)
     whole_p99, chunked_p99 = (np.percentile(r.short_ttft_s, 99) for r in (whole, chunked))
@@ -155,13 +178,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "answer_tokens": args.answer_tokens, "short_interval_s": args.short_interval_s,
                      "long_interval_s": args.long_interval_s, "duration_s": duration_s,
                      "max_num_batched_tokens": args.max_num_batched_tokens, "model": shape},
-        "training": "not measured: context parallelism (#78) is not built yet",
     }
 
 
 def summarize(result: dict[str, Any]) -> str:
-    whole, chunked = result["serving"]["whole"], result["serving"]["chunked"]
-    return (f"short requests' TTFT p99: {whole['short_ttft']['p99_s']:.3f} s whole, "
+    lines = []
+    if "training" in result:
+        longest = result["training"]["longest_sequence"]
+        lines.append(f"longest sequence under one memory cap: CP1 {longest['cp=1']}, CP2 {longest['cp=2']}, CP4 "
+                     f"{longest['cp=4']} tokens ({result['max_seq_cp4_vs_cp1']:.2f}x); planner memory error: CP "
+                     f"{result['cp_memory_error']:.3f}, SP {result['sp_memory_error']:.3f}")
+    if "serving" in result:
+        whole, chunked = result["serving"]["whole"], result["serving"]["chunked"]
+        lines.append(
+            f"short requests' TTFT p99: {whole['short_ttft']['p99_s']:.3f} s whole, "
             f"{chunked['short_ttft']['p99_s']:.3f} s chunked ({result['chunked_short_ttft_p99_speedup']:.1f}x); "
             f"long prompts' TTFT p50: {whole['long_ttft']['p50_s']:.3f} s whole, "
             f"{chunked['long_ttft']['p50_s']:.3f} s chunked; tokens equal: {result['tokens_equal']}")
+    return "\n".join(lines)

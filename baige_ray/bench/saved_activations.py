@@ -7,14 +7,15 @@ shard of a DTensor by its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
 
 
-def saved_activation_bytes(forward: Callable[[], Any]) -> tuple[int, Any]:
-    """(bytes of distinct storages `forward` saved for backward, what it returned)."""
+def saved_activation_bytes(forward: Callable[[], Any], exclude: Collection[int] = ()) -> tuple[int, Any]:
+    """(bytes of distinct storages `forward` saved for backward, what it returned); storages whose data
+    pointer is in `exclude` (the parameters, which a linear layer saves) are not counted."""
     from torch.distributed.tensor import DTensor
 
     storages: dict[int, int] = {}
@@ -22,7 +23,8 @@ def saved_activation_bytes(forward: Callable[[], Any]) -> tuple[int, Any]:
     def keep(tensor: torch.Tensor) -> torch.Tensor:
         local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
         storage = local.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in exclude:
+            storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):

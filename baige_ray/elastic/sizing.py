@@ -14,7 +14,8 @@ def replica_size(layout: ParallelLayout) -> int:
 
 def valid_sizes(job: TrainJob, layout: ParallelLayout, min_workers: int, max_workers: int) -> tuple[int, ...]:
     """Sizes in [min, max] made of whole replicas whose data-parallel degree splits the global batch,
-    evenly or, for pure data parallel jobs, in shares that differ by at most one sequence."""
+    evenly or, for pure data parallel jobs, in shares that differ by at most one sequence; with context
+    parallelism, also one replica at each smaller CP degree the job can run (see `layout_for`)."""
     sizes = []
     unit = replica_size(layout)
     for size in range(unit, max_workers + 1, unit):
@@ -22,13 +23,37 @@ def valid_sizes(job: TrainJob, layout: ParallelLayout, min_workers: int, max_wor
             continue
         if _splits_evenly(job, size // unit) or _allows_uneven_shares(job, layout, size // unit):
             sizes.append(size)
-    return tuple(sizes)
+    smaller = [replica_size(dataclasses.replace(layout, cp=cp)) for cp in smaller_context_parallel(job, layout)]
+    return tuple(sorted({*sizes, *(size for size in smaller if min_workers <= size <= max_workers)}))
+
+
+def smaller_context_parallel(job: TrainJob | None, layout: ParallelLayout) -> list[int]:
+    """CP degrees below the layout's, largest first, that divide it and that the job's model can run (its
+    sequence splits into 2 x cp chunks; Ulysses' heads divide): each a replica of fewer workers when
+    fewer than one replica at the layout's CP are left. The CP degree holds no state between steps."""
+    degrees = []
+    for cp in range(layout.cp - 1, 0, -1):
+        if layout.cp % cp:
+            continue
+        try:
+            if job is not None:
+                job.plugin.check_layout(dataclasses.replace(layout, dp=1, cp=cp))
+        except ValueError:
+            continue
+        degrees.append(cp)
+    return degrees
 
 
 def layout_for(layout: ParallelLayout, num_workers: int, job: TrainJob | None = None) -> ParallelLayout:
     """The same tensor/pipeline shape with as many data-parallel replicas as `num_workers` holds; with
-    the job given, a global batch that does not split evenly gets shares that differ by one sequence."""
+    the job given, a global batch that does not split evenly gets shares that differ by one sequence.
+    Fewer workers than one replica of a context-parallel layout run one replica at a smaller CP degree
+    (CP4 on 4 workers, one lost: CP2 on 2), each rank then holding more of every sequence."""
     unit = replica_size(layout)
+    if num_workers < unit:
+        for cp in smaller_context_parallel(job, layout):
+            if num_workers == replica_size(dataclasses.replace(layout, cp=cp)):
+                return dataclasses.replace(layout, dp=1, cp=cp, dp_microbatches=None)
     if num_workers % unit:
         raise ValueError(f"num_workers={num_workers} is invalid: expected a multiple of tp x pp x cp = {unit}")
     dp = num_workers // unit

@@ -195,6 +195,7 @@ class Engine(ABC):
         }
         if self.expert_layers:
             metrics.update(self.take_expert_traffic())
+        metrics.update(self.step_traffic())
         if isinstance(self.data, PolicySamples):
             metrics["policy_samples"] = self.data.report(step)
         return metrics
@@ -222,6 +223,10 @@ class Engine(ABC):
         counts, seconds = zip(*(layer.traffic.take(self.forwards_per_step) for layer in self.expert_layers))
         per_layer = [c.tolist() if c is not None and self.coords.tp == 0 else [] for c in counts]
         return {"expert_tokens": per_layer, "all_to_all_s": sum(seconds)}
+
+    def step_traffic(self) -> dict:
+        """Bytes this rank's step sent for its engine's own exchanges, by name (none by default)."""
+        return {}
 
     @property
     def forwards_per_step(self) -> int | None:

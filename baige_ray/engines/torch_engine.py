@@ -27,6 +27,7 @@ from baige_ray.engines.train_job import TrainJob, build_optimizer
 from baige_ray.failpoints import BACKWARD, fail_point
 from baige_ray.models.aux_loss import auxiliary_losses, mark_forward
 from baige_ray.models.plugin import PolicySamples
+from baige_ray.parallel import context_parallel
 from baige_ray.parallel.boxes import is_dtensor
 from baige_ray.parallel.context_parallel import ContextParallel, global_positions
 from baige_ray.parallel.distributed import all_reduce_abortable
@@ -91,6 +92,11 @@ class TorchEngine(Engine):
                              "step's trained tokens (the model's own, or an objective's token mean) and samples "
                              "read from data, not drawn from the policy")
         return ContextParallel(self.meshes["cp"].get_group(), self.layout.cp, self.coords.cp, self.layout.cp_kind)
+
+    def step_traffic(self) -> dict:
+        if self.context_parallel is None:
+            return {}
+        return {"context_parallel_bytes": context_parallel.SENT.take()}  # attention's exchanges, forward and backward
 
     def _build_exact_sum(self) -> ExactGradientSum | None:
         """Under TrainConfig.world_size_invariant: the exact sum of every micro-batch's gradient over dp."""

@@ -97,6 +97,29 @@ class AttentionContext:
 _active: contextvars.ContextVar[AttentionContext | None] = contextvars.ContextVar("context_parallel", default=None)
 
 
+class SentBytes:
+    """Bytes this process sent to its context-parallel peers since the last `take`: an all-gather sends
+    the rank's tensor to each of the cp - 1 others (as a ring passes it on), an all-to-all the cp - 1
+    pieces that are not its own."""
+
+    def __init__(self) -> None:
+        self._bytes = 0
+
+    def all_gather(self, tensor: torch.Tensor, ranks: int) -> None:
+        self._bytes += tensor.numel() * tensor.element_size() * (ranks - 1)
+
+    def all_to_all(self, pieces: torch.Tensor) -> None:
+        ranks = pieces.shape[0]
+        self._bytes += pieces.numel() * pieces.element_size() * (ranks - 1) // ranks
+
+    def take(self) -> int:
+        sent, self._bytes = self._bytes, 0
+        return sent
+
+
+SENT = SentBytes()
+
+
 def active() -> AttentionContext | None:
     return _active.get()
 
@@ -140,10 +163,12 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
+        SENT.all_to_all(tensor)
         return all_to_all_abortable(tensor, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        SENT.all_to_all(grad)
         return all_to_all_abortable(grad, ctx.group), None
 
 
@@ -191,6 +216,7 @@ def _query_cuts(query: torch.Tensor) -> tuple[int, ...]:
 
 def _gather_in_order(tensor: torch.Tensor, context: AttentionContext) -> torch.Tensor:
     """(b, h, local, d) of every rank -> (b, h, length, d) in global order."""
+    SENT.all_gather(tensor, context.shard.cp)
     gathered = all_gather_abortable(tensor, context.group)
     order = natural_order(context.shard.cp, context.length).to(tensor.device)
     return torch.cat(gathered.unbind(0), dim=2).index_select(2, order)
@@ -202,6 +228,7 @@ def _scatter_to_owners(tensor: torch.Tensor, context: AttentionContext) -> torch
     gathered_order = torch.cat([SequenceShard(cp, rank).indices(length) for rank in range(cp)]).to(tensor.device)
     b, h, _, d = tensor.shape
     pieces = tensor.index_select(2, gathered_order).reshape(b, h, cp, length // cp, d).permute(2, 0, 1, 3, 4)
+    SENT.all_to_all(pieces)
     return all_to_all_abortable(pieces, context.group).sum(dim=0)
 
 

@@ -88,6 +88,7 @@ class LayoutShape:
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    cp: int = 1  # context-parallel ranks: 1/cp of every sequence each; weights sharded over dp x cp by ZeRO
     zero_stage: int = 0
     micro_batch: int
     num_micro_batches: int = 1
@@ -101,7 +102,7 @@ class LayoutShape:
     extra_gradient_copies: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "ep", "micro_batch", "num_micro_batches"):
+        for name in ("tp", "pp", "dp", "ep", "cp", "micro_batch", "num_micro_batches"):
             require_int("LayoutShape", name, getattr(self, name), minimum=1)
         require_choice("LayoutShape", "zero_stage", self.zero_stage, (0, 1, 2, 3))
         require_choice("LayoutShape", "compute_dtype_bytes", self.compute_dtype_bytes, (1, 2, 4))
@@ -115,7 +116,7 @@ class LayoutShape:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -159,8 +160,8 @@ def layout_shape(layout: ParallelLayout, train: TrainConfig, stage_layers: Seque
         micro = train.micro_batch_size or per_replica
         num_micro = per_replica // micro
     per_rank = tuple(sum(stage_layers[s] for s in layout.stage_indices(rank)) for rank in range(layout.pp))
-    return LayoutShape(name=layout.describe(), tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep,
-                       zero_stage=ZERO_STAGE_OF[layout.data_parallel] if layout.dp > 1 else 0,
+    return LayoutShape(name=layout.describe(), tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, cp=layout.cp,
+                       zero_stage=ZERO_STAGE_OF[layout.data_parallel] if layout.gradient_replicas > 1 else 0,
                        micro_batch=micro, num_micro_batches=num_micro, stage_layers=per_rank,
                        experts_sharded=layout.data_parallel != "fsdp2", compute_dtype_bytes=compute_dtype_bytes,
                        sequence_parallel=layout.sequence_parallel, deepspeed=layout.data_parallel.startswith("zero"),
@@ -170,7 +171,8 @@ def layout_shape(layout: ParallelLayout, train: TrainConfig, stage_layers: Seque
 def device_bytes(model: ModelSpec, shape: LayoutShape) -> tuple[np.ndarray, np.ndarray]:
     """(model states, activations) per device of each pipeline rank, in bytes."""
     layers = np.asarray(shape.stage_layers)
-    states = model_state_bytes(model, layers, tp=shape.tp, dp=shape.dp, ep=[shape.ep], zero=[shape.zero_stage])[0]
+    states = model_state_bytes(model, layers, tp=shape.tp, dp=shape.dp * shape.cp, ep=[shape.ep],
+                               zero=[shape.zero_stage])[0]
     if shape.zero_stage == 3 and not shape.experts_sharded and shape.dp > shape.ep:
         _, expert = stage_param_counts(model, layers)
         whole = expert / (shape.tp * shape.ep) * (2 * model.dtype_bytes + optimizer_bytes_per_param(model))
@@ -182,8 +184,9 @@ def device_bytes(model: ModelSpec, shape: LayoutShape) -> tuple[np.ndarray, np.n
         states = states + shape.extra_gradient_copies * model.dtype_bytes * (dense + expert)
     activations = activation_bytes(model, layers, tp=shape.tp, pp=shape.pp, micro_batch=[shape.micro_batch],
                                    recompute=[0], num_micro_batches=[shape.num_micro_batches],
-                                   sequence_parallel=shape.sequence_parallel)[0]
-    logits = logit_bytes(model, shape.pp)[0] * shape.micro_batch  # in fp32 for the loss whatever the compute
+                                   sequence_parallel=shape.sequence_parallel, cp=shape.cp)[0]
+    # in fp32 for the loss whatever the compute; a context-parallel rank's for its tokens
+    logits = logit_bytes(model, shape.pp)[0] * shape.micro_batch / shape.cp
     return states, (activations - logits) * (shape.compute_dtype_bytes / 2) + logits
 
 

@@ -10,9 +10,14 @@ Assumptions (stated, each a knob of the formulas below):
     `dp / ep` replicas holding the same experts.
   * Activations per layer per micro-batch (Korthikanti et al. 2022, "Reducing Activation
     Recomputation in Large Transformer Models", sec. 4): attention 7sbh + 4sb*kv_dim (11sbh for
-    MHA), MLP 3sbh + 4sb*ffn (19sbh for ffn = 4h), two layer norms 4sbh, and 5as^2b for
-    softmax/dropout of the scores. Selective recomputation drops the 5as^2b term (sec. 5);
-    full recomputation keeps only each layer's 2sbh input plus one layer's working set.
+    MHA), MLP 3sbh + 4sb*ffn (19sbh for ffn = 4h; 8sb*ffn for a gated MLP's four inner tensors, as
+    transformers' Llama keeps them), two layer norms 4sbh, and 5as^2b for
+    softmax/dropout of the scores. Selective recomputation drops the 5as^2b term (sec. 5), and so
+    does a fused attention kernel, which never keeps the scores (ModelSpec.fused_attention: SDPA's
+    flash and memory-efficient kernels, as transformers runs a model); full recomputation keeps only
+    each layer's 2sbh input plus one layer's working set. With context parallelism a rank keeps the
+    activations of its 1/cp of the tokens, and one layer at a time holds the whole sequence's keys
+    and values and their gradients.
     Under TP, as the engines run it: what lies inside the TP regions (queries, keys, values, the
     output projection's input, the MLP's inner activations, the scores) divides by t. The norms
     and the dropout masks on the residual stream (6sbh) divide by t only with sequence
@@ -51,21 +56,28 @@ def optimizer_bytes_per_param(model: ModelSpec) -> int:
 
 GATHERED_INPUTS = 4  # x sbh: the QKV and MLP input projections' inputs, whole on every TP rank
 RESIDUAL_STREAM = 6  # x sbh: the two norms' activations and the two dropout masks, outside the TP regions
+GATED_INNER_BYTES = 8  # x sb x ffn: a SwiGLU MLP's four inner tensors (gate, up, silu(gate), their product)
 
 
 def activation_bytes_per_layer(model: ModelSpec, micro_batch, recompute, tp: int,
-                               sequence_parallel: bool = True) -> np.ndarray:
+                               sequence_parallel: bool = True, cp: int = 1) -> np.ndarray:
     """Stored activation bytes of one layer for one micro-batch (`recompute` is an index into RECOMPUTE)
-    on a TP rank; `sequence_parallel` where the layout asks for it (the model must offer it too)."""
-    s, h, b = model.seq_len, model.hidden, np.asarray(micro_batch, dtype=np.float64)
+    on a TP rank; `sequence_parallel` where the layout asks for it (the model must offer it too); `cp`
+    context-parallel ranks, each holding 1/cp of the sequence, whose attention keeps nothing of the others'
+    keys for backward (parallel/context_parallel.py: both kinds keep its own tokens' activations only)."""
+    h, b = model.hidden, np.asarray(micro_batch, dtype=np.float64)
+    s = model.seq_len / cp  # this rank's tokens: every saved tensor is per token, the scores per query
     share = model.moe_layer_share  # MoE layers store their k experts' and the shared experts' activations
-    mlp = 3 * h + share * 4 * (model.top_k * model.expert_ffn + model.shared_expert_ffn) \
-        + (1 - share) * 4 * model.ffn_hidden
+    # A GELU MLP keeps its activation's input and output (4 bytes of 16-bit per inner unit); a gated one
+    # (SwiGLU) keeps the gate's and the up projection's outputs, the activation's output and the product.
+    inner = GATED_INNER_BYTES if model.gated_mlp else 4
+    mlp = 3 * h + share * inner * (model.top_k * model.expert_ffn + model.shared_expert_ffn) \
+        + (1 - share) * inner * model.ffn_hidden
     per_token = 7 * h + 4 * model.kv_dim + 4 * h + mlp
     sliced = sequence_parallel and model.splits_sequence_with_tp
     whole = 0.0 if tp == 1 else GATHERED_INPUTS * h + (0.0 if sliced else RESIDUAL_STREAM * h)
     linear = s * b * (whole + (per_token - whole) / tp)
-    scores = 5.0 * model.num_heads * s * s * b / tp
+    scores = 0.0 if model.fused_attention else 5.0 * model.num_heads * s * model.seq_len * b / tp
     layer_input = 2.0 * s * b * h / (tp if sliced else 1)
     return np.select([recompute == 0, recompute == 1], [linear + scores, linear], layer_input)
 
@@ -111,18 +123,27 @@ def outside_layer_params(model: ModelSpec, stage_layers: np.ndarray) -> np.ndarr
 
 
 def activation_bytes(model: ModelSpec, stage_layers: np.ndarray, *, tp: int, pp: int, micro_batch, recompute,
-                     num_micro_batches, sequence_parallel: bool = True) -> np.ndarray:
+                     num_micro_batches, sequence_parallel: bool = True, cp: int = 1) -> np.ndarray:
     """Peak activation bytes per device under 1F1B, shape (rows, stages)."""
     layers = np.asarray(stage_layers, dtype=np.float64)[None, :]
     b = np.asarray(micro_batch, dtype=np.float64)[:, None]
     recompute = np.asarray(recompute)[:, None]
     in_flight = np.minimum(pp - np.arange(pp)[None, :], np.asarray(num_micro_batches)[:, None])
-    per_layer = activation_bytes_per_layer(model, b, recompute, tp, sequence_parallel)
+    per_layer = activation_bytes_per_layer(model, b, recompute, tp, sequence_parallel, cp)
     # Full recomputation re-materializes one layer at a time during backward.
     working = np.where(recompute == 2,
-                       activation_bytes_per_layer(model, b, np.zeros_like(recompute), tp, sequence_parallel), 0.0)
-    stored = in_flight * layers * per_layer + working
-    return stored + logit_bytes(model, pp) * b
+                       activation_bytes_per_layer(model, b, np.zeros_like(recompute), tp, sequence_parallel, cp), 0.0)
+    stored = in_flight * layers * per_layer + working + context_parallel_working_bytes(model, b, tp, cp)
+    return stored + logit_bytes(model, pp) * b / cp
+
+
+def context_parallel_working_bytes(model: ModelSpec, micro_batch, tp: int, cp: int) -> np.ndarray:
+    """What one layer's attention holds while it runs under context parallelism, beyond what it keeps:
+    the whole sequence's keys and values (all-gathered, or traded for heads) and, in backward, their
+    gradients, for the TP rank's key-value heads. 0 without context parallelism."""
+    if cp == 1:
+        return np.zeros_like(np.asarray(micro_batch, dtype=np.float64))
+    return 2.0 * 4 * model.kv_dim * model.seq_len * np.asarray(micro_batch, dtype=np.float64) / tp
 
 
 def logit_bytes(model: ModelSpec, pp: int) -> np.ndarray:

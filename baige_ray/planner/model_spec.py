@@ -65,6 +65,9 @@ class ModelSpec:
     learned_positions: bool = True
     tied_embeddings: bool = False
     rms_norm: bool = False
+    # Attention by a fused kernel (SDPA's flash or memory-efficient kernels, as transformers runs a Hugging
+    # Face model): no (sequence x sequence) scores are kept for backward, Korthikanti's 5as^2b term is 0.
+    fused_attention: bool = False
 
     @property
     def splits_sequence_with_tp(self) -> bool:
@@ -77,7 +80,7 @@ class ModelSpec:
             require_int("ModelSpec", field, getattr(self, field), minimum=1)
         require_choice("ModelSpec", "dtype_bytes", self.dtype_bytes, DTYPE_BYTES)
         require_int("ModelSpec", "num_experts", self.num_experts, minimum=0)
-        for field in ("gated_mlp", "learned_positions", "tied_embeddings", "rms_norm"):
+        for field in ("gated_mlp", "learned_positions", "tied_embeddings", "rms_norm", "fused_attention"):
             _require_bool(field, getattr(self, field))
         self._validate_heads()
         if self.num_experts:
@@ -247,7 +250,8 @@ class ModelSpec:
             seq_len=seq_len if seq_len is not None else hf.required_int("max_position_embeddings"),
             vocab_size=hf.required_int("vocab_size"), global_batch=global_batch,
             dtype_bytes=dtype_bytes if dtype_bytes is not None else hf.dtype_bytes(), **experts,
-            gated_mlp=True, learned_positions=False, rms_norm=True, tied_embeddings=hf.tied_embeddings())
+            gated_mlp=True, learned_positions=False, rms_norm=True, tied_embeddings=hf.tied_embeddings(),
+            fused_attention=True)
 
 
 def _require_bool(field: str, value: Any) -> None:

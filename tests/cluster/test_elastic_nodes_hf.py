@@ -217,3 +217,26 @@ def test_a_lora_job_on_conversations_loses_a_worker_mid_step_and_its_adapter_agr
     for name, tensor in expected.items():
         torch.testing.assert_close(final[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
     assert (result.checkpoint_path / "adapter_config.json").is_file()
+
+
+def test_a_cp4_job_that_loses_a_node_goes_on_at_cp2_and_agrees_with_one_process(tiny, tmp_path):
+    """Context parallelism holds no state between steps: a CP4 job on a full cluster that loses a node (two
+    of its workers) has fewer workers than one CP4 replica and goes on as one CP2 replica, restored from
+    memory, its weights those of one process that trained every step once."""
+    cluster = SimulatedCluster.active()
+    elastic = ElasticConfig(num_spares=0, min_workers=2, max_workers=4)
+    num_steps = 10
+    with devices_held(cluster, [0, 1]):
+        job = elastic_hf_run("elastic-hf-cp", tmp_path, tiny, num_workers=4, num_steps=num_steps, elastic=elastic,
+                             layout=ParallelLayout(cp=4))
+        wait_for(job, lambda s: s["step"] >= 3, 180, "step 3")
+        node_type = next(iter(cluster.descriptor.node_types))
+        cluster.remove_node(3)
+        try:
+            result = job.wait()
+        finally:
+            cluster.add_node(node_type, 3)
+    assert [m.step for m in result.metrics] == list(range(num_steps))
+    assert len(result.recoveries) == 1 and result.recoveries[0]["lost_steps"] <= 1, result.recoveries
+    assert result.num_workers == 2 and result.layout.startswith("CP2"), result.layout
+    assert_agrees_with_one_process(final_weights(result), tiny, num_steps=num_steps)

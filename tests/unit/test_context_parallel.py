@@ -4,7 +4,8 @@ Each CP rank holds two chunks of every sequence, one from each end (parallel/con
 attends across the group by all-gathered keys ("ring") or by trading heads for sequence ("ulysses").
 Gloo ranks train tiny Llama, tied Qwen2 and Qwen3 models at CP4, and at CP2 with FSDP2 over dp x cp and
 with TP2 (sequence parallel), for 20 steps; their losses must be those of `transformers` trained alone.
-Packed documents keep their attention inside each document across the group.
+Packed documents keep their attention inside each document across the group, and every rank sends
+the bytes per layer the planner's formula says.
 """
 
 import pytest
@@ -104,8 +105,9 @@ def _train_layouts(rank: int, port: int, results, runs: dict[str, tuple[str, str
             engine = build_engine(job, parse_layout(text), rank)
             lengths = []
             engine.stages[0].layers["0"].register_forward_pre_hook(lambda _, args: lengths.append(args[0].shape[1]))
-            results[(name, text, rank)] = {"losses": [engine.train_step(s)["loss"] for s in range(STEPS)],
-                                           "lengths": sorted(set(lengths))}
+            metrics = [engine.train_step(s) for s in range(STEPS)]
+            results[(name, text, rank)] = {"losses": [m["loss"] for m in metrics], "lengths": sorted(set(lengths)),
+                                           "sent": metrics[0]["context_parallel_bytes"]}
     dist.destroy_process_group()
 
 
@@ -141,10 +143,14 @@ def tiny_models(tmp_path_factory):
 
 
 def test_hf_families_train_with_context_parallelism_as_transformers_alone(tiny_models, tmp_path):
+    import json
+
     from baige_ray.engines.factory import build_engine
     from baige_ray.engines.train_job import TrainJob
     from baige_ray.models.hf import HFModel
     from baige_ray.models.token_dataset import TokenDataset
+    from baige_ray.planner.context_parallel import context_parallel_bytes_per_layer
+    from baige_ray.planner.model_spec import ModelSpec
     from tests.hf_helpers import SEQ_LEN, plain_transformers_losses
 
     llama = tiny_models["llama"]
@@ -155,7 +161,13 @@ def test_hf_families_train_with_context_parallelism_as_transformers_alone(tiny_m
 
     for name, tiny in tiny_models.items():
         reference = plain_transformers_losses(tiny.model_dir, TokenDataset.open(tiny.dataset_dir), _train())
+        spec = ModelSpec.from_hf_config(json.loads((tiny.model_dir / "config.json").read_text()), global_batch=4,
+                                        seq_len=SEQ_LEN, dtype_bytes=4)
         for text in LAYOUTS[name]:
+            layout = parse_layout(text)  # every rank sends what the planner's formula says, to the byte
+            per_layer = context_parallel_bytes_per_layer(spec, cp=layout.cp, kind=layout.cp_kind, tp=layout.tp,
+                                                         micro_batch=4 // layout.dp)
+            assert {results[(name, text, rank)]["sent"] for rank in range(4)} == {per_layer * spec.num_layers}
             torch.testing.assert_close(_replica_mean(results, name, text), reference, rtol=1e-5, atol=0,
                                        msg=f"{name} {text}")
             layout = parse_layout(text)  # sequence parallelism splits a CP rank's tokens over tp
@@ -169,3 +181,26 @@ def test_hf_families_train_with_context_parallelism_as_transformers_alone(tiny_m
         torch.testing.assert_close(_replica_mean(results, "llama packed", text), reference, rtol=1e-5, atol=0, msg=text)
     restarts = packed.positions(range(packed.num_sequences), 0)[:, 1:] == 0
     assert restarts.any(dim=1).float().mean() > 0.5  # documents really do share most sequences
+
+
+def test_a_cp_job_left_with_fewer_workers_than_a_replica_goes_on_at_a_smaller_cp(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from baige_ray import TrainConfig
+    from baige_ray.elastic.sizing import layout_for, valid_sizes
+    from baige_ray.engines.train_job import TrainJob
+    from baige_ray.models.hf import HFModel
+    from tests.hf_helpers import llama_config
+
+    AutoModelForCausalLM.from_config(llama_config()).save_pretrained(tmp_path)
+    # 24 tokens split into 2 x cp chunks for cp 4, 3, 2 and 1; cp=3 does not divide cp=4's group
+    job = TrainJob(model=HFModel(tmp_path, seq_len=24), train=TrainConfig(num_steps=1, global_batch_size=4))
+    cp4 = ParallelLayout(cp=4)
+    assert valid_sizes(job, cp4, 1, 8) == (1, 2, 4, 8)
+    assert layout_for(cp4, 8, job) == ParallelLayout(dp=2, cp=4)
+    assert layout_for(cp4, 2, job) == ParallelLayout(cp=2)  # a worker lost of four: CP2 on two of the three
+    assert layout_for(cp4, 1, job) == ParallelLayout()
+    # with two replicas of CP2, one worker lost leaves one replica at the same CP
+    assert valid_sizes(job, ParallelLayout(dp=2, cp=2), 1, 4) == (1, 2, 4)
+    with pytest.raises(ValueError, match="expected a multiple of tp x pp x cp = 4"):
+        layout_for(cp4, 6, job)

@@ -57,10 +57,10 @@ def test_ddp_of_a_big_model_on_small_devices_is_refused_with_the_numbers():
     with pytest.raises(InfeasiblePlanError) as refused:
         check_fits(QWEN, _sim_4x2(chip_gb=6.7), _ddp(2))
     error = refused.value
-    assert str(error) == ("DP2 (ddp) of qwen2.5-0.5b needs 10.5 GB per device (weights+grads+Adam 7.9, "
-                          "activations 2.6); sim-a100 has 6.0 GB usable (90% of 6.7 GB)")
+    assert str(error) == ("DP2 (ddp) of qwen2.5-0.5b needs 10.1 GB per device (weights+grads+Adam 7.9, "
+                          "activations 2.2); sim-a100 has 6.0 GB usable (90% of 6.7 GB)")
     assert error.budget == "device memory" and error.layout == "DP2 (ddp)"
-    assert error.needed_gb == pytest.approx(10.5, abs=0.05) and error.available_gb == pytest.approx(6.03)
+    assert error.needed_gb == pytest.approx(10.1, abs=0.05) and error.available_gb == pytest.approx(6.03)
 
 
 def test_sharding_the_states_makes_room_that_ddp_lacks():
@@ -80,14 +80,14 @@ def test_cpu_workers_sharing_a_node_are_refused_on_its_host_memory():
     descriptor["node_types"]["sim-a100-node"]["chip"]["memory_gb"] = 16
     descriptor["node_types"]["sim-a100-node"].update(accelerator="cpu", memory_gb=32)
     graph = ResourceGraph.from_descriptor(descriptor_from_dict(descriptor))
-    fit = check_fits(QWEN, graph, _ddp(2))  # two workers: 22.2 of 28.4 GB
+    fit = check_fits(QWEN, graph, _ddp(2))  # two workers: 21.4 of 28.4 GB
     assert fit.host_bytes[0] == pytest.approx(2 * (fit.device_bytes[0] + WORKER_PROCESS_BYTES))
     with pytest.raises(InfeasiblePlanError) as refused:
         check_fits(QWEN, graph, _ddp(4))
     error = refused.value
     assert error.budget == "host memory of node 0"
-    assert str(error) == ("DP4 (ddp) of qwen2.5-0.5b needs 44.5 GB of host memory on node 0 (sim-a100-node, "
-                          "4 workers: workers on cpu devices (process, model states, activations) 44.5); the node has "
+    assert str(error) == ("DP4 (ddp) of qwen2.5-0.5b needs 42.9 GB of host memory on node 0 (sim-a100-node, "
+                          "4 workers: workers on cpu devices (process, model states, activations) 42.9); the node has "
                           "28.4 GB usable (95% of 32.0 GB, the share Ray lets it fill, less 2 GB for Ray's own "
                           "processes, the driver and the controller)")
     assert error.needed_gb == pytest.approx(4 * (fit.device_bytes[0] + WORKER_PROCESS_BYTES) / 1e9)  # DDP: replicas alike
