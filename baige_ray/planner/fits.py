@@ -118,6 +118,10 @@ class LayoutShape:
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
 
+    @property
+    def ranks_per_stage(self) -> int:
+        return self.tp * self.dp * self.cp
+
 
 @dataclass(kw_only=True, frozen=True)
 class HostCopies:
@@ -210,9 +214,9 @@ def stage_state_bytes(model: ModelSpec, shape: LayoutShape) -> np.ndarray:
 def snapshot_bytes(model: ModelSpec, shape: LayoutShape) -> np.ndarray:
     """One snapshot of each pipeline rank, in bytes: a rank's own shards where ZeRO-3/FSDP2 shard the state
     (parallel/shards.py, as ParallelLayout.snapshots_are_sharded says), else the whole stage."""
-    sharded = shape.zero_stage == 3 and shape.dp > 1 and shape.ep == 1
+    sharded = shape.zero_stage == 3 and shape.dp * shape.cp > 1 and shape.ep == 1
     whole = stage_state_bytes(model, shape)
-    return whole / shape.dp if sharded else whole
+    return whole / (shape.dp * shape.cp) if sharded else whole
 
 
 def worker_positions(graph: ResourceGraph, num_workers: int) -> np.ndarray:
@@ -241,12 +245,12 @@ def _check_devices(model: ModelSpec, graph: ResourceGraph, shape: LayoutShape,
                    parts: tuple[np.ndarray, np.ndarray], fraction: float) -> None:
     """Ranks are Megatron-ordered (stage major) on the graph's first devices."""
     members = np.arange(shape.world_size)
-    needed = sum(parts)[members // (shape.dp * shape.tp)]
+    needed = sum(parts)[members // shape.ranks_per_stage]
     usable = graph.devices.memory_gb[members].astype(np.float64) * 1e9 * fraction
     worst = int(np.argmax(needed / usable))
     if needed[worst] <= usable[worst]:
         return
-    stage = worst // (shape.dp * shape.tp)
+    stage = worst // shape.ranks_per_stage
     states, activations = (float(part[stage]) for part in parts)
     where = f" on pipeline rank {stage}" if shape.pp > 1 else ""
     chip = graph.profiles[int(graph.devices.profile[members[worst]])].chip_model
@@ -264,7 +268,7 @@ def _host_bytes_per_worker(model: ModelSpec, graph: ResourceGraph, shape: Layout
     """Host bytes of every worker (members by rank, then spares), by what holds them."""
     world = shape.world_size
     on_cpu = np.array([graph.profiles[int(p)].accelerator == CPU_DEVICE for p in graph.devices.profile[rows]])
-    stage = rows[:world] // (shape.dp * shape.tp)
+    stage = rows[:world] // shape.ranks_per_stage
     training = np.zeros(len(rows))
     training[:world] = np.where(on_cpu[:world], stage_device_bytes[stage] + WORKER_PROCESS_BYTES, 0.0)
     snapshot = snapshot_bytes(model, shape)

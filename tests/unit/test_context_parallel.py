@@ -204,3 +204,28 @@ def test_a_cp_job_left_with_fewer_workers_than_a_replica_goes_on_at_a_smaller_cp
     assert valid_sizes(job, ParallelLayout(dp=2, cp=2), 1, 4) == (1, 2, 4)
     with pytest.raises(ValueError, match="expected a multiple of tp x pp x cp = 4"):
         layout_for(cp4, 6, job)
+
+
+def test_the_memory_check_prices_a_rank_s_share_of_the_sequence():
+    """Llama 3 8B at 32K on eight devices, FSDP2 over all of them: the same model states whatever the CP
+    degree, and activations that fall with it (CP4 keeps a quarter of DP8's per rank, plus the one layer's
+    gathered keys and values)."""
+    from baige_ray import TrainConfig
+    from baige_ray.planner.fits import device_bytes, layout_shape
+    from baige_ray.planner.memory import context_parallel_working_bytes
+    from baige_ray.planner.model_spec import load_model_spec
+
+    llama = load_model_spec("llama-3-8b", global_batch=8, seq_len=32768)
+    train = TrainConfig(num_steps=1, global_batch_size=8, micro_batch_size=1, precision="bf16-mixed")
+
+    def priced(text: str):
+        layout = parse_layout(text)
+        shape = layout_shape(layout, train, layout.layers_per_stage(llama.num_layers), compute_dtype_bytes=2)
+        assert shape.world_size == 8
+        return device_bytes(llama, shape)
+
+    (dp8_states, dp8_activations), (cp4_states, cp4_activations) = priced("dp=8,engine=fsdp2"), priced(
+        "dp=2,cp=4,engine=fsdp2")
+    assert cp4_states == pytest.approx(dp8_states)
+    working = context_parallel_working_bytes(llama, 1, 1, 4)
+    assert cp4_activations - working == pytest.approx(dp8_activations / 4)
