@@ -13,12 +13,14 @@ this host, every worker's memory and snapshots in its memory.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
 import ray
 
 from baige_ray.api.configs import ScalingConfig
+from baige_ray.api.errors import LayoutMemoryError
 from baige_ray.engines.train_job import TrainJob
 from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.planner.fits import CPU_DEVICE, HostCopies, LayoutFit, check_fits, layout_shape
@@ -68,9 +70,45 @@ def check_layout_memory(job: TrainJob, scaling: ScalingConfig, layout: ParallelL
 
 def _check(job: TrainJob, model: ModelSpec, graph: ResourceGraph, layout: ParallelLayout,
            elastic: ElasticConfig | None, spares: int) -> LayoutFit:
+    try:
+        return _fits(job, model, graph, layout, elastic, spares)
+    except LayoutMemoryError as refusal:
+        if refusal.budget != "device memory":
+            raise
+        hint = _context_parallel_hint(job, model, graph, layout, elastic, spares)
+        if hint is None:
+            raise
+        raise LayoutMemoryError(f"{refusal}; {hint}", needed_gb=refusal.needed_gb, available_gb=refusal.available_gb,
+                                layout=refusal.layout, budget=refusal.budget) from None
+
+
+def _fits(job: TrainJob, model: ModelSpec, graph: ResourceGraph, layout: ParallelLayout,
+          elastic: ElasticConfig | None, spares: int) -> LayoutFit:
     shape = layout_shape(layout, job.train, job.plugin.layers_per_stage(layout),
                          compute_dtype_bytes=job.train.compute_dtype_bytes)
     return check_fits(model, graph, shape, copies=_host_copies(layout, graph, elastic, spares))
+
+
+def _context_parallel_hint(job: TrainJob, model: ModelSpec, graph: ResourceGraph, layout: ParallelLayout,
+                           elastic: ElasticConfig | None, spares: int) -> str | None:
+    """The smallest CP degree at which the same workers fit (data-parallel replicas traded for context-parallel
+    ranks, each keeping a smaller share of every sequence), said as a remedy; None where none does or the model
+    cannot run context parallelism."""
+    if not job.plugin.supports_context_parallel:
+        return None
+    factor = 2
+    while layout.dp % factor == 0:
+        candidate = dataclasses.replace(layout, dp=layout.dp // factor, cp=layout.cp * factor)
+        try:
+            job.plugin.check_layout(candidate)
+            fit = _fits(job, model, graph, candidate, elastic, spares)
+        except (ValueError, LayoutMemoryError):  # the sequence does not split so, or it does not fit either
+            factor *= 2
+            continue
+        return (f"with context parallelism it fits on the same {layout.world_size} workers: {candidate.describe()} "
+                f"needs {max(fit.device_bytes) / 1e9:.1f} GB per device (ParallelLayout(cp={candidate.cp}, "
+                f"dp={candidate.dp}, ...))")
+    return None
 
 
 def _model_spec(job: TrainJob) -> ModelSpec | None:

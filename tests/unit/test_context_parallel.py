@@ -229,3 +229,32 @@ def test_the_memory_check_prices_a_rank_s_share_of_the_sequence():
     assert cp4_states == pytest.approx(dp8_states)
     working = context_parallel_working_bytes(llama, 1, 1, 4)
     assert cp4_activations - working == pytest.approx(dp8_activations / 4)
+
+
+def test_a_layout_refused_for_device_memory_names_the_cp_degree_that_fits_the_same_workers(tmp_path):
+    """Llama 3 8B's published config at 8,192 tokens on eight 48 GB devices: DP8 under FSDP2 keeps 59 GB of
+    activations a device; trading replicas for CP ranks, DP4xCP2 and DP2xCP4 still do not fit, CP8 does."""
+    import shutil
+
+    import safetensors.torch
+    import yaml
+
+    from baige_ray import TrainConfig
+    from baige_ray.api.errors import LayoutMemoryError
+    from baige_ray.catalog import cluster_descriptor, published_model
+    from baige_ray.engines.train_job import TrainJob
+    from baige_ray.models.hf import HFModel
+    from baige_ray.runtime import memory_check
+    from baige_ray.topology.descriptor import descriptor_from_dict
+    from baige_ray.topology.graph import ResourceGraph
+
+    shutil.copy(published_model("llama-3-8b"), tmp_path / "config.json")
+    safetensors.torch.save_file({"unread": torch.zeros(1)}, str(tmp_path / "model.safetensors"))  # only priced
+    train = TrainConfig(num_steps=1, global_batch_size=8, micro_batch_size=1, precision="bf16-mixed")
+    job = TrainJob(model=HFModel(tmp_path, seq_len=8192), train=train)
+    descriptor = yaml.safe_load(cluster_descriptor("sim-2x4").read_text())
+    descriptor["node_types"]["sim-a100-node"]["chip"]["memory_gb"] = 48
+    graph = ResourceGraph.from_descriptor(descriptor_from_dict(descriptor))
+    with pytest.raises(LayoutMemoryError, match=r"DP8 \(fsdp2\) of .* needs 89.2 GB per device.*; with context "
+                       r"parallelism it fits on the same 8 workers: CP8 \(fsdp2, ring CP\) needs 37.8 GB"):
+        memory_check._check(job, memory_check._model_spec(job), graph, parse_layout("dp=8,engine=fsdp2"), None, 0)
