@@ -1,38 +1,59 @@
-"""What context parallelism moves per layer, as parallel/context_parallel.py runs it.
+"""What context parallelism moves per layer, as parallel/context_parallel.py runs it, and how long it takes.
 
-Bytes one rank sends per layer and micro-batch, forward and backward together, counting an all-gather
-as the rank's tensor sent to each of the cp - 1 others (a ring's traffic) and an all-to-all as the
-cp - 1 pieces that are not the rank's own:
+Per layer and micro-batch, forward and backward together, on a CP group of `cp` ranks:
 - ring: keys and values all-gathered in the forward and again in the backward (they are not kept),
-  and their fp32 gradients returned to their owners by all-to-all;
+  and their fp32 gradients summed back to their owners by all-to-all;
 - ulysses: queries, keys and values traded for heads and the output traded back, in the forward, and
   their gradients the other way in the backward; keys and values repeated to the query heads first
   where their heads do not divide by cp.
+Bytes sent count an all-gather as the rank's tensor sent to each of the cp - 1 others (a ring's traffic)
+and an all-to-all as the cp - 1 pieces that are not the rank's own. The exchanges wait for the attention
+that needs them (nothing overlaps them in the engines), so their time adds to the layer's.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
+from baige_ray.planner.cost import reduce_scatter
+from baige_ray.planner.links import GroupLink
 from baige_ray.planner.model_spec import ModelSpec
 
 GRADIENT_BYTES = 4  # the tiled attention's key and value gradients are summed in fp32
+CP_KINDS = ("ring", "ulysses")
 
 
-def context_parallel_bytes_per_layer(model: ModelSpec, *, cp: int, kind: str, micro_batch: int, tp: int = 1,
-                                     dtype_bytes: int | None = None) -> float:
-    """Bytes a rank sends per layer for one micro-batch of `micro_batch` sequences (forward + backward);
-    `dtype_bytes`: the activations' (default the model's)."""
-    if cp == 1:
-        return 0.0
+def exchanges(model: ModelSpec, *, cp, kind: str, micro_batch, tp: int = 1,
+              dtype_bytes: int | None = None) -> list[tuple[str, np.ndarray]]:
+    """(collective, bytes of the whole exchanged tensor) per layer and micro-batch; `cp` and `micro_batch`
+    may be arrays (one per row)."""
     dtype = dtype_bytes or model.dtype_bytes
-    local_tokens = micro_batch * model.seq_len / cp
+    cp = np.asarray(cp, dtype=np.float64)
+    tokens = np.asarray(micro_batch, dtype=np.float64) * model.seq_len  # the whole sequences'
     kv_heads, heads, head_dim = max(1, model.kv_heads // tp), model.num_heads // tp, model.head_size
     if kind == "ring":
-        keys_and_values = 2 * kv_heads * head_dim * local_tokens
-        gathers = 2 * keys_and_values * dtype * (cp - 1)
-        return gathers + keys_and_values * cp * GRADIENT_BYTES * (cp - 1) / cp
+        keys_and_values = 2 * kv_heads * head_dim * tokens
+        return [("all_gather", keys_and_values * dtype), ("all_gather", keys_and_values * dtype),
+                ("all_to_all", keys_and_values * GRADIENT_BYTES)]
     if kind == "ulysses":
-        if kv_heads % cp:
-            kv_heads = heads
-        exchanged = (2 * heads + 2 * kv_heads) * head_dim * local_tokens * dtype
-        return 2 * exchanged * (cp - 1) / cp
-    raise ValueError(f"kind={kind!r} is invalid: expected 'ring' or 'ulysses'")
+        kv = np.where(kv_heads % cp == 0, kv_heads, heads)
+        local = (2 * heads + 2 * kv) * head_dim * tokens / cp * dtype
+        return [("all_to_all", local), ("all_to_all", local)]
+    raise ValueError(f"kind={kind!r} is invalid: expected one of {CP_KINDS}")
+
+
+def context_parallel_bytes_per_layer(model: ModelSpec, *, cp: int, kind: str, micro_batch, tp: int = 1,
+                                     dtype_bytes: int | None = None) -> float:
+    """Bytes a rank sends per layer for one micro-batch of `micro_batch` sequences (forward + backward)."""
+    if cp == 1:
+        return 0.0
+    return float(sum((cp - 1) / cp * size for _, size in exchanges(model, cp=cp, kind=kind, micro_batch=micro_batch,
+                                                                   tp=tp, dtype_bytes=dtype_bytes)))
+
+
+def context_parallel_seconds(model: ModelSpec, *, cp, kind: str, micro_batch, tp: int, link: GroupLink) -> np.ndarray:
+    """Seconds per layer and micro-batch of those exchanges on the CP group's worst link (0 at cp 1)."""
+    total = np.zeros(np.broadcast(np.asarray(cp), np.asarray(micro_batch)).shape)
+    for collective, size in exchanges(model, cp=cp, kind=kind, micro_batch=micro_batch, tp=tp):
+        total = total + reduce_scatter(cp, size, link, collective)
+    return np.where(np.asarray(cp) > 1, total, 0.0)

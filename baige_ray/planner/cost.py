@@ -149,20 +149,26 @@ class StageTimes:
     tp: np.ndarray
     ep: np.ndarray
     pp: np.ndarray
+    cp: np.ndarray | float = 0.0  # context parallelism's exchanges (planner/context_parallel.py)
 
     @property
     def total(self) -> np.ndarray:
-        return self.forward + self.backward + self.tp + self.ep + self.pp
+        return self.forward + self.backward + self.tp + self.ep + self.pp + self.cp
 
 
 def stage_times(model: ModelSpec, constants: CostConstants, *, stage_layers, stage_peak, tp: int, pp: int,
-                links: dict[str, GroupLink], ep, micro_batch, recompute) -> StageTimes:
+                links: dict[str, GroupLink], ep, micro_batch, recompute, cp=None, ulysses=None) -> StageTimes:
+    """`cp` (one per row, None: 1) context-parallel ranks share each sequence: a rank computes 1/cp of the
+    micro-batch's tokens, each attending to the whole sequence's keys as one process's do, and exchanges
+    keys and values (ring) or heads (`ulysses`, per row) on the CP group's link, links[f"cp{n}"]."""
     layers = np.asarray(stage_layers, dtype=np.float64)[None, :]
     is_last = (np.arange(pp) == pp - 1)[None, :]
-    b = np.asarray(micro_batch, dtype=np.float64)[:, None]
+    cp = np.ones(len(np.atleast_1d(micro_batch))) if cp is None else np.asarray(cp, dtype=np.float64)
+    share = np.asarray(micro_batch, dtype=np.float64) / cp  # sequences' worth of tokens on this rank
+    b = share[:, None]
     recompute = np.asarray(recompute)[:, None]
     tokens = b * model.seq_len
-    layer_rate, head_rate = device_rates(model, constants, micro_batch, tp, stage_peak)
+    layer_rate, head_rate = device_rates(model, constants, share, tp, stage_peak)
     layer_rate, head_rate = tp * layer_rate, tp * head_rate
     layer_forward = tokens * layers * model.layer_flops_per_token / layer_rate
     head_forward = tokens * is_last * model.logits_flops_per_token / head_rate
@@ -183,7 +189,25 @@ def stage_times(model: ModelSpec, constants: CostConstants, *, stage_layers, sta
             ep_time = np.where(np.asarray(ep)[:, None] == size, layers * model.moe_layer_share * 4 * routed, ep_time)
     pp_time = 2 * point_to_point(activation / tp, links["pp"]) if pp > 1 else np.zeros_like(tokens)
     return StageTimes(forward=forward, backward=backward, tp=tp_time, ep=ep_time,
-                      pp=np.broadcast_to(pp_time, tp_time.shape))
+                      pp=np.broadcast_to(pp_time, tp_time.shape),
+                      cp=layers * _context_parallel_seconds(model, cp, ulysses, micro_batch, tp, links))
+
+
+def _context_parallel_seconds(model: ModelSpec, cp: np.ndarray, ulysses, micro_batch, tp: int,
+                              links: dict[str, GroupLink]) -> np.ndarray:
+    """Per row, (rows, 1): one layer's context-parallel exchanges for a micro-batch."""
+    from baige_ray.planner.context_parallel import context_parallel_seconds  # it prices with this module's collectives
+
+    seconds = np.zeros(len(cp))
+    ulysses = np.zeros(len(cp), dtype=bool) if ulysses is None else np.asarray(ulysses, dtype=bool)
+    b = np.asarray(micro_batch, dtype=np.float64)
+    for size in np.unique(cp[cp > 1]):
+        for kind, chosen in (("ring", ~ulysses), ("ulysses", ulysses)):
+            rows = (cp == size) & chosen
+            if rows.any():
+                seconds[rows] = context_parallel_seconds(model, cp=size, kind=kind, micro_batch=b[rows], tp=tp,
+                                                         link=links[f"cp{int(size)}"])
+    return seconds[:, None]
 
 
 def pipeline_seconds(stage_total: np.ndarray, num_micro_batches, host_sharing: float = 1.0,

@@ -1,4 +1,7 @@
-"""One layout (tp, pp, dp, mapping) priced for many rows of (ep, ZeRO, micro-batch, recompute).
+"""One layout (tp, pp, dp, mapping) priced for many rows of (ep, cp, ZeRO, micro-batch, recompute).
+
+A row's `cp` context-parallel ranks come out of the layout's dp ranks (as expert groups do: blocks of
+consecutive replicas): dp / cp replicas split the global batch, each sequence over cp ranks.
 
 The planner's search and the brute-force check both call `evaluate`; they differ in
 how they enumerate layouts and how they find each group's links, which is exactly
@@ -49,13 +52,21 @@ class Rows:
     zero: np.ndarray
     micro_batch: np.ndarray
     recompute: np.ndarray
+    cp: np.ndarray | None = None  # context-parallel degree per row (None: 1 everywhere)
+    ulysses: np.ndarray | None = None  # the CP kind per row: Ulysses' all-to-all, else the ring's all-gather
+
+    def __post_init__(self) -> None:
+        if self.cp is None:
+            self.cp = np.ones(len(self.ep), dtype=np.int64)
+        if self.ulysses is None:
+            self.ulysses = np.zeros(len(self.ep), dtype=bool)
 
     def __len__(self) -> int:
         return len(self.ep)
 
     def take(self, index) -> Rows:
         return Rows(ep=self.ep[index], zero=self.zero[index], micro_batch=self.micro_batch[index],
-                    recompute=self.recompute[index])
+                    recompute=self.recompute[index], cp=self.cp[index], ulysses=self.ulysses[index])
 
 
 @dataclass(kw_only=True)
@@ -78,10 +89,10 @@ class Evaluation:
 
 def evaluate(model: ModelSpec, constants: CostConstants, context: LayoutContext, rows: Rows) -> Evaluation:
     layout = context.layout
-    m = model.global_batch // (layout.dp * rows.micro_batch)
+    m = model.global_batch // (layout.dp // rows.cp * rows.micro_batch)
     times = stage_times(model, constants, stage_layers=context.stage_layers, stage_peak=context.stage_peak,
                         tp=layout.tp, pp=layout.pp, links=context.links, ep=rows.ep, micro_batch=rows.micro_batch,
-                        recompute=rows.recompute)
+                        recompute=rows.recompute, cp=rows.cp, ulysses=rows.ulysses)
     dense, expert = stage_param_counts(model, context.stage_layers)
     data_parallel = data_parallel_cost(model, times, constants, stage_layers=context.stage_layers, stage_dense=dense,
                                        stage_expert=expert, tp=layout.tp, dp=layout.dp, link=context.links["dp"],
@@ -93,7 +104,8 @@ def evaluate(model: ModelSpec, constants: CostConstants, context: LayoutContext,
     step = pipeline + data_parallel.exposed + framework
     memory = (model_state_bytes(model, context.stage_layers, tp=layout.tp, dp=layout.dp, ep=rows.ep, zero=rows.zero)
               + activation_bytes(model, context.stage_layers, tp=layout.tp, pp=layout.pp,
-                                 micro_batch=rows.micro_batch, recompute=rows.recompute, num_micro_batches=m))
+                                 micro_batch=rows.micro_batch, recompute=rows.recompute, num_micro_batches=m,
+                                 cp=rows.cp))
     ratio = (memory / context.stage_memory[None, :]).max(axis=1)
     mfu = model.model_flops_per_step() / (step * context.total_peak)
     return Evaluation(step_s=step, pipeline_s=pipeline, dp_exposed_s=data_parallel.exposed,
@@ -107,7 +119,7 @@ def _measured_sharding(model: ModelSpec, constants: CostConstants, context: Layo
         return None
     layout = context.layout
     return constants.calibration.sharding_seconds(model, layout.tp, layout.dp, context.stage_peak,
-                                                  rows.micro_batch * model.seq_len)
+                                                  rows.micro_batch * model.seq_len / rows.cp)
 
 
 def _measured_zero_steps(model: ModelSpec, constants: CostConstants, context: LayoutContext,
@@ -118,7 +130,7 @@ def _measured_zero_steps(model: ModelSpec, constants: CostConstants, context: La
     if constants.calibration is None or layout.tp > 1 or layout.pp > 1:
         return {}
     measured = {stage: constants.calibration.sharding_seconds(model, layout.tp, layout.dp, context.stage_peak,
-                                                              rows.micro_batch * model.seq_len, stage)
+                                                              rows.micro_batch * model.seq_len / rows.cp, stage)
                 for stage in (1, 2)}
     return {stage: seconds for stage, seconds in measured.items() if seconds is not None}
 
@@ -170,13 +182,37 @@ def split_layers(num_layers: int, layer_s: np.ndarray, extra_s: np.ndarray) -> n
 
 
 def row_grid(model: ModelSpec, *, dp: int, pp: int, zero_stages, recomputes, max_micro_batch: int,
-             expert_parallel_zero_stages: tuple[int, ...] = (0, 1, 2, 3)) -> Rows:
-    """Every (ep, ZeRO, micro-batch, recompute) row valid for a layout with this dp and pp."""
+             expert_parallel_zero_stages: tuple[int, ...] = (0, 1, 2, 3), tp: int = 1) -> Rows:
+    """Every (ep, cp and its kind, ZeRO, micro-batch, recompute) row valid for a layout with this dp, pp and tp."""
     eps = [e for e in range(1, max(model.num_experts, 1) + 1)
            if max(model.num_experts, 1) % e == 0 and dp % e == 0]
     zeros = [z for z in zero_stages if z <= 1 or pp == 1]  # DeepSpeed: pipelines combine with ZeRO-1 only
-    per_replica = model.global_batch // dp
-    batches = [b for b in range(1, min(per_replica, max_micro_batch) + 1) if per_replica % b == 0]
-    grid = np.array(np.meshgrid(eps, zeros, batches, recomputes, indexing="ij")).reshape(4, -1)
-    grid = grid[:, (grid[0] == 1) | np.isin(grid[1], expert_parallel_zero_stages)]
-    return Rows(ep=grid[0], zero=grid[1], micro_batch=grid[2], recompute=grid[3])
+    blocks = []
+    for cp, ulysses in context_parallel_choices(model, dp=dp, pp=pp, tp=tp):
+        per_replica = model.global_batch // (dp // cp)
+        batches = [b for b in range(1, min(per_replica, max_micro_batch) + 1) if per_replica % b == 0]
+        # CP runs beside DDP or FSDP2 (ZeRO 0 or 3), not DeepSpeed's ZeRO-1/2
+        stages = zeros if cp == 1 else [z for z in zeros if z in (0, 3)]
+        grid = np.array(np.meshgrid(eps, stages, batches, recomputes, indexing="ij")).reshape(4, -1)
+        grid = grid[:, (grid[0] == 1) | np.isin(grid[1], expert_parallel_zero_stages)]
+        blocks.append(np.vstack([grid, np.full(grid.shape[1], cp), np.full(grid.shape[1], int(ulysses))]))
+    grid = np.hstack(blocks) if blocks else np.zeros((6, 0), dtype=np.int64)
+    return Rows(ep=grid[0], zero=grid[1], micro_batch=grid[2], recompute=grid[3], cp=grid[4],
+                ulysses=grid[5].astype(bool))
+
+
+def context_parallel_choices(model: ModelSpec, *, dp: int, pp: int, tp: int) -> list[tuple[int, bool]]:
+    """(cp, Ulysses or ring) pairs the engines run for this layout: cp dividing dp into dp / cp replicas that
+    split the global batch, with the sequence in 2 x cp equal chunks, for a model they run it on
+    (ModelSpec.context_parallel), without pipelining; Ulysses where the TP rank's heads divide by cp.
+    (1, False) wherever dp splits the batch."""
+    choices = [(1, False)] if model.global_batch % dp == 0 else []
+    if not model.context_parallel or pp > 1:
+        return choices
+    for cp in range(2, dp + 1):
+        if dp % cp or model.seq_len % (2 * cp) or model.global_batch % (dp // cp):
+            continue
+        choices.append((cp, False))
+        if (model.num_heads // tp) % cp == 0:
+            choices.append((cp, True))
+    return choices

@@ -6,9 +6,10 @@ import numpy as np
 
 from baige_ray.planner.evaluate import Evaluation
 
-COMPONENTS = ("compute", "tensor_parallel", "expert_all_to_all", "pipeline_p2p", "pipeline_bubble",
+COMPONENTS = ("compute", "tensor_parallel", "expert_all_to_all", "context_parallel", "pipeline_p2p", "pipeline_bubble",
               "data_parallel_exposed", "optimizer_and_framework")
 LABELS = {"compute": "compute", "tensor_parallel": "TP all-reduce", "expert_all_to_all": "EP all-to-all",
+          "context_parallel": "CP key-value exchange",
           "pipeline_p2p": "pipeline send/recv", "pipeline_bubble": "pipeline bubble",
           "data_parallel_exposed": "exposed DP/ZeRO traffic", "optimizer_and_framework": "optimizer and framework"}
 
@@ -27,6 +28,7 @@ def breakdown(evaluation: Evaluation, row: int = 0) -> dict[str, float]:
         "compute": at(times.forward + times.backward),
         "tensor_parallel": at(times.tp),
         "expert_all_to_all": at(times.ep),
+        "context_parallel": at(times.cp),
         "pipeline_p2p": at(times.pp),
         "pipeline_bubble": float(evaluation.pipeline_s[row] - m * total[bottleneck]),
         "data_parallel_exposed": float(evaluation.dp_exposed_s[row]),
@@ -39,7 +41,7 @@ def exposure(evaluation: Evaluation, row: int = 0) -> dict[str, dict[str, float]
     pipeline traffic sit on the critical path (all exposed); DP / ZeRO traffic overlaps compute."""
     parts = breakdown(evaluation, row)
     on_path = {name: {"total_s": parts[name], "exposed_s": parts[name]}
-               for name in ("tensor_parallel", "expert_all_to_all", "pipeline_p2p")}
+               for name in ("tensor_parallel", "expert_all_to_all", "context_parallel", "pipeline_p2p")}
     return {**on_path, "data_parallel": {"total_s": float(evaluation.dp_total_s[row]),
                                          "exposed_s": float(evaluation.dp_exposed_s[row])}}
 

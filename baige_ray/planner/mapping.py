@@ -82,8 +82,9 @@ def rank_groups(dim: str, tp: int, dp: int, pp: int, ep: int = 1) -> np.ndarray:
 
 
 def layout_links(tables: LinkTables, positions: np.ndarray, *, tp: int, dp: int, pp: int,
-                 eps: tuple[int, ...]) -> dict[str, GroupLink]:
-    """Worst link of each dimension's groups; expert groups keyed "ep{n}" for every size tried."""
+                 eps: tuple[int, ...], cps: tuple[int, ...] = ()) -> dict[str, GroupLink]:
+    """Worst link of each dimension's groups; expert groups keyed "ep{n}" for every size tried, and
+    context-parallel groups "cp{n}" (blocks of n consecutive data-parallel ranks, as expert groups are)."""
     links = {
         "tp": group_link(tables, positions[rank_groups("tp", tp, dp, pp)]),
         "dp": group_link(tables, positions[rank_groups("dp", tp, dp, pp)]),
@@ -91,6 +92,8 @@ def layout_links(tables: LinkTables, positions: np.ndarray, *, tp: int, dp: int,
     }
     for ep in eps:
         links[f"ep{ep}"] = group_link(tables, positions[rank_groups("ep", tp, dp, pp, ep)])
+    for cp in cps:
+        links[f"cp{cp}"] = group_link(tables, positions[rank_groups("ep", tp, dp, pp, cp)])
     return links
 
 

@@ -60,7 +60,7 @@ GATED_INNER_BYTES = 8  # x sb x ffn: a SwiGLU MLP's four inner tensors (gate, up
 
 
 def activation_bytes_per_layer(model: ModelSpec, micro_batch, recompute, tp: int,
-                               sequence_parallel: bool = True, cp: int = 1) -> np.ndarray:
+                               sequence_parallel: bool = True, cp=1) -> np.ndarray:
     """Stored activation bytes of one layer for one micro-batch (`recompute` is an index into RECOMPUTE)
     on a TP rank; `sequence_parallel` where the layout asks for it (the model must offer it too); `cp`
     context-parallel ranks, each holding 1/cp of the sequence, whose attention keeps nothing of the others'
@@ -123,10 +123,11 @@ def outside_layer_params(model: ModelSpec, stage_layers: np.ndarray) -> np.ndarr
 
 
 def activation_bytes(model: ModelSpec, stage_layers: np.ndarray, *, tp: int, pp: int, micro_batch, recompute,
-                     num_micro_batches, sequence_parallel: bool = True, cp: int = 1) -> np.ndarray:
-    """Peak activation bytes per device under 1F1B, shape (rows, stages)."""
+                     num_micro_batches, sequence_parallel: bool = True, cp=1) -> np.ndarray:
+    """Peak activation bytes per device under 1F1B, shape (rows, stages); `cp` one degree or one per row."""
     layers = np.asarray(stage_layers, dtype=np.float64)[None, :]
     b = np.asarray(micro_batch, dtype=np.float64)[:, None]
+    cp = np.asarray(cp, dtype=np.float64)[:, None] if np.ndim(cp) else cp
     recompute = np.asarray(recompute)[:, None]
     in_flight = np.minimum(pp - np.arange(pp)[None, :], np.asarray(num_micro_batches)[:, None])
     per_layer = activation_bytes_per_layer(model, b, recompute, tp, sequence_parallel, cp)
@@ -141,9 +142,8 @@ def context_parallel_working_bytes(model: ModelSpec, micro_batch, tp: int, cp: i
     """What one layer's attention holds while it runs under context parallelism, beyond what it keeps:
     the whole sequence's keys and values (all-gathered, or traded for heads) and, in backward, their
     gradients, for the TP rank's key-value heads. 0 without context parallelism."""
-    if cp == 1:
-        return np.zeros_like(np.asarray(micro_batch, dtype=np.float64))
-    return 2.0 * 4 * model.kv_dim * model.seq_len * np.asarray(micro_batch, dtype=np.float64) / tp
+    whole = 2.0 * 4 * model.kv_dim * model.seq_len * np.asarray(micro_batch, dtype=np.float64) / tp
+    return np.where(np.asarray(cp) > 1, whole, 0.0)
 
 
 def logit_bytes(model: ModelSpec, pp: int) -> np.ndarray:

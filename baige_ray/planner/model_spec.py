@@ -68,6 +68,9 @@ class ModelSpec:
     # Attention by a fused kernel (SDPA's flash or memory-efficient kernels, as transformers runs a Hugging
     # Face model): no (sequence x sequence) scores are kept for backward, Korthikanti's 5as^2b term is 0.
     fused_attention: bool = False
+    # Whether the engines can split its sequences over context-parallel ranks (a dense Hugging Face model:
+    # parallel/context_parallel.py), so the planner may search CP degrees for it.
+    context_parallel: bool = False
 
     @property
     def splits_sequence_with_tp(self) -> bool:
@@ -80,7 +83,8 @@ class ModelSpec:
             require_int("ModelSpec", field, getattr(self, field), minimum=1)
         require_choice("ModelSpec", "dtype_bytes", self.dtype_bytes, DTYPE_BYTES)
         require_int("ModelSpec", "num_experts", self.num_experts, minimum=0)
-        for field in ("gated_mlp", "learned_positions", "tied_embeddings", "rms_norm", "fused_attention"):
+        for field in ("gated_mlp", "learned_positions", "tied_embeddings", "rms_norm", "fused_attention",
+                      "context_parallel"):
             _require_bool(field, getattr(self, field))
         self._validate_heads()
         if self.num_experts:
@@ -251,7 +255,7 @@ class ModelSpec:
             vocab_size=hf.required_int("vocab_size"), global_batch=global_batch,
             dtype_bytes=dtype_bytes if dtype_bytes is not None else hf.dtype_bytes(), **experts,
             gated_mlp=True, learned_positions=False, rms_norm=True, tied_embeddings=hf.tied_embeddings(),
-            fused_attention=True)
+            fused_attention=True, context_parallel=not experts)
 
 
 def _require_bool(field: str, value: Any) -> None:

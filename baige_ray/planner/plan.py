@@ -36,9 +36,12 @@ class Alternative:
     mapping: str
     step_time_s: float
     why_lost: str
+    cp: int = 1
+    cp_kind: str = "ring"
 
     def describe(self) -> str:
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp} ep={self.ep} zero={self.zero_stage} "
+        cp = f" cp={self.cp} ({self.cp_kind})" if self.cp > 1 else ""
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp}{cp} ep={self.ep} zero={self.zero_stage} "
                 f"b={self.micro_batch_size} recompute={self.recompute} {self.mapping}")
 
 
@@ -73,6 +76,11 @@ class PlacementPlan:
     links: dict[str, GroupLink]  # worst link each dimension's groups span
     alternatives: tuple[Alternative, ...] = ()
     search_stats: dict[str, Any] = field(default_factory=dict)
+    # Context parallelism: blocks of `cp` consecutive data-parallel ranks of `dp` share each sequence (dp / cp
+    # replicas), as ParallelLayout(dp=dp // cp, cp=cp) runs them; why, in words, when cp > 1.
+    cp: int = 1
+    cp_kind: str = "ring"
+    context_parallel_reason: str = ""
 
     @property
     def num_ranks(self) -> int:
@@ -131,10 +139,12 @@ def price_candidate(model: ModelSpec, options: PlanOptions, hardware: Hardware, 
     layout = candidate.layout
     positions = hardware.positions(layout) if positions is None else positions
     links = layout_links(hardware.tables, positions, tp=layout.tp, dp=layout.dp, pp=layout.pp,
-                         eps=expert_sizes(model, layout.dp) if model.is_moe else ())
+                         eps=expert_sizes(model, layout.dp) if model.is_moe else (),
+                         cps=(candidate.cp,) if candidate.cp > 1 else ())
     context = layout_context(model, hardware, layout, links, positions=positions)
     rows = Rows(ep=np.array([candidate.ep]), zero=np.array([candidate.zero]),
-                micro_batch=np.array([candidate.micro_batch]), recompute=np.array([candidate.recompute]))
+                micro_batch=np.array([candidate.micro_batch]), recompute=np.array([candidate.recompute]),
+                cp=np.array([candidate.cp]), ulysses=np.array([candidate.ulysses]))
     return context, evaluate(model, options.constants, context, rows)
 
 
@@ -161,7 +171,28 @@ def build_plan(model: ModelSpec, options: PlanOptions, hardware: Hardware, winne
         memory_per_device_gb=float(evaluation.memory_bytes[0].max() / 1e9),
         memory_by_stage_gb=tuple(float(b / 1e9) for b in evaluation.memory_bytes[0]),
         usable_memory_by_stage_gb=tuple(float(b / 1e9) for b in context.stage_memory),
-        mfu=float(evaluation.mfu[0]), links=dict(context.links), alternatives=alternatives, search_stats=dict(stats))
+        mfu=float(evaluation.mfu[0]), links=dict(context.links), alternatives=alternatives, search_stats=dict(stats),
+        cp=winner.cp, cp_kind=winner.cp_kind,
+        context_parallel_reason=_context_parallel_reason(model, options, hardware, winner, evaluation, context))
+
+
+def _context_parallel_reason(model: ModelSpec, options: PlanOptions, hardware: Hardware, winner: Candidate,
+                             evaluation, context) -> str:
+    """Why the plan splits sequences: the same layout without CP, priced alike (its memory, or its time). Its
+    ranks then hold whole sequences for as many micro-batches: as many sequences as cp x the batch."""
+    if winner.cp == 1:
+        return ""
+    alone = dataclasses.replace(winner, cp=1, ulysses=False)
+    whole = dataclasses.replace(model, global_batch=model.global_batch * winner.cp)
+    _, without = price_candidate(whole, options, hardware, alone)
+    worst = int(np.argmax(context.stage_memory))
+    needed, usable = float(without.memory_bytes[0].max()) / 1e9, float(context.stage_memory[worst]) / 1e9
+    with_cp = float(evaluation.memory_bytes[0].max()) / 1e9
+    if needed > usable:
+        return (f"each rank keeps 1/{winner.cp} of every sequence: {with_cp:.1f} GB a device, where the same layout "
+                f"without CP needs {needed:.1f} GB of {usable:.1f} usable")
+    return (f"each rank keeps 1/{winner.cp} of every sequence ({with_cp:.1f} GB a device against {needed:.1f} without "
+            f"CP), which lets a larger micro-batch or less recomputation run faster")
 
 
 def _alternative(model: ModelSpec, options: PlanOptions, hardware: Hardware, candidate: Candidate,
@@ -171,7 +202,8 @@ def _alternative(model: ModelSpec, options: PlanOptions, hardware: Hardware, can
     return Alternative(tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=candidate.ep, zero_stage=candidate.zero,
                        micro_batch_size=candidate.micro_batch, recompute=RECOMPUTE[candidate.recompute],
                        mapping=layout.mapping, step_time_s=candidate.step_s,
-                       why_lost=why_lost(winner_parts, breakdown(evaluation), winner_step, candidate.step_s))
+                       why_lost=why_lost(winner_parts, breakdown(evaluation), winner_step, candidate.step_s),
+                       cp=candidate.cp, cp_kind=candidate.cp_kind)
 
 
 def _stage_chips(graph: ResourceGraph, positions: np.ndarray, pp: int) -> tuple[str, ...]:
@@ -189,7 +221,8 @@ def _infeasible(model: ModelSpec, hardware: Hardware, tightest: Candidate | None
     context, evaluation = price_candidate(model, hardware.options, hardware, tightest)
     worst = int(np.argmax(evaluation.memory_bytes[0] / context.stage_memory))
     layout = tightest.layout
-    text = (f"tp={layout.tp} pp={layout.pp} dp={layout.dp} ep={tightest.ep} zero={tightest.zero} "
+    cp = f" cp={tightest.cp} ({tightest.cp_kind})" if tightest.cp > 1 else ""
+    text = (f"tp={layout.tp} pp={layout.pp} dp={layout.dp}{cp} ep={tightest.ep} zero={tightest.zero} "
             f"b={tightest.micro_batch} recompute={RECOMPUTE[tightest.recompute]}")
     return InfeasiblePlanError(f"{model.name} ({model.num_params / 1e9:.1f}B parameters) does not fit on "
                                f"{graph.num_devices} devices of {graph.name!r}",

@@ -49,13 +49,14 @@ def replan(old: PlacementPlan, graph: ResourceGraph) -> ReplanResult:
 
 
 def _same_shape(old: PlacementPlan, new: PlacementPlan) -> bool:
-    return (old.tp, old.pp, old.dp, old.ep) == (new.tp, new.pp, new.dp, new.ep)
+    return (old.tp, old.pp, old.dp, old.ep, old.cp) == (new.tp, new.pp, new.dp, new.ep, new.cp)
 
 
 def _candidate_of(plan: PlacementPlan) -> Candidate:
     return Candidate(layout=Layout(tp=plan.tp, pp=plan.pp, dp=plan.dp, mapping=plan.mapping), ep=plan.ep,
                      zero=plan.zero_stage, micro_batch=plan.micro_batch_size,
-                     recompute=RECOMPUTE.index(plan.recompute), step_s=plan.step_time_s, memory_ratio=0.0)
+                     recompute=RECOMPUTE.index(plan.recompute), step_s=plan.step_time_s, memory_ratio=0.0,
+                     cp=plan.cp, ulysses=plan.cp_kind == "ulysses")
 
 
 def _repair(old: PlacementPlan, hardware: Hardware) -> np.ndarray | None:

@@ -17,7 +17,7 @@ def explain_text(plan: PlacementPlan) -> str:
     fullest = int(np.argmax(np.array(plan.memory_by_stage_gb) / np.array(plan.usable_memory_by_stage_gb)))
     lines = [
         f"{model.name} ({model.num_params / 1e9:.1f}B params) on {plan.num_ranks} devices of {plan.cluster!r}",
-        f"  layout     tp={plan.tp} pp={plan.pp} dp={plan.dp} ep={plan.ep}  ZeRO-{plan.zero_stage}  "
+        f"  layout     tp={plan.tp} pp={plan.pp} dp={plan.dp}{_cp_text(plan)} ep={plan.ep}  ZeRO-{plan.zero_stage}  "
         f"micro-batch {plan.micro_batch_size} x {plan.num_micro_batches}  recompute={plan.recompute}  "
         f"mapping {plan.mapping}",
         f"  step       {plan.step_time_s:.4g} s predicted, MFU {plan.mfu:.1%}",
@@ -30,6 +30,8 @@ def explain_text(plan: PlacementPlan) -> str:
                                     for dim, link in plan.links.items() if link.tier >= 0),
     ]
     lines.append("  pricing    " + pricing_text(plan))
+    if plan.context_parallel_reason:
+        lines.append(f"  context    cp={plan.cp} ({plan.cp_kind}): {plan.context_parallel_reason}")
     if plan.pp > 1:
         layers = ", ".join(f"{n}x{chip}" for n, chip in zip(plan.stage_layers, plan.stage_chips))
         spread = 1 - min(plan.stage_time_s) / max(plan.stage_time_s)
@@ -38,6 +40,10 @@ def explain_text(plan: PlacementPlan) -> str:
         lines.append("  alternatives (why they lost):")
         lines += [f"    {alt.describe()}: {alt.why_lost}" for alt in plan.alternatives]
     return "\n".join(lines)
+
+
+def _cp_text(plan: PlacementPlan) -> str:
+    return f" cp={plan.cp} ({plan.cp_kind})" if plan.cp > 1 else ""
 
 
 def pricing_text(plan: PlacementPlan) -> str:
@@ -59,7 +65,8 @@ def plan_to_dict(plan: PlacementPlan, *, max_ranks: int = 4096) -> dict[str, Any
     """Everything but the per-rank arrays of very large plans (which would swamp a terminal)."""
     data: dict[str, Any] = {
         "model": plan.model.name, "cluster": plan.cluster, "num_ranks": plan.num_ranks,
-        "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "ep": plan.ep, "zero_stage": plan.zero_stage,
+        "tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "ep": plan.ep, "cp": plan.cp, "cp_kind": plan.cp_kind,
+        "context_parallel_reason": plan.context_parallel_reason, "zero_stage": plan.zero_stage,
         "micro_batch_size": plan.micro_batch_size, "num_micro_batches": plan.num_micro_batches,
         "recompute": plan.recompute, "mapping": plan.mapping, "step_time_s": plan.step_time_s,
         "mfu": plan.mfu, "breakdown_s": plan.breakdown_s, "exposure_s": plan.exposure_s, "memory_per_device_gb": plan.memory_per_device_gb,

@@ -22,7 +22,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from baige_ray.planner.cost import all_reduce, best_device_rate, device_rates
-from baige_ray.planner.evaluate import Layout, LayoutContext, Rows, evaluate, row_grid, split_layers
+from baige_ray.planner.evaluate import (
+    Layout,
+    LayoutContext,
+    Rows,
+    context_parallel_choices,
+    evaluate,
+    row_grid,
+    split_layers,
+)
 from baige_ray.planner.links import GroupLink, LinkTables
 from baige_ray.planner.mapping import MAPPINGS, layout_links, rank_positions, slot_order, stage_devices
 from baige_ray.planner.memory import optimizer_bytes_per_param
@@ -42,16 +50,22 @@ class Candidate:
     recompute: int
     step_s: float
     memory_ratio: float
+    cp: int = 1  # context-parallel ranks per sequence, out of the layout's dp
+    ulysses: bool = False  # the CP kind: Ulysses' all-to-all, else the ring's all-gather
 
     @property
-    def degrees(self) -> tuple[int, int, int, int]:
-        return (self.layout.tp, self.layout.pp, self.layout.dp, self.ep)
+    def degrees(self) -> tuple[int, ...]:
+        return (self.layout.tp, self.layout.pp, self.layout.dp, self.ep, self.cp)
+
+    @property
+    def cp_kind(self) -> str:
+        return "ulysses" if self.ulysses else "ring"
 
     @property
     def order_key(self) -> tuple:
         """Ties on time go to fewer devices, then smaller degrees: deterministic in every search."""
-        return (self.step_s, self.layout.num_devices, *self.degrees, self.zero, self.micro_batch, self.recompute,
-                MAPPINGS.index(self.layout.mapping))
+        return (self.step_s, self.layout.num_devices, *self.degrees, self.ulysses, self.zero, self.micro_batch,
+                self.recompute, MAPPINGS.index(self.layout.mapping))
 
 
 class Hardware:
@@ -113,13 +127,14 @@ def expert_sizes(model: ModelSpec, dp: int) -> tuple[int, ...]:
 
 def candidates_of(model: ModelSpec, options: PlanOptions, context: LayoutContext,
                   rows: Rows) -> tuple[list[Candidate], Candidate | None]:
-    """The best memory-feasible row per expert degree of a layout, and its least-infeasible row."""
+    """The best memory-feasible row per expert and context-parallel degree of a layout, and its least-infeasible row."""
     evaluation = evaluate(model, options.constants, context, rows)
     ratio = evaluation.memory_ratio
-    # Same tie-break as Candidate.order_key, vectorized: time, then ep, zero, micro-batch, recompute.
-    order = np.lexsort((rows.recompute, rows.micro_batch, rows.zero, rows.ep, evaluation.step_s))
+    # Same tie-break as Candidate.order_key, vectorized: time, then ep, cp, kind, zero, micro-batch, recompute.
+    order = np.lexsort((rows.recompute, rows.micro_batch, rows.zero, rows.ulysses, rows.cp, rows.ep,
+                        evaluation.step_s))
     order = order[ratio[order] <= 1.0]
-    _, first = np.unique(rows.ep[order], return_index=True)
+    _, first = np.unique(rows.ep[order] * (model.global_batch * 64 + 1) + rows.cp[order], return_index=True)
     feasible = [_candidate(context, rows, evaluation.step_s, ratio, int(order[i])) for i in first]
     tightest = _candidate(context, rows, evaluation.step_s, ratio, int(np.argmin(ratio))) if len(rows) else None
     return feasible, tightest
@@ -128,7 +143,8 @@ def candidates_of(model: ModelSpec, options: PlanOptions, context: LayoutContext
 def _candidate(context: LayoutContext, rows: Rows, step_s: np.ndarray, ratio: np.ndarray, i: int) -> Candidate:
     return Candidate(layout=context.layout, ep=int(rows.ep[i]), zero=int(rows.zero[i]),
                      micro_batch=int(rows.micro_batch[i]), recompute=int(rows.recompute[i]),
-                     step_s=float(step_s[i]), memory_ratio=float(ratio[i]))
+                     step_s=float(step_s[i]), memory_ratio=float(ratio[i]), cp=int(rows.cp[i]),
+                     ulysses=bool(rows.ulysses[i]))
 
 
 # ---- enumeration and bounds ------------------------------------------------------------------
@@ -158,11 +174,19 @@ def enumerate_layouts(model: ModelSpec, options: PlanOptions, hardware: Hardware
             if major == "rail" and _rail_major_is_node_major(hardware, tp):
                 continue
             for pp in pipeline_degrees(model, hardware, len(slots), options.max_pp):
-                for dp in batch_divisors:
-                    if dp * pp > len(slots):
-                        break
+                for dp in data_parallel_degrees(model, batch_divisors, pp, len(slots) // pp):
                     layouts.extend(Layout(tp=tp, pp=pp, dp=dp, mapping=m) for m in mappings)
     return layouts
+
+
+def data_parallel_degrees(model: ModelSpec, batch_divisors: list[int], pp: int, most: int) -> list[int]:
+    """Data-parallel ranks up to `most`: divisors of the global batch, and, where context parallelism may
+    run (ModelSpec.context_parallel, no pipeline), such a divisor times a CP degree in powers of two that
+    the sequence splits into (dp / cp replicas then split the batch)."""
+    factors = [1]
+    if model.context_parallel and pp == 1:
+        factors += [2**k for k in range(1, most.bit_length()) if model.seq_len % 2 ** (k + 1) == 0]
+    return sorted({d * f for d in batch_divisors for f in factors if d * f <= most})
 
 
 def _rail_major_is_node_major(hardware: Hardware, tp: int) -> bool:
@@ -178,7 +202,8 @@ def time_lower_bound(model: ModelSpec, options: PlanOptions, hardware: Hardware,
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     major = layout.mapping.split("/")[1]
     used = hardware.slots(tp, major)[: dp * pp]
-    largest_batch = min(model.global_batch // dp, options.max_micro_batch)
+    # sequences' worth of tokens a rank computes per micro-batch at most (a fraction under context parallelism)
+    largest_batch = min(model.global_batch // dp, options.max_micro_batch) or model.global_batch / dp
     peaks, counts = np.unique(hardware.tables.peak_flops[used], return_counts=True)
     rate = sum(count * best_device_rate(model, options.constants, tp, float(peak), largest_batch)
                for peak, count in zip(peaks, counts))
@@ -190,7 +215,7 @@ def time_lower_bound(model: ModelSpec, options: PlanOptions, hardware: Hardware,
         tensor = model.num_layers / pp * volume / hardware.fastest_island_bandwidth
     if hardware.mixed_chips:
         return max(compute, tensor)
-    most = model.global_batch // dp
+    most = max(1, model.global_batch // dp)
     bubble = (most + pp - 1) / most
     sharing = options.constants.host_sharing
     # Where devices share cores a short pipeline runs faster than its compute at full load (cost.pipeline_seconds),
@@ -290,12 +315,14 @@ def _price(model: ModelSpec, options: PlanOptions, hardware: Hardware,
         return [], None
     rows = row_grid(model, dp=layout.dp, pp=layout.pp, zero_stages=options.zero_stages,
                     recomputes=options.recompute_codes, max_micro_batch=options.max_micro_batch,
-                    expert_parallel_zero_stages=options.expert_parallel_zero_stages)
+                    expert_parallel_zero_stages=options.expert_parallel_zero_stages, tp=layout.tp)
     return candidates_of(model, options, context, rows)
 
 
 def _context(model: ModelSpec, hardware: Hardware, layout: Layout) -> LayoutContext | None:
     positions = hardware.positions(layout)
+    cps = tuple(sorted({cp for cp, _ in context_parallel_choices(model, dp=layout.dp, pp=layout.pp, tp=layout.tp)}
+                       - {1}))
     links = layout_links(hardware.tables, positions, tp=layout.tp, dp=layout.dp, pp=layout.pp,
-                         eps=expert_sizes(model, layout.dp) if model.is_moe else ())
+                         eps=expert_sizes(model, layout.dp) if model.is_moe else (), cps=cps)
     return layout_context(model, hardware, layout, links)

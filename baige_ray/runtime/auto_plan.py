@@ -51,13 +51,15 @@ def plan_job(job: TrainJob, graph: ResourceGraph) -> PlacementPlan:
 
 
 def layout_from_plan(placement: PlacementPlan) -> ParallelLayout:
-    """ZeRO without TP/PP runs on DeepSpeed; with them, ZeRO-3 maps to FSDP2 and lower stages to DDP."""
-    if placement.tp == 1 and placement.pp == 1 and placement.zero_stage > 0:
+    """ZeRO without TP/PP/CP runs on DeepSpeed; with them, ZeRO-3 maps to FSDP2 and lower stages to DDP."""
+    if placement.tp == 1 and placement.pp == 1 and placement.cp == 1 and placement.zero_stage > 0:
         data_parallel = f"zero{placement.zero_stage}"
     else:
         data_parallel = "fsdp2" if placement.zero_stage == 3 else "ddp"
     return ParallelLayout(
-        dp=placement.dp,
+        dp=placement.dp // placement.cp,
+        cp=placement.cp,
+        cp_kind=placement.cp_kind,
         tp=placement.tp,
         pp=placement.pp,
         ep=placement.ep,

@@ -1,0 +1,83 @@
+"""The planner searches context parallelism where the engines run it, and says why it picked it."""
+
+import numpy as np
+import pytest
+import yaml
+
+from baige_ray.catalog import cluster_descriptor
+from baige_ray.planner.evaluate import context_parallel_choices, row_grid
+from baige_ray.planner.model_spec import ModelSpec, load_model_spec
+from baige_ray.planner.plan import plan
+from baige_ray.planner.report import explain_text, plan_to_dict
+from baige_ray.runtime.auto_plan import layout_from_plan
+from baige_ray.topology.descriptor import descriptor_from_dict, load_descriptor
+from baige_ray.topology.graph import ResourceGraph
+
+
+def _h100_nodes(count: int) -> ResourceGraph:
+    descriptor = yaml.safe_load(cluster_descriptor("h100-rail-2048").read_text())
+    descriptor["nodes"] = [{"type": "hgx-h100", "count": count}]
+    return ResourceGraph.from_descriptor(descriptor_from_dict(descriptor))
+
+
+def test_cp_degrees_split_the_sequence_and_the_batch_and_ulysses_the_heads():
+    llama = load_model_spec("llama-3-8b", global_batch=4, seq_len=96)  # 32 heads, 8 KV heads
+    # dp=8 ranks leave dp / cp replicas, which must split 4 sequences: not cp=1 (8 replicas)
+    assert context_parallel_choices(llama, dp=8, pp=1, tp=1) == [
+        (2, False), (2, True), (4, False), (4, True), (8, False), (8, True)]
+    assert context_parallel_choices(llama, dp=8, pp=1, tp=8)[-1] == (8, False)  # 4 heads a TP rank: no Ulysses 8
+    odd = load_model_spec("llama-3-8b", global_batch=4, seq_len=100)  # 2 x cp chunks: only cp=2
+    assert context_parallel_choices(odd, dp=8, pp=1, tp=1) == [(2, False), (2, True)]
+    assert context_parallel_choices(llama, dp=4, pp=2, tp=1) == [(1, False)]  # not with pipelining
+    rows = row_grid(llama, dp=8, pp=1, zero_stages=(0, 1, 3), recomputes=(0,), max_micro_batch=8)
+    assert set(rows.zero[rows.cp > 1]) == {0, 3}  # beside DDP or FSDP2 only, not DeepSpeed's ZeRO-1
+    assert set(zip(rows.cp[rows.cp == 8], rows.micro_batch[rows.cp == 8])) == {(8, 1), (8, 2), (8, 4)}
+
+
+def test_a_model_the_engines_cannot_split_gets_no_cp():
+    gpt = ModelSpec(name="gpt", num_layers=4, hidden=256, ffn_hidden=1024, num_heads=4, seq_len=4096,
+                    vocab_size=1000, global_batch=8)
+    assert not gpt.context_parallel and context_parallel_choices(gpt, dp=8, pp=1, tp=1) == [(1, False)]
+    moe = load_model_spec("mixtral-8x7b-v0.1", global_batch=8, seq_len=4096)
+    assert not moe.context_parallel
+
+
+def test_llama_3_8b_at_128k_on_eight_h100s_splits_every_sequence_eight_ways_and_says_why():
+    placement = plan(load_model_spec("llama-3-8b", global_batch=8, seq_len=131072), _h100_nodes(1))
+    assert (placement.dp, placement.cp, placement.tp, placement.pp) == (8, 8, 1, 1)
+    assert "without CP needs" in placement.context_parallel_reason
+    text = explain_text(placement)
+    assert "cp=8" in text and "CP key-value exchange" in text and "context    cp=8" in text
+    assert plan_to_dict(placement)["cp"] == 8
+    layout = layout_from_plan(placement)
+    assert (layout.dp, layout.cp, layout.data_parallel) == (1, 8, "fsdp2")
+
+
+def test_llama_3_405b_at_128k_uses_all_16k_gpus_through_cp_where_the_batch_has_128_sequences():
+    graph = ResourceGraph.from_descriptor(load_descriptor("h100-rail-2048"))
+    placement = plan(load_model_spec("llama-3.1-405b", global_batch=128, seq_len=131072), graph)
+    assert placement.num_ranks == 16384 and placement.cp > 1 and placement.dp // placement.cp <= 128
+    assert placement.memory_per_device_gb < 72.0 and "without CP needs" in placement.context_parallel_reason
+
+
+def test_short_sequences_keep_plain_data_parallelism():
+    graph = ResourceGraph.from_descriptor(load_descriptor("sim-2x4"))
+    placement = plan(load_model_spec("qwen2.5-0.5b", global_batch=64, seq_len=2048), graph)
+    assert placement.cp == 1 and placement.context_parallel_reason == ""
+    assert any(alt.cp > 1 for alt in placement.alternatives)  # priced, and slower: its exchange costs time
+    cp_alternative = next(alt for alt in placement.alternatives if alt.cp > 1)
+    assert "CP key-value exchange" in cp_alternative.why_lost
+    assert cp_alternative.step_time_s > placement.step_time_s
+    assert np.isfinite(placement.step_time_s)
+
+
+@pytest.mark.parametrize("kind", ["ring", "ulysses"])
+def test_the_exchange_time_is_the_bytes_on_the_cp_link(kind):
+    from baige_ray.planner.context_parallel import context_parallel_bytes_per_layer, context_parallel_seconds
+    from baige_ray.planner.links import GroupLink
+
+    llama = load_model_spec("llama-3-8b", global_batch=8, seq_len=32768)
+    link = GroupLink(tier=0, bandwidth=100e9, latency=0.0)
+    seconds = context_parallel_seconds(llama, cp=4, kind=kind, micro_batch=1, tp=1, link=link)
+    sent = context_parallel_bytes_per_layer(llama, cp=4, kind=kind, micro_batch=1)
+    assert float(seconds) == pytest.approx(sent / 100e9)
