@@ -57,3 +57,18 @@ def context_parallel_seconds(model: ModelSpec, *, cp, kind: str, micro_batch, tp
     for collective, size in exchanges(model, cp=cp, kind=kind, micro_batch=micro_batch, tp=tp):
         total = total + reduce_scatter(cp, size, link, collective)
     return np.where(np.asarray(cp) > 1, total, 0.0)
+
+
+def layer_seconds(model: ModelSpec, *, cp, ulysses, micro_batch, tp: int, links: dict[str, GroupLink]) -> np.ndarray:
+    """Per row, (rows, 1): one layer's exchanges for a micro-batch, each row's CP group on links[f"cp{n}"]."""
+    cp = np.asarray(cp)
+    ulysses = np.asarray(ulysses, dtype=bool)
+    b = np.asarray(micro_batch, dtype=np.float64)
+    seconds = np.zeros(len(cp))
+    for size in np.unique(cp[cp > 1]):
+        for kind, chosen in (("ring", ~ulysses), ("ulysses", ulysses)):
+            rows = (cp == size) & chosen
+            if rows.any():
+                seconds[rows] = context_parallel_seconds(model, cp=size, kind=kind, micro_batch=b[rows], tp=tp,
+                                                         link=links[f"cp{int(size)}"])
+    return seconds[:, None]

@@ -157,10 +157,11 @@ class StageTimes:
 
 
 def stage_times(model: ModelSpec, constants: CostConstants, *, stage_layers, stage_peak, tp: int, pp: int,
-                links: dict[str, GroupLink], ep, micro_batch, recompute, cp=None, ulysses=None) -> StageTimes:
+                links: dict[str, GroupLink], ep, micro_batch, recompute, cp=None,
+                cp_layer_seconds=None) -> StageTimes:
     """`cp` (one per row, None: 1) context-parallel ranks share each sequence: a rank computes 1/cp of the
-    micro-batch's tokens, each attending to the whole sequence's keys as one process's do, and exchanges
-    keys and values (ring) or heads (`ulysses`, per row) on the CP group's link, links[f"cp{n}"]."""
+    micro-batch's tokens, each attending to the whole sequence's keys as one process's do; their exchanges
+    take `cp_layer_seconds` a layer (rows, 1) (planner/context_parallel.py prices them)."""
     layers = np.asarray(stage_layers, dtype=np.float64)[None, :]
     is_last = (np.arange(pp) == pp - 1)[None, :]
     cp = np.ones(len(np.atleast_1d(micro_batch))) if cp is None else np.asarray(cp, dtype=np.float64)
@@ -190,24 +191,7 @@ def stage_times(model: ModelSpec, constants: CostConstants, *, stage_layers, sta
     pp_time = 2 * point_to_point(activation / tp, links["pp"]) if pp > 1 else np.zeros_like(tokens)
     return StageTimes(forward=forward, backward=backward, tp=tp_time, ep=ep_time,
                       pp=np.broadcast_to(pp_time, tp_time.shape),
-                      cp=layers * _context_parallel_seconds(model, cp, ulysses, micro_batch, tp, links))
-
-
-def _context_parallel_seconds(model: ModelSpec, cp: np.ndarray, ulysses, micro_batch, tp: int,
-                              links: dict[str, GroupLink]) -> np.ndarray:
-    """Per row, (rows, 1): one layer's context-parallel exchanges for a micro-batch."""
-    from baige_ray.planner.context_parallel import context_parallel_seconds  # it prices with this module's collectives
-
-    seconds = np.zeros(len(cp))
-    ulysses = np.zeros(len(cp), dtype=bool) if ulysses is None else np.asarray(ulysses, dtype=bool)
-    b = np.asarray(micro_batch, dtype=np.float64)
-    for size in np.unique(cp[cp > 1]):
-        for kind, chosen in (("ring", ~ulysses), ("ulysses", ulysses)):
-            rows = (cp == size) & chosen
-            if rows.any():
-                seconds[rows] = context_parallel_seconds(model, cp=size, kind=kind, micro_batch=b[rows], tp=tp,
-                                                         link=links[f"cp{int(size)}"])
-    return seconds[:, None]
+                      cp=0.0 if cp_layer_seconds is None else layers * cp_layer_seconds)
 
 
 def pipeline_seconds(stage_total: np.ndarray, num_micro_batches, host_sharing: float = 1.0,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from baige_ray.planner import context_parallel
 from baige_ray.planner.cost import CostConstants, StageTimes, pipeline_seconds, stage_times
 from baige_ray.planner.links import GroupLink
 from baige_ray.planner.memory import activation_bytes, model_state_bytes, stage_param_counts
@@ -90,9 +91,11 @@ class Evaluation:
 def evaluate(model: ModelSpec, constants: CostConstants, context: LayoutContext, rows: Rows) -> Evaluation:
     layout = context.layout
     m = model.global_batch // (layout.dp // rows.cp * rows.micro_batch)
+    exchanges = context_parallel.layer_seconds(model, cp=rows.cp, ulysses=rows.ulysses, micro_batch=rows.micro_batch,
+                                               tp=layout.tp, links=context.links)
     times = stage_times(model, constants, stage_layers=context.stage_layers, stage_peak=context.stage_peak,
                         tp=layout.tp, pp=layout.pp, links=context.links, ep=rows.ep, micro_batch=rows.micro_batch,
-                        recompute=rows.recompute, cp=rows.cp, ulysses=rows.ulysses)
+                        recompute=rows.recompute, cp=rows.cp, cp_layer_seconds=exchanges)
     dense, expert = stage_param_counts(model, context.stage_layers)
     data_parallel = data_parallel_cost(model, times, constants, stage_layers=context.stage_layers, stage_dense=dense,
                                        stage_expert=expert, tp=layout.tp, dp=layout.dp, link=context.links["dp"],

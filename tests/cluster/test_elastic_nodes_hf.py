@@ -101,6 +101,18 @@ def test_every_worker_killed_on_live_hosts_is_restored_from_the_shelves_by_reade
     assert len(result.recoveries) == 1 and result.recoveries[0]["lost_steps"] <= 2, result.recoveries
     assert not run_shelves("elastic-hf-readers").exists()  # the readers removed what the dead left
 
+def lose_node_3_then_finish(cluster: SimulatedCluster, job):
+    """Node 3 (two of the job's workers, the cluster full) removed once the job passed step 3, put back after
+    the job ends; the job's result."""
+    wait_for(job, lambda s: s["step"] >= 3, 180, "step 3")
+    node_type = next(iter(cluster.descriptor.node_types))
+    cluster.remove_node(3)
+    try:
+        return job.wait()
+    finally:
+        cluster.add_node(node_type, 3)
+
+
 def constant_rate(num_steps: int, learning_rate: float) -> TrainConfig:
     """elastic_hf_run's optimisation problem."""
     return TrainConfig(num_steps=num_steps, global_batch_size=24, warmup_steps=0, learning_rate=learning_rate,
@@ -121,13 +133,7 @@ def test_a_lost_node_shrinks_a_hf_job_and_training_agrees_with_a_fault_free_run(
     with devices_held(cluster, [0, 1]):
         job = elastic_hf_run("elastic-hf-node", tmp_path, tiny, num_workers=4, num_steps=num_steps,
                              elastic=elastic, learning_rate=1e-3, world_size_invariant=True)
-        wait_for(job, lambda s: s["step"] >= 3, 180, "step 3")
-        node_type = next(iter(cluster.descriptor.node_types))
-        cluster.remove_node(3)
-        try:
-            result = job.wait()
-        finally:
-            cluster.add_node(node_type, 3)
+        result = lose_node_3_then_finish(cluster, job)
     assert [m.step for m in result.metrics] == list(range(num_steps))
     assert len(result.recoveries) == 1 and result.recoveries[0]["lost_steps"] <= 1
     assert result.num_workers == 2 and result.layout.startswith("DP2")
@@ -229,13 +235,7 @@ def test_a_cp4_job_that_loses_a_node_goes_on_at_cp2_and_agrees_with_one_process(
     with devices_held(cluster, [0, 1]):
         job = elastic_hf_run("elastic-hf-cp", tmp_path, tiny, num_workers=4, num_steps=num_steps, elastic=elastic,
                              layout=ParallelLayout(cp=4))
-        wait_for(job, lambda s: s["step"] >= 3, 180, "step 3")
-        node_type = next(iter(cluster.descriptor.node_types))
-        cluster.remove_node(3)
-        try:
-            result = job.wait()
-        finally:
-            cluster.add_node(node_type, 3)
+        result = lose_node_3_then_finish(cluster, job)
     assert [m.step for m in result.metrics] == list(range(num_steps))
     assert len(result.recoveries) == 1 and result.recoveries[0]["lost_steps"] <= 1, result.recoveries
     assert result.num_workers == 2 and result.layout.startswith("CP2"), result.layout
