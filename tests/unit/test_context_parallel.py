@@ -258,3 +258,25 @@ def test_a_layout_refused_for_device_memory_names_the_cp_degree_that_fits_the_sa
     with pytest.raises(LayoutMemoryError, match=r"DP8 \(fsdp2\) of .* needs 89.2 GB per device.*; with context "
                        r"parallelism it fits on the same 8 workers: CP8 \(fsdp2, ring CP\) needs 37.8 GB"):
         memory_check._check(job, memory_check._model_spec(job), graph, parse_layout("dp=8,engine=fsdp2"), None, 0)
+
+
+def test_a_sequence_may_be_as_long_as_the_model_s_positions_reach_with_its_rope_scaling(tmp_path):
+    """The published YaRN Llama 2 (4,096 positions x 16) takes 65,536 tokens, Qwen2.5's YaRN recipe (32,768 x 4)
+    131,072; one token more is refused before any worker starts, with the numbers."""
+    import json
+    import shutil
+
+    import safetensors.torch
+
+    from baige_ray.catalog import published_model
+    from baige_ray.models.hf import HFModel
+
+    safetensors.torch.save_file({"unread": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    shutil.copy(published_model("yarn-llama-2-13b-64k"), tmp_path / "config.json")
+    assert HFModel(tmp_path, seq_len=65536).max_positions == 65536
+    config = json.loads(published_model("qwen2.5-0.5b").read_text())
+    config["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert HFModel(tmp_path, seq_len=131072).max_positions == 131072
+    with pytest.raises(ValueError, match=r"seq_len=131073 is invalid: expected at most the model's 131072 positions"):
+        HFModel(tmp_path, seq_len=131073)

@@ -121,7 +121,19 @@ class HFModel:
 
     @property
     def max_positions(self) -> int:
-        return int(self.config.get("max_position_embeddings", DEFAULT_MAX_SEQ_LEN))
+        """The longest sequence the model's positions reach: max_position_embeddings, stretched by its rope
+        scaling as vLLM derives max_model_len (YaRN: factor x original_max_position_embeddings; linear and
+        dynamic: factor x max_position_embeddings; Llama 3's and LongRoPE's configs already give the stretched
+        length)."""
+        positions = int(self.config.get("max_position_embeddings", DEFAULT_MAX_SEQ_LEN))
+        scaling = self.config.get("rope_scaling") or self.config.get("rope_parameters") or {}
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+        factor = scaling.get("factor") if isinstance(scaling, dict) else None
+        if not factor or kind in (None, "default", "llama3", "longrope", "su"):
+            return positions
+        if kind == "yarn" and scaling.get("original_max_position_embeddings"):
+            return max(positions, int(factor * int(scaling["original_max_position_embeddings"])))
+        return int(factor * positions)
 
     @property
     def vocab_size(self) -> int:
@@ -137,7 +149,8 @@ class HFModel:
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
             _fail("seq_len", self.seq_len, "a positive integer")
         if self.seq_len > self.max_positions:
-            _fail("seq_len", self.seq_len, f"at most the model's max_position_embeddings={self.max_positions}")
+            _fail("seq_len", self.seq_len, f"at most the model's {self.max_positions} positions (max_position_embeddings"
+                  f"={self.config.get('max_position_embeddings')}, rope_scaling={self.config.get('rope_scaling')})")
 
     def _check_tokenizer(self) -> None:
         if self.tokenizer is None and self.path is not None and has_tokenizer(self.path):
