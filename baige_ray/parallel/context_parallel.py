@@ -15,9 +15,9 @@ Attention needs every earlier key of the token's document. Two ways to reach the
   backward gathers them again and sums their gradients back to their owners. Torch's ring attention
   rotates by all-gather too by default; passing blocks around the ring, so that even the transient
   keys of one layer stay at 1/cp and communication hides behind compute, is not built here.
-- "ulysses": an all-to-all trades the sequence split for a head split (DeepSpeed-Ulysses): each rank
-  attends its 1/cp of the heads over the whole sequence (SDPA's causal kernel, or tiles where documents
-  or a sliding window mask it), and a second all-to-all trades back. The heads (and key-value heads, or
+- "ulysses": one all-to-all of queries, keys and values trades the sequence split for a head split
+  (DeepSpeed-Ulysses): each rank attends its 1/cp of the heads over the whole sequence (SDPA's causal
+  kernel, or tiles where documents or a sliding window mask it), and a second all-to-all trades back. The heads (and key-value heads, or
   they are repeated to the query heads) must divide by cp.
 
 The communication is autograd-aware (its backward is the transposed exchange) and abortable by the
@@ -185,12 +185,12 @@ class _GatheredKeyAttention(torch.autograd.Function):
     """A rank's queries against the whole sequence's keys and values, all-gathered over the CP group in
     the forward and again in the backward (never saved: a layer holds only its own 1/cp of them), the
     gradients of the gathered keys and values summed back to their owners (a reduce-scatter, by
-    all-to-all: gloo has none)."""
+    all-to-all: gloo has none). Keys and values travel together, one collective each way."""
 
     @staticmethod
     def forward(ctx, query, key, value, context: AttentionContext, mask: AttentionMask, scale: float):
         with torch.autocast(query.device.type, enabled=False):
-            keys, values = _gather_in_order(key, context), _gather_in_order(value, context)
+            keys, values = _gather_in_order(torch.stack([key, value]), context).unbind(0)
             out, lse = attention_forward(query, keys, values, mask, scale, _query_cuts(query),
                                          _key_chunks(context.shard.cp, context.length))
         out = out.to(query.dtype)
@@ -203,10 +203,10 @@ class _GatheredKeyAttention(torch.autograd.Function):
         query, key, value, out, lse = ctx.saved_tensors
         context, mask, scale = ctx.arguments
         with torch.autocast(query.device.type, enabled=False):
-            keys, values = _gather_in_order(key, context), _gather_in_order(value, context)
+            keys, values = _gather_in_order(torch.stack([key, value]), context).unbind(0)
             d_q, d_keys, d_values = attention_backward(grad_out, query, keys, values, out, lse, mask, scale,
                                                        _query_cuts(query), _key_chunks(context.shard.cp, context.length))
-        d_k, d_v = _scatter_to_owners(d_keys, context), _scatter_to_owners(d_values, context)
+        d_k, d_v = _scatter_to_owners(torch.stack([d_keys, d_values]), context).unbind(0)
         return d_q.to(query.dtype), d_k.to(key.dtype), d_v.to(value.dtype), None, None, None
 
 
@@ -215,19 +215,19 @@ def _query_cuts(query: torch.Tensor) -> tuple[int, ...]:
 
 
 def _gather_in_order(tensor: torch.Tensor, context: AttentionContext) -> torch.Tensor:
-    """(b, h, local, d) of every rank -> (b, h, length, d) in global order."""
+    """(..., local, d) of every rank -> (..., length, d) in global order."""
     SENT.all_gather(tensor, context.shard.cp)
     gathered = all_gather_abortable(tensor, context.group)
     order = natural_order(context.shard.cp, context.length).to(tensor.device)
-    return torch.cat(gathered.unbind(0), dim=2).index_select(2, order)
+    return torch.cat(gathered.unbind(0), dim=-2).index_select(-2, order)
 
 
 def _scatter_to_owners(tensor: torch.Tensor, context: AttentionContext) -> torch.Tensor:
-    """(b, h, length, d) gradients in global order -> the sum over ranks of each owner's (b, h, local, d)."""
+    """(..., length, d) gradients in global order -> the sum over ranks of each owner's (..., local, d)."""
     cp, length = context.shard.cp, context.length
     gathered_order = torch.cat([SequenceShard(cp, rank).indices(length) for rank in range(cp)]).to(tensor.device)
-    b, h, _, d = tensor.shape
-    pieces = tensor.index_select(2, gathered_order).reshape(b, h, cp, length // cp, d).permute(2, 0, 1, 3, 4)
+    *lead, _, d = tensor.shape
+    pieces = tensor.index_select(-2, gathered_order).reshape(*lead, cp, length // cp, d).movedim(-3, 0)
     SENT.all_to_all(pieces)
     return all_to_all_abortable(pieces, context.group).sum(dim=0)
 
@@ -251,11 +251,14 @@ def _ulysses_attention(context: AttentionContext, query, key, value, *, scaling,
     order = natural_order(cp, length).to(query.device)
     inverse = torch.argsort(order)
 
-    def to_heads(tensor: torch.Tensor) -> torch.Tensor:  # (b, h, local, d) -> (b, h / cp, length, d) in order
-        b, h, local, d = tensor.shape
-        outgoing = tensor.reshape(b, cp, h // cp, local, d).transpose(0, 1)
-        received = _AllToAll.apply(outgoing, context.group)  # (cp senders, b, h / cp, local, d)
-        return torch.cat(received.unbind(0), dim=2).index_select(2, order)
+    def to_heads(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        """(b, h_i, local, d) each -> (b, h_i / cp, length, d) in order, in one all-to-all."""
+        b, _, local, d = tensors[0].shape
+        widths = [t.shape[1] // cp for t in tensors]
+        outgoing = torch.cat([t.reshape(b, cp, t.shape[1] // cp, local, d) for t in tensors], dim=2).transpose(0, 1)
+        received = _AllToAll.apply(outgoing, context.group)  # (cp senders, b, sum h_i / cp, local, d)
+        whole = torch.cat(received.unbind(0), dim=2).index_select(2, order)
+        return list(whole.split(widths, dim=1))
 
     def to_sequence(tensor: torch.Tensor) -> torch.Tensor:  # the inverse of to_heads
         b, h, _, d = tensor.shape
@@ -263,7 +266,7 @@ def _ulysses_attention(context: AttentionContext, query, key, value, *, scaling,
         received = _AllToAll.apply(pieces, context.group)  # (cp senders: their heads, b, h / cp, local, d)
         return received.transpose(0, 1).reshape(b, cp * h, length // cp, d)
 
-    q, k, v = to_heads(query), to_heads(key), to_heads(value)
+    q, k, v = to_heads(query, key, value)
     if context.documents is None and sliding_window is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
                                              enable_gqa=k.shape[1] != q.shape[1])

@@ -1,11 +1,11 @@
 """What context parallelism moves per layer, as parallel/context_parallel.py runs it, and how long it takes.
 
 Per layer and micro-batch, forward and backward together, on a CP group of `cp` ranks:
-- ring: keys and values all-gathered in the forward and again in the backward (they are not kept),
-  and their fp32 gradients summed back to their owners by all-to-all;
-- ulysses: queries, keys and values traded for heads and the output traded back, in the forward, and
-  their gradients the other way in the backward; keys and values repeated to the query heads first
-  where their heads do not divide by cp.
+- ring: keys and values all-gathered together in the forward and again in the backward (they are not
+  kept), and their fp32 gradients summed back to their owners by one all-to-all;
+- ulysses: queries, keys and values traded for heads in one all-to-all and the output traded back in
+  another, in the forward, and their gradients the other way in the backward; keys and values repeated
+  to the query heads first where their heads do not divide by cp.
 Bytes sent count an all-gather as the rank's tensor sent to each of the cp - 1 others (a ring's traffic)
 and an all-to-all as the cp - 1 pieces that are not the rank's own. The exchanges wait for the attention
 that needs them (nothing overlaps them in the engines), so their time adds to the layer's.
@@ -35,10 +35,10 @@ def exchanges(model: ModelSpec, *, cp, kind: str, micro_batch, tp: int = 1,
         keys_and_values = 2 * kv_heads * head_dim * tokens
         return [("all_gather", keys_and_values * dtype), ("all_gather", keys_and_values * dtype),
                 ("all_to_all", keys_and_values * GRADIENT_BYTES)]
-    if kind == "ulysses":
+    if kind == "ulysses":  # queries, keys and values in one all-to-all, the output in another; both ways back
         kv = np.where(kv_heads % cp == 0, kv_heads, heads)
-        local = (2 * heads + 2 * kv) * head_dim * tokens / cp * dtype
-        return [("all_to_all", local), ("all_to_all", local)]
+        inputs, output = (heads + 2 * kv) * head_dim * tokens / cp * dtype, heads * head_dim * tokens / cp * dtype
+        return [("all_to_all", inputs), ("all_to_all", output), ("all_to_all", output), ("all_to_all", inputs)]
     raise ValueError(f"kind={kind!r} is invalid: expected one of {CP_KINDS}")
 
 
