@@ -17,8 +17,8 @@ Attention needs every earlier key of the token's document. Two ways to reach the
   keys of one layer stay at 1/cp and communication hides behind compute, is not built here.
 - "ulysses": one all-to-all of queries, keys and values trades the sequence split for a head split
   (DeepSpeed-Ulysses): each rank attends its 1/cp of the heads over the whole sequence (SDPA's causal
-  kernel, or tiles where documents or a sliding window mask it), and a second all-to-all trades back. The heads (and key-value heads, or
-  they are repeated to the query heads) must divide by cp.
+  kernel, or tiles where documents or a sliding window mask it), and a second all-to-all trades back.
+  The heads (and key-value heads, or they are repeated to the query heads) must divide by cp.
 
 The communication is autograd-aware (its backward is the transposed exchange) and abortable by the
 elastic controller like every collective a step waits on (parallel/distributed.py). The attention is
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -72,10 +73,16 @@ class SequenceShard:
         return tensor.index_select(SEQUENCE_DIM, self.indices(tensor.shape[SEQUENCE_DIM]).to(tensor.device))
 
 
+@functools.lru_cache(maxsize=16)
+def gathered_order(cp: int, length: int) -> torch.Tensor:
+    """The global position of each token of a sequence gathered in rank order (rank 0's tokens, rank 1's, ...)."""
+    return torch.cat([SequenceShard(cp, rank).indices(length) for rank in range(cp)])
+
+
+@functools.lru_cache(maxsize=16)
 def natural_order(cp: int, length: int) -> torch.Tensor:
-    """For keys gathered in rank order (rank 0's tokens, rank 1's, ...): where each global position sits."""
-    gathered = torch.cat([SequenceShard(cp, rank).indices(length) for rank in range(cp)])
-    return torch.argsort(gathered)
+    """For keys gathered in rank order: where each global position sits (the inverse of `gathered_order`)."""
+    return torch.argsort(gathered_order(cp, length))
 
 
 def document_ids(positions: torch.Tensor | None) -> torch.Tensor | None:
@@ -225,9 +232,9 @@ def _gather_in_order(tensor: torch.Tensor, context: AttentionContext) -> torch.T
 def _scatter_to_owners(tensor: torch.Tensor, context: AttentionContext) -> torch.Tensor:
     """(..., length, d) gradients in global order -> the sum over ranks of each owner's (..., local, d)."""
     cp, length = context.shard.cp, context.length
-    gathered_order = torch.cat([SequenceShard(cp, rank).indices(length) for rank in range(cp)]).to(tensor.device)
     *lead, _, d = tensor.shape
-    pieces = tensor.index_select(-2, gathered_order).reshape(*lead, cp, length // cp, d).movedim(-3, 0)
+    pieces = tensor.index_select(-2, gathered_order(cp, length).to(tensor.device))
+    pieces = pieces.reshape(*lead, cp, length // cp, d).movedim(-3, 0)
     SENT.all_to_all(pieces)
     return all_to_all_abortable(pieces, context.group).sum(dim=0)
 
@@ -248,8 +255,7 @@ def _ulysses_attention(context: AttentionContext, query, key, value, *, scaling,
                          f"this rank computes {heads}; use cp_kind='ring' or a cp dividing {heads}")
     if key.shape[1] % cp:  # too few key-value heads to split: repeat them to the query heads
         key, value = (t.repeat_interleave(heads // key.shape[1], dim=1) for t in (key, value))
-    order = natural_order(cp, length).to(query.device)
-    inverse = torch.argsort(order)
+    order, inverse = natural_order(cp, length).to(query.device), gathered_order(cp, length).to(query.device)
 
     def to_heads(*tensors: torch.Tensor) -> list[torch.Tensor]:
         """(b, h_i, local, d) each -> (b, h_i / cp, length, d) in order, in one all-to-all."""

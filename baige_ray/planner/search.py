@@ -134,7 +134,7 @@ def candidates_of(model: ModelSpec, options: PlanOptions, context: LayoutContext
     order = np.lexsort((rows.recompute, rows.micro_batch, rows.zero, rows.ulysses, rows.cp, rows.ep,
                         evaluation.step_s))
     order = order[ratio[order] <= 1.0]
-    _, first = np.unique(rows.ep[order] * (model.global_batch * 64 + 1) + rows.cp[order], return_index=True)
+    _, first = np.unique(np.stack([rows.ep[order], rows.cp[order]], axis=1), axis=0, return_index=True)
     feasible = [_candidate(context, rows, evaluation.step_s, ratio, int(order[i])) for i in first]
     tightest = _candidate(context, rows, evaluation.step_s, ratio, int(np.argmin(ratio))) if len(rows) else None
     return feasible, tightest
