@@ -24,6 +24,18 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SIM_2X4 = REPO_ROOT / "clusters" / "sim-2x4.yaml"
 SIM_4X2 = REPO_ROOT / "clusters" / "sim-4x2.yaml"
 _TIERS = ("unit", "ray", "cluster")
+# Unit modules whose tests read the clock: a timeout, a bounded wait, a measured duration. `make test` runs
+# the rest of the unit tier at the lowest CPU priority beside the Ray tiers, where a bound could be missed
+# for want of CPU alone; these run afterwards at normal priority (`-m wall_clock`).
+WALL_CLOCK_MODULES = frozenset({
+    "test_abortable_collectives", "test_arbiter_loop", "test_bench_overhead", "test_calibration_probe_layers",
+    "test_calibration_probe_timing", "test_checkpoint_persister", "test_controller_commands",
+    "test_controller_fake_pool", "test_corrupt_checkpoint_events", "test_ddp_abort", "test_deepspeed_init",
+    "test_docs_build", "test_elastic_parts", "test_elastic_watch", "test_engine_failures", "test_failpoints",
+    "test_host_allocator", "test_job_progress", "test_leaving_a_broken_generation", "test_liveness",
+    "test_rendezvous", "test_replica_reports", "test_replica_wait", "test_serving_engine", "test_step_accounts",
+    "test_step_progress", "test_topology_graph",
+})
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -36,6 +48,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         tier = Path(str(item.fspath)).relative_to(REPO_ROOT / "tests").parts[0]
         if tier in _TIERS:
             item.add_marker(getattr(pytest.mark, tier))
+        if tier == "unit" and Path(str(item.fspath)).stem in WALL_CLOCK_MODULES:
+            item.add_marker(pytest.mark.wall_clock)
     # The 4 x 2 cluster's tests last, not between the 2 x 4 cluster's: each change of simulated
     # cluster shuts one down and starts the other (about 25 s). The sort is stable: the order stays
     # the files' order otherwise.
