@@ -9,6 +9,7 @@ import json
 # benchmark name -> module exposing `run(args) -> dict` and optionally `add_arguments(parser)`.
 # Benchmark modules keep heavy imports inside `run`, so parsing stays fast.
 BENCHMARK_MODULES: dict[str, str] = {
+    "api": "baige_ray.bench.api",
     "colocate": "baige_ray.bench.colocate",
     "topo": "baige_ray.bench.topo",
     "plan": "baige_ray.bench.plan",
