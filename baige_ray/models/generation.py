@@ -46,6 +46,9 @@ class TextCodec(Protocol):
     def token_text(self, token: int) -> str:
         """One token decoded alone, special tokens included (how vLLM names a token in log-probabilities)."""
 
+    def tokens_text(self, tokens: list[int]) -> str:
+        """Tokens decoded together, special tokens included (a byte token read with those before it)."""
+
 
 class IncrementalDecoder(Protocol):
     def push(self, token: int) -> str:
@@ -77,6 +80,9 @@ class TokenizerCodec:
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) or ""
+
+    def tokens_text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens) or ""
 
     def chat_tokens(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):  # e.g. a base model's tokenizer

@@ -75,6 +75,9 @@ class ByteCodec:
     def token_text(self, token: int) -> str:
         return bytes([token]).decode("utf-8", errors="replace")
 
+    def tokens_text(self, tokens: list[int]) -> str:
+        return bytes(tokens).decode("utf-8", errors="replace")
+
 
 class _ByteDecoder:
     def __init__(self) -> None:

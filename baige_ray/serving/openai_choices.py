@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from baige_ray.serving.generators import TextDelta, TextOutput
-from baige_ray.serving.openai_logprobs import TokenText, chat_logprobs, completion_logprobs, next_text_offset
+from baige_ray.serving.logprob_token_names import CONTEXT_TOKENS, LogprobTokenNames, TokenDecoding
+from baige_ray.serving.openai_logprobs import chat_logprobs, completion_logprobs, next_text_offset
 from baige_ray.serving.openai_responses import chat_choice, completion_choice
 from baige_ray.serving.sampling_params import SamplingParams
 from baige_ray.serving.token_logprobs import PromptLogprobs, TokenLogprobs
@@ -65,14 +66,15 @@ class _Streamed:
     text_offset: int = 0
     entries_sent: int = 0
     prompt_logprobs: PromptLogprobs | None = None
+    last_generated: list[int] = dataclasses.field(default_factory=list)  # what the next chunk's names read after
 
 
 class AnswerShaper:
     """The choices' answers: `whole` for a request answered at once, `chunk` for each streamed piece."""
 
-    def __init__(self, choices: Sequence[Choice], *, chat: bool, token_text: TokenText, echo: bool = False,
+    def __init__(self, choices: Sequence[Choice], *, chat: bool, codec: TokenDecoding, echo: bool = False,
                  echo_only: bool = False):
-        self.choices, self.chat, self.token_text = list(choices), chat, token_text
+        self.choices, self.chat, self.names = list(choices), chat, LogprobTokenNames(codec)
         self.echo, self.echo_only = echo, echo_only
         self._streamed = [_Streamed() for _ in self.choices]
 
@@ -126,9 +128,18 @@ class AnswerShaper:
         num_logprobs = self.choices[index].params.num_logprobs
         if num_logprobs is None:
             return None
-        return completion_logprobs([*prompt, *_tokens(entries)], [*prompt_logprobs, *entries], num_logprobs,
-                                   self.token_text, self._streamed[index].text_offset)
+        state = self._streamed[index]
+        logprobs = completion_logprobs([*prompt, *_tokens(entries)], [*prompt_logprobs, *entries], num_logprobs,
+                                       self.names, state.text_offset, num_prompt=len(prompt),
+                                       generated_before=state.last_generated)
+        state.last_generated = [*state.last_generated, *_tokens(entries)][-CONTEXT_TOKENS:]
+        return logprobs
 
     def _chat_logprobs(self, index: int, entries: Sequence[TokenLogprobs] | None) -> dict | None:
         num_logprobs = self.choices[index].params.num_logprobs
-        return None if num_logprobs is None else chat_logprobs(entries or (), num_logprobs, self.token_text)
+        if num_logprobs is None:
+            return None
+        state = self._streamed[index]
+        logprobs = chat_logprobs(entries or (), num_logprobs, self.names, state.last_generated)
+        state.last_generated = [*state.last_generated, *_tokens(entries or ())][-CONTEXT_TOKENS:]
+        return logprobs

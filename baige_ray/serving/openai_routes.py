@@ -138,7 +138,7 @@ class OpenAIRoutes:
                       for prompt, tokens, (fitted, _) in zip(parsed.prompts, prompts, requests)] \
             if parsed.sampling.echo else []
         choices = fan_out(requests, echo_texts)
-        shaper = AnswerShaper(choices, chat=False, token_text=runner.codec.token_text, echo=parsed.sampling.echo,
+        shaper = AnswerShaper(choices, chat=False, codec=runner.codec, echo=parsed.sampling.echo,
                               echo_only=parsed.max_tokens == 0)
         return await self._respond(runner, shaper, parsed, started)
 
@@ -149,7 +149,7 @@ class OpenAIRoutes:
         runner = self.calls.require_runner()
         prompts = [chat_prompt_tokens(runner.codec, parsed.messages)]
         choices = fan_out(fitted_requests(prompts, parsed, runner.engine.max_context))
-        return await self._respond(runner, AnswerShaper(choices, chat=True, token_text=runner.codec.token_text),
+        return await self._respond(runner, AnswerShaper(choices, chat=True, codec=runner.codec),
                                    parsed, started)
 
     async def _respond(self, runner: EngineRunner, shaper: AnswerShaper, parsed: Any, started: float) -> Response:

@@ -11,6 +11,7 @@ import torch
 
 from baige_ray.serving.engine import ContinuousBatchingEngine, EngineLimits
 from baige_ray.serving.engine_runner import EngineRunner
+from baige_ray.serving.logprob_token_names import LogprobTokenNames
 from tests.unit.fixtures.openai_server import call, make_server, stop_server
 
 COMPLETION_LOGPROBS_KEYS = ["text_offset", "token_logprobs", "tokens", "top_logprobs"]
@@ -197,12 +198,14 @@ def test_echoed_prompt_logprobs_equal_transformers_forward_even_with_the_prompt_
     body = post(served, "v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 3})
     logprobs = body["choices"][0]["logprobs"]
     raw = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-    assert body["choices"][0]["text"] == prompt and logprobs["tokens"] == [codec.token_text(t) for t in ids]
+    names = LogprobTokenNames(codec)  # a prompt token read after those before it but the first, as vLLM does
+    assert body["choices"][0]["text"] == prompt
+    assert logprobs["tokens"] == [codec.token_text(ids[0])] + [names.after(ids[1:i])(ids[i]) for i in range(1, len(ids))]
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
     expected = [float(raw[i - 1, ids[i]]) for i in range(1, len(ids))]
     assert logprobs["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
     for i in range(1, len(ids)):
-        assert logprobs["top_logprobs"][i] == pytest.approx(expected_top(raw[i - 1], ids[i], 3, codec.token_text),
+        assert logprobs["top_logprobs"][i] == pytest.approx(expected_top(raw[i - 1], ids[i], 3, names.after(ids[1:i])),
                                                              abs=1e-4)
 
 
@@ -217,8 +220,11 @@ def test_echoed_and_generated_logprobs_equal_transformers_forward_over_prompt_an
                                            "logprobs": 2, "ignore_eos": True})
     logprobs = body["choices"][0]["logprobs"]
     raw = torch.log_softmax(model(torch.tensor([greedy])).logits[0].float(), dim=-1)
-    assert logprobs["tokens"] == [codec.token_text(t) for t in greedy]
+    names = LogprobTokenNames(codec)  # generated tokens read after those generated before them, as vLLM does
+    prompt_names = [codec.token_text(ids[0])] + [names.after(ids[1:i])(ids[i]) for i in range(1, len(ids))]
+    generated_names = [names.after(greedy[len(ids):i])(greedy[i]) for i in range(len(ids), len(greedy))]
+    assert logprobs["tokens"] == prompt_names + generated_names
     expected = [float(raw[i - 1, greedy[i]]) for i in range(1, len(greedy))]
     assert logprobs["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
-    assert logprobs["top_logprobs"][-1] == pytest.approx(expected_top(raw[-2], greedy[-1], 2, codec.token_text),
-                                                         abs=1e-4)
+    last_names = names.after(greedy[len(ids):-1])
+    assert logprobs["top_logprobs"][-1] == pytest.approx(expected_top(raw[-2], greedy[-1], 2, last_names), abs=1e-4)
