@@ -154,8 +154,8 @@ def read_stream(status: int, events: list[Any]) -> Answer:
     return answer
 
 
-def compare(reference: Answer, candidate: Answer, *, logprob_tolerance: float, text: bool = True) -> list[str]:
-    """How `candidate` differs from `reference`: statuses; per choice the text (when `text`), finish reason,
+def compare(reference: Answer, candidate: Answer, *, logprob_tolerance: float) -> list[str]:
+    """How `candidate` differs from `reference`: statuses; per choice the text, finish reason,
     log-probabilities' tokens and values (within `logprob_tolerance`); usage. Empty when they agree."""
     if reference.status != candidate.status:
         return [f"status {candidate.status} where the reference answered {reference.status}"
@@ -167,18 +167,18 @@ def compare(reference: Answer, candidate: Answer, *, logprob_tolerance: float, t
         return [f"choices {sorted(candidate.choices)} where the reference has {sorted(reference.choices)}"]
     for index, expected in sorted(reference.choices.items()):
         got = candidate.choices[index]
-        if text and got.text != expected.text:
+        if got.text != expected.text:
             problems.append(f"choice {index}: text {got.text!r} where the reference has {expected.text!r}")
         if got.finish_reason != expected.finish_reason:
             problems.append(f"choice {index}: finish_reason {got.finish_reason!r}, reference {expected.finish_reason!r}")
-        problems += _compare_logprobs(index, expected, got, logprob_tolerance, text)
+        problems += _compare_logprobs(index, expected, got, logprob_tolerance)
     if reference.usage != candidate.usage:
         problems.append(f"usage {candidate.usage} where the reference has {reference.usage}")
     return problems
 
 
-def _compare_logprobs(index: int, expected: Choice, got: Choice, tolerance: float, text: bool) -> list[str]:
-    if text and got.tokens != expected.tokens:
+def _compare_logprobs(index: int, expected: Choice, got: Choice, tolerance: float) -> list[str]:
+    if got.tokens != expected.tokens:
         return [f"choice {index}: log-probability tokens {got.tokens[:8]} where the reference has {expected.tokens[:8]}"]
     if len(got.logprobs) != len(expected.logprobs):
         return [f"choice {index}: {len(got.logprobs)} log-probabilities where the reference has {len(expected.logprobs)}"]
