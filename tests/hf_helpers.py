@@ -191,6 +191,27 @@ def elastic_hf_run(name: str, storage_path, tiny: TinyHF, *, num_workers: int, n
     )
 
 
+def save_job_adapter(job, adapter, directory: Path, base: Path) -> None:
+    """The running LoRA job's newest adapter saved as a PEFT directory (what a replica should serve)."""
+    import ray
+
+    from baige_ray.models.adapters import save_adapter
+    from baige_ray.parallel.packed_tensors import state_tensors
+
+    save_adapter(directory, state_tensors(ray.get(job.latest_model_state()[1])), adapter, str(base))
+
+
+def peft_greedy_text(base: Path, adapter_dir: Path, prompt: list[int], tokenizer, new_tokens: int = 8) -> str:
+    """peft + transformers' greedy continuation of `prompt` with the adapter, decoded as a server answers."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter_dir).eval()
+    expected = tuned.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False)
+    return tokenizer.decode(expected[0, len(prompt):], skip_special_tokens=True).rstrip("\ufffd")  # as served
+
+
 CHAT_TEMPLATES = Path(__file__).parent / "unit" / "fixtures" / "chat_templates"
 _WORDS = "the model reads a list of numbers and returns their sum or product in order".split()
 

@@ -142,9 +142,6 @@ class ServeOptions:
                              "run whole prompts beside no decoding row, so there is nothing to chunk them for")
 
     def _check_adapters(self) -> None:
-        if self.engine != "builtin":
-            raise ValueError(f"ServeOptions.adapters is invalid with engine={self.engine!r}: adapters are served by "
-                             "the built-in engine (engine='builtin'); vLLM's LoRA support is not wired yet")
         if self.disaggregation is not None or self.expert_parallel is not None:
             raise ValueError("ServeOptions.adapters is invalid with disaggregation or expert_parallel: adapters are "
                              "applied by replicas that prefill and decode their requests themselves")
@@ -278,10 +275,11 @@ def serve(
     BAIGE_RAY_API_KEY environment variable) every route but /health answers 401 to a request without
     `Authorization: Bearer <key>`, as `vllm serve --api-key` does (serving/api_key.py). With `adapters`
     (name -> a PEFT adapter directory, as `fit(..., adapter=...)` writes, or a running `TrainingJob` launched
-    with `adapter=`, whose newest in-memory adapter is served with no file written; built-in engine) each adapter is a
-    model of its own: GET /v1/models lists it with the model as its parent, and a request whose `model` is
-    the adapter's name (or `<name>:<adapter>`) generates with it, rows of several adapters in one batch
-    (serving/lora_adapters.py).
+    with `adapter=`, whose newest in-memory adapter is served) each adapter is a model of its own: GET
+    /v1/models lists it with the model as its parent, and a request whose `model` is the adapter's name (or
+    `<name>:<adapter>`) generates with it, rows of several adapters in one batch. The built-in engine applies
+    them itself, a job's adapter with no file written (serving/lora_adapters.py); vLLM through its
+    multi-LoRA, a job's adapter written to /dev/shm for it to read (serving/vllm_adapters.py).
     """
     settings = ServeOptions(
         route_prefix=route_prefix, host=host, port=port, num_replicas=num_replicas,

@@ -69,7 +69,7 @@ from baige_ray.serving.expert_ranks import ExpertRanks
 from baige_ray.serving.generators import TextDelta, TextOutput, text_generator
 from baige_ray.serving.kv_blocks import BlockHandover, KVCacheConfig, PrefixBlockStore
 from baige_ray.serving.ledger import EngineLoad
-from baige_ray.serving.lora_adapters import AdapterSet, AdapterSource, adapter_root, read_adapter
+from baige_ray.serving.lora_adapters import AdapterSet, AdapterSource, adapter_root
 from baige_ray.serving.openai_api import CompletionLimits
 from baige_ray.serving.openai_responses import error_body
 from baige_ray.serving.openai_routes import MODEL_ROUTE, OpenAIRoutes, ReplicaCalls
@@ -84,6 +84,7 @@ from baige_ray.serving.requests import (
     parse_generate_request,
     read_body,
 )
+from baige_ray.serving.vllm_adapters import VLLMAdapters, lora_slots
 from baige_ray.serving.vllm_engine import build_vllm_engine
 
 REPORT_INTERVAL_S = 0.5
@@ -205,8 +206,8 @@ class ModelServer:
         changed = {name: source for name, source in adapters.items() if self._adapters.get(name) != source}
         if not changed:
             return
-        loaded = {name: await asyncio.to_thread(read_adapter, source) for name, source in changed.items()}
-        served = self._runner.engine.adapters
+        served = self._runner.engine.adapters  # AdapterSet (built-in engine) or VLLMAdapters
+        loaded = {name: await asyncio.to_thread(served.prepare, name, source) for name, source in changed.items()}
 
         def swap() -> None:
             for name, weights in loaded.items():
@@ -219,7 +220,7 @@ class ModelServer:
     def _build_runner(self, model_config, state: dict, *, first: bool, version: int) -> EngineRunner:
         plugin = plugin_for(model_config)
         if self._engine_name == "vllm":
-            engine, codec = build_vllm_engine(plugin, state, self._engine_limits)
+            engine, codec = build_vllm_engine(plugin, state, self._engine_limits, adapters=self._vllm_adapters())
             with _engine_cannot_run(plugin.describe(), "vllm"):  # one token through vLLM itself
                 generate_all(engine, [codec.encode(WARMUP_PROMPT)], [SamplingParams(max_new_tokens=1, temperature=0.0)])
             return EngineRunner(engine, codec)
@@ -243,11 +244,15 @@ class ModelServer:
 
     def _adapter_set(self, model) -> AdapterSet | None:
         """The LoRA adapters this replica serves, applied per request over `model` (None: none served)."""
-        if not self._adapters:
-            return None
-        served = AdapterSet(model)
+        return self._served_adapters(AdapterSet(model)) if self._adapters else None
+
+    def _vllm_adapters(self) -> VLLMAdapters | None:
+        """The LoRA adapters this replica serves through vLLM's multi-LoRA (None: none served)."""
+        return self._served_adapters(VLLMAdapters(lora_slots(self._adapters))) if self._adapters else None
+
+    def _served_adapters(self, served):
         for name, source in self._adapters.items():
-            served.add(name, read_adapter(source))
+            served.add(name, served.prepare(name, source))
         return served
 
     def _prefix_store(self, plugin, version: int) -> PrefixBlockStore | None:

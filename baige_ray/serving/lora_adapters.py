@@ -87,20 +87,27 @@ class JobAdapter:
 
     weights: Any  # ray.ObjectRef to the job's newest snapshot weights (the adapter's alone)
     step: int
-    lora_alpha: float
-    r: int
-    use_rslora: bool = False
+    config: Any  # the job's peft LoraConfig
 
     @property
     def root(self) -> str:
         return f"memory: training step {self.step}"
 
-    def read(self) -> LoRAWeights:
+    @property
+    def rank(self) -> int:
+        return max([int(self.config.r), *map(int, (getattr(self.config, "rank_pattern", None) or {}).values())])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The adapter's weights by canonical name (peft's, with its adapter name)."""
         import ray
 
         from baige_ray.parallel.packed_tensors import state_tensors
 
-        return lora_weights_from_state(state_tensors(ray.get(self.weights)), self.lora_alpha, self.r, self.use_rslora)
+        return state_tensors(ray.get(self.weights))
+
+    def read(self) -> LoRAWeights:
+        config = self.config
+        return lora_weights_from_state(self.tensors(), config.lora_alpha, config.r, bool(getattr(config, "use_rslora", False)))
 
 
 AdapterSource = str | JobAdapter  # a PEFT directory's path, or a job's adapter in memory
@@ -138,12 +145,19 @@ def _job_adapter(name: str, job: Any) -> JobAdapter:
     step, weights = job.latest_model_state()
     # A copy this process owns (an adapter is small): the job's controller owns its snapshot, which goes with it,
     # and a replica restarted later must still find what it serves.
-    return JobAdapter(weights=ray.put(ray.get(weights)), step=int(step), lora_alpha=config.lora_alpha, r=config.r,
-                      use_rslora=bool(getattr(config, "use_rslora", False)))
+    return JobAdapter(weights=ray.put(ray.get(weights)), step=int(step), config=config)
 
 
 def read_adapter(source: AdapterSource) -> LoRAWeights:
     return source.read() if isinstance(source, JobAdapter) else read_peft_adapter(source)
+
+
+def adapter_rank(source: AdapterSource) -> int:
+    """The largest LoRA rank of the adapter's matrices (its `r`, or a larger one its `rank_pattern` gives)."""
+    if isinstance(source, JobAdapter):
+        return source.rank
+    config = json.loads((Path(source) / "adapter_config.json").read_text())
+    return max([int(config["r"]), *map(int, (config.get("rank_pattern") or {}).values())])
 
 
 def adapter_root(source: AdapterSource) -> str:
@@ -181,6 +195,11 @@ class AdapterSet:
     def __init__(self, model: nn.Module):
         self.model = model
         self.slots: dict[str, int] = {}
+
+    @staticmethod
+    def prepare(name: str, source: AdapterSource) -> LoRAWeights:
+        """The adapter's matrices read from `source` (any thread, before `add` on the engine's)."""
+        return read_adapter(source)
 
     def add(self, name: str, weights: LoRAWeights) -> int:
         """Serve `weights` as adapter `name` (replacing an adapter of that name); returns its slot."""

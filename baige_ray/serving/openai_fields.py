@@ -4,8 +4,7 @@ its rows come from the parsers' own field lists, so a field added to a parser wi
 that test instead of going undocumented.
 
 Both engines (`engine="builtin"` and `engine="vllm"`) implement every field the table does not mark as
-refused; vLLM bounds the temperature at 2, structured output is vLLM's, and LoRA adapters the built-in
-engine's.
+refused; vLLM bounds the temperature at 2, and structured output is vLLM's.
 """
 
 from __future__ import annotations

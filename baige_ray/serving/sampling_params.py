@@ -142,8 +142,6 @@ def unsupported_field(params: SamplingParams, engine: str) -> tuple[str, str] | 
     engines implement every sampling field; vLLM bounds the temperature, and structured output is vLLM's."""
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r} is invalid: expected one of {list(ENGINES)}")
-    if engine == "vllm" and params.adapter is not None:
-        return "model", f"the adapter {params.adapter!r} is served by the built-in engine only, not vLLM"
     if engine == "builtin" and params.structured_outputs is not None:
         return "response_format", ("structured output ('response_format' json_object / json_schema, or "
                                    "'structured_outputs') is implemented by serve(engine='vllm'), not by the "

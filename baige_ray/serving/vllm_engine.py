@@ -33,6 +33,7 @@ from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.engine import EngineFull, EngineLimits, EventSink, TokenEvent
 from baige_ray.serving.sampling_params import stops_at
 from baige_ray.serving.token_logprobs import PromptLogprobs, TokenLogprobs
+from baige_ray.serving.vllm_adapters import LoRASlots, VLLMAdapters
 
 WeightAdapter = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -53,6 +54,7 @@ class VLLMSettings:
     max_context: int
     dtype: str = "float32"
     seed: int = 0
+    lora: LoRASlots | None = None  # what LoRA adapters the engine is built for, where it serves any
 
 
 class VLLMEngine:
@@ -60,10 +62,12 @@ class VLLMEngine:
 
     def __init__(self, settings: VLLMSettings, weights: dict[str, torch.Tensor] | None, *,
                  eos_token_id: int | None, limits: EngineLimits = EngineLimits(),
-                 served_weights: WeightAdapter = dict):
+                 served_weights: WeightAdapter = dict, adapters: VLLMAdapters | None = None):
         """`weights=None`: vLLM loads the model directory's own weights files instead of memory's.
-        `served_weights` maps canonical weights to the names and layout of vLLM's model class."""
+        `served_weights` maps canonical weights to the names and layout of vLLM's model class. `adapters`:
+        the LoRA adapters requests may name (built for `settings.lora`, which must be their slots)."""
         self.settings, self.eos_token_id, self.limits = settings, eos_token_id, limits
+        self.adapters = adapters
         self._served_weights = served_weights
         self.max_context = settings.max_context
         self._engine = _build_engine(settings, limits, load_format="auto" if weights is None else "dummy")
@@ -71,7 +75,7 @@ class VLLMEngine:
             self.load_weights(weights)
         self._lock = threading.Condition()
         self._interrupted = False
-        self._pending: list[tuple[str, list[int], tuple[SamplingParams, Any], EventSink]] = []
+        self._pending: list[tuple[str, list[int], tuple[SamplingParams, Any, Any], EventSink]] = []
         self._cancelled: set[str] = set()
         self._sinks: dict[str, tuple[EventSink, SamplingParams]] = {}
         self._ids = itertools.count()
@@ -87,6 +91,8 @@ class VLLMEngine:
         """Free vLLM's KV pool and model; it also ends the process's vLLM distributed state, shared by every
         engine in the process, so close an engine only when no other one still steps."""
         self._engine.engine_core.shutdown()
+        if self.adapters is not None:
+            self.adapters.close()
 
     # -- any thread ---------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: SamplingParams, on_event: EventSink) -> str:
@@ -95,13 +101,21 @@ class VLLMEngine:
         require_fit(len(prompt), params.max_new_tokens, self.max_context)  # refused, never cut
         # Built here, on the caller's thread: vLLM's own checks raise to the caller, not in the engine's step.
         served = vllm_sampling_params(params)
+        lora = self._lora_request(params.adapter)
         with self._lock:
             if len(self._pending) + len(self._sinks) >= self.limits.max_waiting + self.limits.max_batch_size:
                 raise EngineFull(f"{len(self._pending) + len(self._sinks)} requests are already in the engine")
             request_id = str(next(self._ids))
-            self._pending.append((request_id, list(prompt), (params, served), on_event))
+            self._pending.append((request_id, list(prompt), (params, served, lora), on_event))
             self._lock.notify()
         return request_id
+
+    def _lora_request(self, adapter: str | None) -> Any:
+        if adapter is None:
+            return None
+        if self.adapters is None:
+            raise ValueError(f"adapter {adapter!r} is not served: this engine serves no adapters")
+        return self.adapters.request_for(adapter)
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
@@ -146,11 +160,11 @@ class VLLMEngine:
         with self._lock:
             pending, self._pending = self._pending, []
             cancelled, self._cancelled = self._cancelled, set()
-        for request_id, prompt, (params, served), on_event in pending:
+        for request_id, prompt, (params, served, lora), on_event in pending:
             if request_id in cancelled:
                 continue
             self._sinks[request_id] = (on_event, params)
-            self._engine.add_request(request_id, {"prompt_token_ids": prompt}, served)
+            self._engine.add_request(request_id, {"prompt_token_ids": prompt}, served, lora_request=lora)
         aborted = [request_id for request_id in cancelled if self._sinks.pop(request_id, None) is not None]
         if aborted:
             self._engine.abort_request(aborted)
@@ -257,6 +271,7 @@ def _build_engine(settings: VLLMSettings, limits: EngineLimits, *, load_format: 
         model=settings.model_dir, tokenizer=settings.model_dir, dtype=settings.dtype, seed=settings.seed,
         max_model_len=settings.max_context, max_num_seqs=limits.max_batch_size, enforce_eager=True,
         load_format=load_format, trust_remote_code=False,
+        **(settings.lora.engine_args() if settings.lora is not None else {}),
         enable_prefix_caching=True,  # vLLM's own block-hash prefix reuse; reset when new weights arrive
         disable_log_stats=True,  # the replica reports its own metrics; vLLM's would cost every step
         **({} if limits.max_num_batched_tokens is None else
@@ -266,12 +281,15 @@ def _build_engine(settings: VLLMSettings, limits: EngineLimits, *, load_format: 
 
 
 def build_vllm_engine(plugin: Any, weights: dict[str, torch.Tensor] | None,
-                      limits: EngineLimits = EngineLimits()) -> tuple[VLLMEngine, TextCodec]:
-    """vLLM serving the model `plugin` (a ModelPlugin) holds, with `weights` from memory, and its codec."""
+                      limits: EngineLimits = EngineLimits(),
+                      adapters: VLLMAdapters | None = None) -> tuple[VLLMEngine, TextCodec]:
+    """vLLM serving the model `plugin` (a ModelPlugin) holds, with `weights` from memory, and its codec;
+    with `adapters`, the LoRA adapters requests may name."""
     plugin.check_vllm()
     codec = plugin.text_codec()
+    lora = adapters.slots if adapters is not None else None
     with plugin.vllm_source() as source:  # vLLM reads the directory once, while it builds its engine
-        settings = VLLMSettings(model_dir=source.model_dir, max_context=source.max_context)
+        settings = VLLMSettings(model_dir=source.model_dir, max_context=source.max_context, lora=lora)
         engine = VLLMEngine(settings, weights, eos_token_id=codec.eos_token_id, limits=limits,
-                            served_weights=plugin.vllm_weights)
+                            served_weights=plugin.vllm_weights, adapters=adapters)
     return engine, codec

