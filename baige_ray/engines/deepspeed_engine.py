@@ -4,7 +4,10 @@ DeepSpeed joins the process group the worker already belongs to
 (`dist_init_required=False`); on CPU its accelerator is "cpu" and its
 collectives run on gloo. The client optimizer is the same AdamW with the same
 parameter groups as every other engine, so the update is the same mathematics.
-Gradient accumulation and clipping are DeepSpeed's own. With expert parallelism
+Gradient accumulation and clipping are DeepSpeed's own. Frozen parameters (a LoRA
+job's base weights, models/adapters.py) are DeepSpeed's to hold, partitioned under
+ZeRO-3, but never stepped, snapshotted or exported: state is the trainable
+parameters' alone, as in the other engines. With expert parallelism
 (ZeRO-1/2), experts are sharded by expert index and their gradients and optimizer
 state live in DeepSpeed's expert-data-parallel groups (deepspeed_experts.py).
 """
@@ -25,7 +28,7 @@ from baige_ray.models.aux_loss import auxiliary_losses
 from baige_ray.parallel.boxes import Box
 from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.parallel.shards import ShardCopy, ShardedPart, copy_local, meta_part
-from baige_ray.parallel.state import ADAM_KEYS, CanonicalState
+from baige_ray.parallel.state import ADAM_KEYS, CanonicalState, trainable_parameters
 
 
 def deepspeed_config(job: TrainJob, per_replica_batch: int, zero_stage: int) -> dict:
@@ -152,7 +155,7 @@ class DeepSpeedEngine(Engine):
         from deepspeed.utils import safe_get_full_fp32_param
 
         weights = {}
-        for name, param in self.module.named_parameters():
+        for name, param in trainable_parameters(self.module):
             full = self._canonical(name, safe_get_full_fp32_param(param))  # collective under ZeRO-3
             if self.owns_state:
                 weights[name] = full
@@ -182,7 +185,7 @@ class DeepSpeedEngine(Engine):
             self._relink_state_fragments()
         model, adam = {}, {}
         step = [s["step"] for s in self._base_optimizer_states()]
-        for name, param in self.module.named_parameters():
+        for name, param in trainable_parameters(self.module):
             model[name] = self._canonical(name, safe_get_full_fp32_param(param))  # collective under ZeRO-3
             moments = {key: safe_get_full_optimizer_state(param, key) for key in ADAM_KEYS}
             if step and all(value is not None for value in moments.values()):
@@ -220,7 +223,7 @@ class DeepSpeedEngine(Engine):
         old_adam = into.state["optimizer"] if into is not None else {}
         base_states = self._base_optimizer_states()
         model, adam = {}, {}
-        for name, param in self.module.named_parameters():
+        for name, param in trainable_parameters(self.module):
             length = boxes[name].size[0]
             model[name] = copy_local(self._trim(param, safe_get_local_fp32_param(param), length), old_model.get(name))
             if base_states:
@@ -239,7 +242,7 @@ class DeepSpeedEngine(Engine):
             import deepspeed.comm as ds_dist
 
             boxes = {}
-            for name, param in self.module.named_parameters():
+            for name, param in trainable_parameters(self.module):
                 per_rank = param.ds_tensor.ds_numel  # ceil(ds_numel / group size): the padded partition
                 start = per_rank * ds_dist.get_rank(group=param.ds_process_group)
                 length = max(0, min(per_rank, param.ds_numel - start))
@@ -269,7 +272,7 @@ class DeepSpeedEngine(Engine):
         if state["optimizer"]:
             self._create_optimizer_state()
             self._relink_state_fragments()
-        for name, param in self.module.named_parameters():
+        for name, param in trainable_parameters(self.module):
             saved = state["optimizer"].get(name)
             if saved is not None:
                 for key in ADAM_KEYS:
@@ -285,7 +288,7 @@ class DeepSpeedEngine(Engine):
         set from `weights` under bf16, whose copies are rounded)."""
         import deepspeed
 
-        for name, param in self.module.named_parameters():
+        for name, param in trainable_parameters(self.module):
             full = self._cut(name, weights[name]).to(self.device)
             if self.zero_stage == 3:
                 # Every rank holds the full tensor, so rank 0's copy is what gets re-partitioned.
@@ -297,7 +300,7 @@ class DeepSpeedEngine(Engine):
             self.engine.optimizer.refresh_fp32_params()
             return
         # the bf16 weights just copied are rounded: the fp32 masters take the full-precision values
-        for name, param in self.module.named_parameters():
+        for name, param in trainable_parameters(self.module):
             self._set_master(name, param, weights[name])
 
     def _set_master(self, name: str, param: nn.Parameter, full: torch.Tensor, key: str | None = None) -> None:

@@ -51,9 +51,6 @@ def check_adapter_layout(layout: Any) -> None:
         raise ValueError(f"layout {layout.describe()} is invalid with adapter=: peft's LoRA layers wrap the Linear "
                          "modules tensor and expert parallelism split; expected tp=1 and ep=1 (data and pipeline "
                          "parallelism)")
-    if layout.dp > 1 and layout.data_parallel.startswith("zero"):
-        raise ValueError(f"ParallelLayout.data_parallel={layout.data_parallel!r} is invalid with adapter=: adapters "
-                         "train with data parallelism by DDP or FSDP2 (not with DeepSpeed's ZeRO yet)")
 
 
 def is_adapter_parameter(name: str) -> bool:

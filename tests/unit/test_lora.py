@@ -47,10 +47,24 @@ def _two_ranks(rank: int, port: int, results, model_dir, dataset) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     layouts = {"dp2": ParallelLayout(dp=2), "fsdp2": ParallelLayout(dp=2, data_parallel="fsdp2"),
-               "pp2": ParallelLayout(pp=2, num_microbatches=2)}
+               "pp2": ParallelLayout(pp=2, num_microbatches=2), "zero2": ParallelLayout(dp=2, data_parallel="zero2")}
     for name, layout in layouts.items():
         engine = build_engine(job(model_dir, dataset), layout, rank)
         results[(name, rank)] = [engine.train_step(step)["loss"] for step in range(NUM_STEPS)]
+    # ZeRO-3 partitions the frozen base too; its state (the adapter's alone) moves into a fresh engine, which
+    # takes the last step as the first engine does
+    zero3 = ParallelLayout(dp=2, data_parallel="zero3")
+    engine = build_engine(job(model_dir, dataset), zero3, rank)
+    losses = [engine.train_step(step)["loss"] for step in range(NUM_STEPS - 1)]
+    state = [engine.export_state()]
+    dist.broadcast_object_list(state, src=0)
+    assert state[0]["model"] and all(".lora_" in name for name in state[0]["model"])
+    moved = build_engine(job(model_dir, dataset), zero3, rank)
+    moved.import_state(state[0])
+    losses.append(moved.train_step(NUM_STEPS - 1)["loss"])
+    assert losses[-1] == engine.train_step(NUM_STEPS - 1)["loss"]
+    assert moved.train_step(NUM_STEPS)["loss"] == engine.train_step(NUM_STEPS)["loss"]  # the Adam moments moved too
+    results[("zero3", rank)] = losses
     dist.destroy_process_group()
 
 
@@ -90,7 +104,7 @@ def test_only_the_adapter_trains_and_its_export_scores_the_reported_loss_in_peft
     torch.testing.assert_close(merged_logits, logits, rtol=1e-4, atol=1e-5)
 
 
-def test_adapters_train_as_one_process_with_accumulation_ddp_fsdp2_and_pipeline_parallelism(chat_data):
+def test_adapters_train_as_one_process_with_accumulation_ddp_fsdp2_zero_and_pipeline_parallelism(chat_data):
     from baige_ray.engines.factory import build_engine
     from baige_ray.parallel.layout import ParallelLayout
 
@@ -100,7 +114,7 @@ def test_adapters_train_as_one_process_with_accumulation_ddp_fsdp2_and_pipeline_
     accumulated = build_engine(job(model_dir, dataset, micro_batch_size=1), ParallelLayout())
     runs = {"accumulation 4": [accumulated.train_step(step)["loss"] for step in range(NUM_STEPS)]}
     ranks = spawn_ranks(_two_ranks, 2, model_dir, dataset)
-    for data_parallel in ("dp2", "fsdp2"):
+    for data_parallel in ("dp2", "fsdp2", "zero2", "zero3"):
         runs[data_parallel] = [sum(pair) / 2 for pair in zip(ranks[(data_parallel, 0)], ranks[(data_parallel, 1)])]
     runs["pp2"] = ranks[("pp2", 1)]
     for name, losses in runs.items():
@@ -117,8 +131,6 @@ def test_layouts_and_configs_adapters_cannot_train_are_refused(chat_data):
     model_dir, dataset = chat_data
     with pytest.raises(ValueError, match="TP2.*expected tp=1 and ep=1"):
         check_adapter_layout(ParallelLayout(tp=2))
-    with pytest.raises(ValueError, match="data_parallel='zero2' is invalid with adapter="):
-        check_adapter_layout(ParallelLayout(dp=2, data_parallel="zero2"))
     with pytest.raises(ValueError, match="expected a peft.LoraConfig"):
         TrainJob(model=job(model_dir, dataset).model, train=job(model_dir, dataset).train, adapter={"r": 4})
     from baige_ray.jobs.launch import launch
