@@ -93,12 +93,21 @@ def _device_memory(accelerator: AcceleratorSpec) -> tuple[str, int]:
     return "cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def granted_cpu_threads() -> int:
+    """One intra-op thread per whole CPU Ray granted this actor, as Ray Train sets OMP_NUM_THREADS: a worker
+    given both cores of a host computes on both, while simulated workers granted half a CPU each take one
+    thread each instead of thrashing the few cores they share. One outside Ray."""
+    if not ray.is_initialized():
+        return 1
+    return max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+
+
 class WorkerActor:
     """State of one worker process: its device, its process-group membership, its engine."""
 
-    def __init__(self, *, num_threads: int = 1, probe: DeviceProbe | None = None, cpu_niceness: int = 0):
-        # Many workers share few cores in simulation; one intra-op thread each avoids thrashing.
-        torch.set_num_threads(num_threads)
+    def __init__(self, *, num_threads: int | None = None, probe: DeviceProbe | None = None, cpu_niceness: int = 0):
+        """`num_threads`: torch's intra-op threads; None: one per whole CPU Ray granted the actor (at least one)."""
+        torch.set_num_threads(num_threads or granted_cpu_threads())
         if cpu_niceness:
             os.nice(cpu_niceness)
         self.accelerator = detect_accelerator(probe)
@@ -233,7 +242,7 @@ class ElasticWorkerActor(WorkerActor):
     """A worker under the elastic controller: heartbeats, step aborts and snapshot reads answered on a
     "control" thread while a step runs, replica copies on a "replica" thread (ELASTIC_WORKER_THREADS)."""
 
-    def __init__(self, *, num_threads: int = 1, probe: DeviceProbe | None = None, cpu_niceness: int = 0,
+    def __init__(self, *, num_threads: int | None = None, probe: DeviceProbe | None = None, cpu_niceness: int = 0,
                  snapshot_slots: int = 2):
         super().__init__(num_threads=num_threads, probe=probe, cpu_niceness=cpu_niceness)
         self.snapshots: HostSnapshotter | None = None
