@@ -8,8 +8,8 @@ needs), and `--conversations` conversations of one to four exchanges, replies of
 * baige-ray: `fit` with one worker (both cores) and with two, fully and with `peft.LoraConfig(r=16)` on
   every attention and MLP projection; then `launch` of the LoRA job on two workers, one of them SIGKILLed
   in its backward (fail point "backward"): `steps_lost`.
-* TRL: `SFTTrainer` in this process on the same model directory and the very sequences of each step, in
-  the same order (its sampler made sequential, the rows handed over tokenized, with the same trained
+* TRL: `SFTTrainer` in a fresh process, and in two under torchrun (DDP over gloo, one thread each as
+  baige-ray's two workers), on the same model directory and the very sequences of each step, in the same order (its sampler made sequential, the rows handed over tokenized, with the same trained
   tokens as labels and the same document lengths: `padding_free`, so its attention stays in each
   conversation too), the same optimizer (AdamW, betas 0.9 / 0.95, no weight decay), constant learning
   rate, clipping at 1.0, gradient accumulation and precision (fp32, no gradient checkpointing: TRL's
@@ -17,8 +17,8 @@ needs), and `--conversations` conversations of one to four exchanges, replies of
   (`num_items_in_batch`), as baige-ray's. The losses of every step are compared.
 
 Trained tokens per second are over the steps after the first (each system's own step clock: StepMetrics'
-`step_time_s`, TRL's time between `on_step_end` callbacks). Peak memory is the training process's peak
-resident memory of baige-ray's worker (TRL runs in this process, whose peak holds everything before it).
+`step_time_s`, TRL's time between `on_step_end` callbacks). Peak memory is the peak resident memory of
+baige-ray's worker and of TRL's (first) process (bench/sft_trl.py).
 `adapter_to_serving_s`: a LoRA job gated after two steps serves its adapter from memory (`serve(adapters=...)`);
 after two more steps, the seconds `reload_adapter` takes to put its newer adapter into the running replica
 (copied from the job's memory, swapped between two decode steps), which TRL, writing a checkpoint for a
@@ -46,7 +46,6 @@ MARKED_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 WORDS = ("add subtract numbers list sum product first last each value result total count order sort reverse "
          "print return answer because therefore then when while until every none some many few").split()
-BETAS = (0.9, 0.95)  # baige-ray's AdamW (engines/train_job.py build_optimizer)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +72,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, dict] = {}
     stages = ["baige-ray full, 1 worker", "baige-ray full, 2 workers", "baige-ray LoRA, 1 worker",
               "baige-ray LoRA, 2 workers", "baige-ray LoRA, 2 workers, one SIGKILLed",
-              "a training job's newer adapter into serving", "TRL full", "TRL LoRA"]
+              "a training job's newer adapter into serving", "TRL full, 1 process", "TRL full, 2 processes",
+              "TRL LoRA, 1 process", "TRL LoRA, 2 processes"]
     for index, (name, workers, adapter) in enumerate((("full_1", 1, False), ("full_2", 2, False),
                                                       ("lora_1", 1, True), ("lora_2", 2, True))):
         report_stage(args, stages[index], index, len(stages))
@@ -83,9 +83,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report_stage(args, stages[5], 5, len(stages))
     swap_s = adapter_to_serving_seconds(args, model_dir, data, work)
     if not args.no_peer:
-        for index, (name, adapter) in enumerate((("trl_full", False), ("trl_lora", True)), start=6):
+        peers = (("trl_full", False, 1), ("trl_full_2", False, 2), ("trl_lora", True, 1), ("trl_lora_2", True, 2))
+        for index, (name, adapter, processes) in enumerate(peers, start=6):
             report_stage(args, stages[index], index, len(stages))
-            runs[name] = trl_run(args, model_dir, data, work, adapter)
+            runs[name] = trl_run(args, model_dir, data, work, adapter, processes)
     return summary(runs, data, steps_lost, swap_s)
 
 
@@ -207,32 +208,14 @@ def adapter_to_serving_seconds(args, model_dir: Path, data, work: Path) -> float
             shutdown(info)
 
 
-def trl_run(args, model_dir: Path, data, work: Path, adapter: bool) -> dict[str, Any]:
-    """SFTTrainer on the sequences baige-ray trains, step by step in its order (no peak memory: TRL runs in
-    this process, whose peak includes everything before it)."""
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import SFTConfig
+def trl_run(args, model_dir: Path, data, work: Path, adapter: bool, processes: int) -> dict[str, Any]:
+    """SFTTrainer on the sequences baige-ray trains, step by step in its order, in `processes` fresh processes."""
+    from baige_ray.bench.sft_trl import run_trl
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.config.use_cache = False  # training: with a cache transformers ignores packed positions
-    config = SFTConfig(output_dir=str(work / "trl"), max_steps=args.steps, per_device_train_batch_size=args.micro_batch_size,
-                       gradient_accumulation_steps=args.global_batch_size // args.micro_batch_size,
-                       learning_rate=args.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
-                       weight_decay=0.0, adam_beta1=BETAS[0], adam_beta2=BETAS[1], max_grad_norm=1.0,
-                       padding_free=True, max_length=None, logging_steps=1, save_strategy="no", report_to=[],
-                       dataloader_num_workers=0, seed=0, use_cpu=True, disable_tqdm=True,
-                       # fp32 and no recomputation, as baige-ray trains here (TRL's defaults are bf16 autocast and
-                       # gradient checkpointing: 20x slower on this CPU, and not the same arithmetic)
-                       bf16=False, gradient_checkpointing=False)
-    clock = step_clock()
-    trainer = sequential_sft_trainer()(model=model, args=config, train_dataset=Dataset.from_list(trl_rows(data, args)),
-                                       processing_class=AutoTokenizer.from_pretrained(model_dir),
-                                       peft_config=lora_config(args) if adapter else None, callbacks=[clock])
-    trainer.train()
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    return _figures(losses, clock.step_times, step_trained_tokens(data, args), None)
+    settings = dict(steps=args.steps, global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+                    learning_rate=args.learning_rate, lora_rank=args.lora_rank)
+    done = run_trl(work, model_dir, trl_rows(data, args), settings, processes=processes, adapter=adapter)
+    return _figures(done["losses"], done["step_times"], step_trained_tokens(data, args), done["peak_memory_gb"])
 
 
 def trl_rows(data, args: argparse.Namespace) -> list[dict]:
@@ -255,38 +238,6 @@ def trl_rows(data, args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def sequential_sft_trainer():
-    """SFTTrainer taking the rows in the order given: they are baige-ray's steps already, in its order."""
-    import torch
-    from trl import SFTTrainer
-
-    class SequentialSFTTrainer(SFTTrainer):
-        def _get_train_sampler(self, *args, **kwargs):
-            return torch.utils.data.SequentialSampler(self.train_dataset)
-
-    return SequentialSFTTrainer
-
-
-def step_clock():
-    """A TrainerCallback that times each optimizer step, from one step's end to the next's."""
-    from transformers import TrainerCallback
-
-    class StepClock(TrainerCallback):
-        def __init__(self):
-            self.step_times, self._last = [], time.perf_counter()
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            if not self.step_times:
-                self._last = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            now = time.perf_counter()
-            self.step_times.append(now - self._last)
-            self._last = now
-
-    return StepClock()
-
-
 def _figures(losses: list[float], step_times: list[float], trained: list[int], peak_gb: float | None) -> dict[str, Any]:
     steady = slice(1, None)  # the first step builds what later ones reuse
     tokens_per_s = sum(trained[steady]) / sum(step_times[steady]) if len(step_times) > 1 else None
@@ -303,6 +254,9 @@ def summary(runs: dict[str, dict], data, steps_lost: int, adapter_to_serving_s: 
     if "trl_full" in runs:
         result["full_tokens_per_s_vs_trl"] = _ratio(runs["full_1"], runs["trl_full"])
         result["lora_tokens_per_s_vs_trl"] = _ratio(runs["lora_1"], runs["trl_lora"])
+        if "trl_full_2" in runs:  # two workers against TRL in two processes (torchrun, DDP)
+            result["full_2_tokens_per_s_vs_trl"] = _ratio(runs["full_2"], runs["trl_full_2"])
+            result["lora_2_tokens_per_s_vs_trl"] = _ratio(runs["lora_2"], runs["trl_lora_2"])
         result["loss_max_rel_diff_vs_trl"] = max(_max_rel_diff(runs["full_1"]["losses"], runs["trl_full"]["losses"]),
                                                  _max_rel_diff(runs["lora_1"]["losses"], runs["trl_lora"]["losses"]))
     result["runs"] = runs
@@ -327,7 +281,8 @@ def summarize(result: dict[str, Any]) -> str:
         peak = "-" if row["peak_memory_gb"] is None else f"{row['peak_memory_gb']:.2f}"
         lines.append(f"{name:<10} {row['trained_tokens_per_s'] or 0:>13.0f} {peak:>9}   "
                      f"{row['losses'][0]:.4f} -> {row['losses'][-1]:.4f}")
-    for key in ("full_tokens_per_s_vs_trl", "lora_tokens_per_s_vs_trl", "loss_max_rel_diff_vs_trl",
+    for key in ("full_tokens_per_s_vs_trl", "lora_tokens_per_s_vs_trl", "full_2_tokens_per_s_vs_trl",
+                "lora_2_tokens_per_s_vs_trl", "loss_max_rel_diff_vs_trl",
                 "lora_peak_memory_vs_full", "steps_lost", "padding_fraction", "adapter_to_serving_s"):
         if key in result:
             lines.append(f"{key}: {result[key]}")

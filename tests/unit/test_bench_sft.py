@@ -16,13 +16,13 @@ def bench_data(tmp_path_factory):
     args = parser.parse_args(["--steps", "2", "--conversations", "60", "--seq-len", "128"])
     work = tmp_path_factory.mktemp("bench-sft")
     model_dir = sft.make_chat_model(work, hidden=64, layers=1)
-    return args, sft.build_conversations(work, model_dir, args)
+    return args, sft.build_conversations(work, model_dir, args), model_dir
 
 
 def test_trl_rows_are_the_sequences_baige_ray_trains_in_its_order(bench_data):
     from baige_ray.bench.sft import trl_rows
 
-    args, data = bench_data
+    args, data, _ = bench_data
     rows = trl_rows(data, args)
     assert len(rows) == args.steps * args.global_batch_size
     inputs, targets = data.batch(range(len(rows)), 0)
@@ -51,3 +51,18 @@ def test_the_summary_reports_the_acceptance_figures():
     assert result["lora_peak_memory_vs_full"] == 0.8 and result["steps_lost"] == 1
     assert result["adapter_to_serving_s"] == 0.25 and "steps_lost: 1" in summarize(result)
     assert "adapter_to_serving_s: 0.25" in summarize(result)
+
+
+def test_trl_in_two_processes_trains_each_step_on_the_steps_sequences(bench_data, tmp_path):
+    """The peer of two workers: SFTTrainer under torchrun, its micro-batches dealt out by accelerate, still
+    trains step s on step s's sequences: the same losses as in one process."""
+    from baige_ray.bench.sft import trl_rows
+    from baige_ray.bench.sft_trl import run_trl
+
+    args, data, model_dir = bench_data
+    settings = dict(steps=args.steps, global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+                    learning_rate=args.learning_rate, lora_rank=args.lora_rank)
+    runs = [run_trl(tmp_path, model_dir, trl_rows(data, args), settings, processes=processes, adapter=False)
+            for processes in (1, 2)]
+    assert len(runs[0]["losses"]) == args.steps and runs[1]["peak_memory_gb"] > 0
+    assert runs[1]["losses"] == pytest.approx(runs[0]["losses"], rel=1e-4)
