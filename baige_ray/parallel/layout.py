@@ -103,13 +103,13 @@ class ParallelLayout:
         require_choice("ParallelLayout", "cp_kind", self.cp_kind, CONTEXT_PARALLEL_KINDS)
         if self.cp == 1:
             return
-        unbuilt = {"pp": self.pp > 1, "ep": self.ep > 1, "data_parallel": self.data_parallel.startswith("zero")}
+        unbuilt = {"pp": self.pp > 1, "ep": self.ep > 1}
         for name, conflicts in unbuilt.items():
             if conflicts:
                 raise ValueError(
                     f"ParallelLayout.cp={self.cp} is invalid with {name}={getattr(self, name)!r}: context "
-                    "parallelism runs with DDP or FSDP2 and tensor parallelism; with pipeline or expert "
-                    "parallelism, or DeepSpeed's ZeRO, it is not built yet"
+                    "parallelism runs with DDP, FSDP2 or DeepSpeed's ZeRO and tensor parallelism; with pipeline "
+                    "or expert parallelism it is not built yet"
                 )
 
     def _check_dp_microbatches(self) -> None:

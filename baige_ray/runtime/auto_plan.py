@@ -51,11 +51,15 @@ def plan_job(job: TrainJob, graph: ResourceGraph) -> PlacementPlan:
 
 
 def layout_from_plan(placement: PlacementPlan) -> ParallelLayout:
-    """ZeRO without TP/PP/CP runs on DeepSpeed; with them, ZeRO-3 maps to FSDP2 and lower stages to DDP."""
-    if placement.tp == 1 and placement.pp == 1 and placement.cp == 1 and placement.zero_stage > 0:
+    """ZeRO without TP/PP runs on DeepSpeed, but ZeRO-3 with CP, TP or PP maps to FSDP2 (torchtitan's
+    composition); ZeRO-1/2 with TP or PP to DDP (DeepSpeed runs neither here)."""
+    composed = placement.tp > 1 or placement.pp > 1
+    if placement.zero_stage == 3 and (composed or placement.cp > 1):
+        data_parallel = "fsdp2"
+    elif placement.zero_stage > 0 and not composed:
         data_parallel = f"zero{placement.zero_stage}"
     else:
-        data_parallel = "fsdp2" if placement.zero_stage == 3 else "ddp"
+        data_parallel = "ddp"
     return ParallelLayout(
         dp=placement.dp // placement.cp,
         cp=placement.cp,
