@@ -200,6 +200,14 @@ class Engine(ABC):
             metrics["policy_samples"] = self.data.report(step)
         return metrics
 
+    def check_recomputation(self, stages: list[nn.Module]) -> None:
+        """ValueError where recomputing blocks in backward would count their forward twice: a mixture of experts
+        adds its auxiliary loss and routed-token counts as each forward runs."""
+        if self.plugin.has_auxiliary_loss or any(self.plugin.expert_modules(stage) for stage in stages):
+            raise ValueError(f"ParallelLayout.recompute={self.layout.recompute!r} is invalid for "
+                             f"{self.plugin.describe()}: its expert layers add auxiliary losses and token counts "
+                             "in each forward, which recomputation would run twice; expected recompute='none'")
+
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The job's loss of one micro-batch, normalised by the whole step's trained tokens (every micro-batch
         of every replica): engines average micro-batch losses, so without it a micro-batch holding few

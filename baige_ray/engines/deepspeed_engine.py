@@ -59,6 +59,11 @@ class DeepSpeedEngine(Engine):
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(dist.get_rank()), str(dist.get_world_size())
         (model,) = self.build_stages()  # ZeRO needs no pipeline: one stage holds the whole model
         self.context_parallel = self._build_context_parallel(model)
+        if layout.recompute == "full":
+            from baige_ray.engines.parallelize import apply_activation_recomputation
+
+            self.check_recomputation([model])
+            apply_activation_recomputation(self.plugin.stage_blocks(model))
         self._model = model
         self.emulators = [SlowChipEmulator(model, self.emulated_speed)]
         self.expert_layers = self.plugin.expert_modules(model)

@@ -22,6 +22,16 @@ from baige_ray.parallel.distributed import abortable_mean_hook, all_reduce_abort
 from baige_ray.parallel.subgroups import device_mesh, flattened, subgroup
 
 
+def apply_activation_recomputation(blocks: list[nn.Module]) -> None:
+    """Each block keeps its input alone for backward and runs its forward again there (non-reentrant
+    checkpointing through torch's composable API: parameter names stay as they are, and FSDP2's
+    `fully_shard` composes with it, as torchtitan applies them: TP, then recomputation, then FSDP)."""
+    from torch.distributed._composable import checkpoint
+
+    for block in blocks:
+        checkpoint(block)
+
+
 def apply_tensor_parallel(blocks: list[nn.Module], tp_mesh: DeviceMesh, plan: dict) -> None:
     """Parallelize each block by the model's plan (DTensor styles keyed by block-relative module name)."""
     from torch.distributed.tensor.parallel import parallelize_module  # DTensor: imported where it is used

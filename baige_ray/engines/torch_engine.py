@@ -117,6 +117,12 @@ class TorchEngine(Engine):
         if self.layout.cp > 1:
             for stage in stages:
                 self.plugin.enable_context_parallel(stage)
+        if self.layout.recompute == "full":
+            # Before TP's and sequence parallelism's hooks on the blocks: the recomputed forward then passes
+            # through them as the first one did, as under torchtitan's checkpoint wrapper
+            self.check_recomputation(stages)
+            for stage in stages:
+                parallelize.apply_activation_recomputation(self.plugin.stage_blocks(stage))
         if self.layout.tp > 1:
             sequence_plan = self.plugin.sequence_parallel_plan(self.layout.tp) if self.layout.sequence_parallel else None
             plan = sequence_plan or self.plugin.tensor_parallel_plan(self.layout.tp)

@@ -22,6 +22,9 @@ DATA_PARALLEL_KINDS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 # "ulysses" exchanges heads for sequence by all-to-all (DeepSpeed-Ulysses).
 CONTEXT_PARALLEL_KINDS = ("ring", "ulysses")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b")
+# Activation recomputation the engines run: "full" keeps each transformer block's input alone for backward
+# and runs the block's forward again there (torchtitan's full activation checkpointing).
+RECOMPUTE_KINDS = ("none", "full")
 
 if TYPE_CHECKING:
     from baige_ray.api.configs import TrainConfig
@@ -65,12 +68,16 @@ class ParallelLayout:
     # `cp_kind` says. Weights are replicated over cp and their gradients summed over dp x cp.
     cp: int = 1
     cp_kind: str = "ring"
+    # "full": every transformer block's activations recomputed in backward (RECOMPUTE_KINDS), about one more
+    # forward of compute for keeping one tensor per block instead of all of them.
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "ep", "cp"):
             require_int("ParallelLayout", name, getattr(self, name), minimum=1)
         require_choice("ParallelLayout", "data_parallel", self.data_parallel, DATA_PARALLEL_KINDS)
         require_choice("ParallelLayout", "pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
+        require_choice("ParallelLayout", "recompute", self.recompute, RECOMPUTE_KINDS)
         if self.num_microbatches is not None:
             require_int("ParallelLayout", "num_microbatches", self.num_microbatches, minimum=1)
         require_int("ParallelLayout", "pipeline_run_ahead", self.pipeline_run_ahead, minimum=0)
@@ -218,7 +225,8 @@ class ParallelLayout:
                  if getattr(self, name) > 1]
         no_sp = ", no SP" if self.tp > 1 and not self.sequence_parallel else ""
         cp_kind = f", {self.cp_kind} CP" if self.cp > 1 else ""
-        return "x".join(parts or ["single"]) + f" ({self.data_parallel}{no_sp}{cp_kind})"
+        recompute = f", {self.recompute} recompute" if self.recompute != "none" else ""
+        return "x".join(parts or ["single"]) + f" ({self.data_parallel}{no_sp}{cp_kind}{recompute})"
 
 
 def balanced_stage_layers(layer_costs: tuple[float, ...], num_stages: int) -> tuple[int, ...]:
@@ -249,13 +257,13 @@ def balanced_stage_layers(layer_costs: tuple[float, ...], num_stages: int) -> tu
 
 
 _LAYOUT_KEYS = {"dp": int, "tp": int, "pp": int, "ep": int, "cp": int, "cpkind": str, "engine": str, "micro": int,
-                "schedule": str, "ahead": int, "sp": int}
+                "schedule": str, "ahead": int, "sp": int, "recompute": str}
 
 
 def parse_layout(text: str) -> ParallelLayout | str:
     """'ddp', 'auto', or degrees such as 'dp=2,tp=2,pp=2,engine=fsdp2,micro=4,schedule=interleaved-1f1b,ahead=1'
     (and ep=2 for expert parallelism, sp=0 for tensor parallelism without sequence parallelism, cp=2 for
-    context parallelism with cpkind=ring or cpkind=ulysses)."""
+    context parallelism with cpkind=ring or cpkind=ulysses, recompute=full for activation recomputation)."""
     if text in ("ddp", "auto"):
         return text
     fields = {}

@@ -52,6 +52,7 @@ import numpy as np
 from baige_ray.api.errors import LayoutMemoryError
 from baige_ray.api.validation import require_choice, require_int
 from baige_ray.planner.memory import (
+    RECOMPUTE,
     activation_bytes,
     logit_bytes,
     model_state_bytes,
@@ -100,11 +101,13 @@ class LayoutShape:
     # fp32 gradients of the stage held beside the usual one (TrainConfig.world_size_invariant: one per
     # local micro-batch instead of the one they accumulate into, and the int64 sum, the size of two).
     extra_gradient_copies: int = 0
+    recompute: str = "none"  # RECOMPUTE: "full" keeps each block's input alone (ParallelLayout.recompute)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "ep", "cp", "micro_batch", "num_micro_batches"):
             require_int("LayoutShape", name, getattr(self, name), minimum=1)
         require_choice("LayoutShape", "zero_stage", self.zero_stage, (0, 1, 2, 3))
+        require_choice("LayoutShape", "recompute", self.recompute, RECOMPUTE)
         require_choice("LayoutShape", "compute_dtype_bytes", self.compute_dtype_bytes, (1, 2, 4))
         require_int("LayoutShape", "extra_gradient_copies", self.extra_gradient_copies, minimum=0)
         object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
@@ -169,7 +172,8 @@ def layout_shape(layout: ParallelLayout, train: TrainConfig, stage_layers: Seque
                        micro_batch=micro, num_micro_batches=num_micro, stage_layers=per_rank,
                        experts_sharded=layout.data_parallel != "fsdp2", compute_dtype_bytes=compute_dtype_bytes,
                        sequence_parallel=layout.sequence_parallel, deepspeed=layout.data_parallel.startswith("zero"),
-                       extra_gradient_copies=num_micro + 1 if train.world_size_invariant else 0)
+                       extra_gradient_copies=num_micro + 1 if train.world_size_invariant else 0,
+                       recompute=layout.recompute)
 
 
 def device_bytes(model: ModelSpec, shape: LayoutShape) -> tuple[np.ndarray, np.ndarray]:
@@ -187,7 +191,8 @@ def device_bytes(model: ModelSpec, shape: LayoutShape) -> tuple[np.ndarray, np.n
         dense, expert = stage_param_counts(model, layers)
         states = states + shape.extra_gradient_copies * model.dtype_bytes * (dense + expert)
     activations = activation_bytes(model, layers, tp=shape.tp, pp=shape.pp, micro_batch=[shape.micro_batch],
-                                   recompute=[0], num_micro_batches=[shape.num_micro_batches],
+                                   recompute=[RECOMPUTE.index(shape.recompute)],
+                                   num_micro_batches=[shape.num_micro_batches],
                                    sequence_parallel=shape.sequence_parallel, cp=shape.cp)[0]
     # in fp32 for the loss whatever the compute; a context-parallel rank's for its tokens
     logits = logit_bytes(model, shape.pp)[0] * shape.micro_batch / shape.cp

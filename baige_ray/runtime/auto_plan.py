@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from baige_ray.engines.train_job import TrainJob
-from baige_ray.parallel.layout import ParallelLayout
+from baige_ray.parallel.layout import RECOMPUTE_KINDS, ParallelLayout
 from baige_ray.planner.options import PlanOptions
 from baige_ray.planner.plan import PlacementPlan, plan
 from baige_ray.topology.descriptor import ClusterDescriptor
@@ -45,8 +45,11 @@ def plan_job(job: TrainJob, graph: ResourceGraph) -> PlacementPlan:
     from baige_ray.runtime.calibration_store import load_calibration
 
     spec = job.plugin.model_spec(global_batch=job.train.global_batch_size)
+    # The recomputation the engines run: full, for dense models (an MoE block's forward counts its auxiliary
+    # loss and routed tokens, so it is not run twice)
+    recompute = ("none",) if spec.is_moe else RECOMPUTE_KINDS
     return plan(spec, graph, PlanOptions(expert_parallel_zero_stages=(0, 1, 2), max_pp=job.plugin.max_pipeline_stages,
-                                         overlapped_zero_stages=ENGINE_OVERLAPPED_ZERO_STAGES,
+                                         overlapped_zero_stages=ENGINE_OVERLAPPED_ZERO_STAGES, recompute=recompute,
                                          calibration=load_calibration(graph)))
 
 
@@ -69,5 +72,8 @@ def layout_from_plan(placement: PlacementPlan) -> ParallelLayout:
         ep=placement.ep,
         data_parallel=data_parallel,
         num_microbatches=placement.num_micro_batches if placement.pp > 1 else None,
+        # The engines attend through SDPA's fused kernel, which keeps no attention scores: what selective
+        # recomputation would spare is never stored, so it runs as none
+        recompute="none" if placement.recompute == "selective" else placement.recompute,
         stage_layers=tuple(placement.stage_layers) if placement.pp > 1 else None,
     )
