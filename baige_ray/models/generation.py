@@ -40,8 +40,9 @@ class TextCodec(Protocol):
 
     def decoder(self) -> IncrementalDecoder: ...
 
-    def chat_tokens(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
-        """The prompt for (role, content) messages, ready for the assistant's answer."""
+    def chat_tokens(self, messages: tuple[tuple[str, str], ...], tools: tuple[dict, ...] | None = None) -> list[int]:
+        """The prompt for (role, content) messages, ready for the assistant's answer; `tools` (OpenAI's
+        function tools) for the chat template to write in."""
 
     def token_text(self, token: int) -> str:
         """One token decoded alone, special tokens included (how vLLM names a token in log-probabilities)."""
@@ -84,11 +85,12 @@ class TokenizerCodec:
     def tokens_text(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens) or ""
 
-    def chat_tokens(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
+    def chat_tokens(self, messages: tuple[tuple[str, str], ...], tools: tuple[dict, ...] | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):  # e.g. a base model's tokenizer
             return self.encode(plain_chat_prompt(messages))
         conversation = [{"role": role, "content": content} for role, content in messages]
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(conversation, tools=list(tools) if tools else None, tokenize=False,
+                                                  add_generation_prompt=True)
         # The template writes the special tokens it wants (BOS included): none are added again.
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] or self.encode(text)
 

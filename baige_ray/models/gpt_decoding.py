@@ -69,8 +69,8 @@ class ByteCodec:
     def decoder(self) -> IncrementalDecoder:
         return _ByteDecoder()
 
-    def chat_tokens(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
-        return self.encode(plain_chat_prompt(messages))
+    def chat_tokens(self, messages: tuple[tuple[str, str], ...], tools: tuple[dict, ...] | None = None) -> list[int]:
+        return self.encode(plain_chat_prompt(messages))  # no template: nothing writes tools in
 
     def token_text(self, token: int) -> str:
         return bytes([token]).decode("utf-8", errors="replace")

@@ -24,6 +24,7 @@ from baige_ray.serving.openai_api import (
     refuse_unimplemented,
 )
 from baige_ray.serving.openai_sampling import chat_logprobs, parse_sampling
+from baige_ray.serving.openai_tools import parse_tools
 from baige_ray.serving.requests import bad_request, decode_json_object, ignore_unknown_fields, truncate_prompt_tokens_of
 from baige_ray.serving.sampling_params import SamplingParams
 
@@ -41,6 +42,7 @@ class ChatRequest:
     stream: bool = False
     usage: UsageOptions = UsageOptions()  # stream_options: where token counts are reported
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM's extension)
+    tools: tuple[dict, ...] | None = None  # rendered into the chat template (openai_tools.py)
 
 
 def _part_text(index: int, number: int, part: Any) -> str:
@@ -87,12 +89,6 @@ def parse_messages(payload: dict, limits: CompletionLimits) -> tuple[tuple[str, 
     return parsed
 
 
-def _refuse_tools(payload: dict) -> None:
-    if payload.get("tools") and payload.get("tool_choice") not in (None, "none"):
-        raise bad_request("tools", "'tools' with a 'tool_choice' other than 'none' is not yet implemented by this "
-                                   "server: tool calls are not parsed from the model's answer")
-
-
 def _max_tokens(payload: dict, limits: CompletionLimits) -> tuple[int | None, str]:
     """vLLM's rule: `max_completion_tokens` when set, else the older `max_tokens` (None: the rest of the context)."""
     if payload.get("max_completion_tokens") is not None:
@@ -107,7 +103,7 @@ def parse_chat_request(body: bytes, limits: CompletionLimits, *, model_name: str
     ignore_unknown_fields(payload, CHAT_FIELDS, "v1/chat/completions")
     adapter = check_model(payload, model_name, adapters)
     refuse_unimplemented(payload)
-    _refuse_tools(payload)
+    tools = parse_tools(payload)
     check_user(payload)
     messages = parse_messages(payload, limits)
     max_tokens, field = _max_tokens(payload, limits)
@@ -115,5 +111,5 @@ def parse_chat_request(body: bytes, limits: CompletionLimits, *, model_name: str
                               logprobs_field="top_logprobs", adapter=adapter)
     stream, usage = parse_stream(payload)
     return ChatRequest(messages=messages, max_tokens=max_tokens, max_tokens_field=field, sampling=sampling,
-                       stream=stream, usage=usage,
+                       stream=stream, usage=usage, tools=tools,
                        truncate_prompt_tokens=truncate_prompt_tokens_of(payload))

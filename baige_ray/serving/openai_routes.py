@@ -147,7 +147,7 @@ class OpenAIRoutes:
         parsed = parse_chat_request(body, self.limits, model_name=self.app_name, adapters=tuple(self.adapters))
         require_supported(parsed.sampling, self.engine_name)
         runner = self.calls.require_runner()
-        prompts = [chat_prompt_tokens(runner.codec, parsed.messages)]
+        prompts = [chat_prompt_tokens(runner.codec, parsed.messages, parsed.tools)]
         choices = fan_out(fitted_requests(prompts, parsed, runner.engine.max_context))
         return await self._respond(runner, AnswerShaper(choices, chat=True, codec=runner.codec),
                                    parsed, started)

@@ -13,17 +13,20 @@ from typing import Any
 from baige_ray.serving.openai_api import CompletionLimits, check_model
 from baige_ray.serving.openai_chat import parse_messages
 from baige_ray.serving.openai_prompts import check_token_ids
+from baige_ray.serving.openai_tools import parse_tools
 from baige_ray.serving.requests import bad_request, decode_json_object, ignore_unknown_fields
 
-TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs")
+TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs",
+                   "tools")
 DETOKENIZE_FIELDS = ("model", "tokens")
 
 
-def chat_prompt_tokens(codec: Any, messages: tuple[tuple[str, str], ...]) -> list[int]:
-    """The messages through the model's chat template; a 400 when the template cannot render them (it may
-    refuse a role, or an order of roles), as vLLM answers a template error."""
+def chat_prompt_tokens(codec: Any, messages: tuple[tuple[str, str], ...],
+                       tools: tuple[dict, ...] | None = None) -> list[int]:
+    """The messages (and `tools`, openai_tools.py) through the model's chat template; a 400 when the template
+    cannot render them (it may refuse a role, or an order of roles), as vLLM answers a template error."""
     try:
-        return codec.chat_tokens(messages)
+        return codec.chat_tokens(messages, tools)
     except Exception as error:
         if not any(kind.__name__ == "TemplateError" for kind in type(error).__mro__):  # jinja2's, not imported
             raise
@@ -36,7 +39,7 @@ def tokenize_response(body: bytes, limits: CompletionLimits, codec: Any, *, mode
     ignore_unknown_fields(payload, TOKENIZE_FIELDS, "tokenize")
     check_model(payload, model_name)
     if payload.get("messages") is not None:
-        tokens = chat_prompt_tokens(codec, parse_messages(payload, limits))
+        tokens = chat_prompt_tokens(codec, parse_messages(payload, limits), parse_tools(payload))
     elif isinstance(payload.get("prompt"), str):
         prompt = payload["prompt"]
         if len(prompt) > limits.max_prompt_chars:

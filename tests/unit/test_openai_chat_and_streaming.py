@@ -81,7 +81,7 @@ def test_chat_logprobs_and_top_logprobs():
     ({"messages": [USER], "max_tokens": 0}, 400, "'max_tokens'=0 is out of range"),
     ({"messages": [USER], "top_logprobs": 2}, 400, "'logprobs' must be set to true"),
     ({"messages": [USER], "logprobs": 1}, 400, "'logprobs' must be true or false"),
-    ({"messages": [USER], "tools": [{"type": "function"}], "tool_choice": "auto"}, 400, "'tools'"),
+    ({"messages": [USER], "tools": [{"type": "function"}], "tool_choice": "auto"}, 400, "tools[0].function"),
     ({"messages": [USER], "max_tokens": 4, "min_tokens": 5}, 400, "'min_tokens'"),
     ({"messages": [USER], "model": "other"}, 404, "does not exist"),
 ])
@@ -159,7 +159,7 @@ def test_a_chat_template_that_cannot_render_the_messages_is_a_400_not_a_500():
         def __init__(self, error: Exception):
             self.error = error
 
-        def chat_tokens(self, messages):
+        def chat_tokens(self, messages, tools=None):
             raise self.error
 
     with pytest.raises(RequestError) as raised:

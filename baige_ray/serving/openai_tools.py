@@ -1,0 +1,63 @@
+"""The `tools` of a chat request, as vLLM renders them into the model's chat template.
+
+vLLM (without `--tool-call-parser`) puts the tools into the prompt through the chat template whenever a
+request sends them with `tool_choice` absent or "none", and answers 400 to any other choice: it parses no
+tool call. Each tool reaches the template as vLLM's request model dumps it (`ChatCompletionToolsParam`):
+`{"type": "function", "function": {"name", "description", "parameters"}}` in that order, None where a
+field is absent, `strict` and `defer_loading` only where set, unknown fields dropped. A template that
+writes them with `tojson` then renders the same characters here and in `vllm serve`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from baige_ray.serving.requests import bad_request
+
+MAX_TOOLS = 128
+
+
+def parse_tools(payload: dict) -> tuple[dict, ...] | None:
+    """The request's tools as the chat template receives them (None: none sent); a RequestError naming
+    the field for a malformed one, or for a tool_choice that would need tool calls parsed."""
+    tools, choice = payload.get("tools"), payload.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice", f"tool_choice={choice!r} without 'tools': send the tools to choose from")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise bad_request("tools", f"'tools' must be a list of at most {MAX_TOOLS} tool objects")
+    rendered = tuple(_tool(index, tool) for index, tool in enumerate(tools))
+    if choice not in (None, "none"):
+        raise bad_request("tool_choice", f"tool_choice={choice!r} needs tool calls parsed from the model's answer, "
+                                         "which this server does not do (as `vllm serve` without "
+                                         "--tool-call-parser): send tool_choice 'none' or leave it out")
+    return rendered or None
+
+
+def _tool(index: int, tool: Any) -> dict:
+    where = f"tools[{index}]"
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+        raise bad_request("tools", f"{where} must be an object of type 'function'")
+    function = tool.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad_request("tools", f"{where}.function must be an object with a string 'name'")
+    checks = (("description", str), ("parameters", dict), ("strict", bool), ("defer_loading", bool))
+    for field, kind in checks:
+        if function.get(field) is not None and not isinstance(function[field], kind):
+            raise bad_request("tools", f"{where}.function.{field} must be a {kind.__name__}")
+    if tool.get("defer_loading") is not None and not isinstance(tool["defer_loading"], bool):
+        raise bad_request("tools", f"{where}.defer_loading must be a bool")
+    defer = function.get("defer_loading")
+    if defer is None:
+        defer = tool.get("defer_loading")  # vLLM carries the tool's own down to its function
+    rendered = {"name": function["name"], "description": function.get("description"),
+                "parameters": function.get("parameters")}
+    if function.get("strict") is not None:
+        rendered["strict"] = function["strict"]
+    if defer is not None:
+        rendered["defer_loading"] = defer
+    out: dict = {"type": "function", "function": rendered}
+    if tool.get("defer_loading") is not None:
+        out["defer_loading"] = tool["defer_loading"]
+    return out
