@@ -47,7 +47,8 @@ BUILTIN_TOLERANCE = 1e-3  # another engine's kernels, fp32
 MAX_CONTEXT = 256
 SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": MAX_CONTEXT}
-CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+CHAT_TEMPLATE = ("{% if tools %}<|tools|>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{% endif %}"
+                 "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 REQUEST_TIMEOUT_S = 120
 CLIENT_BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}

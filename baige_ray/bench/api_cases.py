@@ -112,6 +112,11 @@ def api_cases(token_ids: list[int], max_tokens: int = 16) -> list[ApiCase]:
         ApiCase("chat seeded", CHAT,
                 {"messages": chat, "temperature": 0.8, "top_p": 0.95, "top_k": 50, "min_p": 0.01,
                  "logit_bias": {str(forced): 2}, "seed": 3, "n": 2, "max_tokens": max_tokens}, SEEDED),
+        ApiCase("chat with tools", CHAT,
+                {"messages": chat, "tools": [{"type": "function", "function": {
+                    "name": "add", "description": "Sum two numbers.",
+                    "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}],
+                 "tool_choice": "none", **greedy}),
         ApiCase("prompt longer than the context", COMPLETIONS, {"prompt": "x " * 2000, **greedy}),
         ApiCase("negative max_tokens", COMPLETIONS, {"prompt": "def ", "max_tokens": -1}),
     ]
