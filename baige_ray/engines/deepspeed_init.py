@@ -31,7 +31,22 @@ def initialize(**kwargs: Any):
 
     import_muon_lazily()
     skip_inference_all_reduce_build()
+    number_parameters_from_zero()
     return deepspeed.initialize(**kwargs)
+
+
+def number_parameters_from_zero() -> None:
+    """Make the next engine number its ZeRO-3 parameters and modules from 0, as in a fresh process.
+    DeepSpeed counts both per process (`Init.param_id`, and the default list of
+    `DeepSpeedZeRoOffload._register_deepspeed_module`), and ZeRO-3 checks at its second step that every rank
+    traced the same ids: a survivor of a failure, building its second engine, counted on from its first
+    while its replacement, a new process, started at 0, and the check's broadcasts hung the step."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    Init.param_id = 0
+    (module_count,) = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__
+    module_count[0] = 0
 
 
 def import_muon_lazily() -> None:

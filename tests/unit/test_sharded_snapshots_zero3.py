@@ -112,3 +112,37 @@ def test_zero3_ranks_snapshot_their_own_partitions_which_assemble_to_the_gathere
             assert got["uneven"] == (0 if rank == 0 else got["odd"]), where
             assert got["equal"], where
             assert got["next"][0] == got["next"][1], where
+
+
+def _survivor_beside_a_new_process(rank: int, port: int, results) -> None:
+    import os
+    from datetime import timedelta
+
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    from baige_ray.engines.factory import build_engine
+    from baige_ray.engines.train_job import TrainJob
+    from baige_ray.models.gpt import GPTConfig
+    from baige_ray.parallel.layout import ParallelLayout
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))  # a hang fails
+    if rank == 0:  # DeepSpeed's per-process counts, as a survivor's process holds them after its first engine
+        Init.param_id = 1000
+        DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0][0] = 500
+    job = TrainJob(model=GPTConfig(seq_len=16, hidden=32, num_heads=2, num_layers=2),
+                   train=TrainConfig(num_steps=3, global_batch_size=4))
+    engine = build_engine(job, ParallelLayout(dp=2, data_parallel="zero3"), rank)
+    results[rank] = [engine.train_step(step)["loss"] for step in range(3)]
+    dist.destroy_process_group()
+
+
+def test_a_survivors_new_zero3_engine_trains_beside_a_replacements(tmp_path):
+    """After a failure a survivor builds its second ZeRO-3 engine while its replacement, a new process,
+    builds its first: ZeRO-3 checks at the second step that both traced the same parameter and module
+    ids, which DeepSpeed numbers per process; the engines number them from 0 each time (a hang before)."""
+    results = spawn_ranks(_survivor_beside_a_new_process, 2)
+    assert sorted(results) == [0, 1] and all(len(losses) == 3 and all(map(math.isfinite, losses))
+                                             for losses in results.values())
