@@ -22,7 +22,7 @@ from baige_ray.serving import reload_weights, serve, shutdown
 from baige_ray.serving.generators import text_generator
 from baige_ray.serving.requests import GenerateRequest
 from tests.helpers import free_port
-from tests.hf_helpers import build_tiny_hf, elastic_hf_run, peft_greedy_text, save_job_adapter
+from tests.hf_helpers import build_tiny_hf, elastic_hf_run, peft_greedy_text, save_job_adapter, save_random_adapter
 from tests.ray.test_serving import call
 
 
@@ -143,8 +143,8 @@ def test_lora_adapters_from_a_directory_and_from_a_running_jobs_memory_generate_
     (alone or as '<model>:<adapter>') generate peft + transformers' greedy tokens with it, and requests naming
     the model are unchanged. Three steps later, reload_adapter puts the job's newer adapter in every replica
     in place, and requests generate with it."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from peft import LoraConfig
+    from transformers import AutoTokenizer
 
     from baige_ray.api.configs import RunConfig, ScalingConfig, TrainConfig
     from baige_ray.jobs.launch import launch
@@ -152,14 +152,7 @@ def test_lora_adapters_from_a_directory_and_from_a_running_jobs_memory_generate_
     from baige_ray.serving import reload_adapter
 
     model, result = trained
-    torch.manual_seed(3)
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(result.checkpoint_path),
-                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], lora_dropout=0.0))
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.5)
-    peft_model.save_pretrained(tmp_path / "tuned")
+    save_random_adapter(result.checkpoint_path, tmp_path / "tuned")
     adapter = LoraConfig(r=4, lora_alpha=16, target_modules=["v_proj", "up_proj"], lora_dropout=0.0)
     live = launch(HFModel(result.checkpoint_path, seq_len=model.seq_len), adapter=adapter, steps_allowed=3,
                   data=_training_data(trained),

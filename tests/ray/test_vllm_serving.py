@@ -30,6 +30,7 @@ from tests.hf_helpers import (
     peft_greedy_text,
     qwen2_tied_config,
     save_job_adapter,
+    save_random_adapter,
 )
 from tests.ray.test_serving import call
 
@@ -53,20 +54,8 @@ def trained(local_ray, tmp_path_factory):
 @pytest.fixture(scope="module")
 def tuned_adapter(trained, tmp_path_factory):
     """A PEFT adapter of the trained model with random (non-zero) B matrices, as peft saves it."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     _, result = trained
-    torch.manual_seed(3)
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(result.checkpoint_path),
-                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], lora_dropout=0.0))
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.5)
-    directory = tmp_path_factory.mktemp("vllm-adapters") / "tuned"
-    peft_model.save_pretrained(directory)
-    return directory
+    return save_random_adapter(result.checkpoint_path, tmp_path_factory.mktemp("vllm-adapters") / "tuned")
 
 
 @pytest.fixture(scope="module")
