@@ -191,15 +191,15 @@ def elastic_hf_run(name: str, storage_path, tiny: TinyHF, *, num_workers: int, n
     )
 
 
-def save_random_adapter(base: Path, directory: Path, *, seed: int = 3, std: float = 0.5) -> Path:
-    """A PEFT adapter of `base` (r=4 on q_proj and down_proj) whose B matrices are random, not zero (an
+def save_random_adapter(base: Path, directory: Path, *, seed: int = 3, std: float = 0.5, r: int = 4) -> Path:
+    """A PEFT adapter of `base` (rank `r` on q_proj and down_proj) whose B matrices are random, not zero (an
     untrained adapter changes nothing), saved as peft saves it."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], lora_dropout=0.0))
+                                LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "down_proj"], lora_dropout=0.0))
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:

@@ -47,12 +47,13 @@ from baige_ray.serving.disaggregation import (
 )
 from baige_ray.serving.expert_parallel import ExpertParallelServing
 from baige_ray.serving.kv_blocks import KVCacheConfig
-from baige_ray.serving.lora_adapters import served_adapters
+from baige_ray.serving.lora_adapters import adapter_rank, served_adapters
 from baige_ray.serving.openai_api import CompletionLimits
 from baige_ray.serving.prefix_router import INGRESS_DEPLOYMENT, PrefixRoutingIngress, router_config
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, get_or_create_registry, registry_name
 from baige_ray.serving.request_routing import request_router_config
 from baige_ray.serving.requests import RequestLimits
+from baige_ray.serving.vllm_adapters import lora_slots
 from baige_ray.serving.vllm_engine import vllm_available
 from baige_ray.topology.head import HEAD_NODE_RESOURCE
 
@@ -297,7 +298,8 @@ def serve(
         plugin_for(config).check_vllm()  # here, not in replicas that would fail to start one after another
     registry = get_or_create_registry(name)
     ray.get(registry.publish_weights.remote(step, [state_ref], config))
-    ray.get(registry.serve_adapters.remote(settings.adapters))
+    max_rank = lora_slots(settings.adapters).max_rank if settings.engine == "vllm" and settings.adapters else None
+    ray.get(registry.serve_adapters.remote(settings.adapters, max_rank))
     ray_serve.start(proxy_location="HeadOnly", http_options={"host": settings.host, "port": settings.port})
     application, names = _bind(settings, name, limits, completion_limits or CompletionLimits())
     ray_serve.run_many([ray_serve.RunTarget(target=application, name=name, route_prefix=settings.route_prefix,
@@ -504,6 +506,10 @@ def reload_adapter(info: ServeHandleInfo, name: str, source: Any, *, timeout_s: 
     replica serves it (a TimeoutError names those that do not after `timeout_s`)."""
     (checked,) = served_adapters({name: source}).values()
     registry = _registry(info)
+    max_rank = ray.get(registry.max_adapter_rank.remote())
+    if max_rank is not None and adapter_rank(checked) > max_rank:  # refused here: a replica could only time out
+        raise ValueError(f"adapter {name!r} has rank {adapter_rank(checked)}: this application's vLLM engines were "
+                         f"built for ranks up to {max_rank} (from the adapters it started with); serve it from the start")
     version = ray.get(registry.publish_adapter.remote(name, checked))
     if wait and (behind := ray.get(registry.caught_up.remote(version, timeout_s))):
         raise TimeoutError(f"{info.app_name}: replicas {behind} still without the new adapter {name!r} "

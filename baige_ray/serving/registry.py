@@ -48,6 +48,7 @@ class ServingRegistry:
         self._version = 0  # of what is served: the weights and the adapters beside them
         self._weights_version = 0  # the version at which the weights themselves last changed
         self._adapters: dict[str, object] = {}  # adapter name -> its newest source (lora_adapters.AdapterSource)
+        self._max_adapter_rank: int | None = None  # the largest rank vLLM engines were built for (None: any)
         self._step = -1
         self._model_config = None
         self._state_ref: ray.ObjectRef | None = None
@@ -79,9 +80,14 @@ class ServingRegistry:
         self._wake_long_polls()
         return self._version
 
-    def serve_adapters(self, sources: dict) -> None:
-        """The adapters the application starts with (name -> source): the names `publish_adapter` may replace."""
+    def serve_adapters(self, sources: dict, max_rank: int | None = None) -> None:
+        """The adapters the application starts with (name -> source): the names `publish_adapter` may replace;
+        `max_rank`: the largest LoRA rank its engines were built for (vLLM's), None where any rank serves."""
         self._adapters = dict(sources)
+        self._max_adapter_rank = max_rank
+
+    def max_adapter_rank(self) -> int | None:
+        return self._max_adapter_rank
 
     def publish_adapter(self, name: str, source) -> int:
         """Serve `source` as adapter `name` from now on (replicas swap it in place); returns the new version."""

@@ -150,6 +150,9 @@ def test_lora_adapters_from_a_directory_and_from_a_running_job_generate_peft_gre
     assert status == 200 and answer["choices"][0]["text"] == live_text != text, answer
     listed = {m["id"]: m for m in call(f"{app.url}/v1/models")[1]["data"]}
     assert listed["tuned"]["root"] == f"memory: training step {step}"
+    wide = save_random_adapter(base, tmp_path / "wide", r=32)  # the engines were built for rank 16 at most
+    with pytest.raises(ValueError, match="rank 32: this application's vLLM engines were built for ranks up to 16"):
+        reload_adapter(app, "tuned", wide)
 
 
 def test_vllm_rollouts_carry_the_log_probabilities_the_policy_gives_its_samples(trained, app):
