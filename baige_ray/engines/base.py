@@ -14,6 +14,9 @@ from baige_ray.engines.host_allocator import give_back_under_pressure
 from baige_ray.engines.train_job import TrainJob, learning_rate_at, replica_sample_range
 from baige_ray.models.adapters import add_lora
 from baige_ray.models.plugin import PolicySamples, SampleSource, stage_ranges
+from baige_ray.parallel import context_parallel
+from baige_ray.parallel.context_parallel import ContextParallel, global_positions
+from baige_ray.parallel.distributed import all_reduce_abortable
 from baige_ray.parallel.layout import ParallelLayout, RankCoords
 from baige_ray.parallel.state import CanonicalState
 
@@ -163,6 +166,7 @@ class Engine(ABC):
         self.before_update_hooks: list[Callable[[], None]] = []
         self.emulators: list[SlowChipEmulator] = []
         self.expert_layers: list[nn.Module] = []  # the MoE layers this rank holds (set by engines that run them)
+        self.context_parallel: ContextParallel | None = None  # set by engines whose layout has cp > 1
         self._policy_decoder = None  # PolicySamples' decoder over this rank's module, made at its first draw
         self.tokens_per_sample: float | None = None  # this step's trained tokens per sample (see `loss`)
 
@@ -233,8 +237,36 @@ class Engine(ABC):
         return {"expert_tokens": per_layer, "all_to_all_s": sum(seconds)}
 
     def step_traffic(self) -> dict:
-        """Bytes this rank's step sent for its engine's own exchanges, by name (none by default)."""
-        return {}
+        """Bytes this rank's step sent for its engine's own exchanges, by name: context parallelism's
+        attention exchanges, forward and backward, where it runs (none otherwise)."""
+        if self.context_parallel is None:
+            return {}
+        return {"context_parallel_bytes": context_parallel.SENT.take()}
+
+    def build_context_parallel(self, group) -> ContextParallel:
+        """This rank's context parallelism over `group`, the CP ranks of its replica; a ValueError for a job
+        it cannot split."""
+        if not self.job.normalises_by_tokens or isinstance(self.data, PolicySamples):
+            raise ValueError(f"ParallelLayout.cp={self.layout.cp} is invalid for this job: each context-parallel "
+                             "rank sums the loss of its part of every sequence, which needs a loss normalised by the "
+                             "step's trained tokens (the model's own, or an objective's token mean) and samples "
+                             "read from data, not drawn from the policy")
+        return ContextParallel(group, self.layout.cp, self.coords.cp, self.layout.cp_kind)
+
+    def on_local_tokens(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None,
+                        accumulate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], float]) -> float:
+        """`accumulate` (an engine's micro-batch loop) run on this rank's part of every sequence, attending
+        across the CP group; the loss reported is the replica's, summed over the group."""
+        batch, length = inputs.shape
+        whole_positions = positions.to(self.device) if positions is not None else None
+        local_inputs, local_targets, local_positions = self.context_parallel.split(
+            inputs.to(self.device), targets.to(self.device),
+            global_positions(whole_positions, batch, length, self.device))
+        with self.context_parallel.attending(length, whole_positions):
+            local = accumulate(local_inputs, local_targets, local_positions)
+        total = torch.tensor(local, dtype=torch.float64)
+        all_reduce_abortable(total, self.context_parallel.group)
+        return float(total)
 
     @property
     def forwards_per_step(self) -> int | None:

@@ -17,6 +17,7 @@ state live in DeepSpeed's expert-data-parallel groups (deepspeed_experts.py).
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -28,9 +29,8 @@ from baige_ray.engines.base import Engine, SlowChipEmulator, document_positions
 from baige_ray.engines.train_job import TrainJob, build_optimizer
 from baige_ray.failpoints import BACKWARD, fail_point
 from baige_ray.models.aux_loss import auxiliary_losses
-from baige_ray.parallel import context_parallel
 from baige_ray.parallel.boxes import Box
-from baige_ray.parallel.context_parallel import ContextParallel, global_positions
+from baige_ray.parallel.context_parallel import ContextParallel
 from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.parallel.shards import ShardCopy, ShardedPart, copy_local, meta_part
 from baige_ray.parallel.state import ADAM_KEYS, CanonicalState, trainable_parameters
@@ -82,20 +82,11 @@ class DeepSpeedEngine(Engine):
     def _build_context_parallel(self, model: nn.Module) -> ContextParallel | None:
         if self.layout.cp == 1:
             return None
-        if not self.job.normalises_by_tokens:
-            raise ValueError(f"ParallelLayout.cp={self.layout.cp} is invalid for this job: each context-parallel rank "
-                             "sums the loss of its part of every sequence, which needs a loss normalised by the "
-                             "step's trained tokens")
         from baige_ray.engines.parallelize import sliced_meshes
 
         self.plugin.enable_context_parallel(model)
-        group = sliced_meshes(self.device.type, {"dp": self.layout.dp, "cp": self.layout.cp})["cp"].get_group()
-        return ContextParallel(group, self.layout.cp, self.coords.cp, self.layout.cp_kind)
-
-    def step_traffic(self) -> dict:
-        if self.context_parallel is None:
-            return {}
-        return {"context_parallel_bytes": context_parallel.SENT.take()}  # attention's exchanges, forward and backward
+        return self.build_context_parallel(
+            sliced_meshes(self.device.type, {"dp": self.layout.dp, "cp": self.layout.cp})["cp"].get_group())
 
     def _shard_experts(self, model: nn.Module):
         from baige_ray.engines.deepspeed_experts import ExpertShards
@@ -130,19 +121,10 @@ class DeepSpeedEngine(Engine):
                          positions: torch.Tensor | None = None) -> float:
         if self.context_parallel is None:
             return self._accumulate(inputs, targets, positions)
-        # This rank's part of every sequence: its loss is its tokens' share of the replica's. DeepSpeed averages
-        # gradients over all dp x cp ranks, so each share weighs cp times to sum over the CP group; the loss
-        # reported is the replica's, summed over the group.
-        batch, length = inputs.shape
-        whole_positions = positions.to(self.device) if positions is not None else None
-        local_inputs, local_targets, local_positions = self.context_parallel.split(
-            inputs.to(self.device), targets.to(self.device),
-            global_positions(whole_positions, batch, length, self.device))
-        with self.context_parallel.attending(length, whole_positions):
-            local = self._accumulate(local_inputs, local_targets, local_positions, gradient_weight=self.layout.cp)
-        total = torch.tensor(local, dtype=torch.float64)
-        dist.all_reduce(total, group=self.context_parallel.group)
-        return float(total)
+        # This rank's part of every sequence, its loss its tokens' share of the replica's. DeepSpeed averages
+        # gradients over all dp x cp ranks, so each share weighs cp times to sum over the CP group.
+        return self.on_local_tokens(inputs, targets, positions, functools.partial(
+            self._accumulate, gradient_weight=self.layout.cp))
 
     def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None,
                     gradient_weight: float = 1.0) -> float:
@@ -156,7 +138,7 @@ class DeepSpeedEngine(Engine):
                 logits = self.engine(inputs[chunk].to(self.device), **document_positions(positions, chunk, self.device))
                 loss = self.loss(logits, targets[chunk].to(self.device))
                 fail_point(BACKWARD)
-                self.engine.backward(loss * gradient_weight if gradient_weight != 1.0 else loss)
+                self.engine.backward(loss * gradient_weight)
                 if index < num_micro - 1:
                     self.engine.step()  # a micro-step: DeepSpeed only accumulates here
                 losses.append(loss.item())

@@ -26,10 +26,8 @@ from baige_ray.engines.exact_gradients import ExactGradientSum, check_world_size
 from baige_ray.engines.train_job import TrainJob, build_optimizer
 from baige_ray.failpoints import BACKWARD, fail_point
 from baige_ray.models.aux_loss import auxiliary_losses, mark_forward
-from baige_ray.models.plugin import PolicySamples
-from baige_ray.parallel import context_parallel
 from baige_ray.parallel.boxes import is_dtensor
-from baige_ray.parallel.context_parallel import ContextParallel, global_positions
+from baige_ray.parallel.context_parallel import ContextParallel
 from baige_ray.parallel.distributed import all_reduce_abortable
 from baige_ray.parallel.layout import ParallelLayout
 from baige_ray.parallel.sequence_parallel import split_sequence_across
@@ -84,19 +82,7 @@ class TorchEngine(Engine):
         return parallelize.sliced_meshes(self.device.type, sizes)
 
     def _build_context_parallel(self) -> ContextParallel | None:
-        if self.layout.cp == 1:
-            return None
-        if not self.job.normalises_by_tokens or isinstance(self.data, PolicySamples):
-            raise ValueError(f"ParallelLayout.cp={self.layout.cp} is invalid for this job: each context-parallel "
-                             "rank sums the loss of its part of every sequence, which needs a loss normalised by the "
-                             "step's trained tokens (the model's own, or an objective's token mean) and samples "
-                             "read from data, not drawn from the policy")
-        return ContextParallel(self.meshes["cp"].get_group(), self.layout.cp, self.coords.cp, self.layout.cp_kind)
-
-    def step_traffic(self) -> dict:
-        if self.context_parallel is None:
-            return {}
-        return {"context_parallel_bytes": context_parallel.SENT.take()}  # attention's exchanges, forward and backward
+        return self.build_context_parallel(self.meshes["cp"].get_group()) if self.layout.cp > 1 else None
 
     def _build_exact_sum(self) -> ExactGradientSum | None:
         """Under TrainConfig.world_size_invariant: the exact sum of every micro-batch's gradient over dp."""
@@ -291,15 +277,7 @@ class TorchEngine(Engine):
                                      positions: torch.Tensor | None) -> float:
         """This rank's part of every sequence: its loss and gradient are its tokens' share of the replica's,
         which the reduction over dp x cp sums; the loss reported is the replica's, summed over the CP group."""
-        batch, length = inputs.shape
-        whole_positions = positions.to(self.device) if positions is not None else None
-        local_inputs, local_targets, local_positions = self.context_parallel.split(
-            inputs, targets, global_positions(whole_positions, batch, length, self.device))
-        with self.context_parallel.attending(length, whole_positions):
-            local = self._accumulate(local_inputs, local_targets, local_positions)
-        total = torch.tensor(local, dtype=torch.float64)
-        all_reduce_abortable(total, self.meshes["cp"].get_group())
-        return float(total)
+        return self.on_local_tokens(inputs, targets, positions, self._accumulate)
 
     def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None) -> float:
         (model,) = self._wrapped

@@ -95,7 +95,7 @@ class JobAdapter:
 
     @property
     def rank(self) -> int:
-        return max([int(self.config.r), *map(int, (getattr(self.config, "rank_pattern", None) or {}).values())])
+        return largest_rank(self.config.r, getattr(self.config, "rank_pattern", None))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The adapter's weights by canonical name (peft's, with its adapter name)."""
@@ -107,7 +107,8 @@ class JobAdapter:
 
     def read(self) -> LoRAWeights:
         config = self.config
-        return lora_weights_from_state(self.tensors(), config.lora_alpha, config.r, bool(getattr(config, "use_rslora", False)))
+        use_rslora = bool(getattr(config, "use_rslora", False))
+        return lora_weights_from_state(self.tensors(), config.lora_alpha, config.r, use_rslora)
 
 
 AdapterSource = str | JobAdapter  # a PEFT directory's path, or a job's adapter in memory
@@ -157,7 +158,12 @@ def adapter_rank(source: AdapterSource) -> int:
     if isinstance(source, JobAdapter):
         return source.rank
     config = json.loads((Path(source) / "adapter_config.json").read_text())
-    return max([int(config["r"]), *map(int, (config.get("rank_pattern") or {}).values())])
+    return largest_rank(config["r"], config.get("rank_pattern"))
+
+
+def largest_rank(r: int, rank_pattern: dict | None) -> int:
+    """An adapter's largest rank: its `r`, or a larger one its per-module `rank_pattern` gives."""
+    return max([int(r), *map(int, (rank_pattern or {}).values())])
 
 
 def adapter_root(source: AdapterSource) -> str:

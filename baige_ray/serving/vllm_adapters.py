@@ -51,7 +51,8 @@ def lora_slots(sources: dict[str, AdapterSource]) -> LoRASlots:
     rank = max(SMALLEST_ENGINE_RANK, *(adapter_rank(source) for source in sources.values()))
     fitting = [allowed for allowed in VLLM_LORA_RANKS if allowed >= rank]
     if not fitting:
-        raise ValueError(f"adapters of rank {rank} cannot be served by vLLM: its largest LoRA rank is {VLLM_LORA_RANKS[-1]}")
+        raise ValueError(f"adapters of rank {rank} cannot be served by vLLM: its largest LoRA rank is "
+                         f"{VLLM_LORA_RANKS[-1]}")
     return LoRASlots(max_rank=fitting[0], max_loras=2 * max(1, len(sources)))
 
 
