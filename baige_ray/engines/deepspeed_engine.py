@@ -131,8 +131,9 @@ class DeepSpeedEngine(Engine):
         micro = self.job.train.micro_batch_size or self.per_replica_batch
         num_micro = self.per_replica_batch // micro
         losses = []
-        # DeepSpeed scales the loss by 1 / gradient_accumulation_steps; auxiliary losses get the same weight.
-        with auxiliary_losses(weight=1.0 / num_micro) as aux:
+        # DeepSpeed scales the loss by 1 / gradient_accumulation_steps; auxiliary losses get the same weight,
+        # and the same `gradient_weight` (their gradient is added as it is, not through the scaled loss).
+        with auxiliary_losses(weight=gradient_weight / num_micro) as aux:
             for index in range(num_micro):
                 chunk = slice(index * micro, (index + 1) * micro)
                 logits = self.engine(inputs[chunk].to(self.device), **document_positions(positions, chunk, self.device))

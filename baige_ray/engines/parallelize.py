@@ -219,16 +219,24 @@ def pipeline_ends_group(world_size: int, pp: int, rank: int) -> dist.ProcessGrou
 def sliced_meshes(device_type: str, sizes: dict[str, int]) -> dict[str, DeviceMesh]:
     """`sizes`' dimensions of more than one rank as slices of one device mesh; with "edp" and "ep",
     "dp" is the two together (the ranks all-reducing dense gradients). "replicas" is the ranks holding the
-    same weights, whose gradients are reduced together: dp, and with context parallelism dp x cp."""
+    same weights, whose gradients are reduced together: dp, and with context parallelism dp x cp.
+    "expert_replicas" is the ranks holding the same experts: edp, and with context parallelism edp x cp."""
     multi = {name: size for name, size in sizes.items() if size > 1}
     mesh = device_mesh(device_type, tuple(multi.values()), tuple(multi))
     meshes = {name: mesh[name] for name in multi}
+    data_dims = [name for name in ("dp", "edp", "ep") if name in multi]
     if "edp" in meshes:
         meshes["dp"] = flattened(mesh["edp", "ep"], "dp")
     elif "ep" in meshes:
         meshes["dp"] = meshes["ep"]  # one replica per expert group: the expert group is the data-parallel group
     if "cp" in meshes:
-        meshes["replicas"] = flattened(mesh["dp", "cp"], "replicas") if "dp" in multi else meshes["cp"]
+        meshes["replicas"] = flattened(mesh[(*data_dims, "cp")], "replicas") if data_dims else meshes["cp"]
     elif "dp" in meshes:
         meshes["replicas"] = meshes["dp"]
+    if "ep" in multi:
+        expert_dims = [name for name in ("edp", "cp") if name in multi]
+        if len(expert_dims) == 2:
+            meshes["expert_replicas"] = flattened(mesh["edp", "cp"], "expert_replicas")
+        elif expert_dims:
+            meshes["expert_replicas"] = meshes[expert_dims[0]]
     return meshes

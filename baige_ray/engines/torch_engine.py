@@ -78,7 +78,7 @@ class TorchEngine(Engine):
         if layout.ep == 1:
             sizes = {"pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp}
         else:
-            sizes = {"pp": layout.pp, "edp": layout.dp // layout.ep, "ep": layout.ep, "tp": layout.tp}
+            sizes = {"pp": layout.pp, "edp": layout.dp // layout.ep, "ep": layout.ep, "cp": layout.cp, "tp": layout.tp}
         return parallelize.sliced_meshes(self.device.type, sizes)
 
     def _build_context_parallel(self) -> ContextParallel | None:
@@ -322,7 +322,7 @@ class TorchEngine(Engine):
             parallelize.all_reduce_gradients(replicated, self.meshes["tp"].get_group(), divide_by=1)
         if self.explicit_dp_all_reduce:
             self._all_reduce_dense_gradients()
-        if self._expert_parameters and self.layout.dp > 1:
+        if self._expert_parameters and self.layout.gradient_replicas > 1:
             self._all_reduce_expert_gradients()
         if self.job.train.grad_clip > 0:
             pp_group = self.meshes["pp"].get_group() if self.layout.pp > 1 else None
@@ -342,10 +342,11 @@ class TorchEngine(Engine):
 
     def _all_reduce_expert_gradients(self) -> None:
         """An expert's gradient already sums what its expert group's replicas sent it, so it is summed
-        over the replicas holding the same experts (edp) and divided by dp."""
+        over the ranks holding the same experts (edp, and cp: each context-parallel rank sent its part of
+        the sequences) and divided by dp x cp, as the dense gradients are averaged."""
         experts = [p for p in self.parameters if id(p) in self._expert_parameters]
-        edp_group = self.meshes["edp"].get_group() if self.layout.dp > self.layout.ep else None
-        parallelize.all_reduce_gradients(experts, edp_group, divide_by=self.layout.dp)
+        group = self.meshes["expert_replicas"].get_group() if "expert_replicas" in self.meshes else None
+        parallelize.all_reduce_gradients(experts, group, divide_by=self.layout.gradient_replicas)
 
     def export_state(self) -> CanonicalState:
         state = export_module_state(self.module, self.optimizer)

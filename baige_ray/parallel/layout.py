@@ -110,14 +110,18 @@ class ParallelLayout:
         require_choice("ParallelLayout", "cp_kind", self.cp_kind, CONTEXT_PARALLEL_KINDS)
         if self.cp == 1:
             return
-        unbuilt = {"pp": self.pp > 1, "ep": self.ep > 1}
-        for name, conflicts in unbuilt.items():
-            if conflicts:
-                raise ValueError(
-                    f"ParallelLayout.cp={self.cp} is invalid with {name}={getattr(self, name)!r}: context "
-                    "parallelism runs with DDP, FSDP2 or DeepSpeed's ZeRO and tensor parallelism; with pipeline "
-                    "or expert parallelism it is not built yet"
-                )
+        if self.pp > 1:
+            raise ValueError(
+                f"ParallelLayout.cp={self.cp} is invalid with pp={self.pp}: context parallelism runs with DDP, "
+                "FSDP2 or DeepSpeed's ZeRO, tensor and expert parallelism; with pipeline parallelism it is not "
+                "built yet"
+            )
+        if self.ep > 1 and self.data_parallel.startswith("zero"):
+            raise ValueError(
+                f"ParallelLayout.cp={self.cp} with ep={self.ep} is invalid with data_parallel="
+                f"{self.data_parallel!r}: expected 'ddp' or 'fsdp2' (DeepSpeed's expert groups span data-parallel "
+                "ranks only, not context-parallel ones)"
+            )
 
     def _check_dp_microbatches(self) -> None:
         if self.dp_microbatches is None:

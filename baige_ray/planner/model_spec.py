@@ -68,8 +68,8 @@ class ModelSpec:
     # Attention by a fused kernel (SDPA's flash or memory-efficient kernels, as transformers runs a Hugging
     # Face model): no (sequence x sequence) scores are kept for backward, Korthikanti's 5as^2b term is 0.
     fused_attention: bool = False
-    # Whether the engines can split its sequences over context-parallel ranks (a dense Hugging Face model:
-    # parallel/context_parallel.py), so the planner may search CP degrees for it.
+    # Whether the engines can split its sequences over context-parallel ranks (a Hugging Face model, dense or
+    # MoE: parallel/context_parallel.py), so the planner may search CP degrees for it.
     context_parallel: bool = False
 
     @property
@@ -255,7 +255,7 @@ class ModelSpec:
             vocab_size=hf.required_int("vocab_size"), global_batch=global_batch,
             dtype_bytes=dtype_bytes if dtype_bytes is not None else hf.dtype_bytes(), **experts,
             gated_mlp=True, learned_positions=False, rms_norm=True, tied_embeddings=hf.tied_embeddings(),
-            fused_attention=True, context_parallel=not experts)
+            fused_attention=True, context_parallel=True)
 
 
 def _require_bool(field: str, value: Any) -> None:

@@ -3,7 +3,9 @@
 Each CP rank holds two chunks of every sequence, one from each end (parallel/context_parallel.py), and
 attends across the group by all-gathered keys ("ring") or by trading heads for sequence ("ulysses").
 Gloo ranks train tiny Llama, tied Qwen2 and Qwen3 models at CP4, and at CP2 with FSDP2 over dp x cp and
-with TP2 (sequence parallel), and Llama with DeepSpeed's ZeRO-3 over dp x cp, for 6 steps; their losses must be those of `transformers` trained alone.
+with TP2 (sequence parallel), Llama with DeepSpeed's ZeRO-3 over dp x cp, and a Mixtral with its router loss
+at CP4, with expert parallelism (DDP and FSDP2), with TP2 and with ZeRO-2, for 6 steps; their losses must be those of
+`transformers` trained alone, in micro-batches of a data-parallel replica's share.
 Packed documents keep their attention inside each document across the group, and every rank sends
 the bytes per layer the planner's formula says.
 """
@@ -23,6 +25,10 @@ LAYOUTS = {
     "llama": ("cp=4", "dp=2,cp=2,engine=fsdp2,cpkind=ulysses", "cp=2,tp=2", "dp=2,cp=2,engine=zero3"),
     "qwen2": ("cp=4,cpkind=ulysses", "dp=2,cp=2,engine=fsdp2", "cp=2,tp=2,cpkind=ulysses"),
     "qwen3": ("cp=4", "dp=2,cp=2,engine=fsdp2,cpkind=ulysses", "cp=2,tp=2"),
+    # A mixture of experts with its load-balancing loss on: counted over the whole sequences across the CP
+    # group; experts whole, sharded by expert index over ep (DDP and FSDP2), and under TP2.
+    "mixtral": ("cp=4,cpkind=ulysses", "dp=2,ep=2,cp=2", "dp=2,ep=2,cp=2,engine=fsdp2,cpkind=ulysses", "cp=2,tp=2",
+                "dp=2,cp=2,engine=zero2"),
 }
 
 
@@ -51,7 +57,7 @@ def test_a_layout_with_cp_places_cp_ranks_between_dp_and_tp():
 
 @pytest.mark.parametrize("fields, message", [
     (dict(cp=2, pp=2), r"cp=2 is invalid with pp=2.*not built yet"),
-    (dict(dp=2, ep=2, cp=2), r"cp=2 is invalid with ep=2"),
+    (dict(dp=2, ep=2, cp=2, data_parallel="zero2"), r"cp=2 with ep=2 is invalid with data_parallel='zero2'"),
     (dict(cp=2, cp_kind="tree"), r"cp_kind='tree' is invalid"),
     (dict(cp=0), r"cp=0 is invalid"),
 ])
@@ -108,7 +114,7 @@ def _train_layouts(rank: int, port: int, results, runs: dict[str, tuple[str, str
             stage.layers["0"].register_forward_pre_hook(lambda _, args: lengths.append(args[0].shape[1]))
             metrics = [engine.train_step(s) for s in range(STEPS)]
             results[(name, text, rank)] = {"losses": [m["loss"] for m in metrics], "lengths": sorted(set(lengths)),
-                                           "sent": metrics[0]["context_parallel_bytes"]}
+                                           "sent": metrics[0].get("context_parallel_bytes")}
     dist.destroy_process_group()
 
 
@@ -136,14 +142,15 @@ def _packed_dataset(tiny, directory):
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    from tests.hf_helpers import build_tiny_hf, llama_config, qwen2_tied_config
+    from tests.hf_helpers import build_tiny_hf, llama_config, mixtral_config, qwen2_tied_config
     from tests.unit.test_sequence_parallel import qwen3_config
 
-    families = {"llama": llama_config, "qwen2": qwen2_tied_config, "qwen3": qwen3_config}
+    families = {"llama": llama_config, "qwen2": qwen2_tied_config, "qwen3": qwen3_config, "mixtral": mixtral_config}
     return {name: build_tiny_hf(tmp_path_factory.mktemp(name), family=family) for name, family in families.items()}
 
 
 def test_hf_families_train_with_context_parallelism_as_transformers_alone(tiny_models, tmp_path):
+    import dataclasses
     import json
 
     from baige_ray.engines.factory import build_engine
@@ -160,19 +167,24 @@ def test_hf_families_train_with_context_parallelism_as_transformers_alone(tiny_m
     runs["llama packed"] = (str(llama.model_dir), str(packed.directory), ("cp=4", "cp=4,cpkind=ulysses"))
     results = spawn_ranks(_train_layouts, 4, runs)
 
+    references = {}  # by micro-batch: an MoE model's router loss is one per micro-batch (a replica's share)
     for name, tiny in tiny_models.items():
-        reference = plain_transformers_losses(tiny.model_dir, TokenDataset.open(tiny.dataset_dir), _train())
         spec = ModelSpec.from_hf_config(json.loads((tiny.model_dir / "config.json").read_text()), global_batch=4,
                                         seq_len=SEQ_LEN, dtype_bytes=4)
         for text in LAYOUTS[name]:
             layout = parse_layout(text)  # every rank sends what the planner's formula says, to the byte
+            train = dataclasses.replace(_train(), micro_batch_size=4 // layout.dp)
+            if (name, layout.dp) not in references:
+                references[(name, layout.dp)] = plain_transformers_losses(
+                    tiny.model_dir, TokenDataset.open(tiny.dataset_dir), train)
+            reference = references[(name, layout.dp)]
             per_layer = context_parallel_bytes_per_layer(spec, cp=layout.cp, kind=layout.cp_kind, tp=layout.tp,
                                                          micro_batch=4 // layout.dp)
             assert {results[(name, text, rank)]["sent"] for rank in range(4)} == {per_layer * spec.num_layers}
             torch.testing.assert_close(_replica_mean(results, name, text), reference, rtol=1e-5, atol=0,
                                        msg=f"{name} {text}")
-            layout = parse_layout(text)  # sequence parallelism splits a CP rank's tokens over tp
-            expected_length = SEQ_LEN // (layout.cp * layout.tp)
+            layout = parse_layout(text)  # sequence parallelism splits a CP rank's tokens over tp (dense models)
+            expected_length = SEQ_LEN // (layout.cp * (layout.tp if name != "mixtral" else 1))
             assert results[(name, text, 0)]["lengths"] == [expected_length], (name, text)
 
     alone = build_engine(TrainJob(model=HFModel(llama.model_dir, seq_len=SEQ_LEN), train=_train(),

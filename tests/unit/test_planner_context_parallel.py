@@ -38,8 +38,13 @@ def test_a_model_the_engines_cannot_split_gets_no_cp():
     gpt = ModelSpec(name="gpt", num_layers=4, hidden=256, ffn_hidden=1024, num_heads=4, seq_len=4096,
                     vocab_size=1000, global_batch=8)
     assert not gpt.context_parallel and context_parallel_choices(gpt, dp=8, pp=1, tp=1) == [(1, False)]
+
+
+def test_a_mixture_of_experts_gets_cp_with_its_experts_whole_on_every_rank():
     moe = load_model_spec("mixtral-8x7b-v0.1", global_batch=8, seq_len=4096)
-    assert not moe.context_parallel
+    assert moe.context_parallel and (8, False) in context_parallel_choices(moe, dp=8, pp=1, tp=1)
+    rows = row_grid(moe, dp=8, pp=1, zero_stages=(0, 3), recomputes=(0,), max_micro_batch=1)
+    assert set(rows.ep[rows.cp > 1]) == {1} and set(rows.ep[rows.cp == 1]) == {1, 2, 4, 8}
 
 
 def test_llama_3_8b_at_128k_on_eight_h100s_splits_every_sequence_eight_ways_and_says_why():

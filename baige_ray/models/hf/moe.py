@@ -14,7 +14,9 @@ the router logits of every layer of a forward) times `router_aux_loss_coef`, add
 says `output_router_logits`, as transformers' forward adds it. Being one mean over all layers'
 routing, it couples the layers, so it cannot be split over pipeline stages (plugin.check_layout).
 Under data parallelism each rank computes it on its own micro-batch, as transformers does on
-each device.
+each device. Under context parallelism a micro-batch's sequences are split over the CP group, so the
+ranks count the whole sequences' routing together and each adds its own tokens' share of the loss
+(`split_sequence_balance_loss`): the group's sum is the loss one process computes on the whole sequences.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from baige_ray.models.aux_loss import attach_auxiliary_loss
 from baige_ray.models.moe import ExpertTraffic, LocalExperts, route_to_experts
+from baige_ray.parallel import context_parallel
+from baige_ray.parallel.distributed import all_reduce_abortable
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts")  # config.json files and transformers' to_dict differ
@@ -133,8 +137,36 @@ class RouterBalanceLoss:
         logits, self._logits = self._logits, []
         if not logits:
             return output
-        loss = self.coef * self._loss(tuple(logits), self.num_experts, self.top_k)
-        return attach_auxiliary_loss(output, loss)
+        context = context_parallel.active()
+        if context is None:
+            loss = self._loss(tuple(logits), self.num_experts, self.top_k)
+        else:
+            loss = split_sequence_balance_loss(logits, self.num_experts, self.top_k, context.group)
+        return attach_auxiliary_loss(output, self.coef * loss)
+
+
+def split_sequence_balance_loss(logits: list[torch.Tensor], num_experts: int, top_k: int,
+                                group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's share of transformers' `load_balancing_loss_func` over sequences split across `group`
+    (context parallelism): the shares sum, over the group, to the loss of the whole sequences.
+
+    The loss is E x sum_e (T_e / N) (P_e / N): T_e the top-k assignments to expert e, P_e the summed router
+    probabilities, N the rows, each summed over every layer's rows. T and N count the whole sequences
+    (summed over the group, no gradient flows through a count); each rank's P is its own tokens', so the
+    shares' gradients are the whole loss's."""
+    assignments = torch.zeros(num_experts, dtype=torch.float32, device=logits[0].device)
+    probability = torch.zeros(num_experts, dtype=torch.float32, device=logits[0].device)
+    rows = 0
+    for layer_logits in logits:
+        routing = F.softmax(layer_logits, dim=-1)
+        _, chosen = torch.topk(routing, top_k, dim=-1)
+        assignments += torch.bincount(chosen.reshape(-1), minlength=num_experts).float()
+        probability = probability + routing.float().sum(dim=0)
+        rows += routing.shape[0]
+    counts = torch.cat([assignments, torch.tensor([float(rows)], device=assignments.device)])
+    all_reduce_abortable(counts, group)
+    whole_assignments, whole_rows = counts[:-1], counts[-1]
+    return num_experts * torch.sum(whole_assignments / whole_rows * (probability / whole_rows))
 
 
 def moe_shape(config: dict, architecture: str) -> tuple[int, int] | None:

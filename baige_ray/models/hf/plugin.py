@@ -246,7 +246,7 @@ class HFPlugin(ModelPlugin):
 
     @property
     def supports_context_parallel(self) -> bool:
-        return self._experts is None  # a router's balance loss is a mean over every token of the batch
+        return True  # an MoE router's balance loss is counted over the whole sequences (moe.py)
 
     def enable_context_parallel(self, stage: DecoderStage) -> None:
         from baige_ray.parallel.context_parallel import ATTENTION_NAME
