@@ -2,10 +2,11 @@
 
 Each CP rank holds two chunks of every sequence, one from each end (parallel/context_parallel.py), and
 attends across the group by all-gathered keys ("ring") or by trading heads for sequence ("ulysses").
-Gloo ranks train tiny Llama, tied Qwen2 and Qwen3 models at CP4, and at CP2 with FSDP2 over dp x cp and
-with TP2 (sequence parallel), Llama with DeepSpeed's ZeRO-3 over dp x cp, and a Mixtral with its router loss
-at CP4, with expert parallelism (DDP and FSDP2), with TP2 and with ZeRO-2, for 6 steps; their losses must be those of
-`transformers` trained alone, in micro-batches of a data-parallel replica's share.
+Gloo ranks train the conformance matrix's Llama 3.2, Qwen2.5 and Qwen3 configs (published, shrunk, every flag
+kept) at CP4, and at CP2 with FSDP2 over dp x cp and with TP2 (sequence parallel), Llama with DeepSpeed's ZeRO-3
+over dp x cp, and Mixtral's with its router loss at CP4, with expert parallelism (DDP and FSDP2), with TP2 and
+with ZeRO-2, for 20 steps; their losses must be those of `transformers` trained alone, in micro-batches of a
+data-parallel replica's share.
 Packed documents keep their attention inside each document across the group, and every rank sends
 the bytes per layer the planner's formula says.
 """
@@ -18,7 +19,7 @@ from baige_ray.parallel.context_parallel import SequenceShard, document_ids, nat
 from baige_ray.parallel.layout import ParallelLayout, parse_layout
 from tests.helpers import spawn_ranks
 
-STEPS = 6  # enough for the learning-rate warm-up and several updates to meet every path
+STEPS = 20
 # Each family alone, with FSDP2 (over dp x cp) and with TP2 (sequence parallel), the two kinds in turn so that
 # every kind meets every composition in some family; Llama also with ZeRO-3 (over dp x cp).
 LAYOUTS = {
@@ -140,13 +141,32 @@ def _packed_dataset(tiny, directory):
                               document_masking=True)
 
 
+# The conformance matrix's published configs (models/hf/conformance.py), shrunk with every flag kept.
+PUBLISHED = {"llama": "llama-3.2-1b.json", "qwen2": "qwen2.5-0.5b.json", "qwen3": "qwen3-0.6b.json",
+             "mixtral": "mixtral-8x7b-v0.1.json"}
+
+
+def _published_family(name: str):
+    """A `build_tiny_hf` family: the published config shrunk; an MoE one with its load-balancing loss on."""
+    from transformers import AutoConfig
+
+    from baige_ray.models.hf.conformance import load_published, shrink_config
+    from tests.hf_helpers import VOCAB_SIZE
+
+    def family(**token_ids):
+        config = shrink_config(load_published(PUBLISHED[name]), vocab_size=VOCAB_SIZE, **token_ids)
+        if name == "mixtral":
+            config.update(output_router_logits=True, router_aux_loss_coef=0.05)
+        return AutoConfig.for_model(**config)
+
+    return family
+
+
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    from tests.hf_helpers import build_tiny_hf, llama_config, mixtral_config, qwen2_tied_config
-    from tests.unit.test_sequence_parallel import qwen3_config
+    from tests.hf_helpers import build_tiny_hf
 
-    families = {"llama": llama_config, "qwen2": qwen2_tied_config, "qwen3": qwen3_config, "mixtral": mixtral_config}
-    return {name: build_tiny_hf(tmp_path_factory.mktemp(name), family=family) for name, family in families.items()}
+    return {name: build_tiny_hf(tmp_path_factory.mktemp(name), family=_published_family(name)) for name in PUBLISHED}
 
 
 def test_hf_families_train_with_context_parallelism_as_transformers_alone(tiny_models, tmp_path):
