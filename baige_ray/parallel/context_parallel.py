@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from baige_ray.parallel.block_attention import AttentionMask, BlockAttention, attention_backward, attention_forward
-from baige_ray.parallel.distributed import all_gather_abortable, all_to_all_abortable
+from baige_ray.parallel.distributed import PendingGather, all_to_all_abortable
 
 ATTENTION_NAME = "baige_context_parallel"
 SEQUENCE_DIM = 1  # (batch, sequence) token ids, targets and positions
@@ -191,15 +191,23 @@ def _key_chunks(cp: int, length: int) -> tuple[int, ...]:
 class _GatheredKeyAttention(torch.autograd.Function):
     """A rank's queries against the whole sequence's keys and values, all-gathered over the CP group in
     the forward and again in the backward (never saved: a layer holds only its own 1/cp of them), the
-    gradients of the gathered keys and values summed back to their owners (a reduce-scatter, by
-    all-to-all: gloo has none). Keys and values travel together, one collective each way."""
+    gradients of the other ranks' keys and values summed back to their owners (a reduce-scatter, by
+    all-to-all: gloo has none). Keys and values travel together, one collective each way.
+
+    The exchange overlaps attention: while the gather runs (on the process group's own thread), the rank
+    attends to its own keys; the other ranks' keys come after, and the two parts merge by their
+    log-sum-exp. The backward does the same, from the merged output and log-sum-exp."""
 
     @staticmethod
     def forward(ctx, query, key, value, context: AttentionContext, mask: AttentionMask, scale: float):
         with torch.autocast(query.device.type, enabled=False):
-            keys, values = _gather_in_order(torch.stack([key, value]), context).unbind(0)
-            out, lse = attention_forward(query, keys, values, mask, scale, _query_cuts(query),
-                                         _key_chunks(context.shard.cp, context.length))
+            pending = _start_gather(torch.stack([key, value]), context)
+            parts = _KeyParts(context, mask)
+            own = attention_forward(query, key, value, parts.own_mask, scale, _query_cuts(query), parts.own_cuts)
+            others_keys, others_values = parts.others(pending.result())
+            others = attention_forward(query, others_keys, others_values, parts.others_mask, scale,
+                                       _query_cuts(query), parts.others_cuts)
+            out, lse = _merge(own, others)
         out = out.to(query.dtype)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.arguments = (context, mask, scale)
@@ -210,31 +218,69 @@ class _GatheredKeyAttention(torch.autograd.Function):
         query, key, value, out, lse = ctx.saved_tensors
         context, mask, scale = ctx.arguments
         with torch.autocast(query.device.type, enabled=False):
-            keys, values = _gather_in_order(torch.stack([key, value]), context).unbind(0)
-            d_q, d_keys, d_values = attention_backward(grad_out, query, keys, values, out, lse, mask, scale,
-                                                       _query_cuts(query), _key_chunks(context.shard.cp, context.length))
-        d_k, d_v = _scatter_to_owners(torch.stack([d_keys, d_values]), context).unbind(0)
-        return d_q.to(query.dtype), d_k.to(key.dtype), d_v.to(value.dtype), None, None, None
+            pending = _start_gather(torch.stack([key, value]), context)
+            parts = _KeyParts(context, mask)
+            d_q, d_k, d_v = attention_backward(grad_out, query, key, value, out, lse, parts.own_mask, scale,
+                                               _query_cuts(query), parts.own_cuts)
+            others_keys, others_values = parts.others(pending.result())
+            d_q_others, d_others_keys, d_others_values = attention_backward(
+                grad_out, query, others_keys, others_values, out, lse, parts.others_mask, scale,
+                _query_cuts(query), parts.others_cuts)
+            d_kv = _scatter_to_owners(torch.stack([d_k, d_v]), torch.stack([d_others_keys, d_others_values]), context)
+        d_k, d_v = d_kv.unbind(0)
+        return (d_q + d_q_others).to(query.dtype), d_k.to(key.dtype), d_v.to(value.dtype), None, None, None
+
+
+class _KeyParts:
+    """A rank's keys in two parts: its own chunks, and the other ranks' (gathered, in rank order), each with
+    its global positions and the tile cuts that keep every tile inside one chunk."""
+
+    def __init__(self, context: AttentionContext, mask: AttentionMask):
+        cp, length, rank = context.shard.cp, context.length, context.shard.rank
+        device = mask.query_index.device
+        self.cp, self.rank, self.chunk = cp, rank, length // (2 * cp)
+        indices = [SequenceShard(cp, r).indices(length).to(device) for r in range(cp)]
+        others = torch.cat([indices[r] for r in range(cp) if r != rank])
+        self.own_mask = AttentionMask(mask.query_index, indices[rank], mask.documents, mask.sliding_window)
+        self.others_mask = AttentionMask(mask.query_index, others, mask.documents, mask.sliding_window)
+        self.own_cuts = (self.chunk,)
+        self.others_cuts = tuple(range(self.chunk, len(others), self.chunk))
+
+    def others(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) of the other ranks from the gathered (cp, 2, batch, kv heads, local, dim)."""
+        rest = torch.cat([gathered[r] for r in range(self.cp) if r != self.rank], dim=-2)
+        return rest[0], rest[1]
+
+
+def _merge(first: tuple[torch.Tensor, torch.Tensor], second: tuple[torch.Tensor, torch.Tensor]):
+    """Attention over two disjoint key sets, each (output (batch, heads, queries, dim), log-sum-exp (batch,
+    kv heads, group, queries)), as over their union. A query that sees no key of one set has lse -inf there."""
+    (out_a, lse_a), (out_b, lse_b) = first, second
+    lse = torch.logaddexp(lse_a, lse_b)
+    finite = torch.isfinite(lse)
+    safe = torch.where(finite, lse, torch.zeros_like(lse))
+    weight_a = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(lse)).flatten(1, 2)[..., None]
+    weight_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(lse)).flatten(1, 2)[..., None]
+    return out_a * weight_a + out_b * weight_b, lse
 
 
 def _query_cuts(query: torch.Tensor) -> tuple[int, ...]:
     return (query.shape[2] // 2,)  # the rank's head chunk, then its tail chunk
 
 
-def _gather_in_order(tensor: torch.Tensor, context: AttentionContext) -> torch.Tensor:
-    """(..., local, d) of every rank -> (..., length, d) in global order."""
+def _start_gather(tensor: torch.Tensor, context: AttentionContext) -> PendingGather:
+    """Every rank's (..., local, d) `tensor`, gathered while the caller computes."""
     SENT.all_gather(tensor, context.shard.cp)
-    gathered = all_gather_abortable(tensor, context.group)
-    order = natural_order(context.shard.cp, context.length).to(tensor.device)
-    return torch.cat(gathered.unbind(0), dim=-2).index_select(-2, order)
+    return PendingGather(tensor, context.group)
 
 
-def _scatter_to_owners(tensor: torch.Tensor, context: AttentionContext) -> torch.Tensor:
-    """(..., length, d) gradients in global order -> the sum over ranks of each owner's (..., local, d)."""
-    cp, length = context.shard.cp, context.length
-    *lead, _, d = tensor.shape
-    pieces = tensor.index_select(-2, gathered_order(cp, length).to(tensor.device))
-    pieces = pieces.reshape(*lead, cp, length // cp, d).movedim(-3, 0)
+def _scatter_to_owners(own: torch.Tensor, others: torch.Tensor, context: AttentionContext) -> torch.Tensor:
+    """The gradient of this rank's (..., local, d) keys: its own `own` plus what every other rank computed
+    for them; `others` is this rank's for the other ranks' keys, in rank order (as `_KeyParts.others`)."""
+    cp, rank = context.shard.cp, context.shard.rank
+    pieces = list(others.chunk(cp - 1, dim=-2))
+    pieces.insert(rank, own)
+    pieces = torch.stack(pieces)
     SENT.all_to_all(pieces)
     return all_to_all_abortable(pieces, context.group).sum(dim=0)
 

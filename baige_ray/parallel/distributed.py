@@ -269,10 +269,22 @@ def all_reduce_abortable(tensor: torch.Tensor, group: dist.ProcessGroup | None =
 
 def all_gather_abortable(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Every rank's `tensor`, stacked in rank order on a new first dimension (as `all_reduce_abortable`)."""
-    ranks = dist.get_world_size(group)
-    gathered = tensor.new_empty((ranks * tensor.shape[0], *tensor.shape[1:]))  # gloo's shape: stacked on dim 0
-    wait_abortable(dist.all_gather_into_tensor(gathered, tensor.contiguous(), group=group, async_op=True))
-    return gathered.view(ranks, *tensor.shape)
+    return PendingGather(tensor, group).result()
+
+
+class PendingGather:
+    """An all-gather started now and running while this thread computes; `result()` waits for it (as
+    `all_reduce_abortable` waits) and returns every rank's tensor stacked in rank order."""
+
+    def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup):
+        self._ranks, self._shape = dist.get_world_size(group), tensor.shape
+        self._gathered = tensor.new_empty((self._ranks * tensor.shape[0], *tensor.shape[1:]))  # gloo's: on dim 0
+        self._sent = tensor.contiguous()  # kept alive, unchanged, until the collective has read it
+        self._work = dist.all_gather_into_tensor(self._gathered, self._sent, group=group, async_op=True)
+
+    def result(self) -> torch.Tensor:
+        wait_abortable(self._work)
+        return self._gathered.view(self._ranks, *self._shape)
 
 
 def all_to_all_abortable(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

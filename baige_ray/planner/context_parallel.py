@@ -7,11 +7,17 @@ Per layer and micro-batch, forward and backward together, on a CP group of `cp` 
   another, in the forward, and their gradients the other way in the backward; keys and values repeated
   to the query heads first where their heads do not divide by cp.
 Bytes sent count an all-gather as the rank's tensor sent to each of the cp - 1 others (a ring's traffic)
-and an all-to-all as the cp - 1 pieces that are not the rank's own. The exchanges wait for the attention
-that needs them (nothing overlaps them in the engines), so their time adds to the layer's.
+and an all-to-all as the cp - 1 pieces that are not the rank's own.
+
+What overlaps: the ring's two all-gathers run while the rank attends to its own keys (forward, then
+backward), so only what outlasts that attention adds to the layer's time (`CPExchangeSeconds.exposed`);
+the gradients' all-to-all, and every Ulysses exchange, wait for the attention that needs them or comes
+after them, so their whole time adds.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -59,16 +65,43 @@ def context_parallel_seconds(model: ModelSpec, *, cp, kind: str, micro_batch, tp
     return np.where(np.asarray(cp) > 1, total, 0.0)
 
 
-def layer_seconds(model: ModelSpec, *, cp, ulysses, micro_batch, tp: int, links: dict[str, GroupLink]) -> np.ndarray:
-    """Per row, (rows, 1): one layer's exchanges for a micro-batch, each row's CP group on links[f"cp{n}"]."""
+@dataclass(frozen=True)
+class CPExchangeSeconds:
+    """One layer's exchanges for a micro-batch, per row (rows, 1): the all-gathers that run beside the
+    attention to the rank's own keys, in the forward and in the backward, and the exchanges nothing hides."""
+
+    forward_gather: np.ndarray
+    backward_gather: np.ndarray
+    waiting: np.ndarray
+
+    def exposed(self, own_attention_forward: np.ndarray) -> np.ndarray:
+        """Seconds added to the layer, given the forward attention to the rank's own keys (the backward's
+        is twice that)."""
+        hidden_forward = np.maximum(self.forward_gather - own_attention_forward, 0.0)
+        hidden_backward = np.maximum(self.backward_gather - 2 * own_attention_forward, 0.0)
+        return hidden_forward + hidden_backward + self.waiting
+
+
+def layer_seconds(model: ModelSpec, *, cp, ulysses, micro_batch, tp: int,
+                  links: dict[str, GroupLink]) -> CPExchangeSeconds:
+    """Per row: one layer's exchanges for a micro-batch, each row's CP group on links[f"cp{n}"]."""
     cp = np.asarray(cp)
     ulysses = np.asarray(ulysses, dtype=bool)
     b = np.asarray(micro_batch, dtype=np.float64)
-    seconds = np.zeros(len(cp))
+    gather, waiting = np.zeros(len(cp)), np.zeros(len(cp))
     for size in np.unique(cp[cp > 1]):
-        for kind, chosen in (("ring", ~ulysses), ("ulysses", ulysses)):
-            rows = (cp == size) & chosen
-            if rows.any():
-                seconds[rows] = context_parallel_seconds(model, cp=size, kind=kind, micro_batch=b[rows], tp=tp,
-                                                         link=links[f"cp{int(size)}"])
-    return seconds[:, None]
+        link = links[f"cp{int(size)}"]
+        ring, rows = (cp == size) & ~ulysses, (cp == size) & ulysses
+        if ring.any():
+            gather[ring] = reduce_scatter(size, _ring_gather_bytes(model, b[ring], tp), link, "all_gather")
+            waiting[ring] = reduce_scatter(size, _ring_gather_bytes(model, b[ring], tp) / model.dtype_bytes
+                                           * GRADIENT_BYTES, link, "all_to_all")
+        if rows.any():
+            waiting[rows] = context_parallel_seconds(model, cp=size, kind="ulysses", micro_batch=b[rows], tp=tp,
+                                                     link=link)
+    return CPExchangeSeconds(gather[:, None], gather[:, None], waiting[:, None])
+
+
+def _ring_gather_bytes(model: ModelSpec, micro_batch, tp: int) -> np.ndarray:
+    (_, size), *_ = exchanges(model, cp=2, kind="ring", micro_batch=micro_batch, tp=tp)
+    return size

@@ -158,10 +158,11 @@ class StageTimes:
 
 def stage_times(model: ModelSpec, constants: CostConstants, *, stage_layers, stage_peak, tp: int, pp: int,
                 links: dict[str, GroupLink], ep, micro_batch, recompute, cp=None,
-                cp_layer_seconds=None) -> StageTimes:
+                cp_exchanges=None) -> StageTimes:
     """`cp` (one per row, None: 1) context-parallel ranks share each sequence: a rank computes 1/cp of the
     micro-batch's tokens, each attending to the whole sequence's keys as one process's do; their exchanges
-    take `cp_layer_seconds` a layer (rows, 1) (planner/context_parallel.py prices them)."""
+    (`cp_exchanges`, planner/context_parallel.py's CPExchangeSeconds) add what the attention to the rank's
+    own keys, 1/cp of its attention, does not hide."""
     layers = np.asarray(stage_layers, dtype=np.float64)[None, :]
     is_last = (np.arange(pp) == pp - 1)[None, :]
     cp = np.ones(len(np.atleast_1d(micro_batch))) if cp is None else np.asarray(cp, dtype=np.float64)
@@ -189,9 +190,12 @@ def stage_times(model: ModelSpec, constants: CostConstants, *, stage_layers, sta
             routed = reduce_scatter(size, activation * model.top_k / tp, links[f"ep{int(size)}"], "all_to_all")
             ep_time = np.where(np.asarray(ep)[:, None] == size, layers * model.moe_layer_share * 4 * routed, ep_time)
     pp_time = 2 * point_to_point(activation / tp, links["pp"]) if pp > 1 else np.zeros_like(tokens)
+    cp_time = 0.0
+    if cp_exchanges is not None:
+        own_attention = tokens * model.attention_core_flops_per_token / layer_rate / cp[:, None]
+        cp_time = layers * cp_exchanges.exposed(own_attention)
     return StageTimes(forward=forward, backward=backward, tp=tp_time, ep=ep_time,
-                      pp=np.broadcast_to(pp_time, tp_time.shape),
-                      cp=0.0 if cp_layer_seconds is None else layers * cp_layer_seconds)
+                      pp=np.broadcast_to(pp_time, tp_time.shape), cp=cp_time)
 
 
 def pipeline_seconds(stage_total: np.ndarray, num_micro_batches, host_sharing: float = 1.0,

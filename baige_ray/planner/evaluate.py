@@ -95,7 +95,7 @@ def evaluate(model: ModelSpec, constants: CostConstants, context: LayoutContext,
                                                tp=layout.tp, links=context.links)
     times = stage_times(model, constants, stage_layers=context.stage_layers, stage_peak=context.stage_peak,
                         tp=layout.tp, pp=layout.pp, links=context.links, ep=rows.ep, micro_batch=rows.micro_batch,
-                        recompute=rows.recompute, cp=rows.cp, cp_layer_seconds=exchanges)
+                        recompute=rows.recompute, cp=rows.cp, cp_exchanges=exchanges)
     dense, expert = stage_param_counts(model, context.stage_layers)
     data_parallel = data_parallel_cost(model, times, constants, stage_layers=context.stage_layers, stage_dense=dense,
                                        stage_expert=expert, tp=layout.tp, dp=layout.dp, link=context.links["dp"],

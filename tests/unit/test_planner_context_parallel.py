@@ -86,3 +86,21 @@ def test_the_exchange_time_is_the_bytes_on_the_cp_link(kind):
     seconds = context_parallel_seconds(llama, cp=4, kind=kind, micro_batch=1, tp=1, link=link)
     sent = context_parallel_bytes_per_layer(llama, cp=4, kind=kind, micro_batch=1)
     assert float(seconds) == pytest.approx(sent / 100e9)
+
+
+def test_ring_gathers_hide_behind_the_attention_to_the_ranks_own_keys_and_the_rest_adds_whole():
+    from baige_ray.planner.context_parallel import context_parallel_seconds, layer_seconds
+    from baige_ray.planner.links import GroupLink
+
+    llama = load_model_spec("llama-3-8b", global_batch=8, seq_len=32768)
+    links = {"cp4": GroupLink(tier=0, bandwidth=100e9, latency=0.0)}
+    ring, ulysses = (layer_seconds(llama, cp=np.array([4]), ulysses=np.array([kind]), micro_batch=np.array([1]), tp=1,
+                                   links=links) for kind in (False, True))
+    whole = context_parallel_seconds(llama, cp=4, kind="ring", micro_batch=1, tp=1, link=links["cp4"])
+    gather = float(ring.forward_gather[0, 0])
+    assert float(ring.forward_gather + ring.backward_gather + ring.waiting) == pytest.approx(float(whole))
+    assert float(ring.exposed(np.array([[0.0]]))) == pytest.approx(float(whole))  # nothing to hide behind
+    assert float(ring.exposed(np.array([[gather]]))) == pytest.approx(float(ring.waiting))  # both gathers hidden
+    assert float(ring.exposed(np.array([[gather / 2]]))) == pytest.approx(gather / 2 + float(ring.waiting))
+    assert float(ulysses.waiting) > 0  # nothing hides Ulysses' exchanges
+    assert float(ulysses.exposed(np.array([[1.0]]))) == pytest.approx(float(ulysses.waiting))
