@@ -163,28 +163,33 @@ def _published_family(name: str):
 
 
 @pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
+def tiny_model(tmp_path_factory):
+    """The tiny model of a family of PUBLISHED, built once per test process on first use."""
     from tests.hf_helpers import build_tiny_hf
 
-    return {name: build_tiny_hf(tmp_path_factory.mktemp(name), family=_published_family(name)) for name in PUBLISHED}
+    built = {}
+
+    def build(name: str):
+        if name not in built:
+            built[name] = build_tiny_hf(tmp_path_factory.mktemp(name), family=_published_family(name))
+        return built[name]
+
+    return build
 
 
-def test_hf_families_train_with_context_parallelism_as_transformers_alone(tiny_models, tmp_path):
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("names", [("llama", "qwen2"), ("qwen3", "mixtral")])
+def test_hf_families_train_with_context_parallelism_as_transformers_alone(tiny_model, names):
     import dataclasses
     import json
 
-    from baige_ray.engines.factory import build_engine
-    from baige_ray.engines.train_job import TrainJob
-    from baige_ray.models.hf import HFModel
     from baige_ray.models.token_dataset import TokenDataset
     from baige_ray.planner.context_parallel import context_parallel_bytes_per_layer
     from baige_ray.planner.model_spec import ModelSpec
     from tests.hf_helpers import SEQ_LEN, plain_transformers_losses
 
-    llama = tiny_models["llama"]
-    packed = _packed_dataset(llama, tmp_path)
+    tiny_models = {name: tiny_model(name) for name in names}
     runs = {name: (str(tiny.model_dir), str(tiny.dataset_dir), LAYOUTS[name]) for name, tiny in tiny_models.items()}
-    runs["llama packed"] = (str(llama.model_dir), str(packed.directory), ("cp=4", "cp=4,cpkind=ulysses"))
     results = spawn_ranks(_train_layouts, 4, runs)
 
     references = {}  # by micro-batch: an MoE model's router loss is one per micro-batch (a replica's share)
@@ -203,14 +208,27 @@ def test_hf_families_train_with_context_parallelism_as_transformers_alone(tiny_m
             assert {results[(name, text, rank)]["sent"] for rank in range(4)} == {per_layer * spec.num_layers}
             torch.testing.assert_close(_replica_mean(results, name, text), reference, rtol=1e-5, atol=0,
                                        msg=f"{name} {text}")
-            layout = parse_layout(text)  # sequence parallelism splits a CP rank's tokens over tp (dense models)
+            # sequence parallelism splits a CP rank's tokens over tp (dense models; an MoE model's MLPs take them whole)
             expected_length = SEQ_LEN // (layout.cp * (layout.tp if name != "mixtral" else 1))
             assert results[(name, text, 0)]["lengths"] == [expected_length], (name, text)
 
+
+@pytest.mark.timeout(600)
+def test_packed_documents_keep_their_attention_inside_each_document_across_the_group(tiny_model, tmp_path):
+    from baige_ray.engines.factory import build_engine
+    from baige_ray.engines.train_job import TrainJob
+    from baige_ray.models.hf import HFModel
+    from baige_ray.models.token_dataset import TokenDataset
+    from tests.hf_helpers import SEQ_LEN
+
+    llama = tiny_model("llama")
+    packed = _packed_dataset(llama, tmp_path)
+    layouts = ("cp=4", "cp=4,cpkind=ulysses")
+    results = spawn_ranks(_train_layouts, 4, {"llama packed": (str(llama.model_dir), str(packed.directory), layouts)})
     alone = build_engine(TrainJob(model=HFModel(llama.model_dir, seq_len=SEQ_LEN), train=_train(),
                                   data=TokenDataset.open(packed.directory)), ParallelLayout())
     reference = [alone.train_step(step)["loss"] for step in range(STEPS)]
-    for text in runs["llama packed"][2]:
+    for text in layouts:
         torch.testing.assert_close(_replica_mean(results, "llama packed", text), reference, rtol=1e-5, atol=0, msg=text)
     restarts = packed.positions(range(packed.num_sequences), 0)[:, 1:] == 0
     assert restarts.any(dim=1).float().mean() > 0.5  # documents really do share most sequences
