@@ -37,7 +37,6 @@ def bench_ray(num_cpus: int, attempts: int = 3, env_vars: dict[str, str] | None 
     import ray
 
     from baige_ray.constants import ray_address
-    from baige_ray.topology.serve_env import serve_throughput_defaults
 
     address = ray_address()
     runtime_env = {"env_vars": env_vars} if env_vars else None
@@ -47,7 +46,6 @@ def bench_ray(num_cpus: int, attempts: int = 3, env_vars: dict[str, str] | None 
     if address is not None:
         ray.init(address=address, logging_level=logging.WARNING, runtime_env=runtime_env)
     else:
-        serve_throughput_defaults()
         for attempt in range(1, attempts + 1):
             try:
                 ray.init(address="local", num_cpus=num_cpus, num_gpus=0, logging_level=logging.WARNING,

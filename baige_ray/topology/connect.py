@@ -12,7 +12,6 @@ import ray
 
 from baige_ray.api.connection import connect_ray
 from baige_ray.constants import ray_address
-from baige_ray.topology.serve_env import serve_throughput_defaults
 from baige_ray.topology.descriptor import ClusterDescriptor, load_descriptor
 from baige_ray.topology.simulated import SimulatedCluster
 
@@ -55,7 +54,6 @@ def open_cluster(
             ray.shutdown()
         return
     if descriptor is None:
-        serve_throughput_defaults()
         # address="local": start a fresh instance even if another `ray start` runs on this machine.
         context = ray.init(
             address="local", num_cpus=local_num_cpus, num_gpus=local_num_gpus, logging_level=logging.WARNING,

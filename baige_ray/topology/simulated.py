@@ -17,7 +17,6 @@ from ray.cluster_utils import Cluster
 
 from baige_ray.accelerator import spec_for
 from baige_ray.topology.descriptor import ClusterDescriptor, NodeType
-from baige_ray.topology.serve_env import serve_throughput_defaults
 
 NODE_INDEX_RESOURCE = "baige_node_{index}"
 NODE_TYPE_RESOURCE = "baige_type_{name}"
@@ -70,7 +69,6 @@ class SimulatedCluster:
         return cls._active
 
     def start(self) -> SimulatedCluster:
-        serve_throughput_defaults()  # before the nodes start: their processes inherit it
         node_types = self.descriptor.node_type_sequence()
         head_args = node_args(node_types[0], 0, self.cpus_per_device)
         if self.dashboard_port is not None:

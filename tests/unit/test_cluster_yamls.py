@@ -74,16 +74,6 @@ def test_dashboard_and_serve_listen_on_private_addresses(path):
 
 
 @pytest.mark.parametrize("path", RAY_UP_FILES, ids=ids)
-def test_every_node_starts_serve_with_the_settings_a_simulated_cluster_has(path):
-    from baige_ray.topology.serve_env import SERVE_THROUGHPUT_ENV
-
-    config = _prepared(path)
-    for commands in (config["head_start_ray_commands"], config["worker_start_ray_commands"]):
-        start = next(c for c in commands if "ray start" in c)
-        assert all(f"{name}={value}" in start for name, value in SERVE_THROUGHPUT_ENV.items()), start
-
-
-@pytest.mark.parametrize("path", RAY_UP_FILES, ids=ids)
 def test_nothing_binds_or_opens_to_the_whole_internet(path):
     for value in _strings(_prepared(path)):
         assert "0.0.0.0" not in value and "::/0" not in value, value
