@@ -237,11 +237,10 @@ class _KeyParts:
 
     def __init__(self, context: AttentionContext, mask: AttentionMask):
         cp, length, rank = context.shard.cp, context.length, context.shard.rank
-        device = mask.query_index.device
         self.cp, self.rank, self.chunk = cp, rank, length // (2 * cp)
-        indices = [SequenceShard(cp, r).indices(length).to(device) for r in range(cp)]
-        others = torch.cat([indices[r] for r in range(cp) if r != rank])
-        self.own_mask = AttentionMask(mask.query_index, indices[rank], mask.documents, mask.sliding_window)
+        by_rank = gathered_order(cp, length).to(mask.query_index.device).view(cp, -1)  # each rank's positions
+        others = torch.cat([by_rank[r] for r in range(cp) if r != rank])
+        self.own_mask = AttentionMask(mask.query_index, by_rank[rank], mask.documents, mask.sliding_window)
         self.others_mask = AttentionMask(mask.query_index, others, mask.documents, mask.sliding_window)
         self.own_cuts = (self.chunk,)
         self.others_cuts = tuple(range(self.chunk, len(others), self.chunk))

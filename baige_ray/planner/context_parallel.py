@@ -67,19 +67,18 @@ def context_parallel_seconds(model: ModelSpec, *, cp, kind: str, micro_batch, tp
 
 @dataclass(frozen=True)
 class CPExchangeSeconds:
-    """One layer's exchanges for a micro-batch, per row (rows, 1): the all-gathers that run beside the
-    attention to the rank's own keys, in the forward and in the backward, and the exchanges nothing hides."""
+    """One layer's exchanges for a micro-batch, per row (rows, 1): the all-gather each pass (forward, then
+    backward) runs beside the attention to the rank's own keys, and the exchanges nothing hides."""
 
-    forward_gather: np.ndarray
-    backward_gather: np.ndarray
+    gather: np.ndarray
     waiting: np.ndarray
 
     def exposed(self, own_attention_forward: np.ndarray) -> np.ndarray:
         """Seconds added to the layer, given the forward attention to the rank's own keys (the backward's
         is twice that)."""
-        hidden_forward = np.maximum(self.forward_gather - own_attention_forward, 0.0)
-        hidden_backward = np.maximum(self.backward_gather - 2 * own_attention_forward, 0.0)
-        return hidden_forward + hidden_backward + self.waiting
+        forward = np.maximum(self.gather - own_attention_forward, 0.0)
+        backward = np.maximum(self.gather - 2 * own_attention_forward, 0.0)
+        return forward + backward + self.waiting
 
 
 def layer_seconds(model: ModelSpec, *, cp, ulysses, micro_batch, tp: int,
@@ -92,16 +91,14 @@ def layer_seconds(model: ModelSpec, *, cp, ulysses, micro_batch, tp: int,
     for size in np.unique(cp[cp > 1]):
         link = links[f"cp{int(size)}"]
         ring, rows = (cp == size) & ~ulysses, (cp == size) & ulysses
-        if ring.any():
-            gather[ring] = reduce_scatter(size, _ring_gather_bytes(model, b[ring], tp), link, "all_gather")
-            waiting[ring] = reduce_scatter(size, _ring_gather_bytes(model, b[ring], tp) / model.dtype_bytes
-                                           * GRADIENT_BYTES, link, "all_to_all")
+        if ring.any():  # the same all-gather in each pass, then the gradients' all-to-all
+            for collective, bytes_ in exchanges(model, cp=size, kind="ring", micro_batch=b[ring], tp=tp):
+                seconds = reduce_scatter(size, bytes_, link, collective)
+                if collective == "all_gather":
+                    gather[ring] = seconds
+                else:
+                    waiting[ring] += seconds
         if rows.any():
             waiting[rows] = context_parallel_seconds(model, cp=size, kind="ulysses", micro_batch=b[rows], tp=tp,
                                                      link=link)
-    return CPExchangeSeconds(gather[:, None], gather[:, None], waiting[:, None])
-
-
-def _ring_gather_bytes(model: ModelSpec, micro_batch, tp: int) -> np.ndarray:
-    (_, size), *_ = exchanges(model, cp=2, kind="ring", micro_batch=micro_batch, tp=tp)
-    return size
+    return CPExchangeSeconds(gather[:, None], waiting[:, None])

@@ -115,7 +115,7 @@ def _train_layouts(rank: int, port: int, results, runs: dict[str, tuple[str, str
             stage.layers["0"].register_forward_pre_hook(lambda _, args: lengths.append(args[0].shape[1]))
             metrics = [engine.train_step(s) for s in range(STEPS)]
             results[(name, text, rank)] = {"losses": [m["loss"] for m in metrics], "lengths": sorted(set(lengths)),
-                                           "sent": metrics[0].get("context_parallel_bytes")}
+                                           "sent": metrics[0]["context_parallel_bytes"]}
     dist.destroy_process_group()
 
 
