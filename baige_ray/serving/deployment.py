@@ -401,7 +401,7 @@ class ModelServer:
         parsed = parse_generate_request(await read_body(request, self._limits.max_body_bytes), self._limits)
         runner, step = self._require_runner(), self._step
         prompt = fit_context(runner.codec.encode(parsed.prompt), max_tokens=parsed.max_new_tokens,
-                             max_context=runner.engine.max_context,
+                             max_context=runner.engine.max_context, limit=runner.engine.context_limit,
                              truncate_prompt_tokens=parsed.truncate_prompt_tokens, field="max_new_tokens")
         params = SamplingParams(max_new_tokens=parsed.max_new_tokens, temperature=parsed.temperature,
                                 seed=parsed.seed)

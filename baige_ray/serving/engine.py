@@ -20,6 +20,10 @@ The tokens a request gets do not depend on whether its prefix was cached, up to 
 summation order. A request asking for its prompt's log-probabilities reads no cached block (it needs
 the logits of every prompt position, as vLLM skips its prefix cache for it); its blocks are stored.
 
+With a KV memory budget (`EngineLimits.kv_cache_memory_bytes`, serving/kv_memory.py) the engine's context
+is what the budget holds for one request, a longer request is refused with the numbers, and a waiting
+request is admitted, in arrival order, once the batch leaves room for its prompt and its token budget.
+
 A request prefilled by another engine (serving/prefill.py: prefill/decode disaggregation) joins
 with `submit_prefilled`: its cache goes straight into the batch and its generator resumes from the
 state the prefill left, so it gets the tokens it would have got here.
@@ -50,6 +54,7 @@ from baige_ray.serving.context_length import require_fit
 from baige_ray.serving.device_memory import ModelOffload
 from baige_ray.serving.kv_batch import PagedKVBatch
 from baige_ray.serving.kv_blocks import PrefixBlockStore
+from baige_ray.serving.kv_memory import KVFootprint, KVMemoryBudget
 from baige_ray.serving.lora_adapters import BASE, AdapterSet, rows_use
 from baige_ray.serving.row_sampling import SampledToken, sample_rows
 from baige_ray.serving.sampling_params import require_implemented, stops_at
@@ -133,10 +138,15 @@ class EngineLimits:
     # a prompt longer than this (chunked_prefill.py). None: a prompt is prefilled whole, in one step (vLLM:
     # its own default budget).
     max_num_batched_tokens: int | None = None
+    # Bytes the running batch's keys and values may take, as vLLM's option of that name (kv_memory.py): a
+    # request that could not fit alone is refused, others wait for room. None: no bound.
+    kv_cache_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         require_int("EngineLimits", "max_batch_size", self.max_batch_size, minimum=1)
         require_int("EngineLimits", "max_waiting", self.max_waiting, minimum=0)
+        if self.kv_cache_memory_bytes is not None:
+            require_int("EngineLimits", "kv_cache_memory_bytes", self.kv_cache_memory_bytes, minimum=1)
         if self.max_num_batched_tokens is not None:
             # vLLM's rule too: a step must hold a token of every row it may decode.
             require_int("EngineLimits", "max_num_batched_tokens", self.max_num_batched_tokens,
@@ -185,6 +195,11 @@ class RequestQueue(Generic[RequestT]):
         with self._work:
             return self._waiting.popleft() if self._waiting else None
 
+    def peek(self) -> RequestT | None:
+        """The longest-waiting request, left in the queue, or None."""
+        with self._work:
+            return self._waiting[0] if self._waiting else None
+
     def take_cancelled(self) -> set[int]:
         """Ids cancelled since the last call; those still waiting are dropped."""
         with self._work:
@@ -222,6 +237,14 @@ class ContinuousBatchingEngine:
         self._step_prompt_tokens = 0  # prompt tokens the current step prefilled whole (max_num_batched_tokens)
         self._cache = PagedKVBatch()
         self._offload: ModelOffload | None = None  # while asleep: its weights in host memory
+        self._kv_budget = None if limits.kv_cache_memory_bytes is None else self._measured_budget()
+
+    def _measured_budget(self) -> KVMemoryBudget:
+        """The budget over what one token's keys and values take in this model, read off a one-token forward."""
+        one = torch.zeros(1, 1, dtype=torch.long)
+        with rows_use([BASE]), torch.no_grad():
+            _, cache = self.decoder.forward(one, one, torch.ones_like(one), None)
+        return KVMemoryBudget(self.limits.kv_cache_memory_bytes, KVFootprint.of(cache), self._cache.block_tokens)
 
     # -- taking turns with training on a device (serving/device_memory.py) ------------------------
     def sleep(self) -> int:
@@ -263,6 +286,7 @@ class ContinuousBatchingEngine:
         if not prompt:
             raise ValueError("the prompt is empty: a request needs at least one token")
         require_fit(len(prompt), params.max_new_tokens, self.decoder.max_context)
+        self._require_memory(len(prompt), params.max_new_tokens)
         require_implemented(params, "builtin")
         adapter = params.adapter
         if adapter is not None and self.adapters is None:
@@ -284,6 +308,7 @@ class ContinuousBatchingEngine:
         if prefilled.prompt_length + prefilled.budget > self.decoder.max_context:
             raise ValueError(f"a prompt of {prefilled.prompt_length} tokens and {prefilled.budget} new ones exceed "
                              f"this engine's context of {self.decoder.max_context}: the engines serve different models")
+        self._require_memory(prefilled.prompt_length, prefilled.budget)
         generator = torch.Generator()
         generator.set_state(prefilled.generator_state)
         device = self.decoder.device
@@ -311,7 +336,22 @@ class ContinuousBatchingEngine:
 
     @property
     def max_context(self) -> int:
-        return self.decoder.max_context
+        """The most tokens (prompt plus new ones) a request may have here: the model's context, or less
+        where the KV memory budget holds less."""
+        if self._kv_budget is None:
+            return self.decoder.max_context
+        return min(self.decoder.max_context, self._kv_budget.max_tokens_alone)
+
+    @property
+    def context_limit(self) -> str | None:
+        """Why `max_context` is below the model's context (the memory budget's numbers), or None."""
+        if self._kv_budget is None or self._kv_budget.max_tokens_alone >= self.decoder.max_context:
+            return None
+        return self._kv_budget.describe()
+
+    def _require_memory(self, prompt_tokens: int, new_tokens: int) -> None:
+        if self._kv_budget is not None and (reason := self._kv_budget.refusal(prompt_tokens, new_tokens)):
+            raise ValueError(reason)
 
     @property
     def num_running(self) -> int:
@@ -356,8 +396,10 @@ class ContinuousBatchingEngine:
     def _admit(self) -> int:
         admitted: list[_Request] = []
         while (len(self._running) + self._rows_prefilling() + len(admitted) < self.limits.max_batch_size
-               and (request := self._queue.take()) is not None):
-            admitted.append(request)
+               and (request := self._queue.peek()) is not None and self._memory_admits(request, admitted)):
+            admitted.append(self._queue.take())
+        if self._kv_budget is not None:  # the pool grows to what the batch may need, not past it
+            self._cache.max_blocks = max(self._cache.num_blocks, self._kv_budget.pool_blocks(self._reserved(admitted)))
         same_prompt: dict[tuple[int, ...], list[_Request]] = {}  # keyed by adapter, then the prompt's tokens
         for request in admitted:
             if request.prefilled is None:
@@ -380,6 +422,24 @@ class ContinuousBatchingEngine:
         for requests in same_prompt.values():
             self._prefill(requests)
         return len(admitted)
+
+    def _reserved(self, joining: Sequence[_Request] = ()) -> list[int]:
+        """The tokens each row may grow to: running, prefilling in chunks, and `joining`."""
+        rows = [*self._running, *(r for prefill in self._prefilling for r in prefill.requests), *joining]
+        return [len(request.prompt) + request.budget for request in rows]
+
+    def _memory_admits(self, request: _Request, admitted: list[_Request]) -> bool:
+        """Whether the budget holds `request` beside the batch and those admitted this step. An empty batch
+        first gives back a pool grown for earlier rows, so a request that fits alone always runs."""
+        if self._kv_budget is None:
+            return True
+        lengths = self._reserved([*admitted, request])
+        if self._kv_budget.holds(lengths, self._cache.num_blocks):
+            return True
+        if self._running or self._prefilling or not self._cache.num_blocks:
+            return False
+        self._cache = PagedKVBatch(self._cache.block_tokens)
+        return self._kv_budget.holds(lengths)
 
     def _holds_no_prefix(self, request: _Request) -> bool:
         return not self._uses_prefixes(request) or self.prefixes.cached_tokens(request.prompt) == 0

@@ -56,6 +56,7 @@ class EngineFailed(RuntimeError):
 
 class Engine(Protocol):
     max_context: int
+    context_limit: str | None  # why max_context is below the model's context (a KV memory budget), or None
 
     def submit(self, prompt: list[int], params: SamplingParams, on_event: EventSink) -> Any: ...
 

@@ -43,6 +43,9 @@ class PagedKVBatch:
         # Each row's slot of every token it holds, in order: the gather index is built from these lists in
         # one call, not from tensors per row (on a small model that bookkeeping was a fifth of a decode step).
         self._row_slots: list[list[int]] = []
+        # At most this many blocks (None: no bound): a KV memory budget (kv_memory.py) sets it from what the
+        # running rows may grow to, so that doubling the pool does not take more than the budget counted.
+        self.max_blocks: int | None = None
 
     @property
     def num_rows(self) -> int:
@@ -142,10 +145,11 @@ class PagedKVBatch:
 
     def _build_pool(self, row: KV) -> None:
         keys = row[0][0]
-        shape = (INITIAL_BLOCKS * self.block_tokens, keys.shape[1], keys.shape[3])
+        blocks = INITIAL_BLOCKS if self.max_blocks is None else max(2, min(INITIAL_BLOCKS, self.max_blocks))
+        shape = (blocks * self.block_tokens, keys.shape[1], keys.shape[3])
         self._keys = [torch.zeros(shape, dtype=k.dtype, device=k.device) for k, _ in row]
         self._values = [torch.zeros(shape, dtype=v.dtype, device=v.device) for _, v in row]
-        self._free = list(range(INITIAL_BLOCKS - 1, 0, -1))  # block 0 is the padding block
+        self._free = list(range(blocks - 1, 0, -1))  # block 0 is the padding block
 
     def _take_block(self) -> int:
         if not self._free:
@@ -154,9 +158,14 @@ class PagedKVBatch:
 
     def _double_pool(self) -> None:
         old = self.num_blocks
-        self._keys = [torch.cat([keys, torch.zeros_like(keys)]) for keys in self._keys]
-        self._values = [torch.cat([values, torch.zeros_like(values)]) for values in self._values]
-        self._free.extend(range(2 * old - 1, old - 1, -1))
+        new = 2 * old if self.max_blocks is None else min(2 * old, self.max_blocks)
+        if new <= old:
+            raise RuntimeError(f"the KV pool is full at {old} blocks (max_blocks={self.max_blocks}): the engine "
+                               "admitted more than its memory budget holds")
+        extra = (new - old) * self.block_tokens
+        self._keys = [torch.cat([keys, keys.new_zeros((extra, *keys.shape[1:]))]) for keys in self._keys]
+        self._values = [torch.cat([values, values.new_zeros((extra, *values.shape[1:]))]) for values in self._values]
+        self._free.extend(range(new - 1, old - 1, -1))
 
     def _slots(self, table: list[int], length: int) -> list[int]:
         """The slots of a row's first `length` tokens, its blocks in `table`."""

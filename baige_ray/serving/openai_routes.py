@@ -62,16 +62,17 @@ def require_supported(sampling: SamplingParams, engine: str) -> None:
         raise bad_request(*refused)
 
 
-def fitted_requests(prompts: Sequence[list[int]], parsed: Any,
-                    max_context: int) -> list[tuple[list[int], SamplingParams]]:
+def fitted_requests(prompts: Sequence[list[int]], parsed: Any, max_context: int,
+                    limit: str | None = None) -> list[tuple[list[int], SamplingParams]]:
     """(prompt, sampling) to submit for each prompt: cut to `truncate_prompt_tokens` where asked, with the
-    budget asked for, cut to the rest of the context as vLLM cuts it; a 400 when a prompt leaves no room."""
+    budget asked for, cut to the rest of the context as vLLM cuts it; a 400 when a prompt leaves no room
+    (`limit`: why the engine's context is below the model's, said in that 400)."""
     field = getattr(parsed, "max_tokens_field", "max_tokens")
     max_tokens = 1 if parsed.max_tokens == 0 else parsed.max_tokens  # echo's max_tokens=0 generates one, unshown
     requests = []
     for prompt in prompts:
         fitted, budget = openai_budget(prompt, max_tokens=max_tokens, max_context=max_context,
-                                       truncate_prompt_tokens=parsed.truncate_prompt_tokens)
+                                       truncate_prompt_tokens=parsed.truncate_prompt_tokens, limit=limit)
         requests.append((fitted, with_budget(parsed.sampling, budget, field)))
     return requests
 
@@ -133,7 +134,8 @@ class OpenAIRoutes:
         require_supported(parsed.sampling, self.engine_name)
         runner = self.calls.require_runner()
         prompts = [prompt_tokens(prompt, runner.codec.encode) for prompt in parsed.prompts]
-        requests = fitted_requests(prompts, parsed, runner.engine.max_context)  # before anything is submitted
+        # Fitted before anything is submitted: a prompt that does not fit submits none of the others.
+        requests = fitted_requests(prompts, parsed, runner.engine.max_context, runner.engine.context_limit)
         echo_texts = [echo_text(prompt, tokens, fitted, runner.codec)
                       for prompt, tokens, (fitted, _) in zip(parsed.prompts, prompts, requests)] \
             if parsed.sampling.echo else []
@@ -148,7 +150,7 @@ class OpenAIRoutes:
         require_supported(parsed.sampling, self.engine_name)
         runner = self.calls.require_runner()
         prompts = [chat_prompt_tokens(runner.codec, parsed.messages, parsed.tools)]
-        choices = fan_out(fitted_requests(prompts, parsed, runner.engine.max_context))
+        choices = fan_out(fitted_requests(prompts, parsed, runner.engine.max_context, runner.engine.context_limit))
         return await self._respond(runner, AnswerShaper(choices, chat=True, codec=runner.codec),
                                    parsed, started)
 

@@ -115,6 +115,8 @@ class PrefillEngine:
     def max_context(self) -> int:
         return self.decoder.max_context
 
+    context_limit = None  # the decode replica's budget bounds the request: it holds the keys and values
+
     def wait_for_work(self, timeout_s: float) -> None:
         self._queue.wait(timeout_s, busy=False)
 

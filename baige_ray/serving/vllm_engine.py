@@ -70,6 +70,7 @@ class VLLMEngine:
         self.adapters = adapters
         self._served_weights = served_weights
         self.max_context = settings.max_context
+        self.context_limit = None  # vLLM refuses to start with a context its KV cache cannot hold
         self._engine = _build_engine(settings, limits, load_format="auto" if weights is None else "dummy")
         if weights is not None:
             self.load_weights(weights)
@@ -261,22 +262,29 @@ def repack_tied_head(worker: Any) -> bool:
     return True
 
 
-def _build_engine(settings: VLLMSettings, limits: EngineLimits, *, load_format: str):
-    # Set before vLLM reads them: the engine steps in this process, the KV pool has a fixed size.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
-    from vllm import EngineArgs, LLMEngine
-
-    arguments = EngineArgs(
+def engine_arguments(settings: VLLMSettings, limits: EngineLimits, *, load_format: str) -> dict:
+    """vLLM's `EngineArgs` for a replica's engine: the options `serve()` passes on, and this process's defaults."""
+    return dict(
         model=settings.model_dir, tokenizer=settings.model_dir, dtype=settings.dtype, seed=settings.seed,
         max_model_len=settings.max_context, max_num_seqs=limits.max_batch_size, enforce_eager=True,
         load_format=load_format, trust_remote_code=False,
         **(settings.lora.engine_args() if settings.lora is not None else {}),
         enable_prefix_caching=True,  # vLLM's own block-hash prefix reuse; reset when new weights arrive
         disable_log_stats=True,  # the replica reports its own metrics; vLLM's would cost every step
+        **({} if limits.kv_cache_memory_bytes is None else {"kv_cache_memory_bytes": limits.kv_cache_memory_bytes}),
         **({} if limits.max_num_batched_tokens is None else
            {"max_num_batched_tokens": limits.max_num_batched_tokens, "enable_chunked_prefill": True}),
     )
+
+
+def _build_engine(settings: VLLMSettings, limits: EngineLimits, *, load_format: str):
+    # Set before vLLM reads them: the engine steps in this process, the KV pool has a fixed size.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if limits.kv_cache_memory_bytes is None:  # vLLM's CPU platform reads this over kv_cache_memory_bytes
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
+    from vllm import EngineArgs, LLMEngine
+
+    arguments = EngineArgs(**engine_arguments(settings, limits, load_format=load_format))
     return LLMEngine.from_engine_args(arguments)
 
 
