@@ -53,6 +53,7 @@ from baige_ray.serving.prefix_router import INGRESS_DEPLOYMENT, PrefixRoutingIng
 from baige_ray.serving.registry import REGISTRY_NAMESPACE, get_or_create_registry, registry_name
 from baige_ray.serving.request_routing import request_router_config
 from baige_ray.serving.requests import RequestLimits
+from baige_ray.serving.serve_throughput import controller_options
 from baige_ray.serving.vllm_adapters import lora_slots
 from baige_ray.serving.vllm_engine import vllm_available
 from baige_ray.topology.head import HEAD_NODE_RESOURCE
@@ -311,7 +312,8 @@ def serve(
     ray.get(registry.publish_weights.remote(step, [state_ref], config))
     max_rank = lora_slots(settings.adapters).max_rank if settings.engine == "vllm" and settings.adapters else None
     ray.get(registry.serve_adapters.remote(settings.adapters, max_rank))
-    ray_serve.start(proxy_location="HeadOnly", http_options={"host": settings.host, "port": settings.port})
+    ray_serve.start(proxy_location="HeadOnly", http_options={"host": settings.host, "port": settings.port},
+                    controller_options=controller_options())
     application, names = _bind(settings, name, limits, completion_limits or CompletionLimits())
     ray_serve.run_many([ray_serve.RunTarget(target=application, name=name, route_prefix=settings.route_prefix,
                                             external_scaler_enabled=True)], wait_for_applications_running=False)

@@ -211,6 +211,9 @@ def vllm_sampling_params(params: SamplingParams):
         # The sampled token's and the likeliest `num_logprobs`, from the raw logits (vLLM's default mode).
         logprobs=params.num_logprobs if params.num_logprobs is not None else 0 if params.log_probs else None,
         prompt_logprobs=params.prompt_logprobs,
+        # The replica decodes the tokens itself (its codec, and the stop strings): vLLM's own incremental
+        # detokenization would be the same work done twice on the replica's thread.
+        detokenize=False,
     )
     if params.structured_outputs is not None:
         from vllm.sampling_params import StructuredOutputsParams

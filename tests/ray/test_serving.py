@@ -132,6 +132,24 @@ def test_the_proxy_gives_a_drained_backlog_back_without_importing_torch(app):
     assert modules == []  # the trim ran by value: importing it would have cost the proxy 170 MiB
 
 
+def test_serves_throughput_settings_reach_serves_processes_and_not_the_callers(app):
+    """The proxy streams over gRPC and runs its handles' routers on its own loop; the driver keeps Serve's
+    defaults, where a handle may be used under asyncio.run more than once (serving/serve_throughput.py)."""
+    from ray.util.state import list_actors
+
+    from baige_ray.serving.serve_throughput import SERVE_THROUGHPUT_ENV
+
+    (proxy_handle,) = serve_proxies().values()
+    proxy_env = ray.get(proxy_handle.__ray_call__.remote(
+        lambda _, names: {name: __import__("os").environ.get(name) for name in names}, list(SERVE_THROUGHPUT_ENV)))
+    assert proxy_env == SERVE_THROUGHPUT_ENV
+    (replica,) = [actor for actor in list_actors(filters=[("state", "=", "ALIVE")])
+                  if actor.class_name == "ServeReplica:test-gpt:ModelServer"]
+    replica_env = open(f"/proc/{replica.pid}/environ", "rb").read().split(b"\0")
+    assert b"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0" in replica_env
+    assert all(name not in __import__("os").environ for name in SERVE_THROUGHPUT_ENV)
+
+
 def test_a_backlog_drains_at_what_the_replicas_answer(app, tmp_path):
     """Found by `bench soak --seed 3`: under Serve's own router backoff (0.5 s per routing task), two idle
     replicas answered 8 requests/s after a burst, against 96-122 saturated (serving/request_routing.py)."""
