@@ -147,10 +147,13 @@ def all_reduce_gradients(parameters: list[nn.Parameter], group: dist.ProcessGrou
 
 
 def _sharded_mesh_dims(tensor: torch.Tensor) -> tuple:
-    """(mesh, dims over which the tensor is sharded); replicated dims hold identical copies."""
+    """(mesh, dims over which the tensor is sharded); replicated dims hold identical copies. Any placement
+    but Replicate (or a Partial not yet reduced) splits the tensor: FSDP2 over a TP-sharded dimension lays
+    it out as `_StridedShard`, which torch 2.13 does not count as `is_shard()`."""
     if not is_dtensor(tensor):
         return (None, ())
-    dims = tuple(i for i, placement in enumerate(tensor.placements) if placement.is_shard())
+    dims = tuple(i for i, placement in enumerate(tensor.placements)
+                 if not (placement.is_replicate() or placement.is_partial()))
     return (tensor.device_mesh, dims)
 
 

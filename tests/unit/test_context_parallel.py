@@ -3,8 +3,8 @@
 Each CP rank holds two chunks of every sequence, one from each end (parallel/context_parallel.py), and
 attends across the group by all-gathered keys ("ring") or by trading heads for sequence ("ulysses").
 Gloo ranks train the conformance matrix's Llama 3.2, Qwen2.5 and Qwen3 configs (published, shrunk, every flag
-kept) at CP4, and at CP2 with FSDP2 over dp x cp and with TP2 (sequence parallel), Llama with DeepSpeed's ZeRO-3
-over dp x cp, and Mixtral's with its router loss at CP4, with expert parallelism (DDP and FSDP2), with TP2 and
+kept) at CP4, and at CP2 with FSDP2 over dp x cp and with TP2 (sequence parallel; Llama's under FSDP2 as
+well), Llama with DeepSpeed's ZeRO-3 over dp x cp, and Mixtral's with its router loss at CP4, with expert parallelism (DDP and FSDP2), with TP2 and
 with ZeRO-2, for 20 steps; their losses must be those of `transformers` trained alone, in micro-batches of a
 data-parallel replica's share.
 Packed documents keep their attention inside each document across the group, and every rank sends
@@ -23,7 +23,9 @@ STEPS = 20
 # Each family alone, with FSDP2 (over dp x cp) and with TP2 (sequence parallel), the two kinds in turn so that
 # every kind meets every composition in some family; Llama also with ZeRO-3 (over dp x cp).
 LAYOUTS = {
-    "llama": ("cp=4", "dp=2,cp=2,engine=fsdp2,cpkind=ulysses", "cp=2,tp=2", "dp=2,cp=2,engine=zero3"),
+    # Llama's TP2 runs under FSDP2 over its CP pair: 2-D (cp, tp) shards, whose gradient norm the clip must
+    # count over both dimensions (FSDP2 lays a TP-sharded dimension out as _StridedShard).
+    "llama": ("cp=4", "dp=2,cp=2,engine=fsdp2,cpkind=ulysses", "cp=2,tp=2,engine=fsdp2", "dp=2,cp=2,engine=zero3"),
     "qwen2": ("cp=4,cpkind=ulysses", "dp=2,cp=2,engine=fsdp2", "cp=2,tp=2,cpkind=ulysses"),
     "qwen3": ("cp=4", "dp=2,cp=2,engine=fsdp2,cpkind=ulysses", "cp=2,tp=2"),
     # A mixture of experts with its load-balancing loss on: counted over the whole sequences across the CP
