@@ -155,7 +155,8 @@ def test_vllm_gets_every_field_it_implements(monkeypatch):
     assert served.fields == dict(max_tokens=8, min_tokens=2, temperature=0.7, top_k=0, top_p=0.9, min_p=0.1,
                                  presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
                                  logit_bias={3: 2.0}, ignore_eos=True, stop_token_ids=[5], seed=3, output_kind="delta",
-                                 logprobs=None, prompt_logprobs=None)  # stop strings: cut by the replica
+                                 logprobs=None, prompt_logprobs=None,
+                                 detokenize=False)  # the replica decodes, and cuts at the stop strings
     scored = vllm_sampling_params(params(num_logprobs=4, prompt_logprobs=4, echo=True, log_probs=True))
     assert (scored.fields["logprobs"], scored.fields["prompt_logprobs"]) == (4, 4)
     assert vllm_sampling_params(params(log_probs=True)).fields["logprobs"] == 0  # the sampled token's alone
