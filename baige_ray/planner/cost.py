@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from baige_ray.planner.calibration import Calibration
-from baige_ray.planner.links import GroupLink
+from baige_ray.planner.links import GroupLink, expert_link_key
 from baige_ray.planner.model_spec import ModelSpec
 
 
@@ -186,9 +186,12 @@ def stage_times(model: ModelSpec, constants: CostConstants, *, stage_layers, sta
         tp_time = np.zeros_like(tp_time)  # measured with the layer: DTensor's TP collectives, loaded
     ep_time = np.zeros_like(tp_time)
     if model.is_moe:
-        for size in np.unique(ep):
-            routed = reduce_scatter(size, activation * model.top_k / tp, links[f"ep{int(size)}"], "all_to_all")
-            ep_time = np.where(np.asarray(ep)[:, None] == size, layers * model.moe_layer_share * 4 * routed, ep_time)
+        ep = np.broadcast_to(np.asarray(ep), cp.shape)
+        for size, context in sorted(set(zip(ep.tolist(), cp.astype(int).tolist()))):
+            link = links[expert_link_key(int(size), context)]
+            routed = reduce_scatter(size, activation * model.top_k / tp, link, "all_to_all")
+            rows = (ep == size) & (cp == context)
+            ep_time = np.where(rows[:, None], layers * model.moe_layer_share * 4 * routed, ep_time)
     pp_time = 2 * point_to_point(activation / tp, links["pp"]) if pp > 1 else np.zeros_like(tokens)
     cp_time = 0.0
     if cp_exchanges is not None:

@@ -196,9 +196,10 @@ def row_grid(model: ModelSpec, *, dp: int, pp: int, zero_stages, recomputes, max
         batches = [b for b in range(1, min(per_replica, max_micro_batch) + 1) if per_replica % b == 0]
         # CP runs beside DDP or FSDP2 (ZeRO 0 or 3), not DeepSpeed's ZeRO-1/2
         stages = zeros if cp == 1 else [z for z in zeros if z in (0, 3)]
-        # With CP, experts stay whole on every rank in the search: the engines run EP beside CP when a layout
-        # asks for it, but the expert groups' links would be priced here as blocks of consecutive replicas.
-        grid = np.array(np.meshgrid(eps if cp == 1 else [1], stages, batches, recomputes, indexing="ij")).reshape(4, -1)
+        # Beside CP an expert group takes one CP rank of each of ep replicas (the engines' mesh; ZeRO-3 there
+        # is FSDP2, as DeepSpeed's expert groups span data-parallel ranks only)
+        experts = [e for e in eps if (dp // cp) % e == 0]
+        grid = np.array(np.meshgrid(experts, stages, batches, recomputes, indexing="ij")).reshape(4, -1)
         grid = grid[:, (grid[0] == 1) | np.isin(grid[1], expert_parallel_zero_stages)]
         blocks.append(np.vstack([grid, np.full(grid.shape[1], cp), np.full(grid.shape[1], int(ulysses))]))
     grid = np.hstack(blocks) if blocks else np.zeros((6, 0), dtype=np.int64)

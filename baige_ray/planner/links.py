@@ -164,3 +164,9 @@ def tier_pairs(graph: ResourceGraph, positions: np.ndarray, tier: int) -> list[l
             free.remove(partner)
             pairs.append([first, partner])
     return pairs
+
+
+def expert_link_key(ep: int, cp: int = 1) -> str:
+    """The `layout_links` key of expert-parallel groups of `ep` ranks in a layout with `cp` context-parallel
+    ranks per replica: with CP, an expert group's ranks are `cp` replicas apart (planner/mapping.py)."""
+    return f"ep{ep}" if ep == 1 or cp == 1 else f"ep{ep}/cp{cp}"

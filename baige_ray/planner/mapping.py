@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from baige_ray.planner.links import GroupLink, LinkTables, group_link, neighbour_link
+from baige_ray.planner.links import GroupLink, LinkTables, expert_link_key, group_link, neighbour_link
 from baige_ray.topology.graph import ResourceGraph
 
 DIM_ORDERS = ("tp-dp-pp", "tp-pp-dp")
@@ -67,8 +67,10 @@ def rank_positions(slots: np.ndarray, *, tp: int, dp: int, pp: int, mapping: str
 
 
 @lru_cache(maxsize=4096)
-def rank_groups(dim: str, tp: int, dp: int, pp: int, ep: int = 1) -> np.ndarray:
-    """Ranks of every group of one dimension, shape (num_groups, group_size)."""
+def rank_groups(dim: str, tp: int, dp: int, pp: int, ep: int = 1, stride: int = 1) -> np.ndarray:
+    """Ranks of every group of one dimension, shape (num_groups, group_size). Expert groups take every
+    `stride`-th replica of a block of ep x stride: with context parallelism (stride = cp) the engines' mesh
+    keeps a replica's CP ranks next to each other, so the ranks holding the other experts are cp apart."""
     ranks = np.arange(tp * dp * pp)
     if dim == "tp":
         return ranks.reshape(-1, tp)
@@ -77,14 +79,16 @@ def rank_groups(dim: str, tp: int, dp: int, pp: int, ep: int = 1) -> np.ndarray:
     if dim == "pp":
         return ranks.reshape(pp, dp * tp).T.copy()
     if dim == "ep":  # expert parallelism splits each data-parallel group into blocks of `ep` replicas
-        return ranks.reshape(pp, dp // ep, ep, tp).transpose(0, 1, 3, 2).reshape(-1, ep)
+        blocks = ranks.reshape(pp, dp // (ep * stride), ep, stride, tp)
+        return blocks.transpose(0, 1, 3, 4, 2).reshape(-1, ep)
     raise ValueError(f"dim={dim!r} is invalid: expected one of {', '.join(DIMENSIONS)}")
 
 
 def layout_links(tables: LinkTables, positions: np.ndarray, *, tp: int, dp: int, pp: int,
                  eps: tuple[int, ...], cps: tuple[int, ...] = ()) -> dict[str, GroupLink]:
-    """Worst link of each dimension's groups; expert groups keyed "ep{n}" for every size tried, and
-    context-parallel groups "cp{n}" (blocks of n consecutive data-parallel ranks, as expert groups are)."""
+    """Worst link of each dimension's groups; expert groups keyed "ep{n}" for every size tried,
+    context-parallel groups "cp{n}" (blocks of n consecutive data-parallel ranks, as expert groups are), and
+    the expert groups beside each CP degree, `expert_link_key(n, cp)` (their ranks cp apart)."""
     links = {
         "tp": group_link(tables, positions[rank_groups("tp", tp, dp, pp)]),
         "dp": group_link(tables, positions[rank_groups("dp", tp, dp, pp)]),
@@ -94,6 +98,8 @@ def layout_links(tables: LinkTables, positions: np.ndarray, *, tp: int, dp: int,
         links[f"ep{ep}"] = group_link(tables, positions[rank_groups("ep", tp, dp, pp, ep)])
     for cp in cps:
         links[f"cp{cp}"] = group_link(tables, positions[rank_groups("ep", tp, dp, pp, cp)])
+        for ep in (ep for ep in eps if ep > 1 and dp % (ep * cp) == 0):
+            links[expert_link_key(ep, cp)] = group_link(tables, positions[rank_groups("ep", tp, dp, pp, ep, cp)])
     return links
 
 

@@ -5,10 +5,14 @@ import pytest
 import yaml
 
 from baige_ray.catalog import cluster_descriptor
-from baige_ray.planner.evaluate import context_parallel_choices, row_grid
+from baige_ray.planner.cost import stage_times
+from baige_ray.planner.evaluate import Layout, context_parallel_choices, row_grid
+from baige_ray.planner.mapping import layout_links, rank_groups
 from baige_ray.planner.model_spec import ModelSpec, load_model_spec
+from baige_ray.planner.options import PlanOptions
 from baige_ray.planner.plan import plan
 from baige_ray.planner.report import explain_text, plan_to_dict
+from baige_ray.planner.search import Hardware
 from baige_ray.runtime.auto_plan import layout_from_plan
 from baige_ray.topology.descriptor import descriptor_from_dict, load_descriptor
 from baige_ray.topology.graph import ResourceGraph
@@ -40,11 +44,29 @@ def test_a_model_the_engines_cannot_split_gets_no_cp():
     assert not gpt.context_parallel and context_parallel_choices(gpt, dp=8, pp=1, tp=1) == [(1, False)]
 
 
-def test_a_mixture_of_experts_gets_cp_with_its_experts_whole_on_every_rank():
+def test_a_mixture_of_experts_gets_cp_with_expert_groups_whose_ranks_are_cp_apart():
     moe = load_model_spec("mixtral-8x7b-v0.1", global_batch=8, seq_len=4096)
     assert moe.context_parallel and (8, False) in context_parallel_choices(moe, dp=8, pp=1, tp=1)
     rows = row_grid(moe, dp=8, pp=1, zero_stages=(0, 3), recomputes=(0,), max_micro_batch=1)
-    assert set(rows.ep[rows.cp > 1]) == {1} and set(rows.ep[rows.cp == 1]) == {1, 2, 4, 8}
+    assert set(rows.ep[rows.cp == 1]) == {1, 2, 4, 8} and set(rows.ep[rows.cp == 4]) == {1, 2}
+    assert set(rows.ep[rows.cp == 8]) == {1}  # experts need ep replicas of cp ranks each
+    # The engines' mesh (edp, ep, cp): CP groups are consecutive replicas, expert groups take one rank of each
+    assert rank_groups("ep", 1, 8, 1, 2).tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert rank_groups("ep", 1, 8, 1, 2, 2).tolist() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert rank_groups("ep", 2, 4, 1, 2, 2).tolist() == [[0, 4], [1, 5], [2, 6], [3, 7]]  # TP ranks beside
+
+
+def test_expert_groups_beside_cp_are_priced_on_the_links_they_cross():
+    """DP8 over two 4-GPU nodes with CP4: a CP group is one node, so each expert pair spans the two nodes."""
+    moe = load_model_spec("mixtral-8x7b-v0.1", global_batch=8, seq_len=4096)
+    hardware = Hardware(ResourceGraph.from_descriptor(load_descriptor("sim-2x4")), PlanOptions())
+    layout = Layout(tp=1, pp=1, dp=8, mapping="tp-dp-pp/node")
+    links = layout_links(hardware.tables, hardware.positions(layout), tp=1, dp=8, pp=1, eps=(1, 2), cps=(4,))
+    assert links["ep2"].tier < links["ep2/cp4"].tier  # neighbours on one node; one rank of each node
+    times = stage_times(moe, PlanOptions().constants, stage_layers=[moe.num_layers], stage_peak=np.array([1e15]),
+                        tp=1, pp=1, links=links, ep=np.array([2, 2]), micro_batch=np.array([1, 4]),
+                        recompute=np.array([0, 0]), cp=np.array([1, 4]))
+    assert times.ep[0, 0] > 0 and times.ep[1, 0] > 0
 
 
 def test_llama_3_8b_at_128k_on_eight_h100s_splits_every_sequence_eight_ways_and_says_why():
