@@ -117,6 +117,8 @@ def api_cases(token_ids: list[int], max_tokens: int = 16) -> list[ApiCase]:
                     "name": "add", "description": "Sum two numbers.",
                     "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}],
                  "tool_choice": "none", **greedy}),
+        ApiCase("chat with tools and no tool_choice", CHAT,
+                {"messages": chat, "tools": [{"type": "function", "function": {"name": "add"}}], **greedy}),
         ApiCase("prompt longer than the context", COMPLETIONS, {"prompt": "x " * 2000, **greedy}),
         ApiCase("negative max_tokens", COMPLETIONS, {"prompt": "def ", "max_tokens": -1}),
     ]

@@ -44,7 +44,8 @@ WHAT_EACH_DOES = {
     "truncate_prompt_tokens": "only the prompt's last k tokens are kept",
     "user": "a string, accepted and not used",
     "tools": "written into the prompt by the chat template, as `vllm serve` renders them (no tool call is parsed)",
-    "tool_choice": "absent or \"none\"; any other choice is refused (400), as by `vllm serve` without a tool parser",
+    "tool_choice": "\"none\"; any other choice, and tools sent without one (\"auto\"), is refused (400), as by "
+                   "`vllm serve` without a tool parser",
     "response_format": "`json_object` or `json_schema`: output constrained to it (vLLM engine; built-in: 400)",
     "structured_outputs": "vLLM's `json`, `regex`, `choice` or `grammar` (vLLM engine; built-in: 400)",
     "use_beam_search": "refused when true: beam search is not implemented",

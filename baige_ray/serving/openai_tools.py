@@ -1,8 +1,8 @@
 """The `tools` of a chat request, as vLLM renders them into the model's chat template.
 
-vLLM (without `--tool-call-parser`) puts the tools into the prompt through the chat template whenever a
-request sends them with `tool_choice` absent or "none", and answers 400 to any other choice: it parses no
-tool call. Each tool reaches the template as vLLM's request model dumps it (`ChatCompletionToolsParam`):
+vLLM (without `--tool-call-parser`) puts the tools into the prompt through the chat template when a
+request sends them with `tool_choice` "none", and answers 400 to any other choice, "auto" included, which
+is what a request that sends tools without a choice asks for (OpenAI's default): it parses no tool call. Each tool reaches the template as vLLM's request model dumps it (`ChatCompletionToolsParam`):
 `{"type": "function", "function": {"name", "description", "parameters"}}` in that order, None where a
 field is absent, `strict` and `defer_loading` only where set, unknown fields dropped. A template that
 writes them with `tojson` then renders the same characters here and in `vllm serve`.
@@ -28,10 +28,15 @@ def parse_tools(payload: dict) -> tuple[dict, ...] | None:
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise bad_request("tools", f"'tools' must be a list of at most {MAX_TOOLS} tool objects")
     rendered = tuple(_tool(index, tool) for index, tool in enumerate(tools))
+    if choice is None and rendered:
+        choice, default = "auto", " (the default when tools are sent)"
+    else:
+        default = ""
     if choice not in (None, "none"):
-        raise bad_request("tool_choice", f"tool_choice={choice!r} needs tool calls parsed from the model's answer, "
-                                         "which this server does not do (as `vllm serve` without "
-                                         "--tool-call-parser): send tool_choice 'none' or leave it out")
+        raise bad_request("tool_choice", f"tool_choice={choice!r}{default} needs tool calls parsed from the model's "
+                                         "answer, which this server does not do (as `vllm serve` without "
+                                         "--tool-call-parser): send tool_choice 'none' for the template to show "
+                                         "the tools to the model")
     return rendered or None
 
 

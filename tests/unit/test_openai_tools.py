@@ -22,10 +22,10 @@ def test_tools_are_rendered_as_vllms_request_model_dumps_them():
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
 
     expected = tuple(ChatCompletionToolsParam.model_validate(tool).model_dump() for tool in TOOLS)
-    rendered = parse_tools({"tools": TOOLS})
+    rendered = parse_tools({"tools": TOOLS, "tool_choice": "none"})
     assert rendered == expected
     assert [json.dumps(tool) for tool in rendered] == [json.dumps(tool) for tool in expected]  # key order too
-    assert parse_tools({"tools": TOOLS, "tool_choice": "none"}) == expected and parse_tools({}) is None
+    assert parse_tools({}) is None and parse_tools({"tools": []}) is None
 
 
 def test_a_template_that_writes_tools_puts_them_in_the_prompt(tmp_path):
@@ -38,12 +38,13 @@ def test_a_template_that_writes_tools_puts_them_in_the_prompt(tmp_path):
     tokenizer.chat_template = (CHAT_TEMPLATES / "qwen2.5.jinja").read_text()
     codec = TokenizerCodec(tokenizer)
     messages = (("user", "weather in Paris?"),)
-    with_tools = tokenizer.decode(codec.chat_tokens(messages, parse_tools({"tools": TOOLS})))
+    with_tools = tokenizer.decode(codec.chat_tokens(messages, parse_tools({"tools": TOOLS, "tool_choice": "none"})))
     assert '"name": "get_weather"' in with_tools and "get_weather" not in tokenizer.decode(codec.chat_tokens(messages))
 
 
 @pytest.mark.parametrize("payload, param", [
     ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": TOOLS}, "tool_choice"),  # "auto", as OpenAI and vLLM default to when tools are sent
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "now"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "function"}]}, "tools"),
