@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from baige_ray.api.validation import require_int
 from baige_ray.models.generation import KV
@@ -76,7 +77,7 @@ class KVMemoryBudget:
     def holds(self, lengths: Sequence[int], pool_blocks: int = 0) -> bool:
         return self.step_bytes(lengths, pool_blocks) <= self.budget_bytes
 
-    @property
+    @cached_property  # read on every request (the replica's context)
     def max_tokens_alone(self) -> int:
         """The longest request (prompt plus new tokens) the budget holds with nothing else running."""
         low, high = 0, self.budget_bytes // self.footprint.bytes_per_token
