@@ -91,3 +91,31 @@ def test_the_budget_is_validated_where_it_is_given():
         EngineLimits(kv_cache_memory_bytes=0)
     with pytest.raises(ValueError, match="ServeOptions.kv_cache_memory_bytes"):
         ServeOptions(kv_cache_memory_bytes=-1)
+
+
+def test_a_replicas_routes_serve_the_context_the_budget_holds_and_give_its_numbers():
+    """The OpenAI routes and /generate of a replica (no Ray: tests/unit/fixtures/openai_server.py) on an engine
+    whose budget holds 32 of the model's 64 tokens: the reference GPT's 256 bytes a token (1 layer x keys and
+    values x 2 heads x 16 dims x 4 bytes), a pool of 3 blocks and two views of 32 columns."""
+    import torch
+
+    from baige_ray.models.gpt import GPT
+    from baige_ray.models.gpt_decoding import ByteCodec, GPTDecoder
+    from baige_ray.serving.engine_runner import EngineRunner
+    from tests.unit.fixtures.openai_server import CONFIG, call, make_server, stop_server
+
+    torch.manual_seed(0)
+    engine = ContinuousBatchingEngine(GPTDecoder(GPT(CONFIG).eval()), eos_token_id=None,
+                                      limits=EngineLimits(max_batch_size=4, kv_cache_memory_bytes=112 * 256))
+    server = make_server(runner=EngineRunner(engine, ByteCodec()))
+    try:
+        assert call(server, "v1/models")[1]["data"][0]["max_model_len"] == 32
+        status, body = call(server, "v1/completions", {"prompt": "x" * 40, "max_tokens": 4})
+        assert status == 400 and body["error"]["message"].startswith(
+            "This replica's KV cache holds at most 32 tokens for one request (kv_cache_memory_bytes=28,672")
+        status, body = call(server, "generate", {"prompt": "x" * 20, "max_new_tokens": 20})
+        assert status == 400 and "you requested 40 tokens: 20 in the prompt" in body["error"]
+        status, body = call(server, "v1/completions", {"prompt": "x" * 20, "max_tokens": 30, "temperature": 0})
+        assert status == 200 and body["usage"]["completion_tokens"] == 12  # to the end of what the budget holds
+    finally:
+        stop_server(server)
