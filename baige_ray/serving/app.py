@@ -266,9 +266,9 @@ def serve(
     (serving/chunked_prefill.py); vLLM gets the option itself. With `kv_cache_memory_bytes` (vLLM's option)
     a replica's keys and values stay within that many bytes: the built-in engine serves the context that
     budget holds (GET /v1/models' max_model_len), refuses a longer request with a 400 giving the numbers,
-    and admits a request once the running batch leaves room for its prompt and max_tokens
-    (serving/kv_memory.py); vLLM sizes its cache with it and refuses to start when the model's context
-    does not fit. None: the built-in engine's cache grows as its requests need. `limits` bounds what one
+    admits a request once the running batch has room for it, and preempts the newest row (recomputed later,
+    the same tokens) when the rows outgrow it (serving/kv_memory.py); vLLM sizes its cache with it and
+    refuses to start when the model's context does not fit. None: the built-in engine's cache grows as its requests need. `limits` bounds what one
     request may ask for (prompt length, max_new_tokens, temperature). With `device_share` < 1 each
     replica holds that much of its device, so training can harvest the rest (`job.harvest`).
     With `disaggregation` (built-in engine only) prompts run on prefill replicas and the KV cache is

@@ -21,8 +21,9 @@ summation order. A request asking for its prompt's log-probabilities reads no ca
 the logits of every prompt position, as vLLM skips its prefix cache for it); its blocks are stored.
 
 With a KV memory budget (`EngineLimits.kv_cache_memory_bytes`, serving/kv_memory.py) the engine's context
-is what the budget holds for one request, a longer request is refused with the numbers, and a waiting
-request is admitted, in arrival order, once the batch leaves room for its prompt and its token budget.
+is what the budget holds for one request, a longer request is refused with the numbers, a waiting request
+is admitted, in arrival order, once the batch has room for it as it is, and when the rows, growing, would
+pass the budget, the newest leaves the batch and is recomputed when admitted again (same tokens).
 
 A request prefilled by another engine (serving/prefill.py: prefill/decode disaggregation) joins
 with `submit_prefilled`: its cache goes straight into the batch and its generator resumes from the
@@ -128,6 +129,12 @@ class _Request:
     kv_from: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # computed by its prefill; sent with its first event
     adapter: int = BASE  # the LoRA adapter's slot (AdapterSet), BASE for the model alone
+    preempted: bool = False  # its keys and values were dropped for memory: recomputed when admitted again
+
+    @property
+    def fed_tokens(self) -> list[int]:
+        """The tokens whose keys and values it holds while decoding: the prompt and all it sampled but the last."""
+        return self.prompt + self.sampled[:-1]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -139,7 +146,7 @@ class EngineLimits:
     # its own default budget).
     max_num_batched_tokens: int | None = None
     # Bytes the running batch's keys and values may take, as vLLM's option of that name (kv_memory.py): a
-    # request that could not fit alone is refused, others wait for room. None: no bound.
+    # request that could not fit alone is refused, others wait for room or are preempted. None: no bound.
     kv_cache_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
@@ -195,6 +202,11 @@ class RequestQueue(Generic[RequestT]):
         with self._work:
             return self._waiting.popleft() if self._waiting else None
 
+    def put_front(self, request: RequestT) -> None:
+        """Queue a request taken back from the batch ahead of every other (no bound: it was admitted once)."""
+        with self._work:
+            self._waiting.appendleft(request)
+
     def peek(self) -> RequestT | None:
         """The longest-waiting request, left in the queue, or None."""
         with self._work:
@@ -238,6 +250,7 @@ class ContinuousBatchingEngine:
         self._cache = PagedKVBatch()
         self._offload: ModelOffload | None = None  # while asleep: its weights in host memory
         self._kv_budget = None if limits.kv_cache_memory_bytes is None else self._measured_budget()
+        self.preemptions = 0  # requests taken out of the batch for memory, and recomputed later
 
     def _measured_budget(self) -> KVMemoryBudget:
         """The budget over what one token's keys and values take in this model, read off a one-token forward."""
@@ -379,6 +392,7 @@ class ContinuousBatchingEngine:
         self._step_prompt_tokens = 0
         admitted = self._admit()
         chunked = self._advance_chunked_prefill()
+        self._make_room()
         decoding = bool(self._running)
         if decoding:
             self._decode()
@@ -398,11 +412,12 @@ class ContinuousBatchingEngine:
         while (len(self._running) + self._rows_prefilling() + len(admitted) < self.limits.max_batch_size
                and (request := self._queue.peek()) is not None and self._memory_admits(request, admitted)):
             admitted.append(self._queue.take())
-        if self._kv_budget is not None:  # the pool grows to what the batch may need, not past it
-            self._cache.max_blocks = max(self._cache.num_blocks, self._kv_budget.pool_blocks(self._reserved(admitted)))
+        self._limit_pool(admitted)
         same_prompt: dict[tuple[int, ...], list[_Request]] = {}  # keyed by adapter, then the prompt's tokens
         for request in admitted:
-            if request.prefilled is None:
+            if request.preempted:
+                self._resume(request)
+            elif request.prefilled is None:
                 same_prompt.setdefault((request.adapter, *request.prompt), []).append(request)
             else:
                 cache = self._whole_prompt_cache(request)
@@ -423,23 +438,58 @@ class ContinuousBatchingEngine:
             self._prefill(requests)
         return len(admitted)
 
-    def _reserved(self, joining: Sequence[_Request] = ()) -> list[int]:
-        """The tokens each row may grow to: running, prefilling in chunks, and `joining`."""
-        rows = [*self._running, *(r for prefill in self._prefilling for r in prefill.requests), *joining]
-        return [len(request.prompt) + request.budget for request in rows]
+    # -- within a KV memory budget (kv_memory.py) ------------------------------------------------
+    def _next_lengths(self, joining: Sequence[_Request] = ()) -> list[int]:
+        """The tokens each row holds after the next decode: running rows, prompts prefilling in chunks, `joining`."""
+        waiting = [*(r for prefill in self._prefilling for r in prefill.requests), *joining]
+        return [length + 1 for length in self._cache.lengths] + [len(r.fed_tokens) + 1 for r in waiting]
 
     def _memory_admits(self, request: _Request, admitted: list[_Request]) -> bool:
-        """Whether the budget holds `request` beside the batch and those admitted this step. An empty batch
-        first gives back a pool grown for earlier rows, so a request that fits alone always runs."""
+        """Whether the budget holds `request` beside the batch and those admitted this step, as they are now
+        (rows that grow past it later are preempted: `_make_room`). An empty batch first gives back a pool
+        grown for earlier rows, so a request that fits alone always runs."""
         if self._kv_budget is None:
             return True
-        lengths = self._reserved([*admitted, request])
+        lengths = self._next_lengths([*admitted, request])
         if self._kv_budget.holds(lengths, self._cache.num_blocks):
             return True
         if self._running or self._prefilling or not self._cache.num_blocks:
             return False
         self._cache = PagedKVBatch(self._cache.block_tokens)
         return self._kv_budget.holds(lengths)
+
+    def _limit_pool(self, joining: Sequence[_Request] = ()) -> None:
+        """The pool grows to what the batch's next step needs, not past it (doubling would)."""
+        if self._kv_budget is not None:
+            needed = self._kv_budget.pool_blocks(self._next_lengths(joining))
+            self._cache.max_blocks = max(self._cache.num_blocks, needed)
+
+    def _make_room(self) -> None:
+        """Before a decode: while the rows, each one token longer, would pass the budget, the newest row that
+        can be recomputed leaves the batch for the front of the queue (vLLM's recompute preemption)."""
+        if self._kv_budget is None:
+            return
+        others = self._next_lengths()[len(self._running):]
+        lengths = [length + 1 for length in self._cache.lengths]
+        recomputable = [bool(request.prompt) for request in self._running]  # a hand-over may come without its prompt
+        for row in self._kv_budget.rows_to_preempt(lengths, others, self._cache.num_blocks, recomputable):
+            request = self._running[row]
+            self._keep_rows([kept for kept in range(len(self._running)) if kept != row])
+            request.preempted = True
+            self._queue.put_front(request)
+            self.preemptions += 1
+        self._limit_pool()
+
+    def _resume(self, request: _Request) -> None:
+        """A preempted request back in the batch: the keys and values of what it was fed, recomputed in one
+        forward; it decodes on from the token it sampled last, with its own generator."""
+        fed = request.fed_tokens
+        with rows_use([request.adapter]):
+            _, cache = self.decoder.forward(torch.tensor([fed], dtype=torch.long), torch.arange(len(fed))[None, :],
+                                            torch.ones(1, len(fed), dtype=torch.long), None)
+        request.preempted = False
+        self._running.append(request)
+        self._cache.add(cache, len(fed))
 
     def _holds_no_prefix(self, request: _Request) -> bool:
         return not self._uses_prefixes(request) or self.prefixes.cached_tokens(request.prompt) == 0

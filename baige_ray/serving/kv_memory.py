@@ -3,8 +3,10 @@
 vLLM sizes its KV cache in bytes (`kv_cache_memory_bytes`, or a fraction of the device) and will not start
 with a context it cannot hold. The built-in engine takes the same budget (`EngineLimits.kv_cache_memory_bytes`)
 and serves within it: a request that could not fit even alone is refused with the numbers, the context it
-reports (`max_model_len`) is what its memory holds, and a request waits for admission until the running
-batch leaves it room. Without a budget a long enough prompt grows the cache until the process runs out.
+reports (`max_model_len`) is what its memory holds, a request waits for admission until the running batch
+leaves it room, and when the rows' growth would pass the budget the newest row leaves the batch and is
+recomputed once there is room again (vLLM's recompute preemption). Without a budget a long enough prompt
+grows the cache until the process runs out.
 
 What a step holds is counted from how this engine computes (serving/kv_batch.py): its pool keeps every
 running row's blocks, and each forward gathers a dense view of the batch (rows x longest row) that the
@@ -76,6 +78,21 @@ class KVMemoryBudget:
 
     def holds(self, lengths: Sequence[int], pool_blocks: int = 0) -> bool:
         return self.step_bytes(lengths, pool_blocks) <= self.budget_bytes
+
+    def rows_to_preempt(self, lengths: Sequence[int], others: Sequence[int], pool_blocks: int,
+                        recomputable: Sequence[bool]) -> list[int]:
+        """Rows of a batch (rows of `lengths` tokens after the next step, in admission order, beside `others`
+        still prefilling) to take out, newest first, until the rest fits a pool of `pool_blocks` or more. The
+        oldest row stays: the budget holds any one request alone."""
+        kept = list(range(len(lengths)))
+        taken: list[int] = []
+        while not self.holds([lengths[row] for row in kept] + list(others), pool_blocks):
+            candidates = [row for row in kept[1:] if recomputable[row]]
+            if not candidates:
+                break
+            taken.append(candidates[-1])
+            kept.remove(candidates[-1])
+        return taken
 
     @cached_property  # read on every request (the replica's context)
     def max_tokens_alone(self) -> int:

@@ -1,6 +1,7 @@
 """A KV memory budget on the built-in engine (`kv_cache_memory_bytes`): a request that could not fit alone is
-refused with the numbers, the engine's context is what the budget holds, requests wait for room, and the
-keys and values a step holds stay within the budget while every request gets its unbounded tokens."""
+refused with the numbers, the engine's context is what the budget holds, requests wait for room, rows that
+outgrow it are preempted and recomputed, and the keys and values a step holds stay within the budget while every
+request gets its unbounded tokens."""
 
 from __future__ import annotations
 
@@ -56,9 +57,10 @@ def test_a_request_the_budget_cannot_hold_is_refused_with_the_numbers_and_the_co
                                                                           "prompt contains 70 input tokens")
 
 
-def test_requests_wait_for_room_and_the_step_stays_within_the_budget_with_the_unbounded_tokens(llama):
+def test_rows_that_outgrow_the_budget_are_preempted_and_recomputed_with_the_unbounded_tokens(llama):
     prompts = random_prompts((20, 20, 18, 22, 12), seed=2)
-    params = [greedy(10), greedy(10), greedy(12), greedy(8), greedy(40)]
+    params = [greedy(20), SamplingParams(max_new_tokens=20, temperature=0.9, seed=7), greedy(12), greedy(8),
+              greedy(40)]  # the sampled one draws from its own random stream, preempted or not
     unbounded = generate_all(engine(llama, budget=None), prompts, params)
     bounded = engine(llama)
     bytes_per_token = 1024
@@ -71,10 +73,12 @@ def test_requests_wait_for_room_and_the_step_stays_within_the_budget_with_the_un
         cache = bounded._cache
         views = 2 * cache.num_rows * cache.num_columns * bytes_per_token
         assert cache.pool_bytes + views <= BUDGET
-    # Two requests of 30 tokens fit: (5 blocks x 16 + 2 x 2 x 30) x 1,024 bytes; a third does not.
-    assert most_running == 2
+    # Two rows of about 21 tokens are admitted ((5 blocks x 16 + 2 x 2 x 21) x 1,024 bytes); past 32 tokens each
+    # needs a third block and the newer one leaves the batch, to be recomputed once there is room.
+    assert most_running == 2 and bounded.preemptions >= 1
     assert [[event.token for event in out if event.token is not None] for out in outputs] == \
         [generation.tokens for generation in unbounded]
+    assert all(out[-1].finish_reason == "length" for out in outputs)
 
 
 def test_vllm_sizes_its_own_cache_with_the_budget():
