@@ -115,7 +115,10 @@ class PrefillEngine:
     def max_context(self) -> int:
         return self.decoder.max_context
 
-    context_limit = None  # the decode replica's budget bounds the request: it holds the keys and values
+    @property
+    def context_limit(self) -> None:
+        """Nothing below the model's context: the decode replica, which holds the keys and values, bounds them."""
+        return None
 
     def wait_for_work(self, timeout_s: float) -> None:
         self._queue.wait(timeout_s, busy=False)

@@ -6,9 +6,8 @@ its caller's event loop instead of a thread of its own. `serve()` starts Serve's
 runtime environment, which the proxies and replicas it creates inherit; the caller's process keeps Serve's
 defaults, because a router on the caller's loop breaks a handle used under `asyncio.run` more than once (each
 run closes the loop the router was bound to). A value the user put in the environment is kept. Measured
-with `baige-ray bench api` (serve(engine="vllm"), output tokens/s over HTTP at 8 and 32 streams on the CPU
-machine, 2026-12-07): 626 and 917 without them, 746 / 1,128 and 947 / 1,781 in two runs with them set in
-every process.
+with `baige-ray bench api` (serve(engine="vllm"), output tokens/s over HTTP at 8 streams on the CPU machine,
+2026-12-07): 626 without them, 832-922 in four runs with them in Serve's processes (`vllm serve`: 1,409-1,449).
 """
 
 from __future__ import annotations
