@@ -83,7 +83,8 @@ class KVMemoryBudget:
                         recomputable: Sequence[bool]) -> list[int]:
         """Rows of a batch (rows of `lengths` tokens after the next step, in admission order, beside `others`
         still prefilling) to take out, newest first, until the rest fits a pool of `pool_blocks` or more. The
-        oldest row stays: the budget holds any one request alone."""
+        oldest row stays: the budget holds any one request alone, though a pool grown for earlier rows (it
+        cannot shrink while a row runs, and is given back when the batch empties) may still pass it."""
         kept = list(range(len(lengths)))
         taken: list[int] = []
         while not self.holds([lengths[row] for row in kept] + list(others), pool_blocks):
