@@ -114,6 +114,19 @@ def joined_logprobs(chunks: list[dict]) -> dict:
             for key in COMPLETION_LOGPROBS_KEYS}
 
 
+def assert_same_logprobs(got: dict, expected: dict):
+    """Tokens and offsets exactly; figures to float32 noise, since a request whose prompt hits the prefix
+    cache computes in another batch shape than one that missed it (5e-7 apart in one CI run)."""
+    assert {key: got[key] for key in ("tokens", "text_offset")} == \
+        {key: expected[key] for key in ("tokens", "text_offset")}
+    assert [value is None for value in got["token_logprobs"]] == [value is None for value in expected["token_logprobs"]]
+    assert [v for v in got["token_logprobs"] if v is not None] == \
+        pytest.approx([v for v in expected["token_logprobs"] if v is not None], abs=1e-5)
+    assert len(got["top_logprobs"]) == len(expected["top_logprobs"])
+    for top, expected_top in zip(got["top_logprobs"], expected["top_logprobs"]):
+        assert (top is None and expected_top is None) or top == pytest.approx(expected_top, abs=1e-5)
+
+
 def test_a_stream_carries_each_tokens_logprobs_and_echoes_with_each_choices_first_chunk(server):
     request = dict(prompt=["def ", "ab"], echo=True, logprobs=2, n=2, seed=4, max_tokens=6)
     whole = completions(server, **request)
@@ -123,7 +136,7 @@ def test_a_stream_carries_each_tokens_logprobs_and_echoes_with_each_choices_firs
         chunks = streamed_choices(events, choice["index"])
         assert chunks[0]["text"].startswith(["def ", "ab"][choice["index"] // 2])
         assert "".join(chunk["text"] for chunk in chunks) == choice["text"]
-        assert joined_logprobs(chunks) == choice["logprobs"]  # text offsets go on from chunk to chunk
+        assert_same_logprobs(joined_logprobs(chunks), choice["logprobs"])  # offsets go on from chunk to chunk
         assert chunks[-1]["finish_reason"] == choice["finish_reason"]
     (only,) = streamed_choices(completions(server, prompt="ab", echo=True, max_tokens=0, logprobs=1, stream=True), 0)
     assert only["text"] == "ab" and only["finish_reason"] == "length"
