@@ -56,6 +56,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: "sim_cluster_4x2" in getattr(item, "fixturenames", ()))
 
 
+def _timeline_writer():
+    """Where each test's start and end go when .ci/cpu_by_role.py runs the suite (BAIGE_TEST_TIMELINE)."""
+    import os
+
+    path = os.environ.get("BAIGE_TEST_TIMELINE")
+    return open(path, "a", buffering=1) if path else None
+
+
+_TIMELINE = _timeline_writer()
+
+
+def pytest_runtest_logstart(nodeid: str, location) -> None:
+    if _TIMELINE:
+        import time
+
+        _TIMELINE.write(f"start {time.monotonic()} {nodeid}\n")
+
+
+def pytest_runtest_logfinish(nodeid: str, location) -> None:
+    if _TIMELINE:
+        import time
+
+        _TIMELINE.write(f"end {time.monotonic()} {nodeid}\n")
+
+
 RAY_FULL_DISK = 0.95  # Ray's local_fs_capacity_threshold: above it the object store cannot spill
 
 
