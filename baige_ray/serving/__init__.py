@@ -1,44 +1,50 @@
-"""Ray Serve hosting of trained models and the train/infer device pool."""
+"""Ray Serve hosting of trained models and the train/infer device pool.
 
-from baige_ray.serving.app import (
-    ServeHandleInfo,
-    ServeOptions,
-    busy_seconds,
-    reload_adapter,
-    reload_weights,
-    replica_devices,
-    replica_states,
-    scale_replicas,
-    serve,
-    serving_load,
-    shutdown,
-)
-from baige_ray.serving.disaggregation import DisaggregationOptions
-from baige_ray.serving.disaggregation_scaling import rebalance, scale_sides, side_loads
-from baige_ray.serving.expert_parallel import ExpertParallelServing
-from baige_ray.serving.kv_blocks import KVCacheConfig
-from baige_ray.serving.requests import GenerateRequest, RequestError, RequestLimits, parse_generate_request
+Names are imported on first use (PEP 562), as in `baige_ray`: a process that imports one of the package's
+modules (the serving registry actor, a router) does not import `serve()`'s whole graph, torch included
+(2-3 s of CPU per actor on a 2-core machine).
+"""
 
-__all__ = [
-    "DisaggregationOptions",
-    "ExpertParallelServing",
-    "GenerateRequest",
-    "KVCacheConfig",
-    "RequestError",
-    "RequestLimits",
-    "ServeHandleInfo",
-    "ServeOptions",
-    "busy_seconds",
-    "parse_generate_request",
-    "rebalance",
-    "reload_adapter",
-    "reload_weights",
-    "replica_devices",
-    "replica_states",
-    "scale_replicas",
-    "scale_sides",
-    "serve",
-    "serving_load",
-    "shutdown",
-    "side_loads",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ServeHandleInfo": "baige_ray.serving.app",
+    "ServeOptions": "baige_ray.serving.app",
+    "busy_seconds": "baige_ray.serving.app",
+    "reload_adapter": "baige_ray.serving.app",
+    "reload_weights": "baige_ray.serving.app",
+    "replica_devices": "baige_ray.serving.app",
+    "replica_states": "baige_ray.serving.app",
+    "scale_replicas": "baige_ray.serving.app",
+    "serve": "baige_ray.serving.app",
+    "serving_load": "baige_ray.serving.app",
+    "shutdown": "baige_ray.serving.app",
+    "DisaggregationOptions": "baige_ray.serving.disaggregation",
+    "rebalance": "baige_ray.serving.disaggregation_scaling",
+    "scale_sides": "baige_ray.serving.disaggregation_scaling",
+    "side_loads": "baige_ray.serving.disaggregation_scaling",
+    "ExpertParallelServing": "baige_ray.serving.expert_parallel",
+    "KVCacheConfig": "baige_ray.serving.kv_blocks",
+    "GenerateRequest": "baige_ray.serving.requests",
+    "RequestError": "baige_ray.serving.requests",
+    "RequestLimits": "baige_ray.serving.requests",
+    "parse_generate_request": "baige_ray.serving.requests",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'baige_ray.serving' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -30,7 +30,6 @@ from collections.abc import Mapping
 import ray
 
 from baige_ray.ops.events import EventLog
-from baige_ray.parallel.packed_tensors import PackedTensors, pack_tensors
 from baige_ray.policies.disaggregation import SideLoad
 from baige_ray.serving.ledger import EngineLoad, RequestLedger
 from baige_ray.topology.head import on_head_node
@@ -66,6 +65,8 @@ class ServingRegistry:
         """Hold a private copy of the state in `state_refs[0]`; returns the new weights version. Without
         `keep_copy`, a packed state is served from where it lies: its owner (a training job whose
         lifetime bounds the application's, as a reinforcement-learning run's rollout replicas) keeps it."""
+        from baige_ray.parallel.packed_tensors import PackedTensors, pack_tensors  # torch: only where weights come
+
         state = await state_refs[0]
         if not isinstance(state, Mapping) or not state:
             raise ValueError(f"the published state is {type(state).__name__}, expected a non-empty dict of tensors")
