@@ -24,9 +24,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SIM_2X4 = REPO_ROOT / "clusters" / "sim-2x4.yaml"
 SIM_4X2 = REPO_ROOT / "clusters" / "sim-4x2.yaml"
 _TIERS = ("unit", "ray", "cluster")
-# Unit modules whose tests read the clock: a timeout, a bounded wait, a measured duration. `make test` runs
-# the rest of the unit tier at the lowest CPU priority beside the Ray tiers, where a bound could be missed
-# for want of CPU alone; these run afterwards at normal priority (`-m wall_clock`).
+# Unit modules whose tests read the clock: a timeout, a bounded wait, a measured duration. Where the unit tier
+# runs beside other work at a low CPU priority, a bound could be missed for want of CPU alone: `-m "not
+# wall_clock"` leaves these out, to run afterwards at normal priority. `make test` runs the tier alone.
 WALL_CLOCK_MODULES = frozenset({
     "test_abortable_collectives", "test_arbiter_loop", "test_bench_overhead", "test_calibration_probe_layers",
     "test_calibration_probe_timing", "test_checkpoint_persister", "test_controller_commands",
