@@ -24,9 +24,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SIM_2X4 = REPO_ROOT / "clusters" / "sim-2x4.yaml"
 SIM_4X2 = REPO_ROOT / "clusters" / "sim-4x2.yaml"
 _TIERS = ("unit", "ray", "cluster")
-# Unit modules whose tests read the clock: a timeout, a bounded wait, a measured duration. Where the unit tier
-# runs beside other work at a low CPU priority, a bound could be missed for want of CPU alone: `-m "not
-# wall_clock"` leaves these out, to run afterwards at normal priority. `make test` runs the tier alone.
+# Unit modules whose tests read the clock: a timeout, a bounded wait, a measured duration. Beside a test that
+# starts four ranks on two cores, a bound could be missed for want of CPU alone: `make test` runs the rest of
+# the unit tier first (`-m "not wall_clock"`), then these among themselves (`-m wall_clock`).
 WALL_CLOCK_MODULES = frozenset({
     "test_abortable_collectives", "test_arbiter_loop", "test_bench_overhead", "test_calibration_probe_layers",
     "test_calibration_probe_timing", "test_checkpoint_persister", "test_controller_commands",
