@@ -40,7 +40,8 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch-$(TORCH_VERSION)
 # lanes 34.5 min, one lane 31.0 min an hour later).
 # `make test` runs the unit tier first (one process per core), then the Ray tiers. Running it beside them
 # at the lowest CPU priority (nice 19) cost more than it saved: on 2026-12-07 on this machine the Ray tiers
-# took 27:19 alone and 36:48 with the unit tier beside them, which takes 3:28 alone. The unit modules that
+# took 27:19 and 32:11 alone in two runs and 36:48 with the unit tier beside them, which takes 3:17-3:28
+# alone (make test: 36:36 in turns against 37:54 side by side, an hour apart). The unit modules that
 # read the clock (`wall_clock`, tests/conftest.py) run after the rest of the tier, among themselves, so that
 # no bound is missed for want of CPU taken by a test that starts four ranks.
 # Each tier writes a JUnit report under TEST_REPORTS: `.ci/test_report.py` reads them to say where the
