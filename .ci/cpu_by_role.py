@@ -4,7 +4,8 @@ workers `ray::IDLE` while they start, `ray::Actor.method` while they run a metho
 its first STARTING_S seconds is also counted as starting (interpreter, imports, Ray's registration, model
 construction). When the command runs pytest, tests/conftest.py writes when each test starts and ends to
 the file named by BAIGE_TEST_TIMELINE, and the summary adds a table per test module: its wall time, the
-machine's idle share, the CPU of starting processes and the roles that used most. Linux only.
+machine's idle share, the CPU of starting processes and the roles that used most (where tests run side by
+side, as under pytest-xdist, an interval counts for every test running in it). Linux only.
 
     python .ci/cpu_by_role.py --out build/cpu-by-role.txt -- make test
     python .ci/cpu_by_role.py --out build/ray-tier.txt -- .venv/bin/python -m pytest tests/ray tests/cluster
@@ -28,7 +29,7 @@ SAMPLE_S = 0.5
 STARTING_S = 8.0
 TICKS = os.sysconf("SC_CLK_TCK")
 TIMELINE_ENV = "BAIGE_TEST_TIMELINE"
-STARTING = "(processes in their first 8 s)"
+STARTING = f"(processes in their first {STARTING_S:.0f} s)"
 KNOWN = ("gcs_server", "raylet", "dashboard.py", "dashboard/agent.py", "log_monitor", "monitor.py",
          "runtime_env/agent", "default_worker.py", "setup_worker.py", "pytest", "multiprocessing")
 

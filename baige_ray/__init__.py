@@ -6,8 +6,7 @@ Serve, and `import baige_ray` stays cheap.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from baige_ray.lazy_exports import lazy_exports
 
 __version__ = "0.1.0"  # the package's version (pyproject.toml reads it here)
 
@@ -63,15 +62,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'baige_ray' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
-
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

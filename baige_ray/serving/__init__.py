@@ -7,8 +7,7 @@ modules (the serving registry actor, a router) does not import `serve()`'s whole
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from baige_ray.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "ServeHandleInfo": "baige_ray.serving.app",
@@ -37,14 +36,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'baige_ray.serving' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

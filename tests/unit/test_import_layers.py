@@ -17,7 +17,7 @@ SOURCES = {"baige_ray": ROOT / "baige_ray", "baige_ray.actors": ROOT / "actors",
 
 # Bottom first. A folder may import its own layer and those below it.
 LAYERS = (
-    ("api", "constants", "accelerator", "failpoints", "catalog"),
+    ("api", "constants", "accelerator", "failpoints", "catalog", "lazy_exports"),
     ("parallel",),
     ("policies",),
     ("topology",),
