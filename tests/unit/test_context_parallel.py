@@ -19,7 +19,7 @@ from baige_ray.parallel.context_parallel import SequenceShard, document_ids, nat
 from baige_ray.parallel.layout import ParallelLayout, parse_layout
 from tests.helpers import spawn_ranks
 
-STEPS = 8
+STEPS = 20
 # Each family alone, with FSDP2 (over dp x cp) and with TP2 (sequence parallel), the two kinds in turn so that
 # every kind meets every composition in some family; Llama also with ZeRO-3 (over dp x cp).
 LAYOUTS = {
