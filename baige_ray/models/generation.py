@@ -38,7 +38,7 @@ class TextCodec(Protocol):
 
     def encode(self, prompt: str) -> list[int]: ...
 
-    def decoder(self) -> IncrementalDecoder: ...
+    def decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder: ...
 
     def chat_tokens(self, messages: tuple[tuple[str, str], ...], tools: tuple[dict, ...] | None = None) -> list[int]:
         """The prompt for (role, content) messages, ready for the assistant's answer; `tools` (OpenAI's
@@ -76,8 +76,8 @@ class TokenizerCodec:
         ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         return ids or [self.tokenizer.bos_token_id or self.tokenizer.eos_token_id or 0]
 
-    def decoder(self) -> IncrementalDecoder:
-        return _TokenizerDecoder(self.tokenizer)
+    def decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return _TokenizerDecoder(self.tokenizer, skip_special_tokens)
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) or ""
@@ -99,19 +99,20 @@ class _TokenizerDecoder:
     """Decodes the whole output each time and hands on what is new: byte-level BPE tokens may end
     mid-character (the decode then ends in U+FFFD), and merges may change earlier characters' spacing."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self._tokenizer, self._tokens, self._sent = tokenizer, [], ""
+        self._skip_special_tokens = skip_special_tokens
 
     def push(self, token: int) -> str:
         self._tokens.append(token)
-        text = self._tokenizer.decode(self._tokens, skip_special_tokens=True)
+        text = self._tokenizer.decode(self._tokens, skip_special_tokens=self._skip_special_tokens)
         if text.endswith("\ufffd") or not text.startswith(self._sent):
             return ""
         delta, self._sent = text[len(self._sent):], text
         return delta
 
     def flush(self) -> str:
-        text = self._tokenizer.decode(self._tokens, skip_special_tokens=True).rstrip("\ufffd")  # partial: dropped
+        text = self._tokenizer.decode(self._tokens, skip_special_tokens=self._skip_special_tokens).rstrip("\ufffd")  # partial: dropped
         delta = text[len(self._sent):] if text.startswith(self._sent) else ""
         self._sent = text
         return delta

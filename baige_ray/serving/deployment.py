@@ -113,7 +113,7 @@ class ModelServer:
                        engine: str = "builtin", expert_parallel: ExpertParallelServing | None = None,
                        expert_actor_options: dict | None = None, kv_cache: dict | None = None,
                        handover_via: str | None = None, api_key_digest: str | None = None,
-                       adapters: dict[str, AdapterSource] | None = None):
+                       adapters: dict[str, AdapterSource] | None = None, tool_call_parser: str | None = None):
         torch.set_num_threads(1)  # replicas share few cores with training workers
         self._api_key_digest = api_key_digest  # serving/api_key.py: None when no key is asked
         self._limits = RequestLimits(**limits)
@@ -126,7 +126,8 @@ class ModelServer:
                              count_ongoing=self._count_ongoing)
         self._openai = OpenAIRoutes(calls, app_name=app_name, engine_name=engine,
                                     limits=CompletionLimits(**(completion_limits or {})),
-                                    adapters={name: adapter_root(source) for name, source in self._adapters.items()})
+                                    adapters={name: adapter_root(source) for name, source in self._adapters.items()},
+                                    tool_call_parser=tool_call_parser)
         self._registry = ray.get_actor(registry_name(app_name), namespace=REGISTRY_NAMESPACE)
         context = serve.get_replica_context()
         self._replica = context.replica_id.unique_id

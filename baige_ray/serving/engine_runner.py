@@ -254,10 +254,12 @@ class EngineRunner:
         whole TextOutput. A request asking for log-probabilities gets a delta per token, with its figures.
 
         The tokens are the request's own on this engine, or `events` (a disaggregated request's)."""
-        decoder = self.codec.decoder()
+        decoder = self.codec.decoder(params.skip_special_tokens)
         scanner = StopScanner(params.stop, include=params.include_stop_str_in_output)
         figures = _Figures()
-        generated, finish_reason, stop_sampled = 0, "length", False
+        finish_reason, stop_sampled = "length", False
+        tokens: list[int] = []
+        unsent = 0  # how many of `tokens` no delta has carried yet
         events = self.tokens(prompt, params) if events is None else events
         async with contextlib.aclosing(events) as events:  # closing cancels the request
             async for event in events:
@@ -266,20 +268,21 @@ class EngineRunner:
                     finish_reason = event.finish_reason or "length"
                     stop_sampled = event.stop_token is not None
                     break
-                generated += 1
-                delta = scanner.push(decoder.push(event.token), search=generated > params.min_tokens)
+                tokens.append(event.token)
+                delta = scanner.push(decoder.push(event.token), search=len(tokens) > params.min_tokens)
                 if delta or figures.pending:
-                    yield figures.delta(delta, generated)
+                    yield figures.delta(delta, len(tokens), tuple(tokens[unsent:]))
+                    unsent = len(tokens)
                 if scanner.stopped:
                     break
-        if tail := scanner.push(decoder.flush(), search=generated > params.min_tokens) + scanner.flush():
-            yield TextDelta(tail, completion_tokens=generated)
+        if tail := scanner.push(decoder.flush(), search=len(tokens) > params.min_tokens) + scanner.flush():
+            yield TextDelta(tail, completion_tokens=len(tokens), token_ids=tuple(tokens[unsent:]))
         if scanner.stopped:
             finish_reason = "stop"
         # A sampled stopping token (end of text, a stop token id) has no text but counts, as vLLM counts it.
-        yield TextOutput(scanner.text[:scanner.sent], len(prompt), generated + stop_sampled, finish_reason,
+        yield TextOutput(scanner.text[:scanner.sent], len(prompt), len(tokens) + stop_sampled, finish_reason,
                          logprobs=tuple(figures.every) if params.num_logprobs is not None else None,
-                         prompt_logprobs=figures.prompt)
+                         prompt_logprobs=figures.prompt, token_ids=tuple(tokens))
 
 
 class _Figures:
@@ -299,7 +302,8 @@ class _Figures:
             if event.token is not None:
                 self.pending.append(event.logprobs)
 
-    def delta(self, text: str, generated: int) -> TextDelta:
-        sent = TextDelta(text, tuple(self.pending), self._prompt_unsent, completion_tokens=generated)
+    def delta(self, text: str, generated: int, token_ids: tuple[int, ...]) -> TextDelta:
+        sent = TextDelta(text, tuple(self.pending), self._prompt_unsent, completion_tokens=generated,
+                         token_ids=token_ids)
         self.pending, self._prompt_unsent = [], None
         return sent

@@ -29,6 +29,7 @@ class TextDelta:
     logprobs: tuple[TokenLogprobs, ...] = ()
     prompt_logprobs: PromptLogprobs | None = None
     completion_tokens: int = 0  # generated so far, this delta's included (per-chunk usage)
+    token_ids: tuple[int, ...] = ()  # the tokens generated since the last delta (a tool-call parser reads them)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class TextOutput:
     # When asked for: every token's that the request sampled (a stopping token's last), and the prompt's.
     logprobs: tuple[TokenLogprobs, ...] | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    token_ids: tuple[int, ...] = ()  # every generated token (a tool-call parser reads them)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ COMMON_FIELDS = (
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream", "stream_options", "stop",
     "stop_token_ids", "seed", "user", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "logit_bias", "min_tokens", "ignore_eos", "include_stop_str_in_output", "truncate_prompt_tokens",
-    "use_beam_search", "structured_outputs", "response_format",
+    "use_beam_search", "structured_outputs", "response_format", "skip_special_tokens",
 )
 COMPLETION_FIELDS = COMMON_FIELDS + ("prompt", "echo", "suffix", "prompt_embeds")
 # Fields vLLM knows whose effect this server does not implement: refused when set (not null, not the default);

@@ -27,8 +27,10 @@ from baige_ray.serving.openai_sampling import chat_logprobs, parse_sampling
 from baige_ray.serving.openai_tools import parse_tools
 from baige_ray.serving.requests import bad_request, decode_json_object, ignore_unknown_fields, truncate_prompt_tokens_of
 from baige_ray.serving.sampling_params import SamplingParams
+from baige_ray.serving.tool_calls import tool_request_fields
 
-CHAT_FIELDS = COMMON_FIELDS + ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice")
+CHAT_FIELDS = COMMON_FIELDS + ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                               "parallel_tool_calls")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_MESSAGES = 256
 
@@ -43,6 +45,8 @@ class ChatRequest:
     usage: UsageOptions = UsageOptions()  # stream_options: where token counts are reported
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM's extension)
     tools: tuple[dict, ...] | None = None  # rendered into the chat template (openai_tools.py)
+    # What vLLM's request model reads for tool calls (serving/tool_calls.py), where the app parses them
+    tool_fields: dict | None = None
 
 
 def _part_text(index: int, number: int, part: Any) -> str:
@@ -97,13 +101,16 @@ def _max_tokens(payload: dict, limits: CompletionLimits) -> tuple[int | None, st
 
 
 def parse_chat_request(body: bytes, limits: CompletionLimits, *, model_name: str,
-                       adapters: tuple[str, ...] = ()) -> ChatRequest:
-    """The validated chat request in `body`, or a RequestError naming what is wrong."""
+                       adapters: tuple[str, ...] = (), parses_tool_calls: bool = False) -> ChatRequest:
+    """The validated chat request in `body`, or a RequestError naming what is wrong. `parses_tool_calls`: the
+    app reads tool calls from answers (serve's tool_call_parser), so every tool_choice is taken."""
     payload = decode_json_object(body, limits.max_body_bytes)
     ignore_unknown_fields(payload, CHAT_FIELDS, "v1/chat/completions")
     adapter = check_model(payload, model_name, adapters)
     refuse_unimplemented(payload)
-    tools = parse_tools(payload)
+    tools = parse_tools(payload, parses_tool_calls=parses_tool_calls)
+    if payload.get("parallel_tool_calls") is not None and not isinstance(payload["parallel_tool_calls"], bool):
+        raise bad_request("parallel_tool_calls", "'parallel_tool_calls' must be true or false")
     check_user(payload)
     messages = parse_messages(payload, limits)
     max_tokens, field = _max_tokens(payload, limits)
@@ -112,4 +119,5 @@ def parse_chat_request(body: bytes, limits: CompletionLimits, *, model_name: str
     stream, usage = parse_stream(payload)
     return ChatRequest(messages=messages, max_tokens=max_tokens, max_tokens_field=field, sampling=sampling,
                        stream=stream, usage=usage, tools=tools,
-                       truncate_prompt_tokens=truncate_prompt_tokens_of(payload))
+                       truncate_prompt_tokens=truncate_prompt_tokens_of(payload),
+                       tool_fields=tool_request_fields(payload) if parses_tool_calls else None)

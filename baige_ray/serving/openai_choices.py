@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from baige_ray.serving.generators import TextDelta, TextOutput
 from baige_ray.serving.logprob_token_names import CONTEXT_TOKENS, LogprobTokenNames, TokenDecoding
 from baige_ray.serving.openai_logprobs import chat_logprobs, completion_logprobs, next_text_offset
-from baige_ray.serving.openai_responses import chat_choice, completion_choice
+from baige_ray.serving.openai_responses import chat_choice, chat_message_choice, completion_choice
 from baige_ray.serving.sampling_params import SamplingParams
 from baige_ray.serving.token_logprobs import PromptLogprobs, TokenLogprobs
+from baige_ray.serving.tool_calls import ToolCallRequest
 
 SEEDS = 2**63  # a sample's seed wraps within the range a request's may take
 
@@ -73,13 +74,19 @@ class AnswerShaper:
     """The choices' answers: `whole` for a request answered at once, `chunk` for each streamed piece."""
 
     def __init__(self, choices: Sequence[Choice], *, chat: bool, codec: TokenDecoding, echo: bool = False,
-                 echo_only: bool = False):
+                 echo_only: bool = False, tool_calls: ToolCallRequest | None = None):
+        """`tool_calls`: a chat request's answers go through the app's tool-call parser (serving/tool_calls.py)."""
         self.choices, self.chat, self.names = list(choices), chat, LogprobTokenNames(codec)
         self.echo, self.echo_only = echo, echo_only
+        self.tool_calls = tool_calls
         self._streamed = [_Streamed() for _ in self.choices]
+        self._tool_streams = [tool_calls.stream() for _ in self.choices] if tool_calls is not None else None
 
     def whole(self, index: int, output: TextOutput) -> dict:
         """Choice `index`'s entry of the response's `choices`."""
+        if self.chat and self.tool_calls is not None:
+            message, finish_reason = self.tool_calls.whole(output.text, output.token_ids, output.finish_reason)
+            return chat_message_choice(index, message, finish_reason, self._chat_logprobs(index, output.logprobs))
         if self.chat:
             return chat_choice(index, output.text, output.finish_reason, self._chat_logprobs(index, output.logprobs))
         entries = () if self.echo_only else output.logprobs or ()
@@ -101,6 +108,8 @@ class AnswerShaper:
         else:
             entries, text, finish_reason, prompt_logprobs = piece.logprobs, piece.text, None, piece.prompt_logprobs
         state.entries_sent += len(entries)
+        if self.chat and self._tool_streams is not None:
+            return self._tool_chunk(index, piece, entries)
         if self.chat:
             delta = {"content": text} if finish_reason is None else {}
             return dict(delta=delta, finish_reason=finish_reason, index=index,
@@ -113,6 +122,18 @@ class AnswerShaper:
         if choice["logprobs"] is not None:
             state.text_offset = next_text_offset(choice["logprobs"], state.text_offset)
         return dict(text=choice["text"], finish_reason=finish_reason, index=index, logprobs=choice["logprobs"])
+
+    def _tool_chunk(self, index: int, piece: TextDelta | TextOutput, entries: Sequence[TokenLogprobs]) -> dict | None:
+        """As vLLM streams through a tool-call parser: the parser's delta of each piece, none while it holds the
+        text back (unless log-probabilities are to be sent); the end flushes it, with the finish reason."""
+        stream = self._tool_streams[index]
+        finished = isinstance(piece, TextOutput)
+        delta = stream.delta("" if finished else piece.text, () if finished else piece.token_ids, finished)
+        logprobs = self._chat_logprobs(index, entries)
+        if delta is None and not finished and logprobs is None:
+            return None
+        finish_reason = stream.finish_reason(piece.finish_reason) if finished else None
+        return dict(delta=delta or {}, finish_reason=finish_reason, index=index, logprobs=logprobs)
 
     def _echoed(self, index: int, text: str, entries: Sequence[TokenLogprobs], prompt_logprobs: PromptLogprobs | None,
                 finish_reason: str | None) -> dict:

@@ -42,10 +42,14 @@ WHAT_EACH_DOES = {
     "stream": "server-sent events, a chunk per piece of text",
     "stream_options": "`include_usage` (a last chunk of token counts), `continuous_usage_stats` (counts in each)",
     "truncate_prompt_tokens": "only the prompt's last k tokens are kept",
+    "skip_special_tokens": "false: the tokenizer's special tokens stay in the answer's text (default true)",
     "user": "a string, accepted and not used",
-    "tools": "written into the prompt by the chat template, as `vllm serve` renders them (no tool call is parsed)",
-    "tool_choice": "\"none\"; any other choice, and tools sent without one (\"auto\"), is refused (400), as by "
-                   "`vllm serve` without a tool parser",
+    "tools": "written into the prompt by the chat template, as `vllm serve` renders them; with "
+             "`serve(engine=\"vllm\", tool_call_parser=...)`, calls in the answer come back as `tool_calls`",
+    "tool_choice": "with `tool_call_parser`: \"none\", \"auto\", \"required\" or a named function, as `vllm serve "
+                   "--enable-auto-tool-choice --tool-call-parser`; without: \"none\" only (others 400, as `vllm "
+                   "serve` without a parser)",
+    "parallel_tool_calls": "false: only the answer's first tool call is kept",
     "response_format": "`json_object` or `json_schema`: output constrained to it (vLLM engine; built-in: 400)",
     "structured_outputs": "vLLM's `json`, `regex`, `choice` or `grammar` (vLLM engine; built-in: 400)",
     "use_beam_search": "refused when true: beam search is not implemented",

@@ -8,7 +8,7 @@ import json
 from collections.abc import Sequence
 from http import HTTPStatus
 
-FINISH_REASONS = ("stop", "length")
+FINISH_REASONS = ("stop", "length", "tool_calls")
 # vLLM's error `type` per status; any other status gets its HTTP phrase.
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 422: "UnprocessableEntityError",
                 500: "InternalServerError", 501: "NotImplementedError", 503: "ServiceUnavailableError"}
@@ -31,9 +31,13 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
 
 
 def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None = None) -> dict:
+    return chat_message_choice(index, {"role": "assistant", "content": text}, finish_reason, logprobs)
+
+
+def chat_message_choice(index: int, message: dict, finish_reason: str, logprobs: dict | None = None) -> dict:
+    """A chat choice whose message is built already (one with `tool_calls`: serving/tool_calls.py)."""
     _check_finish_reason(finish_reason)
-    return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
-            "logprobs": logprobs}
+    return {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
 
 
 def completion_response(*, request_id: str, model_name: str, created: int, choices: Sequence[dict],

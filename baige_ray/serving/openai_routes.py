@@ -46,6 +46,7 @@ from baige_ray.serving.openai_sampling import with_budget
 from baige_ray.serving.openai_tokenize import chat_prompt_tokens, detokenize_response, tokenize_response
 from baige_ray.serving.requests import bad_request, read_body
 from baige_ray.serving.sampling_params import SamplingParams, unsupported_field
+from baige_ray.serving.tool_calls import ToolCallParsing
 
 MODEL_ROUTE = "v1/models/{id}"
 
@@ -96,10 +97,13 @@ class OpenAIRoutes:
     requests are checked against."""
 
     def __init__(self, calls: ReplicaCalls, *, app_name: str, engine_name: str, limits: CompletionLimits,
-                 adapters: dict[str, str] | None = None):
-        """`adapters`: the LoRA adapters served beside the model, name -> where each came from."""
+                 adapters: dict[str, str] | None = None, tool_call_parser: str | None = None):
+        """`adapters`: the LoRA adapters served beside the model, name -> where each came from.
+        `tool_call_parser`: the vLLM tool-call parser chat answers go through (serving/tool_calls.py)."""
         self.calls, self.app_name, self.engine_name, self.limits = calls, app_name, engine_name, limits
         self.adapters = dict(adapters or {})
+        self.tool_call_parser = tool_call_parser
+        self._tool_parsing: ToolCallParsing | None = None
         self.created = int(time.time())
         self.root = app_name
 
@@ -146,13 +150,28 @@ class OpenAIRoutes:
 
     async def chat(self, request: Request, started: float) -> Response:
         body = await read_body(request, self.limits.max_body_bytes)
-        parsed = parse_chat_request(body, self.limits, model_name=self.app_name, adapters=tuple(self.adapters))
+        parsed = parse_chat_request(body, self.limits, model_name=self.app_name, adapters=tuple(self.adapters),
+                                    parses_tool_calls=self.tool_call_parser is not None)
         require_supported(parsed.sampling, self.engine_name)
         runner = self.calls.require_runner()
+        tool_calls = None
+        if parsed.tool_fields is not None:
+            tool_calls = self._tool_call_parsing(runner).request(parsed.tool_fields, self.app_name)
+            parsed = dataclasses.replace(parsed, sampling=tool_calls.sampling(parsed.sampling))
         prompts = [chat_prompt_tokens(runner.codec, parsed.messages, parsed.tools)]
         choices = fan_out(fitted_requests(prompts, parsed, runner.engine.max_context, runner.engine.context_limit))
-        return await self._respond(runner, AnswerShaper(choices, chat=True, codec=runner.codec),
+        return await self._respond(runner, AnswerShaper(choices, chat=True, codec=runner.codec, tool_calls=tool_calls),
                                    parsed, started)
+
+    def _tool_call_parsing(self, runner: EngineRunner) -> ToolCallParsing:
+        """The parser class, built on first use for the served tokenizer."""
+        if self._tool_parsing is None:
+            tokenizer = getattr(runner.codec, "tokenizer", None)
+            if tokenizer is None:
+                raise bad_request("tool_choice", f"tool_call_parser={self.tool_call_parser!r} reads text through a "
+                                                 "Hugging Face tokenizer, which this model does not have")
+            self._tool_parsing = ToolCallParsing(self.tool_call_parser, tokenizer, self.app_name)
+        return self._tool_parsing
 
     async def _respond(self, runner: EngineRunner, shaper: AnswerShaper, parsed: Any, started: float) -> Response:
         choices = shaper.choices

@@ -138,6 +138,7 @@ def parse_sampling(payload: dict, limits: CompletionLimits, *, max_new_tokens: i
         n=optional(payload, "n", "int", 1), seed=seed_of(payload), num_logprobs=num_logprobs, echo=echo,
         prompt_logprobs=num_logprobs if echo else None,  # vLLM's: the echoed prompt's, as many per position
         adapter=adapter, structured_outputs=parse_structured_output(payload),
+        skip_special_tokens=optional(payload, "skip_special_tokens", "bool", True),
     )
     budget = max_new_tokens if max_new_tokens is not None else max(1, min_tokens) if is_int(min_tokens) else 1
     with _as_bad_request({"num_logprobs": logprobs_field, "prompt_logprobs": logprobs_field}):

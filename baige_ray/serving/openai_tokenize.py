@@ -39,7 +39,9 @@ def tokenize_response(body: bytes, limits: CompletionLimits, codec: Any, *, mode
     ignore_unknown_fields(payload, TOKENIZE_FIELDS, "tokenize")
     check_model(payload, model_name)
     if payload.get("messages") is not None:
-        tokens = chat_prompt_tokens(codec, parse_messages(payload, limits), parse_tools(payload))
+        # The template renders the tools; a tool choice means nothing to a count of tokens (vLLM's takes none).
+        tools = parse_tools({"tools": payload.get("tools")}, parses_tool_calls=True)
+        tokens = chat_prompt_tokens(codec, parse_messages(payload, limits), tools)
     elif isinstance(payload.get("prompt"), str):
         prompt = payload["prompt"]
         if len(prompt) > limits.max_prompt_chars:

@@ -1,11 +1,14 @@
 """The `tools` of a chat request, as vLLM renders them into the model's chat template.
 
-vLLM (without `--tool-call-parser`) puts the tools into the prompt through the chat template when a
-request sends them with `tool_choice` "none", and answers 400 to any other choice, "auto" included, which
-is what a request that sends tools without a choice asks for (OpenAI's default): it parses no tool call. Each tool reaches the template as vLLM's request model dumps it (`ChatCompletionToolsParam`):
+Each tool reaches the template as vLLM's request model dumps it (`ChatCompletionToolsParam`):
 `{"type": "function", "function": {"name", "description", "parameters"}}` in that order, None where a
 field is absent, `strict` and `defer_loading` only where set, unknown fields dropped. A template that
 writes them with `tojson` then renders the same characters here and in `vllm serve`.
+
+Which `tool_choice` a request may send depends on whether the app parses tool calls. Without a parser (as
+`vllm serve` without `--tool-call-parser`) only "none" is taken: any other choice, "auto" included (what a
+request that sends tools without a choice asks for, OpenAI's default), is a 400. With one
+(`serve(engine="vllm", tool_call_parser=...)`, serving/tool_calls.py) every choice is taken.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from baige_ray.serving.requests import bad_request
 MAX_TOOLS = 128
 
 
-def parse_tools(payload: dict) -> tuple[dict, ...] | None:
+def parse_tools(payload: dict, *, parses_tool_calls: bool = False) -> tuple[dict, ...] | None:
     """The request's tools as the chat template receives them (None: none sent); a RequestError naming
-    the field for a malformed one, or for a tool_choice that would need tool calls parsed."""
+    the field for a malformed one, or for a tool_choice that needs tool calls parsed where the app parses none."""
     tools, choice = payload.get("tools"), payload.get("tool_choice")
     if tools is None:
         if choice not in (None, "none"):
@@ -32,12 +35,28 @@ def parse_tools(payload: dict) -> tuple[dict, ...] | None:
         choice, default = "auto", " (the default when tools are sent)"
     else:
         default = ""
-    if choice not in (None, "none"):
+    if parses_tool_calls:
+        _check_choice(choice, rendered)
+    elif choice not in (None, "none"):
         raise bad_request("tool_choice", f"tool_choice={choice!r}{default} needs tool calls parsed from the model's "
-                                         "answer, which this server does not do (as `vllm serve` without "
-                                         "--tool-call-parser): send tool_choice 'none' for the template to show "
-                                         "the tools to the model")
+                                         "answer, which this app does not do (as `vllm serve` without "
+                                         "--tool-call-parser): serve(engine='vllm', tool_call_parser=...) parses "
+                                         "them; or send tool_choice 'none' for the template to show the tools to "
+                                         "the model")
     return rendered or None
+
+
+def _check_choice(choice: Any, tools: tuple[dict, ...]) -> None:
+    """A choice among "none", "auto", "required" and a named function the request sent."""
+    if choice in (None, "none", "auto", "required"):
+        return
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad_request("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or "
+                                         f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}")
+    if function["name"] not in {tool["function"]["name"] for tool in tools}:
+        raise bad_request("tool_choice", f"tool_choice names the function {function['name']!r}, which 'tools' "
+                                         "does not hold")
 
 
 def _tool(index: int, tool: Any) -> dict:

@@ -79,6 +79,8 @@ class SamplingParams:
     # Structured output (response_format, structured_outputs): vLLM's StructuredOutputsParams keyword arguments
     # as JSON text (structured_output.py); vLLM implements it, the built-in engine does not
     structured_outputs: str | None = None
+    # vLLM's: the answer's text leaves the tokenizer's special tokens out (a tool-call parser may need them in)
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self._check_budget()
@@ -123,6 +125,8 @@ class SamplingParams:
                  "None or an adapter's name")
 
     def _check_output(self) -> None:
+        _require(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", self.skip_special_tokens,
+                 "true or false")
         _require_int("n", self.n, 1)
         _require(self.n == 1 or self.temperature >= GREEDY_BELOW, "n", self.n,
                  "1 when using greedy sampling (temperature 0), as vLLM")

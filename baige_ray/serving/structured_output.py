@@ -61,5 +61,15 @@ def _from_structured_outputs(value) -> dict:
     return {key: constraint}
 
 
+def canonical_structured_outputs(params) -> str:
+    """A vLLM StructuredOutputsParams (one a tool-call parser set) as the JSON text SamplingParams keeps: the
+    fields it sets away from their defaults."""
+    import dataclasses
+
+    arguments = {field.name: getattr(params, field.name) for field in dataclasses.fields(params)
+                 if field.init and not field.name.startswith("_") and getattr(params, field.name) != field.default}
+    return _canonical(arguments)
+
+
 def _canonical(arguments: dict) -> str:
     return json.dumps(arguments, sort_keys=True, separators=(",", ":"))

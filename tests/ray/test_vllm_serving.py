@@ -63,7 +63,7 @@ def app(trained, tuned_adapter):
     model, result = trained
     weights = ray.put(ray.get(result.final_state)["model"])  # in memory: the state training ended with
     info = serve((5, weights), model_config=model, name="tiny-llama-vllm", port=free_port(), engine="vllm",
-                 adapters={"tuned": tuned_adapter})
+                 adapters={"tuned": tuned_adapter}, tool_call_parser="hermes")
     yield info
     shutdown(info)
 
@@ -230,3 +230,28 @@ def test_vllm_constrains_answers_to_the_structure_a_request_asks_for(app):
     status, reply = call(f"{app.url}/v1/completions", {
         "prompt": "Go ", "max_tokens": 8, "temperature": 0.8, "seed": 1, "structured_outputs": {"choice": ["left", "right"]}})
     assert status == 200 and reply["choices"][0]["text"] in ("left", "right"), reply
+
+
+def test_a_named_tool_choice_constrains_the_answer_to_a_call_of_that_function_whole_and_streamed(app):
+    """serve(tool_call_parser="hermes"): vLLM's structural tag makes the untrained model open a call of the
+    named function, as `vllm serve --tool-call-parser hermes` does (tests/unit/test_tool_calls.py shapes the
+    answers); streamed, the call's name comes as soon as it is read."""
+    from tests.ray.test_hf_export_and_serve import server_sent_events
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": [weather], "max_tokens": 40,
+            "temperature": 0, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    status, reply = call(f"{app.url}/v1/chat/completions", body)
+    message = reply["choices"][0]["message"]
+    opening = '{"name": "get_weather", "arguments": '
+    if "tool_calls" in message:  # the model closed the call within the budget
+        assert message["tool_calls"][0]["function"]["name"] == "get_weather", reply
+    else:  # cut short: the grammar's opening, whitespace where JSON allows it
+        assert status == 200 and message["content"].startswith("<tool_call>"), reply
+        written = "".join(message["content"].removeprefix("<tool_call>").split())
+        assert written.startswith("".join(opening.split())[:len(written)]) and len(written) > len('{"name":"get_weather"'), reply
+    events = server_sent_events(f"{app.url}/v1/chat/completions", {**body, "stream": True})
+    names = [call["function"]["name"] for event in events[:-1] for call in event["choices"][0]["delta"].get(
+        "tool_calls", []) if call.get("function", {}).get("name")]
+    assert names == ["get_weather"] and events[-1] == "[DONE]", events
