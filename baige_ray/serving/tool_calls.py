@@ -62,7 +62,9 @@ class ToolCallParsing:
         try:
             request = ChatCompletionRequest.model_validate({**fields, "model": model_name})
         except ValidationError as error:
-            raise bad_request("tool_choice", "; ".join(e["msg"] for e in error.errors())) from None
+            problems = error.errors()
+            field = next((str(e["loc"][0]) for e in problems if e.get("loc")), "tool_choice")
+            raise bad_request(field, "; ".join(e["msg"] for e in problems)) from None
         adjusted = request.tool_choice != "none"  # vLLM adjusts no request that asks for no tool call
         if adjusted:
             request = self.new_parser(request).adjust_request(request)
