@@ -80,12 +80,14 @@ class AnswerShaper:
         self.echo, self.echo_only = echo, echo_only
         self.tool_calls = tool_calls
         self._streamed = [_Streamed() for _ in self.choices]
-        self._tool_streams = [tool_calls.stream() for _ in self.choices] if tool_calls is not None else None
+        self._tool_streams = [tool_calls.stream(choice.prompt) for choice in self.choices] \
+            if tool_calls is not None else None
 
     def whole(self, index: int, output: TextOutput) -> dict:
         """Choice `index`'s entry of the response's `choices`."""
         if self.chat and self.tool_calls is not None:
-            message, finish_reason = self.tool_calls.whole(output.text, output.token_ids, output.finish_reason)
+            message, finish_reason = self.tool_calls.whole(output.text, output.token_ids, output.finish_reason,
+                                                           self.choices[index].prompt)
             return chat_message_choice(index, message, finish_reason, self._chat_logprobs(index, output.logprobs))
         if self.chat:
             return chat_choice(index, output.text, output.finish_reason, self._chat_logprobs(index, output.logprobs))

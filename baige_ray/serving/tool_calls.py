@@ -98,22 +98,25 @@ class ToolCallRequest:
         return canonical_structured_outputs(params)
 
     @property
-    def _named(self) -> bool:
+    def named(self) -> bool:
+        """Whether the request named the function to call (its finish reason stays "stop", as OpenAI's)."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionNamedToolChoiceParam
 
         return isinstance(self.request.tool_choice, ChatCompletionNamedToolChoiceParam)
 
     @property
-    def _required(self) -> bool:
+    def required(self) -> bool:
         return self.request.tool_choice == "required"
 
-    def whole(self, text: str, token_ids: tuple[int, ...], finish_reason: str) -> tuple[dict, str]:
+    def whole(self, text: str, token_ids: tuple[int, ...], finish_reason: str,
+              prompt_token_ids: list[int] = ()) -> tuple[dict, str]:
         """The answer's message and finish reason, as vLLM's chat serving layer builds them."""
-        _, content, calls = self.parsing.new_parser(self.request).parse(
-            text, self.request, enable_auto_tools=True, model_output_token_ids=token_ids)
+        parser = self.parsing.new_parser(self.request)
+        parser.set_prompt_token_ids(list(prompt_token_ids))
+        _, content, calls = parser.parse(text, self.request, enable_auto_tools=True, model_output_token_ids=token_ids)
         message: dict = {"role": "assistant", "content": content}
         called = False
-        if self._named or self._required:
+        if self.named or self.required:
             message["content"] = content or ""
         elif self.request.tool_choice not in (None, "none") and self.request.tools and calls:
             called = True
@@ -123,13 +126,13 @@ class ToolCallRequest:
             message["tool_calls"] = [_tool_call(call) for call in calls]
         if self.request.parallel_tool_calls is False and message.get("tool_calls"):
             message["tool_calls"] = message["tool_calls"][:1]
-        if called or (self._required and finish_reason == "stop"):
+        if called or (self.required and finish_reason == "stop"):
             finish_reason = "tool_calls"
         return message, finish_reason
 
-    def stream(self) -> ToolCallStream:
+    def stream(self, prompt_token_ids: list[int] = ()) -> ToolCallStream:
         """A reader of one choice's streamed answer."""
-        return ToolCallStream(self, self.parsing.new_parser(self.request))
+        return ToolCallStream(self, self.parsing.new_parser(self.request), list(prompt_token_ids))
 
 
 @dataclass
@@ -138,12 +141,14 @@ class ToolCallStream:
 
     calls: ToolCallRequest
     parser: Any
+    prompt_token_ids: list[int]
     called: bool = False
 
     def delta(self, text: str, token_ids: tuple[int, ...], finished: bool) -> dict | None:
         """The piece's `delta` as vLLM streams it (None: nothing to send yet)."""
         message = self.parser.parse_delta(delta_text=text, delta_token_ids=list(token_ids),
-                                          request=self.calls.request, prompt_token_ids=[], finished=finished)
+                                          request=self.calls.request, prompt_token_ids=self.prompt_token_ids,
+                                          finished=finished)
         if message is None:
             return None
         delta = message.model_dump(exclude_unset=True)
@@ -155,7 +160,7 @@ class ToolCallStream:
 
     def finish_reason(self, reason: str) -> str:
         """vLLM's: "tool_calls" when a streamed call ended with "stop", unless the choice named the tool."""
-        return "tool_calls" if self.called and not self.calls._named and reason == "stop" else reason
+        return "tool_calls" if self.called and not self.calls.named and reason == "stop" else reason
 
 
 def _tool_call(call: Any) -> dict:
