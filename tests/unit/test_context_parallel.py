@@ -180,7 +180,9 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("names", [("llama", "qwen2"), ("qwen3", "mixtral")])
+# One family a test: the longest (Llama's four layouts) runs about 75 s on this machine, where Llama and Qwen2
+# together ran 131 s and held one of the unit tier's two processes alone while the other had finished.
+@pytest.mark.parametrize("names", [("llama",), ("qwen2",), ("qwen3",), ("mixtral",)])
 def test_hf_families_train_with_context_parallelism_as_transformers_alone(tiny_model, names):
     import dataclasses
     import json
