@@ -323,6 +323,8 @@ def serve(
         _check_experts(config, expert_parallel)
     if settings.engine == "vllm":
         plugin_for(config).check_vllm()  # here, not in replicas that would fail to start one after another
+    if settings.tool_call_parser is not None:
+        _check_tool_call_tokenizer(config, settings.tool_call_parser)
     registry = get_or_create_registry(name)
     ray.get(registry.publish_weights.remote(step, [state_ref], config))
     max_rank = lora_slots(settings.adapters).max_rank if settings.engine == "vllm" and settings.adapters else None
@@ -377,6 +379,16 @@ def _raised(message: str) -> str:
     if not lines:  # no traceback
         return message.strip()
     return "\n".join(tail).removeprefix(f"{ServingError.__module__}.").removeprefix(f"{ServingError.__name__}: ")
+
+
+def _check_tool_call_tokenizer(config: Any, parser: str) -> None:
+    """A tool-call parser reads an answer's text through the model's Hugging Face tokenizer; the reference GPT's
+    tokens are bytes."""
+    from baige_ray.models.hf.model import HFModel
+
+    if not isinstance(config, HFModel):
+        raise ValueError(f"ServeOptions.tool_call_parser={parser!r} is invalid for {type(config).__name__}: vLLM's "
+                         "tool-call parsers read text through a Hugging Face tokenizer; serve an HFModel")
 
 
 def _check_experts(config: Any, options: ExpertParallelServing) -> None:

@@ -25,7 +25,7 @@ from baige_ray.serving.openai_logprobs import chat_logprobs, completion_logprobs
 from baige_ray.serving.openai_responses import chat_choice, chat_message_choice, completion_choice
 from baige_ray.serving.sampling_params import SamplingParams
 from baige_ray.serving.token_logprobs import PromptLogprobs, TokenLogprobs
-from baige_ray.serving.tool_calls import ToolCallRequest
+from baige_ray.serving.tool_calls import ToolCallRequest, ToolCallStream
 
 SEEDS = 2**63  # a sample's seed wraps within the range a request's may take
 
@@ -80,8 +80,7 @@ class AnswerShaper:
         self.echo, self.echo_only = echo, echo_only
         self.tool_calls = tool_calls
         self._streamed = [_Streamed() for _ in self.choices]
-        self._tool_streams = [tool_calls.stream(choice.prompt) for choice in self.choices] \
-            if tool_calls is not None else None
+        self._tool_streams: dict[int, ToolCallStream] = {}  # a streamed choice's parser, made at its first piece
 
     def whole(self, index: int, output: TextOutput) -> dict:
         """Choice `index`'s entry of the response's `choices`."""
@@ -110,7 +109,7 @@ class AnswerShaper:
         else:
             entries, text, finish_reason, prompt_logprobs = piece.logprobs, piece.text, None, piece.prompt_logprobs
         state.entries_sent += len(entries)
-        if self.chat and self._tool_streams is not None:
+        if self.chat and self.tool_calls is not None:
             return self._tool_chunk(index, piece, entries)
         if self.chat:
             delta = {"content": text} if finish_reason is None else {}
@@ -128,6 +127,8 @@ class AnswerShaper:
     def _tool_chunk(self, index: int, piece: TextDelta | TextOutput, entries: Sequence[TokenLogprobs]) -> dict | None:
         """As vLLM streams through a tool-call parser: the parser's delta of each piece, none while it holds the
         text back (unless log-probabilities are to be sent); the end flushes it, with the finish reason."""
+        if index not in self._tool_streams:
+            self._tool_streams[index] = self.tool_calls.stream(self.choices[index].prompt)
         stream = self._tool_streams[index]
         finished = isinstance(piece, TextOutput)
         delta = stream.delta("" if finished else piece.text, () if finished else piece.token_ids, finished)

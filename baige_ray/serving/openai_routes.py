@@ -166,11 +166,8 @@ class OpenAIRoutes:
     def _tool_call_parsing(self, runner: EngineRunner) -> ToolCallParsing:
         """The parser class, built on first use for the served tokenizer."""
         if self._tool_parsing is None:
-            tokenizer = getattr(runner.codec, "tokenizer", None)
-            if tokenizer is None:
-                raise bad_request("tool_choice", f"tool_call_parser={self.tool_call_parser!r} reads text through a "
-                                                 "Hugging Face tokenizer, which this model does not have")
-            self._tool_parsing = ToolCallParsing(self.tool_call_parser, tokenizer, self.app_name)
+            # serve() took the option for a Hugging Face model only, whose codec holds its tokenizer
+            self._tool_parsing = ToolCallParsing(self.tool_call_parser, runner.codec.tokenizer, self.app_name)
         return self._tool_parsing
 
     async def _respond(self, runner: EngineRunner, shaper: AnswerShaper, parsed: Any, started: float) -> Response:

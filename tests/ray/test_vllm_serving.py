@@ -215,6 +215,10 @@ def test_a_model_vllm_cannot_serve_is_refused_before_any_replica_starts(local_ra
     state = ray.put(plugin_for(config).build_model().state_dict())
     with pytest.raises(ValueError, match="GPTConfig.moe is set"):
         serve((0, state), model_config=config, name="moe-gpt-vllm", port=free_port(), engine="vllm")
+    dense = GPTConfig(num_layers=1, hidden=32, num_heads=2, seq_len=16)
+    with pytest.raises(ValueError, match="tool_call_parser='hermes' is invalid for GPTConfig"):  # bytes: no tokenizer
+        serve((0, ray.put(plugin_for(dense).build_model().state_dict())), model_config=dense, name="gpt-tools",
+              port=free_port(), engine="vllm", tool_call_parser="hermes")
 
 
 def test_vllm_constrains_answers_to_the_structure_a_request_asks_for(app):

@@ -56,7 +56,7 @@ def test_every_tool_choice_is_taken_where_the_app_parses_tool_calls_and_only_non
     for choice in ("none", "auto", "required", NAMED, None):
         sent = json.dumps({**body, **({"tool_choice": choice} if choice else {})}).encode()
         assert parse_chat_request(sent, LIMITS, model_name="llama", parses_tool_calls=True).tool_fields["tools"]
-        if choice in ("none",):
+        if choice == "none":
             assert parse_chat_request(sent, LIMITS, model_name="llama").tool_fields is None
         else:
             with pytest.raises(RequestError, match="tool_call_parser") as refused:
