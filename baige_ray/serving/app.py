@@ -39,6 +39,7 @@ from baige_ray.policies.disaggregation import SplitPolicy
 from baige_ray.runtime.checkpoint_io import load_checkpoint
 from baige_ray.serving.api_key import api_key_digest
 from baige_ray.serving.deployment import HEALTH_CHECK_PERIOD_S, ModelServer
+from baige_ray.serving.direct_ingress import replica_urls, with_direct_ingress
 from baige_ray.serving.disaggregation import (
     DECODE_DEPLOYMENT,
     PREFILL_DEPLOYMENT,
@@ -56,7 +57,7 @@ from baige_ray.serving.requests import RequestLimits
 from baige_ray.serving.serve_throughput import controller_options
 from baige_ray.serving.tool_calls import check_tool_call_parser
 from baige_ray.serving.vllm_adapters import lora_slots
-from baige_ray.serving.vllm_engine import vllm_available
+from baige_ray.serving.vllm_engine import ENGINE_CORE_PLACES, vllm_available
 from baige_ray.topology.head import HEAD_NODE_RESOURCE
 
 ENGINES = ("builtin", "vllm")
@@ -81,6 +82,9 @@ class ServeHandleInfo:
     prefill_deployment_name: str | None = None  # set when the application is disaggregated
     ingress_deployment_name: str | None = None  # set with routing="prefix": it takes HTTP, routes to the replicas
     split: SplitPolicy | None = None  # how a disaggregated application's sides are sized
+    # With direct_ingress: each replica's own HTTP server at serve()'s return, route prefix included
+    # (serving/direct_ingress.py); after a scale or a restart, direct_ingress.replica_urls has the new ones.
+    replica_urls: tuple[str, ...] = ()
 
     @property
     def disaggregated(self) -> bool:
@@ -110,6 +114,8 @@ class ServeOptions:
     api_key_digest: str | None = field(default=None, repr=False)  # serving/api_key.py; None: no key asked
     adapters: dict = field(default_factory=dict)  # LoRA adapters beside the model: name -> directory or job's
     tool_call_parser: str | None = None  # vLLM's tool-call parser chat answers go through (serving/tool_calls.py)
+    vllm_engine_core: str = "process"  # where a vLLM replica's engine core runs (vllm_engine.ENGINE_CORE_PLACES)
+    direct_ingress: bool = False  # each replica also answers HTTP on a port of its own (serving/direct_ingress.py)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -132,6 +138,9 @@ class ServeOptions:
                              "(CPU machines) or 'baige-ray[vllm]' (GPU clusters)")
         if self.tool_call_parser is not None:
             self._check_tool_call_parser()
+        self._check_vllm_engine_core()
+        if self.direct_ingress:
+            self._check_direct_ingress()
         if not self.route_prefix.startswith("/"):
             raise ValueError(f"ServeOptions.route_prefix={self.route_prefix!r} is invalid: expected a path starting with '/'")
         require_int("ServeOptions", "port", self.port, minimum=1)
@@ -157,6 +166,23 @@ class ServeOptions:
                              f"{self.engine!r}: a tool call is read from an answer constrained by vLLM's grammar "
                              "backends, which the built-in engine does not have; use engine='vllm'")
         check_tool_call_parser(self.tool_call_parser)
+
+    def _check_vllm_engine_core(self) -> None:
+        if self.vllm_engine_core not in ENGINE_CORE_PLACES:
+            raise ValueError(f"ServeOptions.vllm_engine_core={self.vllm_engine_core!r} is invalid: expected one of "
+                             f"{list(ENGINE_CORE_PLACES)}")
+        if self.vllm_engine_core != "process" and self.engine != "vllm":
+            raise ValueError(f"ServeOptions.vllm_engine_core={self.vllm_engine_core!r} is set with engine="
+                             f"{self.engine!r}: it places vLLM's engine core; use engine='vllm'")
+
+    def _check_direct_ingress(self) -> None:
+        if self.direct_ingress is not True:
+            raise ValueError(f"ServeOptions.direct_ingress={self.direct_ingress!r} is invalid: expected True or False")
+        if self.routing != "default" or self.disaggregation is not None:
+            raise ValueError("ServeOptions.direct_ingress is set with routing="
+                             f"{self.routing!r}{' and disaggregation' if self.disaggregation else ''}: a replica's own "
+                             "port skips the router that picks a replica; use routing='default' without "
+                             "disaggregation")
 
     def _check_adapters(self) -> None:
         if self.disaggregation is not None or self.expert_parallel is not None:
@@ -258,6 +284,8 @@ def serve(
     api_key: str | None = None,
     adapters: dict[str, Any] | None = None,
     tool_call_parser: str | None = None,
+    vllm_engine_core: str = "process",
+    direct_ingress: bool = False,
 ) -> ServeHandleInfo:
     """Serve the model in `source` as application `name`; returns once every replica has generated a
     token through its engine and answers. Raises ServingError with the engine's error, and leaves no
@@ -306,7 +334,11 @@ def serve(
     multi-LoRA, a job's adapter written to /dev/shm for it to read (serving/vllm_adapters.py). With
     `tool_call_parser` (`engine="vllm"`; one of vLLM's tool-call parsers by name, such as "hermes") chat
     requests take every `tool_choice` and their answers' tool calls come back as `tool_calls`, as from `vllm
-    serve --enable-auto-tool-choice --tool-call-parser NAME` (serving/tool_calls.py).
+    serve --enable-auto-tool-choice --tool-call-parser NAME` (serving/tool_calls.py). A vLLM replica runs
+    vLLM's engine core in a process of its own beside it, as `vllm serve` does (`vllm_engine_core="replica"`:
+    in the replica's process, one process less). With `direct_ingress` each replica also answers HTTP on a
+    port of its own (the returned `replica_urls`), skipping the hop through Serve's proxy
+    (serving/direct_ingress.py).
     """
     settings = ServeOptions(
         route_prefix=route_prefix, host=host, port=port, num_replicas=num_replicas,
@@ -315,7 +347,8 @@ def serve(
         kv_cache_memory_bytes=kv_cache_memory_bytes,
         max_queued_requests=max_queued_requests, engine=engine, disaggregation=disaggregation,
         expert_parallel=expert_parallel, kv_cache=kv_cache, routing=routing, api_key_digest=api_key_digest(api_key),
-        adapters=served_adapters(adapters), tool_call_parser=tool_call_parser,
+        adapters=served_adapters(adapters), tool_call_parser=tool_call_parser, vllm_engine_core=vllm_engine_core,
+        direct_ingress=direct_ingress,
     )
     limits = limits or RequestLimits()
     step, state_ref, config = _resolve_source(source, model_config)
@@ -337,6 +370,8 @@ def serve(
     _wait_until_running(name)
     host, port = _proxy_address(settings.host, settings.port)
     url = f"http://{host}:{port}{settings.route_prefix.rstrip('/')}"
+    if settings.direct_ingress:
+        names["replica_urls"] = replica_urls(name, settings.route_prefix, host, expected=settings.num_replicas)
     return ServeHandleInfo(url=url, app_name=name, **names)
 
 
@@ -430,11 +465,15 @@ def _bind(settings: ServeOptions, name: str, limits: RequestLimits,
     )
     if settings.tool_call_parser is not None:  # vLLM replicas only: disaggregated servers take no such option
         server_options.update(tool_call_parser=settings.tool_call_parser)
+    if settings.engine == "vllm":
+        server_options.update(vllm_engine_core=settings.vllm_engine_core)
     if settings.expert_parallel is not None:  # an expert rank takes what a replica takes: a device each
         server_options.update(expert_parallel=settings.expert_parallel, expert_actor_options=actor_options)
     if settings.disaggregation is None and settings.routing == "prefix":
         return _bind_prefix_routed(settings, deployment_options, server_options, limits, completion_limits)
     if settings.disaggregation is None:
+        if settings.direct_ingress:
+            deployment_options["ray_actor_options"] = with_direct_ingress(actor_options)
         application = ray_serve.deployment(ModelServer).options(
             name=DEPLOYMENT_NAME, num_replicas=settings.num_replicas,
             max_queued_requests=settings.max_queued_requests, **deployment_options,

@@ -113,7 +113,8 @@ class ModelServer:
                        engine: str = "builtin", expert_parallel: ExpertParallelServing | None = None,
                        expert_actor_options: dict | None = None, kv_cache: dict | None = None,
                        handover_via: str | None = None, api_key_digest: str | None = None,
-                       adapters: dict[str, AdapterSource] | None = None, tool_call_parser: str | None = None):
+                       adapters: dict[str, AdapterSource] | None = None, tool_call_parser: str | None = None,
+                       vllm_engine_core: str = "process"):
         torch.set_num_threads(1)  # replicas share few cores with training workers
         self._api_key_digest = api_key_digest  # serving/api_key.py: None when no key is asked
         self._limits = RequestLimits(**limits)
@@ -138,6 +139,7 @@ class ModelServer:
         self._compute_device = replica_device(self._devices)
         self._metrics = ServingMetrics(app=app_name)
         self._engine_name = engine
+        self._vllm_engine_core = vllm_engine_core  # where vLLM's engine core runs (vllm_engine.ENGINE_CORE_PLACES)
         self._expert_parallel, self._expert_actor_options = expert_parallel, expert_actor_options or {}
         self._expert_ranks: ExpertRanks | None = None  # with expert_parallel: the ranks holding the experts
         self._model = None  # the built-in engine's model, which expert-parallel replicas update in place
@@ -221,7 +223,8 @@ class ModelServer:
     def _build_runner(self, model_config, state: dict, *, first: bool, version: int) -> EngineRunner:
         plugin = plugin_for(model_config)
         if self._engine_name == "vllm":
-            engine, codec = build_vllm_engine(plugin, state, self._engine_limits, adapters=self._vllm_adapters())
+            engine, codec = build_vllm_engine(plugin, state, self._engine_limits, adapters=self._vllm_adapters(),
+                                              engine_core=self._vllm_engine_core)
             with _engine_cannot_run(plugin.describe(), "vllm"):  # one token through vLLM itself
                 generate_all(engine, [codec.encode(WARMUP_PROMPT)], [SamplingParams(max_new_tokens=1, temperature=0.0)])
             return EngineRunner(engine, codec)

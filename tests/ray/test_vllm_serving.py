@@ -8,6 +8,7 @@ each state is the built-in engine's greedy generation, itself tested equal to un
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -63,7 +64,7 @@ def app(trained, tuned_adapter):
     model, result = trained
     weights = ray.put(ray.get(result.final_state)["model"])  # in memory: the state training ended with
     info = serve((5, weights), model_config=model, name="tiny-llama-vllm", port=free_port(), engine="vllm",
-                 adapters={"tuned": tuned_adapter}, tool_call_parser="hermes")
+                 adapters={"tuned": tuned_adapter}, tool_call_parser="hermes", direct_ingress=True)
     yield info
     shutdown(info)
 
@@ -82,9 +83,10 @@ def gpt_app(gpt_state):
     config, state = gpt_state
     weights = ray.put(state)
     # Beside the Llama application at /, behind the prefix-routing ingress (it relays to vLLM replicas too);
-    # steps of 32 tokens, so a longer prompt is prefilled in chunks.
+    # steps of 32 tokens, so a longer prompt is prefilled in chunks; vLLM's engine core in the replica's process
+    # (the Llama application's runs in a process of its own, the default).
     info = serve((4, weights), model_config=config, name="gpt-vllm", port=free_port(), engine="vllm",
-                 route_prefix="/gpt", routing="prefix", max_num_batched_tokens=32)
+                 route_prefix="/gpt", routing="prefix", max_num_batched_tokens=32, vllm_engine_core="replica")
     yield info
     shutdown(info)
 
@@ -105,8 +107,13 @@ def served_greedy(app, prompts=PROMPTS) -> list[str]:
 
 
 def test_vllm_serves_the_trained_state_from_memory(trained, app):
+    """The weights reach vLLM's engine core, in a process of its own, as safetensors bytes; the replica's own
+    port (direct ingress) answers what Serve's proxy answers."""
     model, result = trained
-    assert served_greedy(app) == builtin_greedy(model, ray.get(result.final_state)["model"])
+    expected = builtin_greedy(model, ray.get(result.final_state)["model"])
+    assert served_greedy(app) == expected
+    (replica_url,) = app.replica_urls
+    assert replica_url != app.url and served_greedy(dataclasses.replace(app, url=replica_url)) == expected
 
 
 def test_lora_adapters_from_a_directory_and_from_a_running_job_generate_peft_greedy_tokens_on_vllm(

@@ -73,26 +73,59 @@ def test_sampled_answers_need_only_agree_in_shape_with_the_reference():
 
 @pytest.mark.parametrize("options, message", [({"max_tokens": 100}, "--max-tokens=100 is invalid"),
                                               ({"streams": [8, 0]}, r"--streams=\[8, 0\] is invalid"),
-                                              ({"client_prompts": 0}, "--client-prompts=0 is invalid")])
+                                              ({"client_prompts": 0}, "--client-prompts=0 is invalid"),
+                                              ({"rounds": 0}, "--rounds=0 is invalid")])
 def test_options_out_of_range_are_refused_before_anything_starts(options, message):
-    defaults = {"max_tokens": 16, "streams": [1, 8, 32], "client_prompts": 16, "start_timeout_s": 1.0, "work_dir": None}
+    defaults = {"max_tokens": 16, "streams": [1, 8, 32], "client_prompts": 16, "start_timeout_s": 1.0, "work_dir": None,
+                "rounds": 3}
     with pytest.raises(ValueError, match=message):
         api.run(argparse.Namespace(**{**defaults, **options}))
 
 
-def test_the_client_summary_counts_every_backends_requests_and_takes_the_lower_ratio_at_8_and_32_streams():
-    def runs(rates):
-        return {"openai": {"num_prompts": 16, "completed": 16, "failed": 0},
-                "openai-chat": {"num_prompts": 16, "completed": 16, "failed": 0},
-                **{f"{streams} streams": {"num_prompts": 16, "output_tokens_per_s": rate}
-                   for streams, rate in rates.items()}}
-    summary = api.summarize_client({"vllm serve": runs({1: 10.0, 8: 40.0, 32: 50.0}),
-                                    "serve(engine='vllm')": runs({1: 9.0, 8: 38.0, 32: 40.0}),
-                                    "serve(engine='builtin')": runs({})}, (1, 8, 32))
-    assert summary["vllm_http_throughput_ratio"] == pytest.approx(0.8)
+def test_the_client_summary_counts_every_backends_requests():
+    runs = {"openai": {"num_prompts": 16, "completed": 16, "failed": 0},
+            "openai-chat": {"num_prompts": 16, "completed": 16, "failed": 0}}
+    summary = api.summarize_client({"vllm serve": runs, "serve(engine='builtin')": runs})
     assert summary["vllm_bench_serve_all_completed"]
     assert summary["vllm_bench_serve"]["serve(engine='builtin')"] == {"openai": "16 of 16", "openai-chat": "16 of 16"}
-    failed = runs({})
-    failed["openai-chat"] = {"num_prompts": 16, "error": "exit 1"}
-    assert not api.summarize_client({"vllm serve": failed, "serve(engine='vllm')": failed}, ())[
-        "vllm_bench_serve_all_completed"]
+    failed = {**runs, "openai-chat": {"num_prompts": 16, "error": "exit 1"}}
+    assert not api.summarize_client({"vllm serve": runs, "serve(engine='vllm')": failed})["vllm_bench_serve_all_completed"]
+
+
+class ScriptedClient:
+    """Answers each run with the rate its server has in the round it is in; records the order of the runs."""
+
+    prompts = 4
+
+    def __init__(self, rates: dict[str, list[float]]):
+        self.rates, self.calls = rates, []
+
+    def run(self, url, name, backend, prompts, streams):
+        round_index = sum(1 for call in self.calls if call[0] == url and call[1] == streams)
+        self.calls.append((url, streams, prompts))
+        rate = self.rates[url][round_index]
+        return {"num_prompts": prompts, "completed": prompts, "output_tokens_per_s": rate, "ttft_p50_ms": 1.0}
+
+
+def test_throughput_rounds_reverse_the_servers_order_and_the_ratio_is_the_rounds_geometric_mean():
+    from baige_ray.bench import api_throughput
+
+    client = ScriptedClient({"peer": [100.0, 200.0], "ours": [50.0, 400.0], "proxy": [25.0, 100.0]})
+    servers = {api_throughput.PEER: "peer", api.DIRECT: "ours", api.PROXIED: "proxy"}
+    results = api_throughput.measure_rounds(client, servers, (8,), rounds=2)
+    assert [call[0] for call in client.calls] == ["peer", "ours", "proxy", "proxy", "ours", "peer"]
+    assert {call[2] for call in client.calls} == {4 * 4}  # the client's prompts per two streams
+    summary = api.summarize_throughput(results)
+    assert summary["throughput_ratio_by_streams"] == {"8": pytest.approx(1.0)}  # sqrt(0.5 * 2)
+    assert summary["throughput_ratio_via_proxy_by_streams"] == {"8": pytest.approx((0.25 * 0.5) ** 0.5, abs=1e-3)}
+    assert summary["vllm_http_throughput_ratio"] == pytest.approx(1.0)  # 8 streams alone measured: it is the lower
+    assert summary["throughput_rounds"]["vllm serve"]["8"]["output_tokens_per_s"] == [100.0, 200.0]
+
+
+def test_a_failed_run_leaves_its_round_out_of_the_ratio():
+    from baige_ray.bench import api_throughput
+
+    results = {api_throughput.PEER: {32: [{"output_tokens_per_s": 100.0}, {"error": "exit 1"}]},
+               api.DIRECT: {32: [{"output_tokens_per_s": 90.0}, {"output_tokens_per_s": 10.0}]}}
+    assert api_throughput.ratio_by_streams(results, api.DIRECT) == {32: pytest.approx(0.9)}
+    assert api_throughput.headline({1: 0.1, 8: 0.95, 32: 0.92}) == 0.92 and api_throughput.headline({1: 0.5}) is None
