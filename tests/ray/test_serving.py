@@ -150,43 +150,45 @@ def test_serves_throughput_settings_reach_serves_processes_and_not_the_callers(a
     assert all(name not in __import__("os").environ for name in SERVE_THROUGHPUT_ENV)
 
 
-@pytest.fixture(scope="module")
-def two_replicas(app, tmp_path_factory):
-    """Two replicas of a tiny Llama on the same Serve instance, each also answering on a port of its own."""
-    model, _ = make_llama_tiny(tmp_path_factory.mktemp("llama-burst"), seq_len=64, vocab_size=512, name="llama-burst",
-                               shape=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2))
-    info = serve(model.path, model_config=model, name="test-burst", route_prefix="/burst", num_replicas=2,
-                 max_queued_requests=4096, direct_ingress=True)
-    yield info
-    shutdown(info)
+class TestTwoReplicas:
+    """Two replicas of a tiny Llama on the same Serve instance, each also answering on a port of its own; they
+    hold two of the four devices while this class's tests run, and give them back before the next test."""
 
+    @pytest.fixture(scope="class")
+    def two_replicas(self, app, tmp_path_factory):
+        model, _ = make_llama_tiny(tmp_path_factory.mktemp("llama-burst"), seq_len=64, vocab_size=512,
+                                   name="llama-burst", shape=dict(hidden_size=64, intermediate_size=128,
+                                                                  num_hidden_layers=2, num_attention_heads=4,
+                                                                  num_key_value_heads=2))
+        info = serve(model.path, model_config=model, name="test-burst", route_prefix="/burst", num_replicas=2,
+                     max_queued_requests=4096, direct_ingress=True)
+        yield info
+        shutdown(info)
 
-def test_a_backlog_drains_at_what_the_replicas_answer(two_replicas):
-    """Found by `bench soak --seed 3`: under Serve's own router backoff (0.5 s per routing task), two idle
-    replicas answered 8 requests/s after a burst, against 96-122 saturated (serving/request_routing.py)."""
-    url = two_replicas.url + "/generate"
-    capacity = saturated_throughput(url, seconds=3.0)
-    spike = 1.5 * capacity  # half again what they answer arrives for 4 s: a backlog builds at the proxy
-    arrivals = [index / spike for index in range(int(4 * spike))]
-    answers = replay(url, arrivals, timeout_s=60.0)
-    assert [a.status for a in answers if a.status != 200] == []
-    drained = sorted(a.finished_at for a in answers if a.finished_at > arrivals[-1])
-    assert len(drained) / (drained[-1] - arrivals[-1]) > 0.5 * capacity
+    def test_a_backlog_drains_at_what_the_replicas_answer(self, two_replicas):
+        """Found by `bench soak --seed 3`: under Serve's own router backoff (0.5 s per routing task), two idle
+        replicas answered 8 requests/s after a burst, against 96-122 saturated (serving/request_routing.py)."""
+        url = two_replicas.url + "/generate"
+        capacity = saturated_throughput(url, seconds=3.0)
+        spike = 1.5 * capacity  # half again what they answer arrives for 4 s: a backlog builds at the proxy
+        arrivals = [index / spike for index in range(int(4 * spike))]
+        answers = replay(url, arrivals, timeout_s=60.0)
+        assert [a.status for a in answers if a.status != 200] == []
+        drained = sorted(a.finished_at for a in answers if a.finished_at > arrivals[-1])
+        assert len(drained) / (drained[-1] - arrivals[-1]) > 0.5 * capacity
 
-
-def test_a_seeded_request_gets_the_same_sample_from_each_replica(two_replicas):
-    """Each replica at its own port (direct_ingress): the same seed draws the same tokens on either replica,
-    and on either one again; another seed draws others."""
-    first, second = two_replicas.replica_urls
-    assert {first, second} != {two_replicas.url} and first.endswith("/burst")
-    body = {"prompt": "def ", "max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 2, "model": "test-burst"}
-    answers = [call(url + "/v1/completions", body) for url in (first, second, first)]
-    assert [status for status, _ in answers] == [200, 200, 200]
-    texts = [[choice["text"] for choice in reply["choices"]] for _, reply in answers]
-    assert texts[0] == texts[1] == texts[2] and texts[0][0] != texts[0][1]  # n=2: seeds 7 and 8
-    status, other = call(second + "/v1/completions", {**body, "seed": 8, "n": 1})
-    assert status == 200 and other["choices"][0]["text"] == texts[0][1]
+    def test_a_seeded_request_gets_the_same_sample_from_each_replica(self, two_replicas):
+        """Each replica at its own port (direct_ingress): the same seed draws the same tokens on either replica,
+        and on either one again; another seed draws others."""
+        first, second = two_replicas.replica_urls
+        assert {first, second} != {two_replicas.url} and first.endswith("/burst")
+        body = {"prompt": "def ", "max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 2, "model": "test-burst"}
+        answers = [call(url + "/v1/completions", body) for url in (first, second, first)]
+        assert [status for status, _ in answers] == [200, 200, 200]
+        texts = [[choice["text"] for choice in reply["choices"]] for _, reply in answers]
+        assert texts[0] == texts[1] == texts[2] and texts[0][0] != texts[0][1]  # n=2: seeds 7 and 8
+        status, other = call(second + "/v1/completions", {**body, "seed": 8, "n": 1})
+        assert status == 200 and other["choices"][0]["text"] == texts[0][1]
 
 
 @pytest.fixture(scope="module")
