@@ -37,6 +37,7 @@ from baige_ray.serving.engine import EngineFull, EngineLimits, EventSink, TokenE
 from baige_ray.serving.sampling_params import stops_at
 from baige_ray.serving.token_logprobs import PromptLogprobs, TokenLogprobs
 from baige_ray.serving.vllm_adapters import LoRASlots, VLLMAdapters
+from baige_ray.serving.vllm_worker import weights_blob
 
 WeightAdapter = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -100,10 +101,7 @@ class VLLMEngine:
         if self.settings.engine_core == "replica":  # the worker shares this process: no copy
             self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": list(served.items())})
         else:  # to the engine core's process as safetensors bytes, which load without unpickling
-            from safetensors.torch import save
-
-            blob = save({name: tensor.contiguous() for name, tensor in served.items()})
-            self._engine.collective_rpc("load_safetensors", args=(blob,))
+            self._engine.collective_rpc("load_safetensors", args=(weights_blob(served),))
         self._engine.collective_rpc("repack_tied_head")
         self._engine.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
 

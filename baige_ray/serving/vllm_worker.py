@@ -10,6 +10,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+
+def weights_blob(weights: dict[str, torch.Tensor]) -> bytes:
+    """`weights` as safetensors bytes for `WeightLoading.load_safetensors`. A tensor sharing memory with one
+    named before it (a head tied to its embedding, as in a model's own state dict) is written as a copy of
+    its own: safetensors refuses shared memory."""
+    from safetensors.torch import save
+
+    seen: set[int] = set()
+    whole = {}
+    for name, tensor in weights.items():
+        storage = tensor.untyped_storage().data_ptr()
+        whole[name] = tensor.clone(memory_format=torch.contiguous_format) if storage in seen else tensor.contiguous()
+        seen.add(storage)
+    return save(whole)
+
 
 class WeightLoading:
     """Methods on vLLM's worker (`self` is the worker): in-place weight loads and what must follow them."""

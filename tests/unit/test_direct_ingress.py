@@ -49,3 +49,21 @@ def test_the_vllm_engine_core_runs_beside_the_replica_by_default_and_in_it_when_
     arguments = engine_arguments(VLLMSettings(model_dir="/models/llama", max_context=64), EngineLimits(),
                                  load_format="dummy")
     assert arguments["worker_extension_cls"] == "baige_ray.serving.vllm_worker.WeightLoading"
+
+
+def test_weights_for_the_engine_cores_process_keep_a_tied_head_and_load_without_unpickling():
+    """A model's own state dict ties its head to its embedding (one tensor under two names), which safetensors
+    refuses to write as it is; the bytes hold both names, each with the embedding's values."""
+    import torch
+    from safetensors.torch import load
+
+    from baige_ray.serving.vllm_worker import weights_blob
+
+    embedding = torch.randn(8, 4)
+    fused = torch.randn(6, 4)
+    weights = {"model.embed_tokens.weight": embedding, "lm_head.weight": embedding,
+               "q.weight": fused[:3], "k.weight": fused[3:].t()}  # views of one tensor, one of them not contiguous
+    loaded = load(weights_blob(weights))
+    assert loaded.keys() == weights.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(loaded[name], tensor), name
